@@ -1,0 +1,300 @@
+"""Advantage estimators (``--advantage-estimator``).
+
+Each estimator is ``fn(inputs: AdvantageInputs, config) -> list[Tensor]``: one
+per-token advantage tensor ``[L_i]`` per sample, before any global whitening.
+:func:`compute_advantages` looks the estimator up in ``ADVANTAGE_ESTIMATORS``,
+whitens when asked, and also returns the value targets (``returns``).
+
+Semantics follow slime (``slime/ray/rollout.py::_post_process_rewards`` for the
+group normalisation, ``slime/utils/ppo_utils.py`` for the token-level returns):
+
+- ``grpo`` / ``gspo`` / ``cispo``: ``(r - mean_group) / (std_group + 1e-6)`` with the
+  unbiased group std, broadcast over the response; ``--disable-grpo-std-normalization``
+  (Dr.GRPO) drops the division. GSPO and CISPO differ from GRPO only in the loss.
+- ``reinforce_plus_plus``: token rewards ``-kl_coef * kl_t`` on loss-masked tokens
+  plus the sample reward on the last loss-masked token, discounted returns with
+  ``gamma``, then whitened over all loss-masked tokens of the batch.
+- ``reinforce_plus_plus_baseline``: ``(r - mean_group) - kl_coef * kl_t``, whitened.
+- ``rloo``: ``r_i - mean_{j != i} r_j`` (not in slime; REINFORCE leave-one-out).
+- ``ppo``: GAE(``gamma``, ``lambd``) over the critic ``values``, token rewards as
+  for ``reinforce_plus_plus``; ``returns = advantages + values``.
+
+Config attributes read (slime spellings, slime defaults when absent): ``gamma``
+(1.0), ``lambd`` (1.0), ``kl_coef`` (0.0), ``disable_grpo_std_normalization``
+(False), ``rewards_normalization`` (True; False is slime's
+``--disable-rewards-normalization``: group estimators use the raw reward),
+``normalize_advantages`` (False).
+
+A group of one sample has no baseline: ``grpo``, ``rloo`` and ``reinforce_plus_plus_baseline``
+give it advantage 0 (slime turns std normalisation off for ``n_samples_per_prompt=1``).
+The KL of loss-masked-out tokens (tool outputs, which the policy did not sample) is
+ignored in reward shaping, and the final reward lands on the last loss-masked token,
+as slime's REINFORCE++ does; slime's PPO path uses the final token, the same token
+in single-turn RL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from miles_host.algorithms.masked_ops import masked_whiten
+
+GRPO_STD_EPS = 1e-6
+DISCOUNT_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator sees for one batch of ``S`` samples.
+
+    ``rewards`` ``[S]`` float; ``group_index`` ``[S]`` long (samples of one prompt share
+    it; any values, any order); ``response_lengths`` ``L_i``; per-sample ``[L_i]``
+    tensors: ``loss_masks`` (None: all ones), ``token_kl`` (policy-vs-reference KL
+    per token, needed when ``kl_coef != 0``), ``values`` (critic values, for ``ppo``).
+    """
+
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    response_lengths: Sequence[int]
+    values: Sequence[torch.Tensor] | None = None
+    token_kl: Sequence[torch.Tensor] | None = None
+    loss_masks: Sequence[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        num_samples = len(self.response_lengths)
+        if self.rewards.shape != (num_samples,) or self.group_index.shape != (num_samples,):
+            raise ValueError(
+                f"rewards {tuple(self.rewards.shape)} and group_index {tuple(self.group_index.shape)} "
+                f"must both be [{num_samples}], one entry per response length"
+            )
+        for field_name in ("values", "token_kl", "loss_masks"):
+            _check_per_token(field_name, getattr(self, field_name), self.response_lengths)
+
+    def masks(self) -> list[torch.Tensor]:
+        """The loss masks in the rewards' dtype (all ones when none were given)."""
+        if self.loss_masks is None:
+            return [self.rewards.new_ones(length) for length in self.response_lengths]
+        return [mask.to(self.rewards.dtype) for mask in self.loss_masks]
+
+    def kl(self, kl_coef: float) -> list[torch.Tensor]:
+        """The per-token KL in the rewards' dtype (zeros when ``kl_coef`` is 0 and none given)."""
+        if self.token_kl is None:
+            if kl_coef != 0:
+                raise ValueError("kl_coef != 0 needs token_kl (per-token KL to the reference model)")
+            return [self.rewards.new_zeros(length) for length in self.response_lengths]
+        return [kl.detach().to(self.rewards.dtype) for kl in self.token_kl]
+
+
+def _check_per_token(name: str, tensors, response_lengths: Sequence[int]) -> None:
+    if tensors is None:
+        return
+    shapes = [tuple(t.shape) for t in tensors]
+    expected = [(length,) for length in response_lengths]
+    if shapes != expected:
+        raise ValueError(f"{name} shapes {shapes} must match response_lengths {list(response_lengths)}")
+
+
+@dataclass(frozen=True)
+class AdvantageOutputs:
+    """Per-sample ``[L_i]`` advantages (whitened if asked) and value targets ``returns``."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+# ----------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------
+
+
+def _broadcast(per_sample_S: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [value * per_sample_S.new_ones(length) for value, length in zip(per_sample_S, response_lengths)]
+
+
+def group_statistics(rewards_S: torch.Tensor, group_index_S: torch.Tensor):
+    """Per sample: its group's mean, unbiased std (0 for a singleton) and size, each ``[S]``."""
+    _, inverse_S = torch.unique(group_index_S, return_inverse=True)
+    num_groups = int(inverse_S.max().item()) + 1 if len(inverse_S) else 0
+    counts_G = torch.bincount(inverse_S, minlength=num_groups).to(rewards_S.dtype)
+    mean_G = rewards_S.new_zeros(num_groups).index_add(0, inverse_S, rewards_S) / counts_G
+    squared_error_S = (rewards_S - mean_G[inverse_S]) ** 2
+    variance_G = rewards_S.new_zeros(num_groups).index_add(0, inverse_S, squared_error_S)
+    variance_G = variance_G / (counts_G - 1).clamp_min(1)
+    return mean_G[inverse_S], variance_G.sqrt()[inverse_S], counts_G[inverse_S]
+
+
+def discounted_cumsum(values_BT: torch.Tensor, discount: float) -> torch.Tensor:
+    """``out[:, t] = sum_{k >= t} discount**(k - t) * values[:, k]`` for a ``[B, T]`` tensor.
+
+    A chunked scan (as slime's ``chunked_discounted_returns``): a ``[C, C]`` matrix of
+    discount powers inside each chunk of ``C`` tokens, a carry between chunks.
+    """
+    num_rows, num_steps = values_BT.shape
+    offsets = torch.arange(DISCOUNT_CHUNK, device=values_BT.device)
+    exponent_CC = offsets[:, None] - offsets[None, :]  # k - t
+    power_CC = torch.where(
+        exponent_CC >= 0,
+        torch.tensor(discount, dtype=values_BT.dtype, device=values_BT.device) ** exponent_CC.clamp_min(0),
+        torch.zeros((), dtype=values_BT.dtype, device=values_BT.device),
+    )
+    out_BT = torch.empty_like(values_BT)
+    carry_B = values_BT.new_zeros(num_rows)  # out[:, end] of the chunk to the right
+    for end in range(num_steps, 0, -DISCOUNT_CHUNK):
+        start = max(0, end - DISCOUNT_CHUNK)
+        width = end - start
+        local_BC = values_BT[:, start:end] @ power_CC[:width, :width]
+        carry_weight_C = torch.tensor(discount, dtype=values_BT.dtype) ** torch.arange(width, 0, -1)
+        out_BT[:, start:end] = local_BC + carry_B[:, None] * carry_weight_C.to(values_BT.device)
+        carry_B = out_BT[:, start]
+    return out_BT
+
+
+def _pad(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    max_length = max((len(t) for t in tensors), default=0)
+    padded = like.new_zeros(len(tensors), max_length)
+    for row, tensor in enumerate(tensors):
+        padded[row, : len(tensor)] = tensor
+    return padded
+
+
+def _unpad(padded_BT: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
+    return [padded_BT[row, :length] for row, length in enumerate(response_lengths)]
+
+
+def shaped_token_rewards(inputs: AdvantageInputs, kl_coef: float) -> list[torch.Tensor]:
+    """``-kl_coef * kl_t`` on loss-masked tokens, plus the sample reward on the last one."""
+    token_rewards = []
+    for index, (kl, mask) in enumerate(zip(inputs.kl(kl_coef), inputs.masks())):
+        kept = mask.nonzero()
+        if len(kept) == 0:
+            raise ValueError(f"sample {index} has no loss-masked token to carry its reward")
+        rewards = -kl_coef * kl * mask
+        rewards[kept[-1, 0]] += inputs.rewards[index]
+        token_rewards.append(rewards)
+    return token_rewards
+
+
+def gae(
+    token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float, lambd: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalised advantage estimation per sample; the value after the last token is 0.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``,
+    ``returns = A + V``. Returns ``(advantages, returns)``, lists of ``[L_i]``.
+    """
+    lengths = [len(r) for r in token_rewards]
+    rewards_BT = _pad(token_rewards, token_rewards[0])
+    values_BT = _pad([v.detach().to(rewards_BT.dtype) for v in values], rewards_BT)
+    next_values_BT = torch.nn.functional.pad(values_BT[:, 1:], (0, 1))  # padding is 0
+    deltas_BT = rewards_BT + gamma * next_values_BT - values_BT
+    advantages_BT = discounted_cumsum(deltas_BT, gamma * lambd)
+    return _unpad(advantages_BT, lengths), _unpad(advantages_BT + values_BT, lengths)
+
+
+# ----------------------------------------------------------------------------
+# estimators
+# ----------------------------------------------------------------------------
+
+
+def _flag(config, name: str, default):
+    return getattr(config, name, default)
+
+
+def grpo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
+    """GRPO: group-normalised reward broadcast over the response (also GSPO, CISPO)."""
+    rewards = inputs.rewards
+    if _flag(config, "rewards_normalization", True):
+        mean, std, _ = group_statistics(rewards, inputs.group_index)
+        rewards = rewards - mean
+        if not _flag(config, "disable_grpo_std_normalization", False):
+            rewards = rewards / (std + GRPO_STD_EPS)
+    return _broadcast(rewards, inputs.response_lengths)
+
+
+def rloo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
+    """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; 0 for a singleton group."""
+    mean, _, count = group_statistics(inputs.rewards, inputs.group_index)
+    scale = torch.where(count > 1, count / (count - 1).clamp_min(1), torch.zeros_like(count))
+    return _broadcast(scale * (inputs.rewards - mean), inputs.response_lengths)
+
+
+def reinforce_plus_plus_returns(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
+    """REINFORCE++: discounted returns of the KL-shaped token rewards (unwhitened)."""
+    token_rewards = shaped_token_rewards(inputs, _flag(config, "kl_coef", 0.0))
+    returns_BT = discounted_cumsum(_pad(token_rewards, inputs.rewards), _flag(config, "gamma", 1.0))
+    return _unpad(returns_BT, inputs.response_lengths)
+
+
+def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
+    """REINFORCE++-baseline: ``(r - mean_group) - kl_coef * kl_t`` (unwhitened)."""
+    rewards = inputs.rewards
+    if _flag(config, "rewards_normalization", True):
+        rewards = rewards - group_statistics(rewards, inputs.group_index)[0]
+    kl_coef = _flag(config, "kl_coef", 0.0)
+    per_token = _broadcast(rewards, inputs.response_lengths)
+    return [advantage - kl_coef * kl for advantage, kl in zip(per_token, inputs.kl(kl_coef))]
+
+
+def ppo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
+    """PPO: GAE over the critic values with the KL-shaped token rewards."""
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'ppo' needs critic values (AdvantageInputs.values)")
+    token_rewards = shaped_token_rewards(inputs, _flag(config, "kl_coef", 0.0))
+    advantages, _ = gae(token_rewards, inputs.values, _flag(config, "gamma", 1.0), _flag(config, "lambd", 1.0))
+    return advantages
+
+
+AdvantageEstimatorFn = Callable[[AdvantageInputs, object], list[torch.Tensor]]
+
+#: ``--advantage-estimator`` -> ``fn(inputs, config) -> list[Tensor]`` (unwhitened).
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {
+    "grpo": grpo_advantages,
+    "gspo": grpo_advantages,
+    "cispo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_returns,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "ppo": ppo_advantages,
+}
+
+#: Estimators whose advantages are always whitened (slime requires
+#: ``--normalize-advantages`` for them).
+ALWAYS_WHITENED: frozenset[str] = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
+
+#: Estimators that learn a critic: their value targets are ``advantages + values``.
+NEEDS_CRITIC: frozenset[str] = frozenset({"ppo"})
+
+
+def normalize_advantages(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Whiten all tokens of the batch together with masked statistics (``--normalize-advantages``)."""
+    lengths = [len(a) for a in advantages]
+    flat = masked_whiten(torch.cat(list(advantages)), torch.cat(list(loss_masks)).to(advantages[0].dtype))
+    return list(flat.split(lengths))
+
+
+def _value_targets(name: str, advantages, inputs: AdvantageInputs) -> list[torch.Tensor]:
+    if name not in NEEDS_CRITIC:
+        return list(advantages)
+    return [a + v.detach().to(a.dtype) for a, v in zip(advantages, inputs.values)]
+
+
+def compute_advantages(name: str, inputs: AdvantageInputs, config) -> AdvantageOutputs:
+    """Run estimator ``name`` and whiten when it or ``config.normalize_advantages`` asks.
+
+    ``returns`` are the unwhitened advantages (slime's convention), plus the critic
+    values for estimators in ``NEEDS_CRITIC``.
+    """
+    try:
+        estimator = ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
+        ) from None
+    raw = estimator(inputs, config)
+    returns = _value_targets(name, raw, inputs)
+    if name in ALWAYS_WHITENED or _flag(config, "normalize_advantages", False):
+        return AdvantageOutputs(normalize_advantages(raw, inputs.masks()), returns)
+    return AdvantageOutputs(list(raw), returns)

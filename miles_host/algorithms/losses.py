@@ -1,0 +1,289 @@
+"""Policy loss over the packed response tokens of one micro-batch.
+
+All per-token tensors are flat ``[N]``: the responses of the micro-batch
+concatenated, ``response_lengths`` saying where each ends. Semantics follow slime's
+``policy_loss_function`` (``slime/backends/megatron_utils/loss.py``) and
+``compute_policy_loss`` / ``compute_gspo_kl`` / ``compute_cispo_loss``
+(``slime/utils/ppo_utils.py``):
+
+- ``ppo_kl = old_log_probs - log_probs``, ``ratio = exp(-ppo_kl)``.
+- PPO clip: ``max(-ratio * A, -clamp(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)``;
+  ``pg_clipfrac`` counts tokens where the clipped term wins.
+- Dual clip (``eps_clip_c > 1``, arXiv:1912.09729): for ``A < 0`` the loss is further
+  capped at ``-eps_clip_c * A``; ``dual_clipfrac`` counts tokens where the cap wins.
+- GSPO (``--advantage-estimator gspo``): ``ppo_kl`` is the per-sequence masked mean of
+  ``old - new`` broadcast over the sequence, so the ratio is the geometric mean of
+  the token ratios; clipped with the same flags (GSPO's paper uses ~3e-4/4e-4).
+- CISPO: ``-sg(clamp(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs``.
+
+Reduction (``LOSS_AGGREGATIONS``, ``config.loss_aggregation``): ``token_mean`` (sum over
+masked tokens / their count) or ``sequence_mean`` (mean over sequences of each
+sequence's masked mean). The default follows slime: ``token_mean`` when
+``calculate_per_token_loss`` else ``sequence_mean``. ``config.loss_normalizer`` (a
+fixed constant, e.g. the step's global token or sequence count for gradient
+accumulation) replaces the micro-batch's own count in the denominator of the loss;
+metrics always use the micro-batch's own count.
+
+Other config attributes (slime defaults when absent): ``eps_clip`` (0.2),
+``eps_clip_high`` (None: ``eps_clip``), ``eps_clip_c`` (None), ``advantage_estimator``
+(``grpo``; picks the loss in ``POLICY_LOSSES``, PPO clip otherwise), ``use_kl_loss``,
+``kl_loss_coef`` (0), ``kl_loss_type`` (``k1``), ``use_unbiased_kl``, ``entropy_coef`` (0),
+``use_rollout_logprobs``, and the correction flags of ``corrections.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_host.algorithms.corrections import (
+    CorrectionFn,
+    apply_corrections,
+    enabled_corrections,
+    mismatch_metrics,
+)
+from miles_host.algorithms.kl import compute_approx_kl
+from miles_host.algorithms.masked_ops import broadcast_to_tokens, check_packed, per_sequence_masked_mean
+
+
+@dataclass(frozen=True)
+class PolicyLossBatch:
+    """The flat ``[N]`` tensors of one micro-batch.
+
+    ``log_probs`` carries gradient. ``old_log_probs`` (trainer-recomputed, None: the
+    detached ``log_probs``, i.e. one on-policy step), ``rollout_log_probs`` (needed by
+    corrections and ``use_rollout_logprobs``), ``ref_log_probs`` (needed by
+    ``use_kl_loss``) and ``entropy`` (needed by ``entropy_coef != 0``) are optional.
+    """
+
+    log_probs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    response_lengths: Sequence[int]
+    old_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_packed(self.response_lengths, self.log_probs.numel())
+        for name in ("advantages", "loss_mask", "old_log_probs", "rollout_log_probs", "ref_log_probs", "entropy"):
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.shape != self.log_probs.shape:
+                raise ValueError(f"{name} {tuple(tensor.shape)} must match log_probs {tuple(self.log_probs.shape)}")
+
+
+@dataclass(frozen=True)
+class PolicyLossTerms:
+    """Per-token ``losses``, ``clipfrac`` and ``ppo_kl``, plus further per-token metrics."""
+
+    losses: torch.Tensor
+    clipfrac: torch.Tensor
+    ppo_kl: torch.Tensor
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------
+# aggregation
+# ----------------------------------------------------------------------------
+
+
+def token_mean(values, loss_mask, response_lengths, normalizer: float | None = None) -> torch.Tensor:
+    """``sum(x * m) / normalizer``; ``normalizer`` defaults to ``max(sum(m), 1)``."""
+    total = (values * loss_mask).sum()
+    return total / (loss_mask.to(values.dtype).sum().clamp_min(1) if normalizer is None else normalizer)
+
+
+def sequence_mean(values, loss_mask, response_lengths, normalizer: float | None = None) -> torch.Tensor:
+    """``sum_i(masked mean of sequence i) / normalizer``; ``normalizer`` defaults to ``max(S, 1)``."""
+    total = per_sequence_masked_mean(values, loss_mask.to(values.dtype), response_lengths).sum()
+    return total / (max(len(response_lengths), 1) if normalizer is None else normalizer)
+
+
+Aggregation = Callable[..., torch.Tensor]
+
+#: ``loss_aggregation`` -> ``fn(values, loss_mask, response_lengths, normalizer=None) -> scalar``.
+LOSS_AGGREGATIONS: dict[str, Aggregation] = {
+    "token_mean": token_mean,
+    "sequence_mean": sequence_mean,
+}
+
+
+def aggregation_for(config) -> Aggregation:
+    """The reducer named by ``config.loss_aggregation`` (default from ``calculate_per_token_loss``)."""
+    name = getattr(config, "loss_aggregation", None)
+    if name is None:
+        name = "token_mean" if getattr(config, "calculate_per_token_loss", False) else "sequence_mean"
+    try:
+        return LOSS_AGGREGATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown loss_aggregation {name!r}; choose one of {sorted(LOSS_AGGREGATIONS)}") from None
+
+
+# ----------------------------------------------------------------------------
+# policy-gradient terms
+# ----------------------------------------------------------------------------
+
+
+def clip_bounds(config) -> tuple[float, float, float | None]:
+    """``(eps_clip, eps_clip_high, eps_clip_c)`` with ``eps_clip_high`` defaulting to ``eps_clip``."""
+    eps_clip = getattr(config, "eps_clip", 0.2)
+    eps_clip_high = getattr(config, "eps_clip_high", None)
+    eps_clip_c = getattr(config, "eps_clip_c", None)
+    if eps_clip_c is not None and eps_clip_c <= 1.0:
+        raise ValueError(f"eps_clip_c (dual-clip PPO) must be > 1.0, got {eps_clip_c}")
+    return eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, eps_clip_c
+
+
+def clipped_surrogate(
+    ppo_kl: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> PolicyLossTerms:
+    """PPO's clipped surrogate per token, with optional dual clip for negative advantages."""
+    ratio = (-ppo_kl).exp()
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    losses = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).to(ratio.dtype)
+    if eps_clip_c is None:
+        return PolicyLossTerms(losses, clipfrac, ppo_kl)
+    cap = -eps_clip_c * advantages
+    negative = advantages < 0
+    dual_clipfrac = (negative & (cap < losses)).to(ratio.dtype)
+    losses = torch.where(negative, torch.minimum(cap, losses), losses)
+    return PolicyLossTerms(losses, clipfrac, ppo_kl, {"dual_clipfrac": dual_clipfrac})
+
+
+def ppo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, config) -> PolicyLossTerms:
+    """Token-level ratio ``exp(log_probs - old_log_probs)`` in the clipped surrogate."""
+    return clipped_surrogate(old_log_probs - log_probs, advantages, *clip_bounds(config))
+
+
+def gspo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, config) -> PolicyLossTerms:
+    """Sequence-level ratio: geometric mean of the token ratios over loss-masked tokens."""
+    sequence_kl_S = per_sequence_masked_mean(old_log_probs - log_probs, loss_mask, response_lengths)
+    return clipped_surrogate(broadcast_to_tokens(sequence_kl_S, response_lengths), advantages, *clip_bounds(config))
+
+
+def cispo_policy_loss(log_probs, old_log_probs, advantages, loss_mask, response_lengths, config) -> PolicyLossTerms:
+    """CISPO (MiniMax-M1): clipped ratio under stop-gradient times ``A * log_probs``."""
+    eps_clip, eps_clip_high, _ = clip_bounds(config)
+    ppo_kl = old_log_probs - log_probs
+    ratio = (-ppo_kl).exp()
+    truncated = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    losses = -truncated.detach() * advantages * log_probs
+    return PolicyLossTerms(losses, (truncated != ratio).to(ratio.dtype), ppo_kl)
+
+
+PolicyLossFn = Callable[..., PolicyLossTerms]
+
+#: advantage estimator -> its policy-gradient term; any other estimator uses ``ppo``.
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+}
+
+
+def policy_loss_for(config) -> PolicyLossFn:
+    """The policy-gradient term for ``config.advantage_estimator`` (PPO clip by default)."""
+    return POLICY_LOSSES.get(getattr(config, "advantage_estimator", "grpo"), ppo_policy_loss)
+
+
+# ----------------------------------------------------------------------------
+# composition
+# ----------------------------------------------------------------------------
+
+
+def old_log_probs_for(batch: PolicyLossBatch, config) -> torch.Tensor:
+    """The denominator of the PPO ratio: rollout, recomputed, or detached current log-probs."""
+    if getattr(config, "use_rollout_logprobs", False):
+        if batch.rollout_log_probs is None:
+            raise ValueError("use_rollout_logprobs needs batch.rollout_log_probs")
+        return batch.rollout_log_probs.detach()
+    if batch.old_log_probs is None:
+        return batch.log_probs.detach()
+    return batch.old_log_probs.detach()
+
+
+def kl_loss_per_token(batch: PolicyLossBatch, old_log_probs: torch.Tensor, config) -> torch.Tensor:
+    """Per-token KL to the reference (``kl_loss_type``), IS-weighted with ``use_unbiased_kl``."""
+    if batch.ref_log_probs is None:
+        raise ValueError("use_kl_loss needs batch.ref_log_probs (reference-model log-probs)")
+    importance_ratio = None
+    if getattr(config, "use_unbiased_kl", False):
+        importance_ratio = torch.exp(batch.log_probs - old_log_probs)
+    return compute_approx_kl(
+        batch.log_probs, batch.ref_log_probs.detach(), getattr(config, "kl_loss_type", "k1"), importance_ratio
+    )
+
+
+def _corrected_pg_losses(batch, pg_losses, corrections, config, metrics) -> torch.Tensor:
+    if batch.rollout_log_probs is None:
+        if corrections:
+            raise ValueError("off-policy corrections need batch.rollout_log_probs")
+        return pg_losses
+    train_log_probs = (batch.log_probs if batch.old_log_probs is None else batch.old_log_probs).detach()
+    metrics.update(mismatch_metrics(train_log_probs, batch.rollout_log_probs, batch.loss_mask))
+    if not corrections:
+        return pg_losses
+    result = apply_corrections(
+        corrections, train_log_probs, batch.rollout_log_probs, batch.loss_mask, batch.response_lengths, config
+    )
+    metrics.update(result.metrics)
+    # the rejected tokens leave the numerator only; denominators keep the original mask
+    return pg_losses * result.weights.to(pg_losses.dtype) * result.mask.to(pg_losses.dtype)
+
+
+def policy_loss(
+    batch: PolicyLossBatch, config, corrections: Sequence[CorrectionFn] | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss of one micro-batch: ``pg - entropy_coef * entropy + kl_loss_coef * kl``.
+
+    ``corrections`` defaults to the built-ins switched on in ``config``
+    (:func:`~miles_host.algorithms.corrections.enabled_corrections`); the host passes
+    the registry's enabled ones. Returns the scalar loss and float metrics.
+    """
+    reduce = aggregation_for(config)
+    normalizer = getattr(config, "loss_normalizer", None)
+    mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
+    old_log_probs = old_log_probs_for(batch, config)
+    terms = policy_loss_for(config)(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
+    metrics: dict[str, float] = {}
+    corrections = enabled_corrections(config) if corrections is None else list(corrections)
+    pg_losses = _corrected_pg_losses(batch, terms.losses, corrections, config, metrics)
+
+    pg_loss = reduce(pg_losses, mask, lengths, normalizer)
+    loss = pg_loss
+    metrics["pg_loss"] = reduce(pg_losses.detach(), mask, lengths).item()
+    metrics["pg_clipfrac"] = reduce(terms.clipfrac, mask, lengths).item()
+    metrics["ppo_kl"] = reduce(terms.ppo_kl.detach(), mask, lengths).item()
+    for name, values in terms.extra.items():
+        metrics[name] = reduce(values, mask, lengths).item()
+
+    entropy_coef = getattr(config, "entropy_coef", 0.0)
+    if entropy_coef != 0 and batch.entropy is None:
+        raise ValueError("entropy_coef != 0 needs batch.entropy")
+    if batch.entropy is not None:
+        loss = loss - entropy_coef * reduce(batch.entropy, mask, lengths, normalizer)
+        metrics["entropy_loss"] = reduce(batch.entropy.detach(), mask, lengths).item()
+
+    if getattr(config, "use_kl_loss", False):
+        kl = kl_loss_per_token(batch, old_log_probs, config)
+        loss = loss + getattr(config, "kl_loss_coef", 0.0) * reduce(kl, mask, lengths, normalizer)
+        metrics["kl_loss"] = reduce(kl.detach(), mask, lengths).item()
+
+    metrics["loss"] = loss.item() if normalizer is None else _micro_batch_loss(metrics, config)
+    return loss, metrics
+
+
+def _micro_batch_loss(metrics: dict[str, float], config) -> float:
+    # with a fixed normalizer the returned loss is a share of the step's loss; report
+    # the micro-batch mean instead so that logged losses do not depend on batching.
+    loss = metrics["pg_loss"] - getattr(config, "entropy_coef", 0.0) * metrics.get("entropy_loss", 0.0)
+    return loss + getattr(config, "kl_loss_coef", 0.0) * metrics.get("kl_loss", 0.0)

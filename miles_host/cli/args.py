@@ -1,0 +1,168 @@
+"""``miles run``'s parser: config fields as slime-spelled flags, plus plugin flags.
+
+Flags override values from ``--config file.yaml``. A plugin's flags are added for
+every importable plugin, so a script parses whether or not the plugin is active;
+setting a flag of an inactive plugin is an error at resolution, never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from miles_host.config import MilesConfig, validate_config
+from miles_host.config_fields import flag_name
+from miles_host.plugin_manager import MilesPluginManager, PluginError, parse_plugin_names
+
+
+class UsageError(ValueError):
+    """A command-line mistake; the CLI exits with code 2."""
+
+
+def add_plugin_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--plugins fp8,r3`` and pytest's ``-p no:NAME``."""
+    parser.add_argument(
+        "--plugins",
+        action="append",
+        default=[],
+        help="feature plugins to activate, comma separated (also MILES_PLUGINS)",
+    )
+    parser.add_argument(
+        "-p",
+        dest="plugin_switches",
+        action="append",
+        default=[],
+        metavar="no:NAME",
+        help="-p no:NAME disables a plugin (built-ins included); -p NAME activates one",
+    )
+
+
+def build_run_parser(manager: MilesPluginManager) -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The full parser and ``{dest: plugin name}`` for plugin-owned flags."""
+    parser = argparse.ArgumentParser(
+        prog="miles run",
+        description="Run RL post-training (rollout, reward, advantages, train, weight sync).",
+        allow_abbrev=False,
+    )
+    add_plugin_selection_arguments(parser)
+    parser.add_argument("--config", help="YAML file of flag values; command-line flags override it")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(MilesConfig):
+        if f.name in ("plugins", "plugin_args"):
+            continue
+        meta = f.metadata
+        group_name = meta.get("group") or "general"
+        group = groups.get(group_name) or parser.add_argument_group(group_name)
+        groups[group_name] = group
+        names = [flag_name(f.name), *meta.get("aliases", ())]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if meta.get("type") is None:
+            group.add_argument(*names, dest=f.name, action="store_true", default=default, help=meta["help"])
+        else:
+            kwargs: dict[str, Any] = {"type": meta["type"], "default": default, "help": meta["help"]}
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            group.add_argument(*names, dest=f.name, **kwargs)
+    plugin_dests: dict[str, str] = {}
+    for name, info in manager.plugins.items():
+        function = getattr(info.module, "miles_add_arguments", None) if info.module else None
+        if function is None:
+            continue
+        before = {action.dest for action in parser._actions}
+        try:
+            function(parser=parser)
+        except argparse.ArgumentError as error:
+            raise PluginError(
+                f"plugin {name!r} ({info.distribution}) adds a flag that clashes with another: {error}"
+            ) from error
+        for action in parser._actions:
+            if action.dest not in before:
+                plugin_dests[action.dest] = name
+    return parser, plugin_dests
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Read a YAML (or JSON) file of flag values keyed by dest or flag spelling."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config file {path} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise UsageError(f"--config file {path} is not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise UsageError(f"--config file {path} must hold a mapping of flag: value")
+    dests = {action.dest for action in parser._actions}
+    values = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in dests:
+            close = difflib.get_close_matches(dest, dests, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(f"--config file {path}: unknown key {key!r}{hint}")
+        values[dest] = value
+    return values
+
+
+def _explicitly_set(args: argparse.Namespace, parser: argparse.ArgumentParser, dest: str) -> bool:
+    return getattr(args, dest, None) != parser.get_default(dest)
+
+
+def resolve_run_config(
+    argv: Sequence[str], manager: MilesPluginManager
+) -> tuple[MilesConfig, argparse.Namespace]:
+    """Parse ``argv``, activate plugins and return the configured, validated config."""
+    pre = argparse.ArgumentParser(add_help=False)
+    add_plugin_selection_arguments(pre)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if not manager.discovered:
+        manager.discover()
+    parser, plugin_dests = build_run_parser(manager)
+    if known.config:
+        parser.set_defaults(**load_config_file(known.config, parser))
+    args = parser.parse_args(list(argv))
+    switches = parse_plugin_names(args.plugin_switches)
+    disabled = [s[3:] for s in switches if s.startswith("no:")]
+    selected = [
+        *parse_plugin_names([os.environ.get("MILES_PLUGINS", "")]),
+        *parse_plugin_names(args.plugins),
+        *[s for s in switches if not s.startswith("no:")],
+    ]
+    active = manager.activate(selected=selected, disabled=disabled, args=args)
+    for dest, plugin in plugin_dests.items():
+        if plugin not in active and _explicitly_set(args, parser, dest):
+            raise UsageError(
+                f"{flag_name(dest)} belongs to plugin {plugin!r}, which is not active; "
+                f"add --plugins {plugin}"
+            )
+    core = {name: getattr(args, name) for name in MilesConfig.field_names()}
+    plugin_args = {dest: getattr(args, dest) for dest in plugin_dests}
+    feature_plugins = [name for name in active if name in manager.feature_plugin_names()]
+    config = MilesConfig(**core, plugins=feature_plugins, plugin_args=plugin_args)
+    manager.hook.miles_configure(config=config)
+    validate_config(config)
+    manager.registries  # builds every registry now: duplicate names fail before any work
+    return config, args
+
+
+def config_report(config: MilesConfig, manager: MilesPluginManager) -> str:
+    """The JSON that ``miles run --dry-run`` prints."""
+    report = {
+        "config": config.to_dict(),
+        "active_plugins": [
+            {"name": n, "distribution": manager.plugins[n].distribution, "version": manager.plugins[n].version}
+            for n in manager.active_names()
+        ],
+    }
+    return json.dumps(report, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,116 @@
+"""The ``miles`` command: ``run`` (default), ``plugins`` and plugin commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Sequence
+
+from miles_host import __version__
+from miles_host.cli.args import UsageError, config_report, resolve_run_config
+from miles_host.plugin_manager import MilesPluginManager, PluginError
+from miles_host.records import Command
+
+HOST_COMMANDS = ("run", "plugins")
+
+
+def _error(message: str, code: int) -> int:
+    print(f"miles: error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """``miles run [flags]``: resolve the config, then run the RL loop."""
+    manager = MilesPluginManager()
+    config, args = resolve_run_config(argv, manager)
+    if args.dry_run:
+        print(config_report(config, manager))
+        return 0
+    from miles_host.loop import run_training  # heavy imports only when running
+
+    return run_training(config, manager)
+
+
+def cmd_plugins(argv: Sequence[str]) -> int:
+    """``miles plugins [--json]``: list installed plugins and their state."""
+    parser = argparse.ArgumentParser(prog="miles plugins", description="List installed miles plugins.")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--plugins", action="append", default=[], help="also activate these (to check them)")
+    args = parser.parse_args(list(argv))
+    manager = MilesPluginManager()
+    manager.discover()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            manager.activate(selected=args.plugins)
+        except PluginError as error:
+            print(f"miles: warning: {error}", file=sys.stderr)
+    rows = [info.to_dict() for info in manager.plugins.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"miles-host {__version__}")
+    width = max(len(r["name"]) for r in rows)
+    for row in rows:
+        state = row["status"] + (f" ({row['error']})" if row["error"] else "")
+        print(f"  {row['name']:<{width}}  {row['distribution']} {row['version']}  {state}")
+        print(f"  {'':<{width}}  hooks: {', '.join(row['hooks']) or '-'}")
+    return 0
+
+
+def plugin_commands(manager: MilesPluginManager) -> dict[str, Command]:
+    """Sub-commands offered by every importable plugin (active or not)."""
+    commands: dict[str, Command] = {}
+    for plugin, records in manager.call_each("miles_register_commands").items():
+        for record in records or ():
+            if record.name in commands or record.name in HOST_COMMANDS:
+                raise PluginError(f"plugin {plugin!r} registers a command {record.name!r} that already exists")
+            commands[record.name] = record
+    return commands
+
+
+def cmd_plugin_command(command: Command, argv: Sequence[str]) -> int:
+    """Run a plugin-provided sub-command."""
+    parser = argparse.ArgumentParser(prog=f"miles {command.name}", description=command.description)
+    if command.add_arguments is not None:
+        command.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    return int(command.run(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``miles`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"miles-host {__version__}")
+        return 0
+    name = argv[0] if argv and not argv[0].startswith("-") else "run"
+    rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    try:
+        if name == "run":
+            return cmd_run(rest)
+        if name == "plugins":
+            return cmd_plugins(rest)
+        manager = MilesPluginManager()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            manager.discover()
+        commands = plugin_commands(manager)
+        if name in commands:
+            return cmd_plugin_command(commands[name], rest)
+        known = ", ".join([*HOST_COMMANDS, *sorted(commands)])
+        return _error(f"unknown command {name!r}; commands: {known}", 2)
+    except PluginError as error:
+        return _error(str(error), error.exit_code)
+    except (UsageError,) as error:
+        return _error(str(error), 2)
+    except (ValueError, FileNotFoundError) as error:
+        return _error(str(error), 2)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""The run configuration: one flat dataclass, declared in groups.
+
+Field names are slime's argument names, so ``config.rollout_batch_size`` reads as
+``args.rollout_batch_size`` does in slime, and every field is a ``miles run`` flag
+(``--rollout-batch-size``). Plugin flags land in ``config.plugin_args`` and read as
+attributes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_host.config_fields import flag, optional_int, size_in_bytes
+
+
+@dataclass
+class ClusterArgs:
+    actor_num_nodes: int = flag(1, "nodes for training workers", type=int, group="cluster")
+    actor_num_gpus_per_node: int = flag(1, "GPUs per node for training", type=int, group="cluster")
+    rollout_num_gpus: int | None = flag(None, "GPUs for rollout engines (default: same as training)", type=optional_int, group="cluster")
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine", type=int, group="cluster")
+    num_gpus_per_node: int = flag(8, "GPUs per node of the cluster", type=int, group="cluster")
+    colocate: bool = flag(False, "training and rollout share GPUs, releasing memory between phases", group="cluster")
+    offload_train: bool = flag(False, "offload training state during rollout", group="cluster")
+    offload_rollout: bool = flag(False, "offload the rollout engine during training", group="cluster")
+    device: str = flag("auto", "device for the embedded engine and trainer: auto, cpu, cuda", type=str, group="cluster")
+
+
+@dataclass
+class CheckpointArgs:
+    hf_checkpoint: str | None = flag(None, "HF-format model directory (policy init, tokenizer)", type=str, group="checkpoint")
+    model_name: str | None = flag(None, "a name for the model (informational, slime compatible)", type=str, group="checkpoint")
+    ref_load: str | None = flag(None, "reference model checkpoint (default: --hf-checkpoint)", type=str, group="checkpoint")
+    load: str | None = flag(None, "resume from this checkpoint directory", type=str, group="checkpoint")
+    save: str | None = flag(None, "save checkpoints to this directory", type=str, group="checkpoint")
+    save_interval: int | None = flag(None, "save every N rollouts", type=optional_int, group="checkpoint")
+    save_hf: str | None = flag(None, "also save HF-format weights here ({rollout_id} is substituted)", type=str, group="checkpoint")
+    dtype: str = flag("auto", "parameter dtype: auto (bf16 on GPU, float32 on CPU), float32, bfloat16", type=str, choices=["auto", "float32", "bfloat16", "float16"], group="checkpoint")
+    seed: int = flag(1234, "random seed", type=int, group="checkpoint")
+
+
+@dataclass
+class DataArgs:
+    prompt_data: str | None = flag(None, "prompts: .jsonl or .parquet", type=str, group="data")
+    input_key: str = flag("input", "key of the prompt in each record", type=str, group="data")
+    label_key: str | None = flag(None, "key of the label in each record", type=str, group="data")
+    metadata_key: str = flag("metadata", "key of per-sample metadata in each record", type=str, group="data")
+    tool_key: str | None = flag(None, "key of tool definitions in each record", type=str, group="data")
+    apply_chat_template: bool = flag(False, "wrap prompts with the tokenizer's chat template", group="data")
+    rollout_shuffle: bool = flag(False, "shuffle prompts each epoch", group="data")
+    rollout_seed: int = flag(42, "seed of prompt shuffling and rollout sampling", type=int, group="data")
+    num_rollout: int | None = flag(None, "number of rollout steps", type=optional_int, group="data")
+    num_epoch: int | None = flag(None, "epochs over the prompts (sets --num-rollout)", type=optional_int, group="data")
+    rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens", type=optional_int, group="data")
+
+
+@dataclass
+class RolloutArgs:
+    rollout_backend: str = flag("embedded", "rollout backend (registry: miles plugins)", type=str, group="rollout")
+    rollout_batch_size: int = flag(8, "prompts per rollout step", type=int, group="rollout")
+    n_samples_per_prompt: int = flag(1, "samples per prompt", type=int, group="rollout")
+    rollout_temperature: float = flag(1.0, "sampling temperature", type=float, group="rollout")
+    rollout_top_p: float = flag(1.0, "top-p", type=float, group="rollout")
+    rollout_top_k: int = flag(-1, "top-k (-1: off)", type=int, group="rollout")
+    rollout_max_response_len: int = flag(1024, "max new tokens per sample", type=int, group="rollout")
+    rollout_max_context_len: int | None = flag(None, "max prompt+response tokens", type=optional_int, group="rollout")
+    rollout_stop: list[str] | None = flag(None, "stop strings", type=str, nargs="*", group="rollout")
+    rollout_stop_token_ids: list[int] | None = flag(None, "stop token ids", type=int, nargs="*", group="rollout")
+    over_sampling_batch_size: int | None = flag(None, "prompts submitted at once when dynamic sampling filters groups", type=optional_int, group="rollout")
+    dynamic_sampling_filter_path: str | None = flag(None, "module.fn deciding whether a group is kept", type=str, group="rollout")
+    partial_rollout: bool = flag(False, "abort unfinished samples once the batch is full and continue them next step", group="rollout")
+    mask_offpolicy_in_partial_rollout: bool = flag(False, "mask tokens produced by an older policy in continued samples", group="rollout")
+    custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools)", type=str, group="rollout")
+    sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
+    rollout_max_num_seqs: int | None = flag(None, "max concurrent sequences in the embedded engine", type=optional_int, group="rollout")
+    true_on_policy: bool = flag(False, "batch-invariant kernels: rollout and training logprobs bitwise equal", aliases=["--true-on-policy-mode"], group="rollout")
+
+
+@dataclass
+class SpeculativeArgs:
+    sglang_speculative_algorithm: str | None = flag(None, "speculative decoding algorithm (EAGLE, ...)", type=str, group="speculative")
+    sglang_speculative_num_steps: int | None = flag(None, "draft steps per verify", type=optional_int, group="speculative")
+    sglang_speculative_eagle_topk: int | None = flag(None, "draft branching (1 supported)", type=optional_int, group="speculative")
+    sglang_speculative_num_draft_tokens: int | None = flag(None, "draft tokens verified per step", type=optional_int, group="speculative")
+    sglang_speculative_draft_model_path: str | None = flag(None, "separate draft model", type=str, group="speculative")
+    sglang_enable_draft_weights_cpu_backup: bool = flag(False, "keep a CPU copy of draft weights", group="speculative")
+    mtp_num_layers: int | None = flag(None, "MTP (draft) layers", type=optional_int, group="speculative")
+    enable_mtp_training: bool = flag(False, "train the MTP draft online on rollouts", group="speculative")
+    mtp_loss_scaling_factor: float = flag(0.2, "weight of the MTP loss", type=float, group="speculative")
+
+
+@dataclass
+class RewardArgs:
+    rm_type: str | None = flag(None, "built-in reward (registry: miles plugins)", type=str, group="reward")
+    custom_rm_path: str | None = flag(None, "module.fn reward (sync or async)", type=str, group="reward")
+    group_rm: bool = flag(False, "the reward function scores a whole group at once", group="reward")
+    rm_url: str | None = flag(None, "remote reward: HTTP POST endpoint", type=str, group="reward")
+    rm_timeout: float = flag(30.0, "remote reward timeout, seconds", type=float, group="reward")
+    rm_max_retries: int = flag(3, "remote reward retries", type=int, group="reward")
+    reward_key: str | None = flag(None, "key of the reward when the reward is a dict", type=str, group="reward")
+
+
+@dataclass
+class AlgorithmArgs:
+    advantage_estimator: str = flag("grpo", "advantage estimator (registry: miles plugins)", type=str, group="algorithm")
+    disable_grpo_std_normalization: bool = flag(False, "Dr.GRPO: no std normalisation", group="algorithm")
+    normalize_advantages: bool = flag(False, "whiten advantages over the batch", group="algorithm")
+    gamma: float = flag(1.0, "discount (ppo, reinforce++)", type=float, group="algorithm")
+    lambd: float = flag(1.0, "GAE lambda (ppo)", type=float, group="algorithm")
+    eps_clip: float = flag(0.2, "PPO clip range", type=float, group="algorithm")
+    eps_clip_high: float | None = flag(None, "upper PPO clip (default: --eps-clip)", type=float, group="algorithm")
+    eps_clip_c: float | None = flag(None, "dual-clip constant", type=float, group="algorithm")
+    use_kl_loss: bool = flag(False, "KL loss against the reference model", group="algorithm")
+    kl_loss_coef: float = flag(0.0, "KL loss weight", type=float, group="algorithm")
+    kl_loss_type: str = flag("k1", "KL estimator", type=str, choices=["k1", "k2", "k3", "low_var_kl"], group="algorithm")
+    kl_coef: float = flag(0.0, "KL reward shaping weight", type=float, group="algorithm")
+    entropy_coef: float = flag(0.0, "entropy bonus weight", type=float, group="algorithm")
+    calculate_per_token_loss: bool = flag(False, "token-level loss aggregation (default: per-sequence mean)", group="algorithm")
+    use_rollout_logprobs: bool = flag(False, "use the rollout's logprobs as the old policy", group="algorithm")
+    use_tis: bool = flag(False, "truncated importance sampling", group="correction")
+    tis_clip: float = flag(2.0, "TIS upper clip", type=float, aliases=["--tis-threshold"], group="correction")
+    tis_clip_low: float = flag(0.0, "TIS lower clip", type=float, group="correction")
+    use_mis: bool = flag(False, "masked importance sampling", group="correction")
+    mis_level: str = flag("token", "MIS level", type=str, choices=["token", "sequence", "geometric"], group="correction")
+    mis_mode: str = flag("truncate", "MIS mode", type=str, choices=["truncate", "mask"], group="correction")
+    mis_upper_bound: float = flag(2.0, "MIS upper bound", type=float, group="correction")
+    mis_lower_bound: float = flag(0.5, "MIS lower bound (mask mode)", type=float, group="correction")
+    mis_veto_threshold: float | None = flag(None, "mask a sequence if any token ratio is below this", type=float, group="correction")
+    use_icepop: bool = flag(False, "icepop: mask tokens whose ratio leaves [low, high]", group="correction")
+    icepop_low: float = flag(0.5, "icepop lower bound", type=float, group="correction")
+    icepop_high: float = flag(2.0, "icepop upper bound", type=float, group="correction")
+
+
+@dataclass
+class TrainArgs:
+    train_backend: str = flag("native", "training backend (registry: miles plugins)", type=str, group="train")
+    precision: str = flag("bf16", "linear-weight precision recipe (registry: miles plugins)", type=str, group="train")
+    num_steps_per_rollout: int | None = flag(None, "optimizer steps per rollout", type=optional_int, group="train")
+    global_batch_size: int | None = flag(None, "samples per optimizer step", type=optional_int, group="train")
+    micro_batch_size: int = flag(1, "samples per forward", type=int, group="train")
+    use_dynamic_batch_size: bool = flag(False, "pack micro-batches by tokens", group="train")
+    max_tokens_per_gpu: int | None = flag(None, "token budget of a packed micro-batch", type=optional_int, group="train")
+    lr: float = flag(1e-6, "learning rate", type=float, group="train")
+    min_lr: float = flag(0.0, "final learning rate of the decay", type=float, group="train")
+    lr_decay_style: str = flag("constant", "constant, linear, cosine", type=str, choices=["constant", "linear", "cosine"], group="train")
+    lr_warmup_iters: int = flag(0, "warm-up optimizer steps", type=int, group="train")
+    lr_decay_iters: int | None = flag(None, "decay optimizer steps", type=optional_int, group="train")
+    weight_decay: float = flag(0.0, "AdamW weight decay", type=float, group="train")
+    adam_beta1: float = flag(0.9, "AdamW beta1", type=float, group="train")
+    adam_beta2: float = flag(0.98, "AdamW beta2", type=float, group="train")
+    adam_eps: float = flag(1e-8, "AdamW eps", type=float, group="train")
+    clip_grad: float = flag(1.0, "gradient norm clip", type=float, group="train")
+    recompute_granularity: str | None = flag(None, "activation checkpointing: full", type=str, choices=["full", "selective"], group="train")
+    recompute_method: str | None = flag(None, "activation checkpointing method (megatron compatible)", type=str, group="train")
+    recompute_num_layers: int | None = flag(None, "activation checkpointing layers (megatron compatible)", type=optional_int, group="train")
+    tensor_model_parallel_size: int = flag(1, "tensor parallelism", type=int, group="parallel")
+    pipeline_model_parallel_size: int = flag(1, "pipeline parallelism", type=int, group="parallel")
+    expert_model_parallel_size: int = flag(1, "expert parallelism", type=int, group="parallel")
+    context_parallel_size: int = flag(1, "context parallelism", type=int, group="parallel")
+    sequence_parallel: bool = flag(False, "sequence parallelism", group="parallel")
+    weight_sync: str = flag("inprocess", "trainer -> rollout transport (registry: miles plugins)", type=str, group="train")
+    update_weight_buffer_size: int = flag(512 << 20, "bucket size of weight sync", type=size_in_bytes, group="train")
+    max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")
+
+
+@dataclass
+class EvalArgs:
+    eval_interval: int | None = flag(None, "evaluate every N rollouts", type=optional_int, group="eval")
+    eval_prompt_data: list[str] | None = flag(None, "name path [name path ...]", type=str, nargs="+", group="eval")
+    n_samples_per_eval_prompt: int = flag(1, "samples per eval prompt", type=int, group="eval")
+    eval_temperature: float | None = flag(None, "eval temperature (default: rollout's)", type=float, group="eval")
+    eval_top_p: float | None = flag(None, "eval top-p", type=float, group="eval")
+    eval_max_response_len: int | None = flag(None, "eval max new tokens", type=optional_int, group="eval")
+
+
+@dataclass
+class OutputArgs:
+    output_dir: str | None = flag(None, "where metrics, plots and dumps go (default: outputs/<time>)", type=str, group="output")
+    use_wandb: bool = flag(False, "log to wandb when installed", group="output")
+    wandb_project: str | None = flag(None, "wandb project", type=str, group="output")
+    use_tensorboard: bool = flag(False, "log to TensorBoard when installed", group="output")
+    dump_rollouts: bool = flag(False, "write each step's samples as JSONL", group="output")
+    no_progress: bool = flag(False, "no progress bar", group="output")
+
+
+@dataclass
+class MilesConfig(
+    OutputArgs,
+    EvalArgs,
+    TrainArgs,
+    AlgorithmArgs,
+    RewardArgs,
+    SpeculativeArgs,
+    RolloutArgs,
+    DataArgs,
+    CheckpointArgs,
+    ClusterArgs,
+):
+    """The resolved configuration of a run (all slime-spelled flags)."""
+
+    plugins: list[str] = field(default_factory=list)
+    plugin_args: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: plugin flags.
+        plugin_args = self.__dict__.get("plugin_args", {})
+        if name in plugin_args:
+            return plugin_args[name]
+        raise AttributeError(f"MilesConfig has no field or plugin flag {name!r}")
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field (plugin flags under ``plugin_args``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """All flag-backed field names."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in ("plugins", "plugin_args")]
+
+
+def _positive(config: MilesConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def validate_config(config: MilesConfig) -> None:
+    """Check values a user can get wrong; ValueError naming the flag."""
+    _positive(
+        config,
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "rollout_max_response_len",
+        "micro_batch_size",
+        "global_batch_size",
+        "num_rollout",
+        "num_epoch",
+        "max_tokens_per_gpu",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+    )
+    if config.rollout_temperature < 0:
+        raise ValueError(f"--rollout-temperature must be >= 0, got {config.rollout_temperature}")
+    if not 0 < config.rollout_top_p <= 1:
+        raise ValueError(f"--rollout-top-p must be in (0, 1], got {config.rollout_top_p}")
+    if config.over_sampling_batch_size is not None and config.over_sampling_batch_size < config.rollout_batch_size:
+        raise ValueError(
+            f"--over-sampling-batch-size ({config.over_sampling_batch_size}) must be >= "
+            f"--rollout-batch-size ({config.rollout_batch_size})"
+        )
+    if config.eval_prompt_data is not None and len(config.eval_prompt_data) % 2:
+        raise ValueError(
+            "--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...], got "
+            f"{config.eval_prompt_data}"
+        )
+    if config.use_dynamic_batch_size and config.max_tokens_per_gpu is None:
+        raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    if config.lr < 0:
+        raise ValueError(f"--lr must be >= 0, got {config.lr}")

@@ -1,0 +1,257 @@
+"""Hook specifications of miles.
+
+Every hook is prefixed ``miles_``. Plugins implement them as plain module-level
+functions or methods with the same name (the ``@hookimpl`` marker is optional:
+any attribute whose name starts with ``miles_`` is taken as an implementation,
+and one that matches no spec is an error, so a misspelled hook never goes unseen).
+
+Registration hooks (``miles_register_*``) return an iterable of records from
+:mod:`miles_host.records`; each record has a ``name``. The plugin manager collects
+them into one registry per kind and rejects duplicates, naming both distributions.
+All other hooks say below whether the first non-None answer wins.
+
+The six concerns of the design (precision, routing, rollout, correction,
+model-family, weight-sync) come first, then what keeps the loop open.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from miles_host import records
+    from miles_host.config import MilesConfig
+    from miles_host.sample import Sample
+
+PROJECT = "miles"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ----------------------------------------------------------------------------
+# precision
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_precisions() -> Iterable["records.Precision"]:
+    """Register precision recipes (``bf16``, ``fp8``, ``int4``, ...).
+
+    Fires once when the plugin manager builds its registries. Returns an iterable
+    of :class:`~miles_host.records.Precision`. All answers are collected; the run
+    uses the one named by ``--precision`` (a plugin may set that in
+    :func:`miles_configure`).
+    """
+
+
+# ----------------------------------------------------------------------------
+# routing
+# ----------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def miles_select_experts(
+    layer_index: int, scores: "torch.Tensor", topk: int, routing_context: Any
+) -> "torch.Tensor | None":
+    """Choose the experts of an MoE layer instead of the router's own top-k.
+
+    Fires in every MoE layer's forward, in rollout and in training, with the
+    scores used for expert choice (``[tokens, num_experts]``, after any
+    expert-bias correction) and the ``routing_context`` of that forward pass
+    (a :class:`miles_host.models.context.RoutingContext`: which pass it is and
+    per-pass data such as replayed ids). Return a LongTensor ``[tokens, topk]``
+    of expert ids to use, or None to let the router pick. Stops at the first
+    non-None result. The gate weights are always recomputed from ``scores`` at
+    the returned ids, so the router keeps its gradient.
+    """
+
+
+@hookspec
+def miles_experts_selected(
+    layer_index: int, expert_ids: "torch.Tensor", routing_context: Any
+) -> None:
+    """Observe the experts an MoE layer used (``[tokens, topk]`` LongTensor).
+
+    Fires after the choice in every MoE layer's forward. Return value ignored;
+    all implementations are called (e.g. to capture routes in rollout).
+    """
+
+
+# ----------------------------------------------------------------------------
+# rollout
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_rollout_backends() -> Iterable["records.RolloutBackend"]:
+    """Register rollout backends (``embedded``, ``sglang``, ...).
+
+    Fires once when registries are built. Returns an iterable of
+    :class:`~miles_host.records.RolloutBackend`; ``--rollout-backend`` picks one.
+    """
+
+
+@hookspec
+def miles_register_decoding_strategies() -> Iterable["records.DecodingStrategy"]:
+    """Register decoding strategies of the embedded engine (``plain``, ``eagle``).
+
+    Fires once when registries are built. Returns an iterable of
+    :class:`~miles_host.records.DecodingStrategy`; ``--sglang-speculative-algorithm``
+    (or ``plain`` when unset) picks one.
+    """
+
+
+# ----------------------------------------------------------------------------
+# correction
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_corrections() -> Iterable["records.Correction"]:
+    """Register off-policy corrections (``tis``, ``mis``, ``icepop``, ...).
+
+    Fires once when registries are built. Returns an iterable of
+    :class:`~miles_host.records.Correction`; every correction whose ``enabled``
+    is true for the run's config is applied to the policy loss.
+    """
+
+
+# ----------------------------------------------------------------------------
+# model family
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_model_families() -> Iterable["records.ModelFamily"]:
+    """Register model-family adapters (HF config and weights <-> native).
+
+    Fires once when registries are built. Returns an iterable of
+    :class:`~miles_host.records.ModelFamily`. Two families claiming one
+    ``model_type`` is an error naming both distributions.
+    """
+
+
+# ----------------------------------------------------------------------------
+# weight sync
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_weight_sync_transports() -> Iterable["records.WeightSyncTransport"]:
+    """Register trainer -> rollout weight transports (``inprocess``, ``disk``, ...).
+
+    Fires once when registries are built. Returns an iterable of
+    :class:`~miles_host.records.WeightSyncTransport`; ``--weight-sync`` picks one.
+    """
+
+
+# ----------------------------------------------------------------------------
+# the loop: rewards, advantages, losses, backends, loggers
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_reward_functions() -> Iterable["records.RewardFunction"]:
+    """Register reward functions (``math``, ``deepscaler``, ``f1``, ``exact``, ...).
+
+    Fires once when registries are built. ``--rm-type`` picks one.
+    """
+
+
+@hookspec
+def miles_register_advantage_estimators() -> Iterable["records.AdvantageEstimator"]:
+    """Register advantage estimators (``grpo``, ``gspo``, ``rloo``, ``ppo``, ...).
+
+    Fires once when registries are built. ``--advantage-estimator`` picks one.
+    """
+
+
+@hookspec
+def miles_register_loss_terms() -> Iterable["records.LossTerm"]:
+    """Register extra loss terms added to the policy loss (e.g. MTP draft loss).
+
+    Fires once when registries are built. Every term whose ``enabled(config)`` is
+    true is added.
+    """
+
+
+@hookspec
+def miles_register_train_backends() -> Iterable["records.TrainBackend"]:
+    """Register training backends (``native``, ``megatron``).
+
+    Fires once when registries are built. ``--train-backend`` picks one.
+    """
+
+
+@hookspec
+def miles_register_loggers() -> Iterable["records.Logger"]:
+    """Register metric loggers (``jsonl``, ``tensorboard``, ``wandb``).
+
+    Fires once when registries are built. Every logger whose ``enabled(config)``
+    is true receives each step's metrics.
+    """
+
+
+@hookspec
+def miles_train_batch_prepared(batch: Any, samples: "list[Sample]", config: "MilesConfig") -> None:
+    """Fires after the trainer packed ``samples`` into ``batch``, before forward.
+
+    Plugins attach per-token data the training forward needs (e.g. R3 attaches
+    replayed expert ids). Return value ignored; all implementations are called.
+    """
+
+
+@hookspec
+def miles_step_end(rollout_id: int, metrics: dict, config: "MilesConfig") -> None:
+    """Fires at the end of every RL step, before metrics are logged.
+
+    Implementations may add entries to ``metrics`` in place. Return value ignored.
+    """
+
+
+# ----------------------------------------------------------------------------
+# command line and configuration
+# ----------------------------------------------------------------------------
+
+
+@hookspec
+def miles_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add a plugin's own flags to ``miles run``'s parser.
+
+    Fires while the parser is built, for every importable plugin (selected or
+    not), so that a script naming a plugin flag parses either way. Values land in
+    ``config.plugin_args`` and as attributes of the config. Return value ignored.
+    """
+
+
+@hookspec
+def miles_activate(args: argparse.Namespace) -> bool | None:
+    """Say whether parsed flags switch this plugin on without ``--plugins``.
+
+    Fires once per plugin after argument parsing (the manager calls each plugin's
+    implementation on its own, so each plugin answers for itself). Return True
+    to be activated, e.g. ``r3`` for slime's ``--use-rollout-routing-replay``.
+    """
+
+
+@hookspec
+def miles_configure(config: "MilesConfig") -> None:
+    """Adjust the resolved config after parsing, for the active plugins.
+
+    Fires once, in registration order (built-ins first), after the config is
+    built and before it is validated. Implementations edit ``config`` in place
+    (e.g. ``fp8`` sets ``config.precision = "fp8"``). Return value ignored.
+    """
+
+
+@hookspec
+def miles_register_commands() -> Iterable["records.Command"]:
+    """Register ``miles`` sub-commands (``convert``, ``serve``, ``memory``, ...).
+
+    Fires when the CLI is built. Returns :class:`~miles_host.records.Command`.
+    """

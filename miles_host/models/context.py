@@ -1,0 +1,66 @@
+"""Per-forward context shared by the training forward and the rollout engine.
+
+The model modules never know whether they run in training or in rollout: every
+forward receives a :class:`ForwardContext` that says how attention reads and
+writes keys and values (packed variable-length sequences for training and
+prefill, a paged KV cache for the engine) and how MoE routing is chosen and
+observed. That is what makes one model implementation serve both sides.
+
+Tensor legend: T = tokens in the flattened batch, H = heads, D = head dim,
+E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class AttentionContext(Protocol):
+    """How one forward pass computes attention for all of its tokens.
+
+    ``attend`` gets the current tokens' queries, keys and values (rotary already
+    applied), stores keys/values where the context keeps them (nowhere for a
+    training pass, the KV cache for the engine), and returns the attention
+    output for the current tokens.
+    """
+
+    def attend(
+        self,
+        layer_index: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Return ``[T, Hq, Dv]`` attention output (causal within each sequence)."""
+        ...
+
+
+@dataclass
+class RoutingContext:
+    """What MoE layers of one forward pass need to know about routing.
+
+    ``phase``: ``"rollout"``, ``"train"``, ``"old_logprob"`` or ``"ref"``.
+    ``replay_expert_ids``: optional per-layer LongTensor ``[T, K]`` ids to replay
+    (filled by a routing plugin). ``captured``: per-layer ids observed in this
+    pass (filled by a routing plugin that captures). ``extra``: free-form data.
+    """
+
+    phase: str = "train"
+    replay_expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardContext:
+    """Everything a model forward needs besides the token ids and positions."""
+
+    attention: AttentionContext
+    routing: RoutingContext = field(default_factory=RoutingContext)

@@ -1,0 +1,159 @@
+"""Feed-forward blocks: gated MLP (SwiGLU / GeGLU) and the mixture-of-experts block.
+
+Tensor legend: T tokens, H hidden, I intermediate, E experts, K experts per token.
+The MoE block asks :class:`~miles_host.routing.RoutingHooks` for its expert ids
+(so a plugin can observe or replace them) and always recomputes the gate weights
+from the scores at those ids, so the router keeps its gradient under replay.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles_host.models.config import MoEConfig
+from miles_host.models.context import RoutingContext
+from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
+
+
+def activation(name: str):
+    """The elementwise activation of a gated MLP by config name."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class GatedMLP(torch.nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused in one ``[2I, H]`` weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = torch.nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        gate_TI, up_TI = self.gate_up_proj(x_TH).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate_TI) * up_TI)
+
+
+class Router(torch.nn.Module):
+    """Scores every expert for every token; ``expert_bias`` only shifts the choice."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        if moe.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        #: parameters the loader keeps in float32 whatever the model dtype
+        self.keep_fp32 = moe.router_fp32
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(scores_TE, scores_for_choice_TE)`` in float32."""
+        if self.moe.router_fp32:
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
+        else:
+            logits_TE = F.linear(x_TH, self.weight)
+        if self.moe.score_func == "softmax":
+            scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        else:
+            scores_TE = torch.sigmoid(logits_TE.float())
+        choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.float()
+        return scores_TE, choice_TE
+
+    def default_choice(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """The router's own top-k ids, group-limited when ``n_group > 1``."""
+        moe = self.moe
+        if moe.n_group > 1:
+            grouped = choice_TE.detach().view(-1, moe.n_group, moe.num_experts // moe.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            group_ids = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, moe.num_experts)
+            choice_TE = choice_TE.detach().masked_fill(~expert_mask, float("-inf"))
+        return torch.topk(choice_TE.detach(), k=moe.top_k, dim=-1, sorted=False).indices
+
+
+class Experts(torch.nn.Module):
+    """All routed experts as 3-D weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+        self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.act = activation(act)
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = ids_TK.shape
+        flat_ids = ids_TK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        x_sorted = x_TH[token_of]
+        w_sorted = weights_TK.reshape(-1)[order]
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            x_e = x_sorted[start : start + count]
+            gate, up = F.linear(x_e, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y_e = F.linear(self.act(gate) * up, self.down_proj[expert])
+            outputs.append(y_e * w_sorted[start : start + count, None])
+            start += count
+        y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
+        y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
+        y_TH.index_add_(0, token_of, y_sorted)
+        return y_TH.to(x_TH.dtype)
+
+
+class MoE(torch.nn.Module):
+    """Router + routed experts (+ shared experts, optionally sigmoid-gated)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoEConfig,
+        act: str,
+        layer_index: int,
+        routing_hooks: RoutingHooks = NO_ROUTING_HOOKS,
+    ):
+        super().__init__()
+        self.moe = moe
+        self.layer_index = layer_index
+        self.routing_hooks = routing_hooks
+        self.router = Router(hidden_size, moe)
+        self.experts = Experts(hidden_size, moe, act)
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe.shared_intermediate_size, act) if moe.shared_intermediate_size else None
+        )
+        self.shared_gate = torch.nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+
+    def forward(self, x_TH: torch.Tensor, routing_context: RoutingContext | None = None) -> torch.Tensor:
+        scores_TE, choice_TE = self.router(x_TH)
+        default_ids_TK = self.router.default_choice(choice_TE)
+        ids_TK = self.routing_hooks.select(
+            self.layer_index, choice_TE, self.moe.top_k, routing_context, default_ids_TK=default_ids_TK
+        )
+        weights_TK = scores_TE.gather(1, ids_TK)
+        if self.moe.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + self.moe.norm_eps)
+        if self.moe.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * self.moe.routed_scaling_factor
+        if not self.moe.router_fp32:
+            weights_TK = weights_TK.to(x_TH.dtype)
+        y_TH = self.experts(x_TH, ids_TK, weights_TK)
+        if self.shared_experts is not None:
+            shared_TH = self.shared_experts(x_TH)
+            if self.shared_gate is not None:
+                shared_TH = torch.sigmoid(self.shared_gate(x_TH)) * shared_TH
+            y_TH = y_TH + shared_TH
+        return y_TH

@@ -1,0 +1,218 @@
+"""Records that registration hooks return.
+
+Every registration hook (``miles_register_*``) returns an iterable of these small
+frozen dataclasses. Each carries the ``name`` a user types (``--advantage-estimator
+grpo``, ``--rm-type math``, ``--precision fp8``); the plugin manager puts them in a
+:class:`~miles_host.registry.Registry` and rejects two records of one kind with the
+same name, naming both distributions. A record may set ``override=True`` to replace
+a built-in of the same name on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of all registration records: a unique ``name`` within its kind."""
+
+    name: str
+    description: str = ""
+    override: bool = False
+
+
+# ----------------------------------------------------------------------------
+# precision
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision(Record):
+    """How linear weights are represented in training and converted for rollout.
+
+    ``prepare_train_model(model, config)`` swaps or wraps linears in the training
+    model (fake-quant, FP8 GEMMs) and returns the model.
+    ``prepare_rollout_model(model, config)`` does the same on the rollout side.
+    ``convert_for_rollout(named_tensors, config)`` maps the trainer's
+    ``(name, tensor)`` pairs to what the rollout engine loads at weight sync
+    (e.g. ``weight`` -> ``weight`` + ``weight_scale_inv``).
+    """
+
+    prepare_train_model: Callable[[Any, Any], Any] | None = None
+    prepare_rollout_model: Callable[[Any, Any], Any] | None = None
+    convert_for_rollout: Callable[[Any, Any], Any] | None = None
+
+
+# ----------------------------------------------------------------------------
+# rollout
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutBackend(Record):
+    """A rollout backend: ``factory(config, plugin_manager) -> backend``.
+
+    The backend object exposes ``generate``/``abort``/``update_weights``; see
+    ``miles_host.rollout``.
+    """
+
+    factory: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class DecodingStrategy(Record):
+    """A decoding strategy for the embedded engine (plain, speculative, ...).
+
+    ``factory(engine, config) -> strategy``; the engine asks the strategy to
+    advance its running requests by one or more tokens per step.
+    """
+
+    factory: Callable[..., Any] | None = None
+
+
+# ----------------------------------------------------------------------------
+# correction
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Correction(Record):
+    """An off-policy correction between training and rollout log-probs.
+
+    ``fn(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config)``
+    returns a ``CorrectionResult`` (token weights, token mask, metrics).
+    ``enabled(config) -> bool`` says whether the run's flags switch it on.
+    """
+
+    fn: Callable[..., Any] | None = None
+    enabled: Callable[[Any], bool] = lambda config: False
+
+
+# ----------------------------------------------------------------------------
+# model family
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFamily(Record):
+    """A model family adapter: which HF ``model_type``s it handles and how.
+
+    - ``model_types``: HF ``config.model_type`` values handled.
+    - ``config_from_hf(hf_config: dict) -> ModelConfig`` (native config).
+    - ``hf_to_native(name) -> str | None``: native parameter name for an HF
+      weight name (``None`` = drop, e.g. rotary buffers).
+    - ``native_to_hf(name) -> str``: the inverse.
+    - ``hf_config_from_native(config, original_hf_config) -> dict`` for saving.
+    - ``convert_hf_tensor(name, tensor, config) -> list[(native_name, tensor)]``
+      for weights that are not a plain rename (fused or split tensors); ``None``
+      means rename only.
+    - ``chat_defaults``: e.g. ``{"eos_token_ids": [...], "chat_template": ...}``.
+    """
+
+    model_types: tuple[str, ...] = ()
+    config_from_hf: Callable[[Mapping[str, Any]], Any] | None = None
+    hf_to_native: Callable[[str], str | None] | None = None
+    native_to_hf: Callable[[str], str] | None = None
+    hf_config_from_native: Callable[..., dict] | None = None
+    convert_hf_tensor: Callable[..., Any] | None = None
+    chat_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------
+# weight sync
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightSyncTransport(Record):
+    """A way to move weights from trainer to rollout: ``factory(config) -> transport``.
+
+    The transport has ``push(named_tensors, engine, weight_version)``.
+    """
+
+    factory: Callable[..., Any] | None = None
+
+
+# ----------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardFunction(Record):
+    """A reward: ``fn(sample, config) -> float | dict`` (sync or async).
+
+    With ``group=True`` the function takes the list of samples of one prompt and
+    returns one reward per sample.
+    """
+
+    fn: Callable[..., Any] | None = None
+    group: bool = False
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator(Record):
+    """An advantage estimator: ``fn(inputs: AdvantageInputs, config) -> list[Tensor]``.
+
+    ``needs_critic``: the trainer must build a value model (PPO).
+    """
+
+    fn: Callable[..., Any] | None = None
+    needs_critic: bool = False
+
+
+@dataclass(frozen=True)
+class LossTerm(Record):
+    """An extra loss term added to the policy loss (e.g. the MTP draft loss).
+
+    ``fn(model_outputs, batch, config) -> (loss_tensor, metrics)``;
+    ``enabled(config) -> bool``.
+    """
+
+    fn: Callable[..., Any] | None = None
+    enabled: Callable[[Any], bool] = lambda config: True
+
+
+@dataclass(frozen=True)
+class TrainBackend(Record):
+    """A training backend: ``factory(config, plugin_manager) -> trainer``."""
+
+    factory: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class Logger(Record):
+    """A metrics logger: ``factory(config) -> obj`` with ``log(metrics, step)``
+    and ``close()``. ``enabled(config) -> bool``."""
+
+    factory: Callable[..., Any] | None = None
+    enabled: Callable[[Any], bool] = lambda config: True
+
+
+@dataclass(frozen=True)
+class Command(Record):
+    """A ``miles`` sub-command: ``add_arguments(parser)`` and ``run(args) -> int``."""
+
+    add_arguments: Callable[[Any], None] | None = None
+    run: Callable[[Any], int] | None = None
+
+
+#: record type -> registration hook name; the plugin manager builds one registry each.
+REGISTRATION_HOOKS: Mapping[str, type[Record]] = {
+    "miles_register_precisions": Precision,
+    "miles_register_rollout_backends": RolloutBackend,
+    "miles_register_decoding_strategies": DecodingStrategy,
+    "miles_register_corrections": Correction,
+    "miles_register_model_families": ModelFamily,
+    "miles_register_weight_sync_transports": WeightSyncTransport,
+    "miles_register_reward_functions": RewardFunction,
+    "miles_register_advantage_estimators": AdvantageEstimator,
+    "miles_register_loss_terms": LossTerm,
+    "miles_register_train_backends": TrainBackend,
+    "miles_register_loggers": Logger,
+    "miles_register_commands": Command,
+}
+
+__all__: Sequence[str] = [name for name in dir() if name[0].isupper()]

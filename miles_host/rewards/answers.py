@@ -1,0 +1,100 @@
+"""Answer extraction and comparison for the built-in rewards.
+
+- ``math``: the last ``\\boxed{...}`` of the response, checked against the label with
+  the math-verify package when installed (symbolic equivalence), else by a
+  normalised string comparison.
+- ``deepscaler``: the answer after ``</think>`` (DeepScaleR's format), then as math.
+- ``f1``: token-level F1 between response and label (SQuAD style).
+- ``exact``: normalised exact match of the stripped response.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Any
+
+try:  # optional: symbolic equivalence
+    import math_verify
+except ImportError:  # pragma: no cover - exercised where math-verify is absent
+    math_verify = None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    depth = 0
+    for position in range(brace, len(text)):
+        if text[position] == "{":
+            depth += 1
+        elif text[position] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[brace + 1 : position]
+    return None
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation, articles and extra spaces (SQuAD's rule)."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def _normalize_math(text: str) -> str:
+    text = text.strip().strip("$").replace(" ", "").replace("\\!", "")
+    text = re.sub(r"\\text\{(.*?)\}", r"\1", text)
+    text = text.replace("\\left", "").replace("\\right", "").replace("dfrac", "frac")
+    return text.rstrip(".")
+
+
+def math_equal(predicted: str, label: Any) -> bool:
+    """True when ``predicted`` equals the label mathematically."""
+    label_text = str(label)
+    if _normalize_math(predicted) == _normalize_math(label_text):
+        return True
+    if math_verify is not None:
+        try:
+            gold = math_verify.parse(f"${label_text}$")
+            answer = math_verify.parse(f"${predicted}$")
+            return bool(gold) and bool(answer) and bool(math_verify.verify(gold, answer))
+        except Exception:  # math-verify raises on unparsable input: not equal
+            return False
+    return False
+
+
+def math_reward(response: str, label: Any) -> float:
+    """1.0 when the last boxed answer equals the label, else 0.0."""
+    answer = last_boxed(response)
+    return float(answer is not None and math_equal(answer, label))
+
+
+def deepscaler_reward(response: str, label: Any) -> float:
+    """DeepScaleR: no reward without ``</think>``; then math on the part after it."""
+    if "</think>" not in response:
+        return 0.0
+    return math_reward(response.split("</think>")[-1], label)
+
+
+def f1_reward(response: str, label: Any) -> float:
+    """Token F1 between the normalised response and label."""
+    predicted = normalize_answer(response).split()
+    gold = normalize_answer(str(label)).split()
+    common = Counter(predicted) & Counter(gold)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(predicted), overlap / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_reward(response: str, label: Any) -> float:
+    """1.0 when the normalised response equals the normalised label."""
+    return float(normalize_answer(response) == normalize_answer(str(label)))

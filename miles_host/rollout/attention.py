@@ -1,0 +1,157 @@
+"""Paged attention: the engine's :class:`AttentionContext`.
+
+Every attention layer hands its current tokens' q/k/v to :meth:`PagedAttention.attend`,
+which stores k/v in the paged cache at each token's slot and attends each
+query over its sequence's cached context (causal; the new tokens of a prefill
+see the cached prefix and each other). Three implementations compute the
+same thing: a plain-PyTorch reference (CPU, and the oracle for the others), a
+Triton kernel (GPU), and flash-attn's paged varlen kernel when it is importable.
+
+Tensor legend: T = tokens of the step (flattened over sequences), B = sequences,
+H = heads, D = head dim, N = cache blocks, S = slots per block, M = max blocks per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles_host.rollout.kv_cache import PagedKVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens live in the cache and which context each one sees.
+
+    ``cu_seqlens_q``: [B + 1] offsets of each sequence's new tokens in the step;
+    ``context_lens``: [B] cached + new tokens of each sequence; ``block_tables``:
+    [B, M] block ids (int32); ``slot_mapping``: [T] cache slot of each new token.
+    ``tile_seq``/``tile_q_start`` (Triton only): which sequence and first token each
+    query tile of the kernel covers.
+    """
+
+    slot_mapping_T: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens_B: torch.Tensor
+    block_tables_BM: torch.Tensor
+    max_q_len: int
+    max_context_len: int
+    is_decode: bool
+    tile_seq: torch.Tensor | None = None
+    tile_q_start: torch.Tensor | None = None
+    # Host copies for the reference path (avoid a device sync per layer).
+    cu_seqlens_q_host: list[int] | None = None
+    context_lens_host: list[int] | None = None
+
+
+def paged_attention_reference(
+    q_THD: torch.Tensor,
+    k_cache_NSHD: torch.Tensor,
+    v_cache_NSHD: torch.Tensor,
+    block_tables_BM: torch.Tensor,
+    cu_seqlens_q: list[int],
+    context_lens: list[int],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's new queries over its paged context, in plain PyTorch.
+
+    The new tokens of sequence ``b`` are the last ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
+    of its ``context_lens[b]`` tokens. Scores and softmax in float32.
+    """
+    num_q_heads = q_THD.shape[1]
+    block_size = k_cache_NSHD.shape[1]
+    num_kv_heads = k_cache_NSHD.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = q_THD.new_empty(q_THD.shape[0], num_q_heads, v_cache_NSHD.shape[-1])
+    for b in range(len(context_lens)):
+        start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+        if end == start:
+            continue
+        context = context_lens[b]
+        num_blocks = (context + block_size - 1) // block_size
+        blocks = block_tables_BM[b, :num_blocks].long()
+        k_LHD = k_cache_NSHD[blocks].flatten(0, 1)[:context]
+        v_LHD = v_cache_NSHD[blocks].flatten(0, 1)[:context]
+        if group > 1:
+            k_LHD = k_LHD.repeat_interleave(group, dim=1)
+            v_LHD = v_LHD.repeat_interleave(group, dim=1)
+        q_HQD = q_THD[start:end].transpose(0, 1).float()
+        scores_HQL = torch.matmul(q_HQD, k_LHD.transpose(0, 1).float().transpose(1, 2)) * scale
+        if logit_softcap is not None:
+            scores_HQL = logit_softcap * torch.tanh(scores_HQL / logit_softcap)
+        q_pos = torch.arange(context - (end - start), context, device=q_THD.device)
+        k_pos = torch.arange(context, device=q_THD.device)
+        allowed_QL = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed_QL &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        scores_HQL = scores_HQL.masked_fill(~allowed_QL, float("-inf"))
+        probs_HQL = torch.softmax(scores_HQL, dim=-1)
+        out[start:end] = torch.matmul(probs_HQL, v_LHD.transpose(0, 1).float()).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return flash_attn_varlen_func
+
+
+class PagedAttention:
+    """The :class:`~miles_host.models.context.AttentionContext` of one engine step.
+
+    ``backend``: ``"torch"`` (reference), ``"triton"`` or ``"flash_attn"``.
+    """
+
+    def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata, backend: str = "torch"):
+        self.kv_cache = kv_cache
+        self.metadata = metadata
+        self.backend = backend
+
+    def attend(
+        self,
+        layer_index: int,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``."""
+        meta = self.metadata
+        k_cache = self.kv_cache.k_NSHD[layer_index]
+        v_cache = self.kv_cache.v_NSHD[layer_index]
+        slots = meta.slot_mapping_T
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
+        q_THD = q_THD.to(k_cache.dtype)
+        if self.backend == "triton":
+            from miles_host.rollout.triton_attention import paged_attention_triton
+
+            return paged_attention_triton(
+                q_THD, k_cache, v_cache, meta,
+                scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            )
+        if self.backend == "flash_attn":
+            flash_attn_varlen_func = _flash_attn_varlen()
+            cu_k = torch.nn.functional.pad(meta.context_lens_B.cumsum(0, dtype=torch.int32), (1, 0))
+            return flash_attn_varlen_func(
+                q_THD, k_cache, v_cache,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_context_len,
+                softmax_scale=scale, causal=True,
+                window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+                softcap=logit_softcap or 0.0, block_table=meta.block_tables_BM,
+            )
+        return paged_attention_reference(
+            q_THD, k_cache, v_cache, meta.block_tables_BM,
+            meta.cu_seqlens_q_host, meta.context_lens_host,
+            scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        )

@@ -1,0 +1,181 @@
+"""Paged KV-cache bookkeeping: blocks, reference counts, prefix hashes, copy-on-write.
+
+Block 0 is never handed out: padded rows of a CUDA-graph batch write their
+keys and values there, so no kernel needs a "skip this slot" branch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from miles_host.rollout.sequence import Sequence
+
+
+def block_hash(previous_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of everything before it."""
+    return hash((previous_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out KV blocks of ``block_size`` tokens to sequences.
+
+    Full blocks are registered under a hash of their whole prefix, so a later
+    prompt that starts the same way reuses them (prefix caching). A block held
+    by several sequences (prefix hit or an ``n > 1`` fork) is copied before a
+    sequence writes into it (copy-on-write); the copies to make are queued in
+    ``pending_copies`` for the model runner.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks >= 2, "need at least one usable block besides the padding block"
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ------------------------------------------------------------------ internals
+
+    def _take_free_block(self) -> int:
+        block = self.free_blocks.popleft()
+        self._forget_hash(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget_hash(self, block: int) -> None:
+        old = self.block_hashes[block]
+        if old is not None and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.block_hashes[block] = None
+        self.block_tokens[block] = None
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0
+        if self.ref_counts[block] == 0:
+            # Cached content stays valid until the block is handed out again:
+            # hashed blocks go to the back so they survive longest.
+            if self.block_hashes[block] is not None:
+                self.free_blocks.append(block)
+            else:
+                self.free_blocks.appendleft(block)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks already holding a prefix of ``seq`` (never covering its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        previous = 0
+        # The last token is always recomputed: its logits are what we sample from.
+        for index in range((len(seq) - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+            h = block_hash(previous, tokens)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            hits.append(block)
+            previous = h
+        return hits
+
+    # ------------------------------------------------------------------ prefill
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        needed = self.blocks_needed(len(seq)) - len(hits)
+        return needed + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                self.free_blocks.remove(block)
+            self.ref_counts[block] += 1
+        seq.block_table = list(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free_block())
+
+    def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Publish the full blocks among the first ``num_computed_tokens`` for reuse."""
+        if not self.enable_prefix_caching:
+            return
+        previous = 0
+        for index in range(num_computed_tokens // self.block_size):
+            block = seq.block_table[index]
+            tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+            h = block_hash(previous, tokens)
+            if self.block_hashes[block] is None:
+                if h not in self.hash_to_block:
+                    self.hash_to_block[h] = block
+                self.block_hashes[block] = h
+                self.block_tokens[block] = tokens
+            previous = h
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (its prompt)."""
+        assert not child.block_table
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        child.block_table = list(parent.block_table)
+
+    # ------------------------------------------------------------------ decode
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the slot for the last token can be made writable."""
+        return self._blocks_to_write(seq) <= self.num_free_blocks
+
+    def _blocks_to_write(self, seq: Sequence) -> int:
+        index = (len(seq) - 1) // self.block_size
+        if index >= len(seq.block_table):
+            return 1
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def prepare_append(self, seq: Sequence) -> None:
+        """Make the slot of the last token writable: new block, or copy a shared one."""
+        index = (len(seq) - 1) // self.block_size
+        if index >= len(seq.block_table):
+            assert index == len(seq.block_table)
+            seq.block_table.append(self._take_free_block())
+            return
+        block = seq.block_table[index]
+        if self.ref_counts[block] > 1:
+            new_block = self._take_free_block()
+            self.pending_copies.append((block, new_block))
+            self.ref_counts[block] -= 1
+            seq.block_table[index] = new_block
+
+    # ------------------------------------------------------------------ release
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s hold on its blocks (finish, abort or preemption)."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (weights changed: cached K/V are stale)."""
+        self.hash_to_block.clear()
+        for block in range(self.num_blocks):
+            self.block_hashes[block] = None
+            self.block_tokens[block] = None

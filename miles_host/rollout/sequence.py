@@ -1,0 +1,65 @@
+"""One sequence being generated: its tokens, KV blocks and results so far."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_host.rollout.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not yet (or no longer, after preemption) holding KV blocks
+    RUNNING = "running"      # holds KV blocks and is decoded every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt plus the tokens generated for it.
+
+    ``rid`` is the request id returned to the caller; samples ``1..n-1`` of a
+    request with ``n > 1`` are sequences with ``sample_index > 0`` whose
+    ``parent`` is sample 0: they are not queued on their own; when the parent's
+    prompt is first scheduled they fork its KV blocks (see
+    :meth:`BlockManager.fork`) and sample their first token from the parent's
+    logits, so the prompt is prefilled once.
+    """
+
+    rid: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    sample_index: int = 0
+    parent: "Sequence | None" = None
+    children: list["Sequence"] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0          # tokens whose K/V are in the cache
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+    weight_version: Any = None
+    want_routed_experts: bool = False
+    # (first position, [tokens, layers, k] ids) chunks captured in forwards; later chunks win
+    routed_expert_chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    num_prefills: int = 0               # forwards that computed prompt tokens (tests check sharing)
+    stop_text_checked: int = 0          # output tokens already searched for stop strings
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

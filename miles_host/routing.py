@@ -1,0 +1,69 @@
+"""The routing hook point that MoE layers call.
+
+An MoE layer computes its choice scores, then asks :class:`RoutingHooks` which
+experts to use. Without plugins implementing the routing hooks this is a plain
+top-k with no hook call at all (so the hot path costs nothing); with them, a
+plugin may replace the ids (``miles_select_experts``, e.g. R3 replay) and
+observe them (``miles_experts_selected``, e.g. R3 capture in rollout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_host.models.context import RoutingContext
+
+
+class RoutingHooks:
+    """Calls the routing hooks of a plugin manager's hook relay, if any."""
+
+    def __init__(self, hook_relay: Any | None = None):
+        self._select = None
+        self._observe = None
+        if hook_relay is not None:
+            if hook_relay.miles_select_experts.get_hookimpls():
+                self._select = hook_relay.miles_select_experts
+            if hook_relay.miles_experts_selected.get_hookimpls():
+                self._observe = hook_relay.miles_experts_selected
+
+    @property
+    def active(self) -> bool:
+        """True when some plugin implements a routing hook."""
+        return self._select is not None or self._observe is not None
+
+    def select(
+        self,
+        layer_index: int,
+        scores_TE: torch.Tensor,
+        topk: int,
+        routing_context: RoutingContext | None,
+        default_ids_TK: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return the ``[T, K]`` expert ids this layer uses.
+
+        ``default_ids_TK`` is the router's own choice when the caller already
+        computed it (group-limited routing); otherwise plain top-k of ``scores``.
+        """
+        context = routing_context if routing_context is not None else RoutingContext()
+        ids = None
+        if self._select is not None:
+            ids = self._select(
+                layer_index=layer_index, scores=scores_TE, topk=topk, routing_context=context
+            )
+            if ids is not None:
+                if ids.shape != (scores_TE.shape[0], topk):
+                    raise ValueError(
+                        f"routing plugin returned expert ids of shape {tuple(ids.shape)} for "
+                        f"MoE layer {layer_index}; expected ({scores_TE.shape[0]}, {topk})"
+                    )
+                ids = ids.to(device=scores_TE.device, dtype=torch.long)
+        if ids is None:
+            ids = default_ids_TK if default_ids_TK is not None else torch.topk(scores_TE, topk, dim=-1).indices
+        if self._observe is not None:
+            self._observe(layer_index=layer_index, expert_ids=ids, routing_context=context)
+        return ids
+
+
+NO_ROUTING_HOOKS = RoutingHooks(None)

@@ -1,0 +1,1 @@
+"""miles-fp8 plugin package."""

@@ -1,0 +1,1 @@
+"""miles-int4 plugin package."""

@@ -1,0 +1,1 @@
+"""miles-spec plugin package."""
