@@ -128,9 +128,7 @@ class AlgorithmArgs:
     mis_upper_bound: float = flag(2.0, "MIS upper bound", type=float, group="correction")
     mis_lower_bound: float = flag(0.5, "MIS lower bound (mask mode)", type=float, group="correction")
     mis_veto_threshold: float | None = flag(None, "mask a sequence if any token ratio is below this", type=float, group="correction")
-    use_icepop: bool = flag(False, "icepop: mask tokens whose ratio leaves [low, high]", group="correction")
-    icepop_low: float = flag(0.5, "icepop lower bound", type=float, group="correction")
-    icepop_high: float = flag(2.0, "icepop upper bound", type=float, group="correction")
+    use_icepop: bool = flag(False, "icepop: mask tokens whose ratio leaves [--tis-clip-low, --tis-clip]", group="correction")
 
 
 @dataclass

@@ -342,9 +342,9 @@ class MilesPluginManager:
         for attribute, (hook_name, _kind) in REGISTRY_KINDS.items():
             registry = getattr(registries, attribute)
             caller = getattr(self.pm.hook, hook_name)
-            # pluggy lists implementations in call order (last registered first);
-            # registries take them in registration order so built-ins come first.
-            for impl in reversed(caller.get_hookimpls()):
+            # get_hookimpls() is in registration order (pluggy calls them LIFO), so
+            # built-ins come first and a plugin's override=True record replaces them.
+            for impl in caller.get_hookimpls():
                 info = self.plugins.get(impl.plugin_name)
                 distribution = info.distribution if info else impl.plugin_name
                 try:

@@ -154,7 +154,9 @@ class RewardFunction(Record):
 
 @dataclass(frozen=True)
 class AdvantageEstimator(Record):
-    """An advantage estimator: ``fn(inputs: AdvantageInputs, config) -> list[Tensor]``.
+    """An advantage estimator: ``fn(inputs: AdvantageInputs, config) -> AdvantageOutputs``
+    (per-token advantages, and returns for critic-based estimators); see
+    :mod:`miles_host.algorithms.advantages`.
 
     ``needs_critic``: the trainer must build a value model (PPO).
     """

@@ -11,6 +11,7 @@ from miles_host.records import AdvantageEstimator
 _ESTIMATORS = {
     "grpo": "group-normalised rewards (Dr.GRPO with --disable-grpo-std-normalization)",
     "gspo": "GRPO advantages with GSPO's sequence-level ratio in the loss",
+    "cispo": "GRPO advantages with CISPO's clipped-IS-weight policy loss",
     "reinforce_plus_plus": "discounted returns with KL shaping, globally whitened",
     "reinforce_plus_plus_baseline": "group-mean baseline, globally whitened",
     "rloo": "leave-one-out baseline",

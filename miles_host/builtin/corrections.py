@@ -11,9 +11,9 @@ from miles_host.records import Correction
 
 def _correction(name):
     def correct(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config):
-        from miles_host.algorithms.corrections import apply_correction
+        from miles_host.algorithms.corrections import CORRECTIONS
 
-        return apply_correction(name, train_log_probs, rollout_log_probs, loss_mask, response_lengths, config)
+        return CORRECTIONS[name](train_log_probs, rollout_log_probs, loss_mask, response_lengths, config)
 
     return correct
 

@@ -77,9 +77,9 @@ class BlockManager:
             else:
                 self.free_blocks.appendleft(block)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
         """Blocks already holding a prefix of ``seq`` (never covering its last token)."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and use_cache):
             return []
         hits: list[int] = []
         previous = 0
@@ -96,16 +96,25 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefill
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
+    def num_cached_estimate(self, seq: Sequence, use_cache: bool = True) -> int:
+        """Tokens of ``seq`` that :meth:`allocate` would find in the prefix cache."""
+        return len(self._cached_prefix(seq, use_cache)) * self.block_size
+
+    def can_allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
+        """Whether blocks for all of ``seq``'s tokens are available now."""
+        hits = self._cached_prefix(seq, use_cache)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         needed = self.blocks_needed(len(seq)) - len(hits)
         return needed + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks.
+
+        ``use_cache=False`` computes every token (e.g. when the request wants the
+        routed experts of its prompt, which the cache does not keep).
+        """
         assert not seq.block_table
-        hits = self._cached_prefix(seq)
+        hits = self._cached_prefix(seq, use_cache)
         for block in hits:
             if self.ref_counts[block] == 0:
                 self.free_blocks.remove(block)
@@ -116,20 +125,23 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Publish the full blocks among the first ``num_computed_tokens`` for reuse."""
+        """Publish the full blocks among the first ``num_computed_tokens`` for reuse.
+
+        Incremental: ``seq.full_block_hashes`` remembers the blocks already done.
+        """
         if not self.enable_prefix_caching:
             return
-        previous = 0
-        for index in range(num_computed_tokens // self.block_size):
+        hashes = seq.full_block_hashes
+        for index in range(len(hashes), num_computed_tokens // self.block_size):
             block = seq.block_table[index]
             tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-            h = block_hash(previous, tokens)
+            h = block_hash(hashes[-1] if hashes else 0, tokens)
+            hashes.append(h)
             if self.block_hashes[block] is None:
                 if h not in self.hash_to_block:
                     self.hash_to_block[h] = block
                 self.block_hashes[block] = h
                 self.block_tokens[block] = tokens
-            previous = h
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (its prompt)."""
@@ -137,6 +149,7 @@ class BlockManager:
         for block in parent.block_table:
             self.ref_counts[block] += 1
         child.block_table = list(parent.block_table)
+        child.full_block_hashes = list(parent.full_block_hashes)
 
     # ------------------------------------------------------------------ decode
 
@@ -172,6 +185,7 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.full_block_hashes = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (weights changed: cached K/V are stale)."""

@@ -30,6 +30,7 @@ class ScheduledBatch:
     samplers: list[Sequence] = field(default_factory=list)
     sample_from: list[int] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
+    pending_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -56,9 +57,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch, or None when nothing can run."""
         batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
         if batch is not None:
-            return batch
-        return self._schedule_decode()
+            batch.pending_copies = self.block_manager.pending_copies
+            self.block_manager.pending_copies = []
+        return batch
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         batch = ScheduledBatch(sequences=[], is_prefill=True)
@@ -67,7 +71,7 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             new_children = [c for c in seq.children if c.status == SequenceStatus.WAITING and not c.block_table
-                            and c.num_output_tokens == 0 and c not in self.waiting]
+                            and c.num_output_tokens == 0]
             if num_seqs + 1 + len(new_children) > self.max_num_seqs and num_seqs > 0:
                 break
             if not self._fits_alone(seq):

@@ -46,8 +46,19 @@ class Sequence:
     want_routed_experts: bool = False
     # (first position, [tokens, layers, k] ids) chunks captured in forwards; later chunks win
     routed_expert_chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    num_prefills: int = 0               # forwards that computed prompt tokens (tests check sharing)
+    num_prompt_cached_tokens: int = 0   # prompt tokens found in the prefix cache at first prefill
     stop_text_checked: int = 0          # output tokens already searched for stop strings
+    eos_token_ids: tuple[int, ...] = ()
+    full_block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
+
+    def banned_tokens(self) -> list[int]:
+        """Tokens this sequence may not sample yet (``min_new_tokens`` not reached)."""
+        if self.num_output_tokens >= self.params.min_new_tokens:
+            return []
+        banned = list(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -44,7 +44,8 @@ def test_matches_reference_float64(rng, kl_type, with_ratio):
 def test_float32_and_bfloat16_inputs_compute_in_float32(rng, kl_type):
     log_probs = -np.abs(rng.normal(size=64))
     ref = log_probs + 0.5 * rng.normal(size=64)
-    got = compute_approx_kl(torch.tensor(log_probs, dtype=torch.float32), torch.tensor(ref, dtype=torch.float32), kl_type)
+    as32 = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    got = compute_approx_kl(as32(log_probs), as32(ref), kl_type)
     expected = [reference_kl(float(np.float32(a)), float(np.float32(b)), kl_type) for a, b in zip(log_probs, ref)]
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
     low = compute_approx_kl(torch.tensor(log_probs).bfloat16(), torch.tensor(ref).bfloat16(), kl_type)

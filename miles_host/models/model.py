@@ -1,0 +1,193 @@
+"""The decoder-only causal LM shared by the trainer and the rollout engine.
+
+Every forward is over the flattened tokens of a batch (``T`` tokens, all
+sequences concatenated) plus their positions; the
+:class:`~miles_host.models.context.ForwardContext` says how attention sees the
+sequences (packed training/prefill, or a KV cache) and carries the routing
+context. Tensor legend: B batch, L padded length, T tokens, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from miles_host.models.attention import PackedAttention
+from miles_host.models.config import ModelConfig, RopeConfig
+from miles_host.models.context import ForwardContext
+from miles_host.models.logprobs import chunked_log_probs
+from miles_host.models.mlp import MoE, GatedMLP
+from miles_host.models.norm import RMSNorm
+from miles_host.models.rope import RotaryEmbedding
+from miles_host.models.self_attention import GQAAttention, MLAttention
+from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
+
+
+class DecoderLayer(torch.nn.Module):
+    """Pre-norm attention + MLP/MoE, with optional sandwich norms on both outputs."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, routing_hooks: RoutingHooks, moe: bool):
+        super().__init__()
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.layer_index = layer_index
+        self.attn_norm = RMSNorm(config.hidden_size, eps, offset)
+        self.attn = MLAttention(config, layer_index) if config.mla is not None else GQAAttention(config, layer_index)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps, offset)
+        if moe:
+            self.mlp = MoE(config.hidden_size, config.moe, config.hidden_act, layer_index, routing_hooks)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.post_attn_norm = RMSNorm(config.hidden_size, eps, offset) if config.sandwich_norm else None
+        self.post_mlp_norm = RMSNorm(config.hidden_size, eps, offset) if config.sandwich_norm else None
+
+    def forward(self, x_TH: torch.Tensor, rope_cos_sin, ctx: ForwardContext) -> torch.Tensor:
+        h_TH = self.attn(self.attn_norm(x_TH), rope_cos_sin, ctx.attention)
+        if self.post_attn_norm is not None:
+            h_TH = self.post_attn_norm(h_TH)
+        x_TH = x_TH + h_TH
+        h_TH = self.mlp_norm(x_TH)
+        h_TH = self.mlp(h_TH, ctx.routing) if isinstance(self.mlp, MoE) else self.mlp(h_TH)
+        if self.post_mlp_norm is not None:
+            h_TH = self.post_mlp_norm(h_TH)
+        return x_TH + h_TH
+
+
+class MTPLayer(DecoderLayer):
+    """A DeepSeek multi-token-prediction layer (weights load and save; no forward yet).
+
+    ``eh_proj(cat(enorm(embed(next_tokens)), hnorm(hidden)))`` feeds a decoder
+    layer whose output goes through ``head_norm`` and the shared lm head.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int, routing_hooks: RoutingHooks):
+        super().__init__(config, layer_index, routing_hooks, moe=config.moe is not None)
+        eps = config.rms_norm_eps
+        self.enorm = RMSNorm(config.hidden_size, eps)
+        self.hnorm = RMSNorm(config.hidden_size, eps)
+        self.eh_proj = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.head_norm = RMSNorm(config.hidden_size, eps)
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class CausalLM(torch.nn.Module):
+    """One implementation for training (packed log-probs) and rollout (KV-cache steps)."""
+
+    def __init__(self, config: ModelConfig, routing_hooks: RoutingHooks = NO_ROUTING_HOOKS):
+        super().__init__()
+        self.config = config
+        self.routing_hooks = routing_hooks
+        #: recompute each layer in backward (activation checkpointing) when training
+        self.gradient_checkpointing = False
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, i, routing_hooks, config.moe_layers[i]) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = torch.nn.ModuleList(
+            MTPLayer(config, config.num_layers + j, routing_hooks) for j in range(config.num_mtp_layers)
+        )
+        self._ropes: dict[int, RotaryEmbedding] = {}
+        for layer_index in range(config.num_layers):
+            rope = config.rope_of(layer_index)
+            self._ropes.setdefault(id(rope), RotaryEmbedding(rope))
+
+    # -- weights ---------------------------------------------------------------
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, H]`` output projection (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def attention_layout(self) -> list[tuple[int, int, int, int | None]]:
+        """Per layer ``(num_kv_heads, k_head_dim, v_head_dim, sliding_window or None)``."""
+        return [layer.attn.layout() for layer in self.layers]
+
+    # -- forward ---------------------------------------------------------------
+
+    def _rope_tables(self, positions_T: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple]:
+        return {key: rope(positions_T, dtype) for key, rope in self._ropes.items()}
+
+    def embed(self, input_ids_T: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (times the family's embedding scale, in the weight dtype)."""
+        x_TH = self.embed_tokens(input_ids_T)
+        if self.config.embed_scale is not None:
+            x_TH = x_TH * torch.tensor(self.config.embed_scale, dtype=x_TH.dtype)
+        return x_TH
+
+    def forward_hidden(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final-norm hidden states ``[T, H]`` of the flattened batch."""
+        x_TH = self.embed(input_ids_T)
+        tables = self._rope_tables(positions_T, x_TH.dtype)
+        for i, layer in enumerate(self.layers):
+            cos_sin = tables[id(self.config.rope_of(i))]
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x_TH = checkpoint(layer, x_TH, cos_sin, ctx, use_reentrant=False)
+            else:
+                x_TH = layer(x_TH, cos_sin, ctx)
+        return self.norm(x_TH)
+
+    def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """``[T, V]`` logits in the model dtype (final soft-capping applied)."""
+        logits_TV = F.linear(hidden_TH, self.lm_head_weight)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits_TV = torch.tanh(logits_TV / cap) * cap
+        return logits_TV
+
+    def packed_log_probs(
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        target_ids_T: torch.Tensor,
+        temperature: float = 1.0,
+        ctx: ForwardContext | None = None,
+        chunk_size: int = 1024,
+        return_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training forward over packed sequences: float32 log-probs of the targets.
+
+        ``cu_seqlens`` (int32 ``[S + 1]``) delimits the sequences; ``target_ids_T``
+        is usually the next token of each position. Logits are computed
+        ``chunk_size`` tokens at a time, forward and backward.
+        """
+        if ctx is None:
+            ctx = ForwardContext(attention=PackedAttention(cu_seqlens))
+        hidden_TH = self.forward_hidden(input_ids_T, positions_T, ctx)
+        return chunked_log_probs(
+            hidden_TH, self.lm_head_weight, target_ids_T,
+            temperature=temperature, logit_softcap=self.config.final_logit_softcap,
+            chunk_size=chunk_size, return_entropy=return_entropy,
+        )
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Convenience ``[B, L] -> [B, L, V]`` logits; padding (left or right) is packed away.
+
+        Positions restart at 0 at each sequence's first real token; logits at
+        padded positions are zero.
+        """
+        batch, length = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        mask_BL = attention_mask.bool()
+        lengths = mask_BL.sum(dim=1)
+        keep = lengths > 0
+        flat_index = mask_BL.reshape(-1).nonzero().squeeze(1)
+        input_ids_T = input_ids.reshape(-1)[flat_index]
+        positions_T = (mask_BL.long().cumsum(dim=1) - 1).reshape(-1)[flat_index]
+        cu_seqlens = F.pad(lengths[keep].cumsum(0), (1, 0)).to(torch.int32)
+        ctx = ForwardContext(attention=PackedAttention(cu_seqlens))
+        logits_TV = self.compute_logits(self.forward_hidden(input_ids_T, positions_T, ctx))
+        out = logits_TV.new_zeros(batch * length, logits_TV.shape[-1])
+        out[flat_index] = logits_TV
+        return out.view(batch, length, -1)
+
+
+def rope_key(rope: RopeConfig) -> int:
+    """Identity of a rope config inside one model (layers sharing it share tables)."""
+    return id(rope)

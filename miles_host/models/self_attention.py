@@ -1,0 +1,125 @@
+"""Self-attention blocks: grouped-query attention and DeepSeek's latent attention.
+
+Both compute queries/keys/values for the flattened tokens of a batch, apply
+rotary embeddings and hand them to the forward's
+:class:`~miles_host.models.context.AttentionContext`, which decides causality,
+packing and caching. Tensor legend: T tokens, H hidden, N heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_host.models.config import ModelConfig
+from miles_host.models.context import AttentionContext
+from miles_host.models.norm import RMSNorm
+from miles_host.models.rope import apply_rotary, yarn_softmax_scale_factor
+
+
+class GQAAttention(torch.nn.Module):
+    """Grouped-query attention with fused ``qkv_proj``, optional q/k norm and qkv bias."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+        elif config.qk_norm == "full":
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(kv_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.rope_interleaved = config.rope_of(layer_index).interleaved
+        self.scale = config.attn_scale if config.attn_scale is not None else self.head_dim**-0.5
+        self.sliding_window = config.sliding_window_of(layer_index)
+        self.logit_softcap = config.attn_logit_softcap
+
+    def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+        num_tokens = x_TH.shape[0]
+        q, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_TND = q.view(num_tokens, self.num_heads, self.head_dim)
+        k_TND = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v_TND = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q_TND, k_TND = self.q_norm(q_TND), self.k_norm(k_TND)
+        cos, sin = rope_cos_sin
+        q_TND = apply_rotary(q_TND, cos, sin, self.rope_interleaved)
+        k_TND = apply_rotary(k_TND, cos, sin, self.rope_interleaved)
+        y_TND = attention.attend(
+            self.layer_index, q_TND, k_TND, v_TND,
+            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+        )
+        return self.o_proj(y_TND.reshape(num_tokens, -1))
+
+    def layout(self) -> tuple[int, int, int, int | None]:
+        """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing."""
+        return self.num_kv_heads, self.head_dim, self.head_dim, self.sliding_window
+
+
+class MLAttention(torch.nn.Module):
+    """DeepSeek multi-head latent attention (keys/values expanded per head).
+
+    Queries come from ``q_proj`` or the low-rank ``q_a_proj -> q_a_norm -> q_b_proj``;
+    keys and values from the compressed ``kv_a_proj`` (latent + shared rotary key)
+    expanded by ``kv_b_proj``.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.mla = mla
+        bias = config.qkv_bias
+        if mla.q_lora_rank is None:
+            self.q_proj = torch.nn.Linear(config.hidden_size, self.num_heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = torch.nn.Linear(config.hidden_size, mla.q_lora_rank, bias=bias)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, 1e-6)
+            self.q_b_proj = torch.nn.Linear(mla.q_lora_rank, self.num_heads * mla.qk_head_dim, bias=False)
+        self.kv_a_proj = torch.nn.Linear(config.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        self.kv_b_proj = torch.nn.Linear(
+            mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = torch.nn.Linear(self.num_heads * mla.v_head_dim, config.hidden_size, bias=config.o_bias)
+        rope = config.rope_of(layer_index)
+        self.rope_interleaved = rope.interleaved
+        self.scale = mla.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rope)
+        self.sliding_window = config.sliding_window_of(layer_index)
+        self.logit_softcap = config.attn_logit_softcap
+
+    def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+        mla, num_tokens, num_heads = self.mla, x_TH.shape[0], self.num_heads
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x_TH)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TH)))
+        q_nope, q_rot = q.view(num_tokens, num_heads, mla.qk_head_dim).split(
+            (mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1
+        )
+        kv_latent, k_rot = self.kv_a_proj(x_TH).split((mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
+        cos, sin = rope_cos_sin
+        q_rot = apply_rotary(q_rot, cos, sin, self.rope_interleaved)
+        k_rot = apply_rotary(k_rot.view(num_tokens, 1, mla.qk_rope_head_dim), cos, sin, self.rope_interleaved)
+        kv = self.kv_b_proj(self.kv_a_norm(kv_latent)).view(num_tokens, num_heads, -1)
+        k_nope, v_TND = kv.split((mla.qk_nope_head_dim, mla.v_head_dim), dim=-1)
+        q_TND = torch.cat((q_nope, q_rot), dim=-1)
+        k_TND = torch.cat((k_nope, k_rot.expand(num_tokens, num_heads, mla.qk_rope_head_dim)), dim=-1)
+        y_TND = attention.attend(
+            self.layer_index, q_TND, k_TND, v_TND.contiguous(),
+            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+        )
+        return self.o_proj(y_TND.reshape(num_tokens, -1))
+
+    def layout(self) -> tuple[int, int, int, int | None]:
+        """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` (expanded per head)."""
+        return self.num_heads, self.mla.qk_head_dim, self.mla.v_head_dim, self.sliding_window

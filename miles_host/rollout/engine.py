@@ -1,0 +1,435 @@
+"""The embedded rollout engine: continuous batching over a paged KV cache.
+
+Synchronous use::
+
+    engine = Engine.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    outputs = engine.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params={"temperature": 1.0, "n": 4})
+
+Request-level use (the rollout manager): :meth:`Engine.add_request`, :meth:`Engine.step`
+(returns the outputs finished in that step), :meth:`Engine.abort`, :meth:`Engine.pause` /
+:meth:`Engine.resume`, and the asyncio form :meth:`Engine.async_generate`.
+
+Errors: :meth:`add_request` raises ``ValueError`` for a bad request (invalid
+sampling params, empty prompt, prompt not shorter than ``max_model_len`` or larger
+than the KV cache, ``n`` above ``max_num_seqs``, stop strings without a tokenizer).
+:meth:`generate` and :meth:`async_generate` do not raise for those: the bad
+request's result has ``finish_reason == {"type": "abort", "message": ...}`` and
+the other requests run normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from miles_host.rollout.block_manager import BlockManager
+from miles_host.rollout.config import EngineConfig, resolve_config
+from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_gpu
+from miles_host.rollout.model_runner import ModelRunner
+from miles_host.rollout.outputs import rejected_output, sequence_output
+from miles_host.rollout.sampling_params import SamplingParams
+from miles_host.rollout.scheduler import ScheduledBatch, Scheduler
+from miles_host.rollout.sequence import Sequence, SequenceStatus
+from miles_host.rollout.weights import copy_named_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    rid: str
+    samples: list[Sequence]
+    return_logprob: bool
+    return_routed_experts: bool
+    outputs: list[dict | None] = field(default_factory=list)
+    future: "asyncio.Future | None" = None
+
+    @property
+    def done(self) -> bool:
+        return all(o is not None for o in self.outputs)
+
+
+class Engine:
+    """In-process rollout engine over a :class:`miles_host.models.CausalLM`.
+
+    See :class:`~miles_host.rollout.config.EngineConfig` for the knobs
+    (``mem_fraction_static``, ``max_num_seqs``, ``batch_invariant``, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any | None = None, **config_kwargs: Any):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config: EngineConfig = resolve_config(model, **config_kwargs)
+        cfg = self.config
+        self.device = cfg.device
+        self.weight_version: Any = 0
+        layout = model.attention_layout()
+        self.kv_bytes_per_token = kv_bytes_per_token(layout, cfg.kv_cache_dtype)
+        if self.device.type == "cuda":
+            activation_peak = self._measure_activation_peak(layout)
+            num_blocks = num_blocks_for_gpu(
+                layout, cfg.block_size, cfg.kv_cache_dtype, self.device, cfg.mem_fraction_static, activation_peak
+            )
+            if cfg.max_kv_cache_tokens is not None:
+                num_blocks = min(num_blocks, cfg.max_kv_cache_tokens // cfg.block_size + 1)
+        else:
+            num_blocks = cfg.kv_cache_tokens // cfg.block_size + 1  # + the padding block
+        self.kv_cache = PagedKVCache(layout, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.device)
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching and not cfg.batch_invariant
+        )
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
+            max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+            batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
+        )
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._paused = False
+        self._resumed = asyncio.Event() if False else None  # created lazily inside a running loop
+        self._driver: asyncio.Task | None = None
+        self._rid_counter = itertools.count()
+        logger.info(
+            "rollout engine: %d KV blocks x %d tokens (%.2f GiB), attention=%s, cuda_graphs=%s",
+            num_blocks - 1, cfg.block_size, self.kv_cache.num_bytes / 2**30, cfg.attention_backend,
+            bool(self.runner.graphs),
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cuda",
+        routing_hooks: Any = None,
+        tokenizer: Any = "auto",
+        **config_kwargs: Any,
+    ) -> "Engine":
+        """Load a Hugging Face checkpoint folder through :func:`miles_host.models.load_pretrained`.
+
+        ``tokenizer="auto"`` loads the folder's tokenizer when there is one (it is
+        only needed for ``stop`` strings and ``text`` in the results).
+        """
+        from miles_host.models import load_pretrained
+
+        model = load_pretrained(path, dtype=dtype, device=device, routing_hooks=routing_hooks)
+        if tokenizer == "auto":
+            tokenizer = _try_load_tokenizer(path)
+        return cls(model, tokenizer=tokenizer, **config_kwargs)
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds (without the padding block)."""
+        return self.block_manager.num_usable_blocks * self.config.block_size
+
+    def _measure_activation_peak(self, layout) -> int:
+        """Peak activation bytes of the largest prefill and of sampling a full decode batch."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens
+        blocks = tokens // cfg.block_size + 2
+        scratch = PagedKVCache(layout, blocks, cfg.block_size, cfg.kv_cache_dtype, self.device)
+        runner = ModelRunner(
+            self.model, scratch, device=self.device, attention_backend=cfg.attention_backend,
+            max_num_seqs=cfg.max_num_seqs, max_model_len=tokens + cfg.block_size,
+        )
+        seq_len = min(tokens, cfg.max_model_len - 1)
+        seqs, next_block = [], 1
+        for i in range(max(1, tokens // seq_len)):
+            seq = Sequence(rid=f"warmup-{i}", token_ids=[0] * seq_len, num_prompt_tokens=seq_len,
+                           params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50))
+            need = self.block_manager_blocks(seq_len)
+            seq.block_table = list(range(next_block, next_block + need))
+            next_block += need
+            seqs.append(seq)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        runner.run(ScheduledBatch(sequences=seqs, is_prefill=True, samplers=seqs,
+                                  sample_from=list(range(len(seqs)))), want_routes=False)
+        vocab = self.model.config.vocab_size
+        logits = torch.empty(cfg.max_num_seqs, vocab, dtype=torch.float32, device=self.device)
+        # sampling a full decode batch: sort + a few [B, V] float32 temporaries
+        peak = max(torch.cuda.max_memory_allocated(self.device) - before, 8 * logits.numel() * 4)
+        del logits, scratch, runner
+        torch.cuda.empty_cache()
+        return int(peak * 1.1) + (256 << 20)
+
+    def block_manager_blocks(self, num_tokens: int) -> int:
+        return (num_tokens + self.config.block_size - 1) // self.config.block_size
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        rid: str | None,
+        input_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> str:
+        """Queue one request (``n`` samples); return its id. Raises ``ValueError`` if it is bad."""
+        params = SamplingParams.from_any(dict(sampling_params) if isinstance(sampling_params, Mapping) else sampling_params)
+        rid = str(rid) if rid is not None else uuid.uuid4().hex
+        self._validate(rid, input_ids, params)
+        prompt = [int(t) for t in input_ids]
+        samples = []
+        for index in range(params.n):
+            generator = None
+            if params.sampling_seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.sampling_seed + index)
+            samples.append(Sequence(
+                rid=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
+                sample_index=index, generator=generator, want_routed_experts=return_routed_experts,
+                eos_token_ids=self.eos_token_ids,
+            ))
+        parent = samples[0]
+        for child in samples[1:]:
+            child.parent = parent
+            parent.children.append(child)
+        request = _Request(rid, samples, return_logprob, return_routed_experts, outputs=[None] * params.n)
+        self._requests[rid] = request
+        if params.max_new_tokens == 0:
+            for seq in samples:
+                self._finish(seq, {"type": "length", "length": 0})
+        else:
+            self.scheduler.add(parent)
+        return rid
+
+    def _validate(self, rid: str, input_ids: Any, params: SamplingParams) -> None:
+        cfg = self.config
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+            raise ValueError("input_ids must be a list of token ids (ints)")
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty: input_ids must contain at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(input_ids) >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens but max_model_len is {cfg.max_model_len}: "
+                "shorten the prompt or raise max_model_len"
+            )
+        if len(input_ids) + 1 > self.num_kv_cache_tokens:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens but the KV cache holds {self.num_kv_cache_tokens}: "
+                "raise mem_fraction_static / kv_cache_tokens"
+            )
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine or use stop_token_ids")
+
+    def has_unfinished(self) -> bool:
+        """True while some request still has samples to generate."""
+        return self.scheduler.has_work()
+
+    def step(self) -> list[dict[str, Any]]:
+        """Run one scheduler step; return the outputs of samples that finished in it."""
+        if self._paused or not self.scheduler.has_work():
+            return []
+        batch = self.scheduler.schedule()
+        finished: list[dict[str, Any]] = []
+        if batch is None:
+            return finished
+        for seq in batch.failed:
+            finished.append(self._finish(seq, {
+                "type": "abort",
+                "message": f"the sequence needs {len(seq)} tokens of KV cache but only "
+                           f"{self.num_kv_cache_tokens} fit: raise mem_fraction_static / kv_cache_tokens",
+            }))
+        if not batch.sequences:
+            return finished
+        want_routes = any(s.want_routed_experts for s in batch.sequences)
+        starts = [s.num_cached_tokens if batch.is_prefill else len(s) - 1 for s in batch.sequences]
+        if batch.is_prefill:
+            for seq in batch.sequences:
+                if seq.num_output_tokens == 0 and seq.sample_index == 0:
+                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
+        result, routes = self.runner.run(batch, want_routes)
+        if routes:
+            self._store_routes(batch, starts, routes)
+        for seq, token, logprob in zip(batch.samplers, result.token_ids, result.logprobs):
+            if seq.parent is not None and seq.num_output_tokens == 0:
+                seq.num_prompt_cached_tokens = seq.parent.num_prompt_cached_tokens
+            seq.token_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            seq.num_cached_tokens = len(seq) - 1
+            self.block_manager.register_full_blocks(seq, len(seq) - 1)
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _store_routes(self, batch: ScheduledBatch, starts: list[int], routes) -> None:
+        for group, cu_seqlens, captured in routes:
+            if not captured:
+                continue
+            layers = sorted(captured)
+            stacked_TLK = torch.stack([captured[layer].to(torch.int32) for layer in layers], dim=1)
+            for j, index in enumerate(group):
+                seq = batch.sequences[index]
+                if seq.want_routed_experts:
+                    seq.routed_expert_chunks.append((starts[index], stacked_TLK[cu_seqlens[j]:cu_seqlens[j + 1]]))
+        for seq, source in zip(batch.samplers, batch.sample_from):
+            parent = batch.sequences[source]
+            if seq is not parent and seq.want_routed_experts:
+                seq.routed_expert_chunks = list(parent.routed_expert_chunks)
+
+    def _finish_reason(self, seq: Sequence) -> dict[str, Any] | None:
+        params = seq.params
+        token = seq.token_ids[-1]
+        if seq.num_output_tokens >= params.min_new_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                return {"type": "stop", "matched": token}
+            if params.stop:
+                matched = self._match_stop_string(seq)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
+        if seq.num_output_tokens >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if len(seq) >= self.config.max_model_len:
+            return {"type": "length", "length": seq.num_output_tokens}
+        return None
+
+    def _match_stop_string(self, seq: Sequence) -> str | None:
+        longest = max(len(s) for s in seq.params.stop)
+        # Only the tail can contain a new match; a token is at least one character.
+        tail = self.tokenizer.decode(seq.output_ids[-(longest + 1):])
+        for stop in seq.params.stop:
+            if stop in tail:
+                return stop
+        return None
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> dict[str, Any]:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        request = self._requests[seq.rid]
+        output = sequence_output(
+            seq, weight_version=self.weight_version, return_logprob=request.return_logprob,
+            return_routed_experts=request.return_routed_experts, tokenizer=self.tokenizer,
+        )
+        request.outputs[seq.sample_index] = output
+        if request.done:
+            del self._requests[seq.rid]
+            if request.future is not None and not request.future.done():
+                request.future.set_result(request.outputs)
+        return output
+
+    def abort(self, rid: str | None = None) -> list[dict[str, Any]]:
+        """Stop request ``rid`` (every request when None); return the partial outputs.
+
+        Each aborted sample keeps the tokens and logprobs generated so far and has
+        ``finish_reason == {"type": "abort", "message": "aborted"}``.
+        """
+        rids = list(self._requests) if rid is None else ([rid] if rid in self._requests else [])
+        outputs = []
+        for r in rids:
+            for seq in self._requests[r].samples:
+                if seq.status != SequenceStatus.FINISHED:
+                    outputs.append(self._finish(seq, {"type": "abort", "message": "aborted"}))
+        return outputs
+
+    def pause(self) -> None:
+        """Stop stepping (requests stay queued, KV cache kept) until :meth:`resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Continue stepping after :meth:`pause`."""
+        self._paused = False
+        if self._resumed is not None:
+            self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.inference_mode()
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        weight_version: Any = None,
+    ) -> Any:
+        """Copy new weights into the model in place; return the new ``weight_version``.
+
+        Names are the model's own parameter names (``model.state_dict()``). The
+        prefix cache is flushed (its K/V came from the old weights); sequences in
+        flight keep their cache and continue with the new weights, as in SGLang.
+        """
+        copy_named_tensors(self.model, named_tensors)
+        self.flush_cache()
+        self.weight_version = weight_version if weight_version is not None else _bump(self.weight_version)
+        return self.weight_version
+
+    def flush_cache(self) -> bool:
+        """Forget the prefix cache (blocks in use are untouched)."""
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    # ------------------------------------------------------------------ batch API
+
+    def generate(
+        self,
+        input_ids: list[list[int]] | list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | list | None = None,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        rid: list[str] | str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate for a batch of prompts; return ``n`` results per prompt, prompt-major.
+
+        A bad request yields a result with ``finish_reason`` type ``"abort"`` and a
+        ``message`` instead of raising; the others are unaffected.
+        """
+        if self._paused:
+            raise RuntimeError("the engine is paused: call resume() before generate()")
+        prompts, params_list, rids = _normalise_batch(input_ids, sampling_params, rid)
+        order: list[tuple[str | None, dict | None, int]] = []
+        for prompt, params, r in zip(prompts, params_list, rids):
+            r = r if r is not None else f"gen-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
+            try:
+                self.add_request(r, prompt, params, return_logprob=return_logprob,
+                                 return_routed_experts=return_routed_experts)
+                order.append((r, None, 0))
+            except ValueError as error:
+                n = params.get("n", 1) if isinstance(params, Mapping) else getattr(params, "n", 1)
+                n = n if isinstance(n, int) and n >= 1 else 1
+                rejected = rejected_output(r, str(error), len(prompt) if isinstance(prompt, (list, tuple)) else 0,
+                                           self.weight_version)
+                order.append((None, rejected, n))
+        pending = {r for r, _, _ in order if r is not None}
+        results: dict[str, list[dict]] = {}
+        for r in list(pending):  # requests finished while being added (max_new_tokens=0)
+            if r not in self._requests:
+                pending.discard(r)
+        watched = {r: self._requests[r] for r in pending}
+        while any(not req.done for req in watched.values()):
+            self.step()
+        for r, req in watched.items():
+            results[r] = req.outputs
+        outputs: list[dict[str, Any]] = []
+        for r, rejected, n in order:
+            if r is None:
+                outputs.extend([rejected] * n)
+            elif r in results:
+                outputs.extend(results[r])
+            else:
+                outputs.extend(self._finished_at_add.pop(r, []))
+        return outputs

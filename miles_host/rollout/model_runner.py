@@ -1,0 +1,249 @@
+"""Runs one scheduled batch through the model: inputs, forward, logits, sampling.
+
+Decode batches on CUDA replay CUDA graphs captured for a ladder of batch sizes
+(padded rows write to the reserved block 0). In batch-invariant mode every
+sequence is forwarded and sampled on its own, so nothing about a request's
+numerics depends on its neighbours.
+
+Tensor legend: T = tokens of the step, B = sequences, M = blocks per sequence,
+V = vocabulary, L = MoE layers, K = experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from miles_host.models.context import ForwardContext, RoutingContext
+from miles_host.rollout.attention import AttentionMetadata, PagedAttention
+from miles_host.rollout.kv_cache import PagedKVCache
+from miles_host.rollout.sampler import SamplingBatch, sample
+from miles_host.rollout.scheduler import ScheduledBatch
+from miles_host.rollout.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens (host lists, aligned with ``batch.samplers``) and captured routes."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and (on CUDA) the decode graphs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        *,
+        device: torch.device,
+        attention_backend: str,
+        max_num_seqs: int,
+        max_model_len: int,
+        batch_invariant: bool = False,
+        use_cuda_graph: bool = False,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.attention_backend = attention_backend
+        self.batch_invariant = batch_invariant
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_sizes: list[int] = []
+        self.prefill_forwards = 0
+        if use_cuda_graph:
+            try:
+                self._capture_decode_graphs()
+            except Exception as error:  # noqa: BLE001 - fall back to eager, say why
+                logger.warning("CUDA graph capture failed (%s); decoding eagerly", error)
+                self.graphs.clear()
+                self.graph_sizes = []
+
+    # ------------------------------------------------------------------ inputs
+
+    def _metadata(
+        self, seqs: list[Sequence], num_new: list[int], is_decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        cu_seqlens = [0]
+        context_lens = []
+        for seq, n in zip(seqs, num_new):
+            start = len(seq) - n
+            input_ids.extend(seq.token_ids[start:])
+            for pos in range(start, len(seq)):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            context_lens.append(len(seq))
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        dev = self.device
+
+        def to_dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping_T=to_dev(slots, torch.long),
+            cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
+            context_lens_B=to_dev(context_lens, torch.int32),
+            block_tables_BM=to_dev(tables, torch.int32),
+            max_q_len=max(num_new),
+            max_context_len=max(context_lens),
+            is_decode=is_decode,
+            cu_seqlens_q_host=cu_seqlens,
+            context_lens_host=context_lens,
+        )
+        if self.attention_backend == "triton":
+            from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+
+            heads = self._head_counts()
+            meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, tokens_per_tile(*heads, is_decode), dev)
+        return to_dev(input_ids, torch.long), to_dev(positions, torch.long), meta
+
+    def _head_counts(self) -> tuple[int, int]:
+        layout = self.kv_cache.layout[0]
+        num_q_heads = getattr(self.model.config, "num_attention_heads")
+        return num_q_heads, layout[0]
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(
+        self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of each sequence's last token ``[B, hidden]`` and the step's cu_seqlens."""
+        input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
+        if not is_decode:
+            self.prefill_forwards += 1
+        graph_size = self._graph_size(len(seqs)) if is_decode and not routing.extra.get("capture") else None
+        if graph_size is not None:
+            hidden_TH = self._replay(graph_size, input_ids, positions, meta)[: len(seqs)]
+        else:
+            attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
+            hidden_TH = self.model.forward_hidden(input_ids, positions, ForwardContext(attention=attention, routing=routing))
+        last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
+        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, want_routes: bool) -> tuple[StepResult, list[tuple[list[int], list[int], dict]]]:
+        """Forward ``batch``, sample every sampler's next token.
+
+        Returns the sampled tokens and, when ``want_routes``, per forward
+        ``(sequence indices, cu_seqlens, captured {layer: [T, K] expert ids})``.
+        """
+        if batch.pending_copies:
+            self.kv_cache.copy_blocks(batch.pending_copies)
+        seqs = batch.sequences
+        num_new = [len(s) - s.num_cached_tokens for s in seqs] if batch.is_prefill else [1] * len(seqs)
+        groups = [[i] for i in range(len(seqs))] if self.batch_invariant else [list(range(len(seqs)))]
+        tokens: list[int] = [0] * len(batch.samplers)
+        logprobs: list[float] = [0.0] * len(batch.samplers)
+        routes: list[tuple[list[int], list[int], dict]] = []
+        for group in groups:
+            routing = RoutingContext(phase="rollout")
+            routing.extra["capture"] = want_routes
+            hidden_BH, cu_seqlens = self._forward(
+                [seqs[i] for i in group], [num_new[i] for i in group], not batch.is_prefill, routing
+            )
+            if want_routes:
+                routes.append((group, cu_seqlens, dict(routing.captured)))
+            logits_BV = self.model.compute_logits(hidden_BH)
+            first = group[0]
+            rows = [r for r, source in enumerate(batch.sample_from) if first <= source <= group[-1]]
+            sub_groups = [[r] for r in rows] if self.batch_invariant else [rows]
+            for sub in sub_groups:
+                if not sub:
+                    continue
+                index = torch.tensor([batch.sample_from[r] - first for r in sub], dtype=torch.long)
+                samplers = [batch.samplers[r] for r in sub]
+                sampling = SamplingBatch.build(
+                    [s.params for s in samplers],
+                    [s.generator for s in samplers],
+                    [s.banned_tokens() for s in samplers],
+                    logits_BV.device,
+                )
+                token_B, logprob_B = sample(logits_BV.index_select(0, index.to(logits_BV.device)), sampling)
+                # One device-to-host copy per sampling group: the only sync of the step.
+                for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
+                    tokens[r] = t
+                    logprobs[r] = lp
+        return StepResult(tokens, logprobs), routes
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _graph_size(self, batch_size: int) -> int | None:
+        for size in self.graph_sizes:
+            if size >= batch_size:
+                return size
+        return None
+
+    def _capture_decode_graphs(self) -> None:
+        max_bs = self.max_num_seqs
+        dev = self.device
+        self.graph_sizes = sorted({s for s in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if s <= max_bs} | {max_bs})
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slots": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "cu_seqlens": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "tile_seq": torch.arange(max_bs, dtype=torch.int32, device=dev),
+        }
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        for size in reversed(self.graph_sizes):
+            meta = self._static_metadata(size)
+            attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
+            context = ForwardContext(attention=attention, routing=RoutingContext(phase="rollout"))
+            ids, pos = self.static["input_ids"][:size], self.static["positions"][:size]
+            self.model.forward_hidden(ids, pos, context)  # warm-up (Triton compilation, allocator)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_outputs[size] = self.model.forward_hidden(ids, pos, context)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[size] = graph
+            torch.cuda.synchronize()
+        self.graph_sizes = sorted(self.graphs)
+
+    def _static_metadata(self, size: int) -> AttentionMetadata:
+        s = self.static
+        return AttentionMetadata(
+            slot_mapping_T=s["slots"][:size],
+            cu_seqlens_q=s["cu_seqlens"][: size + 1],
+            context_lens_B=s["context_lens"][:size],
+            block_tables_BM=s["block_tables"][:size],
+            max_q_len=1,
+            max_context_len=self.max_blocks_per_seq * self.block_size,
+            is_decode=True,
+            tile_seq=s["tile_seq"][:size],
+            tile_q_start=s["cu_seqlens"][:size],
+        )
+
+    def _replay(self, size: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        s = self.static
+        n = input_ids.shape[0]
+        s["input_ids"][:n].copy_(input_ids)
+        s["positions"][:n].copy_(positions)
+        s["slots"][:n].copy_(meta.slot_mapping_T)
+        s["context_lens"][:n].copy_(meta.context_lens_B)
+        width = meta.block_tables_BM.shape[1]
+        s["block_tables"][:n, :width].copy_(meta.block_tables_BM)
+        if size > n:  # padded rows: write to the reserved block 0, attend to one slot
+            s["input_ids"][n:size].zero_()
+            s["positions"][n:size].zero_()
+            s["slots"][n:size].zero_()
+            s["context_lens"][n:size].fill_(1)
+            s["block_tables"][n:size, 0].zero_()
+        self.graphs[size].replay()
+        return self.graph_outputs[size]

@@ -1,0 +1,113 @@
+"""``miles run`` flags, --config files, --dry-run and the seed's command lines."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_host.cli.main import main
+from tests.host.seed_commands import SEED_COMMANDS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dry_run(capsys, *argv):
+    code = main(["run", *argv, "--dry-run"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+@pytest.mark.parametrize("command", SEED_COMMANDS, ids=range(len(SEED_COMMANDS)))
+def test_every_seed_command_line_passes_dry_run(command, tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    argv = shlex.split(command.format(ckpt=tmp_path, data=tmp_path / "data.jsonl"))
+    assert argv[:2] in (["python", "train.py"], ["miles", "run"])
+    report = _dry_run(capsys, *argv[2:])
+    config = report["config"]
+    for flag in [a for a in argv[2:] if a.startswith("--") and a != "--plugins"]:
+        name = flag[2:].replace("-", "_")
+        name = {"tis_threshold": "tis_clip"}.get(name, name)
+        assert name in config or name in config["plugin_args"], flag
+
+
+def test_seed_values_are_resolved(capsys, tmp_path):
+    config = _dry_run(capsys, "--use-tis", "--tis-threshold", "0.9", "--rollout-batch-size", "512")["config"]
+    assert config["use_tis"] is True and config["tis_clip"] == 0.9 and config["rollout_batch_size"] == 512
+
+
+def test_speculative_flags_activate_the_spec_plugin(capsys):
+    report = _dry_run(capsys, "--sglang-speculative-algorithm", "EAGLE")
+    assert "spec" in report["config"]["plugins"]
+    assert "spec" in [p["name"] for p in report["active_plugins"]]
+
+
+def test_plugins_flag_activates_and_configures(capsys):
+    config = _dry_run(capsys, "--plugins", "fp8,r3", "--plugins", "spec")["config"]
+    assert config["plugins"] == ["fp8", "r3", "spec"] or set(config["plugins"]) == {"fp8", "r3", "spec"}
+    assert config["precision"] == "fp8"
+    assert config["plugin_args"]["use_rollout_routing_replay"] is True
+
+
+def test_slime_routing_replay_flag_activates_r3(capsys):
+    config = _dry_run(capsys, "--use-rollout-routing-replay")["config"]
+    assert config["plugins"] == ["r3"]
+
+
+def test_config_file_with_flags_overriding(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout-batch-size: 16\nn_samples_per_prompt: 4\nlr: 1.0e-5\n")
+    config = _dry_run(capsys, "--config", str(path), "--n-samples-per-prompt", "8")["config"]
+    assert config["rollout_batch_size"] == 16
+    assert config["n_samples_per_prompt"] == 8
+    assert config["lr"] == 1e-5
+
+
+def test_config_file_unknown_key_suggests(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_batch_sise: 16\n")
+    assert main(["run", "--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout_batch_sise" in err and "rollout_batch_size" in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["run", "--config", "/nonexistent/run.yaml", "--dry-run"]) == 2
+    assert "/nonexistent/run.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rollout-batch-size", "0"], "--rollout-batch-size must be positive"),
+        (["--rollout-top-p", "1.5"], "--rollout-top-p"),
+        (["--eval-prompt-data", "gsm8k"], "--eval-prompt-data takes pairs"),
+        (["--use-dynamic-batch-size"], "--max-tokens-per-gpu"),
+        (["--rollout-batch-size", "8", "--over-sampling-batch-size", "4"], "--over-sampling-batch-size"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, message, capsys):
+    assert main(["run", *argv, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_command(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_train_py_forwards_to_miles_run(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--rollout-batch-size", "3", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["config"]["rollout_batch_size"] == 3
