@@ -107,7 +107,13 @@ class ModelFamily(Record):
     - ``hf_config_from_native(config, original_hf_config) -> dict`` for saving.
     - ``convert_hf_tensor(name, tensor, config) -> list[(native_name, tensor)]``
       for weights that are not a plain rename (fused or split tensors); ``None``
-      means rename only.
+      means rename only. An entry may also be ``(native_name, tensor, index)``:
+      the tensor fills ``native_param[index]`` (e.g. the k rows of a fused
+      ``qkv_proj``, or expert 3 of a stacked ``[E, ...]`` tensor), so the loader
+      streams HF tensors into fused native ones without an extra copy.
+    - ``convert_native_tensor(name, tensor, config) -> list[(hf_name, tensor)]``:
+      the inverse, for saving (split fused tensors, unstack experts); ``None``
+      (the field) means ``native_to_hf`` renames only.
     - ``chat_defaults``: e.g. ``{"eos_token_ids": [...], "chat_template": ...}``.
     """
 
@@ -117,6 +123,7 @@ class ModelFamily(Record):
     native_to_hf: Callable[[str], str] | None = None
     hf_config_from_native: Callable[..., dict] | None = None
     convert_hf_tensor: Callable[..., Any] | None = None
+    convert_native_tensor: Callable[..., Any] | None = None
     chat_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 

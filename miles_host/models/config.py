@@ -189,10 +189,12 @@ class ModelConfig:
 
     def sliding_window_of(self, layer_index: int) -> int | None:
         """The attention window of one layer (None: full causal attention)."""
+        if layer_index >= self.num_layers:  # MTP layers attend like full layers
+            return None
         return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
 
     def rope_of(self, layer_index: int) -> RopeConfig:
         """The rotary config of one layer (sliding layers may use ``local_rope``)."""
-        if self.local_rope is not None and self.layer_types[layer_index] == "sliding_attention":
+        if self.local_rope is not None and self.sliding_window_of(layer_index) is not None:
             return self.local_rope
         return self.rope

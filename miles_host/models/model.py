@@ -186,8 +186,3 @@ class CausalLM(torch.nn.Module):
         out = logits_TV.new_zeros(batch * length, logits_TV.shape[-1])
         out[flat_index] = logits_TV
         return out.view(batch, length, -1)
-
-
-def rope_key(rope: RopeConfig) -> int:
-    """Identity of a rope config inside one model (layers sharing it share tables)."""
-    return id(rope)

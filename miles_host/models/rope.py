@@ -85,7 +85,8 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig):
         super().__init__()
         self.rope = rope
-        inv_freq, self.attention_factor = inverse_frequencies(rope)
+        with torch.device("cpu"):  # also when the model is built on the meta device
+            inv_freq, self.attention_factor = inverse_frequencies(rope)
         self._inv_freq_cpu = inv_freq
         self._inv_freq: torch.Tensor | None = None
 

@@ -93,7 +93,6 @@ class Engine:
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._paused = False
-        self._resumed = asyncio.Event() if False else None  # created lazily inside a running loop
         self._driver: asyncio.Task | None = None
         self._rid_counter = itertools.count()
         logger.info(
@@ -179,8 +178,11 @@ class Engine:
         return_routed_experts: bool = False,
     ) -> str:
         """Queue one request (``n`` samples); return its id. Raises ``ValueError`` if it is bad."""
+        return self._add(rid, input_ids, sampling_params, return_logprob, return_routed_experts).rid
+
+    def _add(self, rid, input_ids, sampling_params, return_logprob, return_routed_experts) -> _Request:
         params = SamplingParams.from_any(dict(sampling_params) if isinstance(sampling_params, Mapping) else sampling_params)
-        rid = str(rid) if rid is not None else uuid.uuid4().hex
+        rid = str(rid) if rid is not None else f"req-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
         self._validate(rid, input_ids, params)
         prompt = [int(t) for t in input_ids]
         samples = []
@@ -205,7 +207,7 @@ class Engine:
                 self._finish(seq, {"type": "length", "length": 0})
         else:
             self.scheduler.add(parent)
-        return rid
+        return request
 
     def _validate(self, rid: str, input_ids: Any, params: SamplingParams) -> None:
         cfg = self.config
@@ -351,8 +353,6 @@ class Engine:
     def resume(self) -> None:
         """Continue stepping after :meth:`pause`."""
         self._paused = False
-        if self._resumed is not None:
-            self._resumed.set()
 
     @property
     def paused(self) -> bool:
@@ -401,35 +401,108 @@ class Engine:
         if self._paused:
             raise RuntimeError("the engine is paused: call resume() before generate()")
         prompts, params_list, rids = _normalise_batch(input_ids, sampling_params, rid)
-        order: list[tuple[str | None, dict | None, int]] = []
+        slots: list[_Request | list[dict]] = []
         for prompt, params, r in zip(prompts, params_list, rids):
-            r = r if r is not None else f"gen-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
             try:
-                self.add_request(r, prompt, params, return_logprob=return_logprob,
-                                 return_routed_experts=return_routed_experts)
-                order.append((r, None, 0))
+                slots.append(self._add(r, prompt, params, return_logprob, return_routed_experts))
             except ValueError as error:
-                n = params.get("n", 1) if isinstance(params, Mapping) else getattr(params, "n", 1)
-                n = n if isinstance(n, int) and n >= 1 else 1
-                rejected = rejected_output(r, str(error), len(prompt) if isinstance(prompt, (list, tuple)) else 0,
-                                           self.weight_version)
-                order.append((None, rejected, n))
-        pending = {r for r, _, _ in order if r is not None}
-        results: dict[str, list[dict]] = {}
-        for r in list(pending):  # requests finished while being added (max_new_tokens=0)
-            if r not in self._requests:
-                pending.discard(r)
-        watched = {r: self._requests[r] for r in pending}
-        while any(not req.done for req in watched.values()):
+                slots.append(self._rejected(r, prompt, params, error))
+        while any(isinstance(s, _Request) and not s.done for s in slots):
             self.step()
-        for r, req in watched.items():
-            results[r] = req.outputs
-        outputs: list[dict[str, Any]] = []
-        for r, rejected, n in order:
-            if r is None:
-                outputs.extend([rejected] * n)
-            elif r in results:
-                outputs.extend(results[r])
-            else:
-                outputs.extend(self._finished_at_add.pop(r, []))
-        return outputs
+        return [o for s in slots for o in (s.outputs if isinstance(s, _Request) else s)]
+
+    def _rejected(self, rid, prompt, params, error: ValueError) -> list[dict[str, Any]]:
+        n = params.get("n", 1) if isinstance(params, Mapping) else getattr(params, "n", 1)
+        n = n if isinstance(n, int) and n >= 1 else 1
+        num_prompt = len(prompt) if isinstance(prompt, (list, tuple)) else 0
+        return [rejected_output(str(rid), str(error), num_prompt, self.weight_version) for _ in range(n)]
+
+    # ------------------------------------------------------------------ asyncio API
+
+    async def async_generate(
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: SamplingParams | Mapping[str, Any] | list | None = None,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Awaitable generate for the rollout manager.
+
+        One prompt (``list[int]``): its result dict (the list of ``n`` results when
+        ``n > 1``). A list of prompts: the flat list, as :meth:`generate`. The
+        engine steps in a task of the running event loop while requests are in
+        flight; many coroutines can submit concurrently and are batched together.
+        Cancelling the awaiting coroutine aborts its request.
+        """
+        if input_ids and isinstance(input_ids[0], (list, tuple)):
+            prompts, params_list, rids = _normalise_batch(input_ids, sampling_params, rid)
+            results = await asyncio.gather(*(
+                self._async_one(p, sp, r, return_logprob, return_routed_experts)
+                for p, sp, r in zip(prompts, params_list, rids)
+            ))
+            return [o for outputs in results for o in outputs]
+        outputs = await self._async_one(input_ids, sampling_params, rid, return_logprob, return_routed_experts)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    async def _async_one(self, prompt, params, rid, return_logprob, return_routed_experts) -> list[dict]:
+        try:
+            request = self._add(rid, prompt, params, return_logprob, return_routed_experts)
+        except ValueError as error:
+            return self._rejected(rid, prompt, params, error)
+        if request.done:
+            return request.outputs
+        request.future = asyncio.get_running_loop().create_future()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self.abort(request.rid)
+            raise
+
+    async def _drive(self) -> None:
+        while self.scheduler.has_work():
+            if self._paused:
+                await asyncio.sleep(0.005)
+                continue
+            self.step()
+            await asyncio.sleep(0)  # let other coroutines submit and collect
+
+
+def _bump(version: Any) -> Any:
+    if isinstance(version, int):
+        return version + 1
+    try:
+        return str(int(version) + 1)
+    except (TypeError, ValueError):
+        return f"{version}+1"
+
+
+def _normalise_batch(input_ids, sampling_params, rid) -> tuple[list, list, list]:
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError("input_ids must be a list of prompts (lists of token ids) or one prompt")
+    prompts = list(input_ids) if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        params_list = sampling_params
+    else:
+        params_list = [sampling_params] * len(prompts)
+    if isinstance(rid, list):
+        if len(rid) != len(prompts):
+            raise ValueError(f"got {len(rid)} request ids for {len(prompts)} prompts")
+        rids = rid
+    else:
+        rids = [rid] if (rid is not None and len(prompts) == 1) else [None] * len(prompts)
+    return prompts, params_list, rids
+
+
+def _try_load_tokenizer(path: str) -> Any | None:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is fine
+        return None

@@ -112,7 +112,7 @@ class ModelRunner:
 
     def _head_counts(self) -> tuple[int, int]:
         layout = self.kv_cache.layout[0]
-        num_q_heads = getattr(self.model.config, "num_attention_heads")
+        num_q_heads = getattr(self.model.config, "num_heads", None) or self.model.config.num_attention_heads
         return num_q_heads, layout[0]
 
     # ------------------------------------------------------------------ forward

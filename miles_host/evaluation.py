@@ -1,0 +1,44 @@
+"""Evaluation: accuracy (mean reward) of the current policy on a prompt set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_host.data import PromptDataset
+from miles_host.rollout_manager import sampling_seed
+from miles_host.sample import Sample, Status
+
+
+def evaluate(config: Any, rollout: Any, path: str, rollout_id: int) -> float:
+    """Generate ``--n-samples-per-eval-prompt`` answers per prompt of ``path`` and
+    return the mean reward (failed samples count as 0)."""
+    dataset = PromptDataset.from_file(path, config.input_key, config.label_key, config.metadata_key, False, 0)
+    max_new = config.eval_max_response_len or config.rollout_max_response_len
+    samples = {}
+    for record in dataset.prompts:
+        tokens = rollout.prompt_ids(record.prompt)
+        for k in range(config.n_samples_per_eval_prompt):
+            sample = Sample(prompt=record.prompt, tokens=list(tokens), label=record.label,
+                            metadata=dict(record.metadata), loss_mask=[], rollout_log_probs=[])
+            rid = f"eval-{rollout_id}-{record.index}-{k}"
+            params = rollout.sampling_params(max_new, sampling_seed("eval", config.rollout_seed, record.index, k), eval_mode=True)
+            try:
+                rollout.backend.submit(rid, sample.tokens, params)
+                samples[rid] = sample
+            except ValueError as error:
+                sample.status = Status.FAILED
+                sample.metadata["failure"] = str(error)
+                samples[rid] = sample
+    pending = {rid for rid, s in samples.items() if s.status is not Status.FAILED}
+    while pending:
+        for output in rollout.backend.step():
+            rid = output["meta_info"]["id"]
+            if rid in pending:
+                rollout.apply_output(samples[rid], output)
+                pending.discard(rid)
+    scores = []
+    for sample in samples.values():
+        if sample.status is not Status.FAILED:
+            rollout.scorer.score_group([sample])
+        scores.append(0.0 if sample.status is Status.FAILED else rollout.scorer.scalar(sample.reward))
+    return sum(scores) / max(1, len(scores))

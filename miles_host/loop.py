@@ -1,0 +1,305 @@
+"""The RL loop: rollout -> reward -> advantages -> train -> weight sync, repeated.
+
+``run_training(config, manager)`` is what ``miles run`` calls. Every component
+comes from a registry that plugins fill (rollout backend, trainer, weight-sync
+transport, reward, advantage estimator, corrections, loggers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles_host.checkpoint import load_checkpoint, save_checkpoint
+from miles_host.data import PromptDataset
+from miles_host.evaluation import evaluate
+from miles_host.progress import Progress
+from miles_host.reward import RewardScorer
+from miles_host.rollout_manager import RolloutManager
+from miles_host.sample import Sample, Status
+
+
+class NanLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def check_supported(config: Any, registries: Any) -> None:
+    """Stop early, with a clear message, on flags this installation cannot honour."""
+    if config.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
+    if config.prompt_data is None:
+        raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+    multi = {
+        "--actor-num-nodes": config.actor_num_nodes,
+        "--actor-num-gpus-per-node": config.actor_num_gpus_per_node,
+        "--rollout-num-gpus-per-engine": config.rollout_num_gpus_per_engine,
+    }
+    for flag, value in multi.items():
+        if value != 1:
+            raise ValueError(
+                f"{flag} {value}: multi-GPU / multi-node placement is not supported yet in this version "
+                "(the embedded backends run in one process); run with the default of 1"
+            )
+    if config.rollout_num_gpus not in (None, 0, 1):
+        raise ValueError(f"--rollout-num-gpus {config.rollout_num_gpus}: separate rollout GPUs are not supported yet")
+    for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):
+        if getattr(config, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
+    if config.recompute_granularity is not None:
+        raise ValueError("--recompute-granularity (activation checkpointing) is not supported yet in this version")
+    algorithm = (config.sglang_speculative_algorithm or "plain").lower()
+    registries.decoding_strategies.get(algorithm)  # EAGLE needs the spec plugin's strategy
+    if config.enable_mtp_training and not any(t.enabled(config) for t in registries.loss_terms):
+        raise ValueError("--enable-mtp-training needs a plugin providing the MTP loss term (miles-spec)")
+    if config.custom_generate_function_path:
+        raise ValueError("--custom-generate-function-path is not supported yet in this version")
+    registries.precisions.get(config.precision)
+    registries.weight_sync_transports.get(config.weight_sync)
+    registries.rollout_backends.get(config.rollout_backend)
+    registries.train_backends.get(config.train_backend)
+    registries.advantage_estimators.get(config.advantage_estimator)
+
+
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch RNGs."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def num_rollouts(config: Any, dataset: PromptDataset) -> int:
+    """``--num-rollout``, or ``--num-epoch`` passes over the prompts."""
+    if config.num_rollout is not None:
+        return config.num_rollout
+    epochs = config.num_epoch or 1
+    return max(1, math.ceil(epochs * len(dataset.prompts) / config.rollout_batch_size))
+
+
+@dataclass
+class RunState:
+    """What the loop carries between steps."""
+
+    rollout_id: int = 0
+    history: list[dict] = field(default_factory=list)
+    weight_version: int = 0
+
+
+class Run:
+    """One ``miles run``: components built from the registries, then the loop."""
+
+    def __init__(self, config: Any, manager: Any):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.manager = manager
+        registries = manager.registries
+        check_supported(config, registries)
+        if config.output_dir is None:
+            config.output_dir = str(Path("outputs") / time.strftime("%Y%m%d-%H%M%S"))
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        print(f"miles: output directory {config.output_dir}", file=sys.stderr)
+        (Path(config.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+        seed_everything(config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+        max_prompt = config.rollout_max_prompt_len
+        self.dataset = PromptDataset.from_file(
+            config.prompt_data,
+            config.input_key,
+            config.label_key,
+            config.metadata_key,
+            config.rollout_shuffle,
+            config.rollout_seed,
+        )
+        self.backend = registries.rollout_backends.get(config.rollout_backend).factory(config, manager)
+        self.trainer = registries.train_backends.get(config.train_backend).factory(config, manager)
+        self.transport = registries.weight_sync_transports.get(config.weight_sync).factory(config)
+        self.scorer = RewardScorer(config, registries.reward_functions)
+        self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
+        if max_prompt is not None:
+            self.dataset.prompts = [
+                p for p in self.dataset.prompts if len(self.rollout.prompt_ids(p.prompt)) <= max_prompt
+            ]
+            if not self.dataset.prompts:
+                raise ValueError(f"every prompt is longer than --rollout-max-prompt-len {max_prompt}")
+        self.loggers = [record.factory(config) for record in registries.loggers if record.enabled(config)]
+        self.state = RunState()
+        self.total = num_rollouts(config, self.dataset)
+
+    # -- pieces of a step --------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """Push the trainer's weights to the engine; seconds taken."""
+        start = time.perf_counter()
+        self.state.weight_version += 1
+        self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, self.state.weight_version)
+        return time.perf_counter() - start
+
+    def checkpoint(self, rollout_id: int) -> None:
+        """Write a resumable checkpoint (``--save``) and HF weights (``--save-hf``)."""
+        if self.config.save:
+            save_checkpoint(
+                self.config.save,
+                rollout_id,
+                {
+                    "trainer": self.trainer.state_dict(),
+                    "rollout": self.rollout.state_dict(),
+                    "data": self.dataset.state_dict(),
+                    "history": self.state.history,
+                    "weight_version": self.state.weight_version,
+                },
+            )
+        if self.config.save_hf:
+            from miles_host.models import save_pretrained
+
+            path = self.config.save_hf.format(rollout_id=rollout_id)
+            save_pretrained(self.trainer.model, path)
+            self.tokenizer.save_pretrained(path)
+
+    def resume(self) -> None:
+        """``--load``: restore everything and continue after the saved rollout."""
+        state = load_checkpoint(self.config.load)
+        self.trainer.load_state_dict(state["trainer"])
+        self.rollout.load_state_dict(state["rollout"])
+        self.dataset.load_state_dict(state["data"])
+        self.state.history = list(state.get("history", []))
+        self.state.weight_version = int(state.get("weight_version", 0))
+        self.state.rollout_id = int(state["rollout_id"]) + 1
+        print(f"miles: resumed from {self.config.load} after rollout {state['rollout_id']}", file=sys.stderr)
+
+    def dump(self, rollout_id: int, samples: list[Sample]) -> None:
+        """``--dump-rollouts``: the step's samples as JSONL."""
+        folder = Path(self.config.output_dir) / "rollouts"
+        folder.mkdir(exist_ok=True)
+        with (folder / f"rollout_{rollout_id:05d}.jsonl").open("w") as handle:
+            for sample in samples:
+                handle.write(json.dumps(sample.to_dict(), default=str) + "\n")
+
+    def run_eval(self, rollout_id: int) -> dict[str, float]:
+        """``--eval-prompt-data``: accuracy (mean reward) per named data set."""
+        pairs = self.config.eval_prompt_data or []
+        metrics = {}
+        for name, path in zip(pairs[::2], pairs[1::2]):
+            accuracy = evaluate(self.config, self.rollout, path, rollout_id)
+            metrics[f"eval/{name}/accuracy"] = accuracy
+        if metrics:
+            print(
+                f"miles: eval after {rollout_id} rollout(s): "
+                + ", ".join(f"{k.split('/')[1]} accuracy {v:.1%}" for k, v in metrics.items()),
+                file=sys.stderr,
+            )
+        return metrics
+
+    def step(self, rollout_id: int) -> dict[str, Any]:
+        """One RL step; its metrics."""
+        config = self.config
+        step_start = time.perf_counter()
+        groups, stats = self.rollout.generate(rollout_id)
+        rollout_time = time.perf_counter() - step_start
+        samples = [s for group in groups for s in group]
+        if config.dump_rollouts:
+            self.dump(rollout_id, samples)
+        train_start = time.perf_counter()
+        train_metrics = self.trainer.train(samples)
+        train_time = time.perf_counter() - train_start
+        train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
+        if self.trainer.consecutive_nan_steps >= config.max_consecutive_nan_steps:
+            self.checkpoint(rollout_id)
+            raise NanLossError(
+                f"{self.trainer.consecutive_nan_steps} optimizer steps in a row had a NaN/Inf loss or gradient; "
+                "stopping (checkpoint written if --save). Lower --lr or check the data and rewards."
+            )
+        sync_time = self.sync_weights()
+        scored = [s for s in samples if s.status is not Status.FAILED]
+        rewards = [self.scorer.scalar(s.reward) for s in scored]
+        metrics: dict[str, Any] = {
+            "rollout_id": rollout_id,
+            "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "rollout/response_len_mean": float(np.mean([s.response_length for s in samples])) if samples else 0.0,
+            "rollout/truncated_ratio": float(np.mean([s.status is Status.TRUNCATED for s in samples])) if samples else 0.0,
+            "rollout/failed_samples": stats.failed_samples,
+            "rollout/filtered_groups": stats.filtered_groups,
+            "rollout/dropped_samples": stats.dropped_samples,
+            "rollout/buffered_samples": stats.buffered_samples,
+            "rollout/weight_version": self.state.weight_version,
+            **train_metrics,
+            "perf/rollout_time_s": rollout_time,
+            "perf/train_time_s": train_time,
+            "perf/weight_sync_time_s": sync_time,
+            "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
+            "perf/train_tok_per_s": train_tokens / train_time if train_time > 0 else 0.0,
+        }
+        if config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
+            metrics.update(self.run_eval(rollout_id + 1))
+        metrics["perf/step_time_s"] = time.perf_counter() - step_start
+        self.manager.hook.miles_step_end(rollout_id=rollout_id, metrics=metrics, config=config)
+        return metrics
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.state.history.append(metrics)
+        for logger in self.loggers:
+            logger.log(metrics, step)
+
+    # -- the loop -----------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run every rollout; returns the process exit code."""
+        config = self.config
+        if config.load:
+            self.resume()
+        self.sync_weights()  # the engine samples with exactly the trainer's weights from step one
+        if self.state.rollout_id == 0 and config.eval_prompt_data:
+            start_metrics = {"rollout_id": -1, **self.run_eval(0)}
+            self.log(start_metrics, -1)
+        progress = Progress(self.total, start=self.state.rollout_id, enabled=not config.no_progress)
+        rollout_id = self.state.rollout_id
+        try:
+            for rollout_id in range(self.state.rollout_id, self.total):
+                metrics = self.step(rollout_id)
+                self.log(metrics, rollout_id)
+                progress.update(rollout_id + 1, metrics.get("rollout/reward_mean"))
+                if config.save_interval and (rollout_id + 1) % config.save_interval == 0:
+                    self.checkpoint(rollout_id)
+        except KeyboardInterrupt:
+            progress.close()
+            if config.save:
+                self.checkpoint(rollout_id - 1)  # the last completed rollout
+                print(f"miles: interrupted; checkpoint written to {config.save}", file=sys.stderr)
+            raise
+        progress.close()
+        if config.save and not (config.save_interval and self.total % config.save_interval == 0):
+            self.checkpoint(self.total - 1)
+        elif config.save_hf and not config.save:
+            self.checkpoint(self.total - 1)
+        if config.eval_prompt_data and not (config.eval_interval and self.total % config.eval_interval == 0):
+            self.log({"rollout_id": self.total, **self.run_eval(self.total)}, self.total)
+        self.finish()
+        return 0
+
+    def finish(self) -> None:
+        """Close loggers and plot the curves."""
+        for logger in self.loggers:
+            logger.close()
+        from miles_host.plotting import plot_history
+
+        path = plot_history(self.state.history, Path(self.config.output_dir) / "curves.png")
+        if path is not None:
+            print(f"miles: curves written to {path}", file=sys.stderr)
+
+
+def run_training(config: Any, manager: Any) -> int:
+    """Entry point of ``miles run`` (after the config is resolved)."""
+    run = Run(config, manager)
+    try:
+        return run.run()
+    except NanLossError as error:
+        print(f"miles: error: {error}", file=sys.stderr)
+        return 1

@@ -1,0 +1,123 @@
+"""Scoring samples: built-in (``--rm-type``), custom (``--custom-rm-path``) or
+remote (``--rm-url``) rewards, per sample or per group (``--group-rm``).
+
+A reward function that raises marks that sample FAILED with the reason in
+``sample.metadata["failure"]``; the other samples are scored as usual and the
+run carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+from miles_host.sample import Sample, Status
+
+
+def load_function(path: str, flag: str) -> Callable:
+    """``package.module.fn`` -> the function; ValueError naming the flag otherwise."""
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{flag} must be 'module.function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"{flag} {path!r}: cannot import {module_name!r}: {error}") from error
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"{flag} {path!r}: {module_name} has no function {attribute!r}")
+    return function
+
+
+def _call(function: Callable, *args: Any) -> Any:
+    result = function(*args)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def remote_reward(url: str, timeout: float, retries: int) -> Callable:
+    """POST the sample as JSON to ``url``; the response is the reward (a number or
+    a JSON object). Retries with backoff on network errors."""
+
+    def reward(sample: Sample, config: Any = None) -> Any:
+        payload = json.dumps(
+            {"prompt": sample.prompt, "response": sample.response, "label": sample.label, "metadata": sample.metadata}
+        ).encode()
+        last_error: Exception | None = None
+        for attempt in range(retries + 1):
+            try:
+                request = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    return json.loads(response.read().decode())
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                last_error = error
+                time.sleep(min(0.5 * 2**attempt, 4.0))
+        raise RuntimeError(f"remote reward {url} failed after {retries + 1} attempts: {last_error}")
+
+    return reward
+
+
+class RewardScorer:
+    """Resolves the configured reward once and scores groups of samples."""
+
+    def __init__(self, config: Any, registry: Any):
+        self.config = config
+        self.group = bool(config.group_rm)
+        if config.custom_rm_path:
+            self.function = load_function(config.custom_rm_path, "--custom-rm-path")
+        elif config.rm_url:
+            self.function = remote_reward(config.rm_url, config.rm_timeout, config.rm_max_retries)
+        elif config.rm_type:
+            record = registry.get(config.rm_type)
+            self.function = record.fn
+            self.group = self.group or record.group
+        else:
+            raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+
+    def scalar(self, reward: Any) -> float:
+        """The number the advantages use (``--reward-key`` picks it from a dict)."""
+        if isinstance(reward, dict):
+            key = self.config.reward_key or "score"
+            if key not in reward:
+                raise ValueError(f"reward dict {reward} has no key {key!r}; set --reward-key")
+            return float(reward[key])
+        return float(reward)
+
+    def score_group(self, samples: list[Sample]) -> None:
+        """Set ``sample.reward`` for every sample of one prompt, in place."""
+        if self.group:
+            try:
+                rewards = _call(self.function, samples, self.config)
+                if len(rewards) != len(samples):
+                    raise ValueError(f"group reward returned {len(rewards)} rewards for {len(samples)} samples")
+                for sample, reward in zip(samples, rewards):
+                    sample.reward = reward
+            except Exception as error:  # noqa: BLE001 - one failing group must not stop the run
+                for sample in samples:
+                    _fail(sample, error)
+            return
+        for sample in samples:
+            if sample.status is Status.FAILED:
+                continue
+            try:
+                sample.reward = _call(self.function, sample, self.config)
+                self.scalar(sample.reward)
+            except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
+                _fail(sample, error)
+
+
+def _fail(sample: Sample, error: Exception) -> None:
+    sample.status = Status.FAILED
+    sample.reward = None
+    sample.metadata["failure"] = f"reward: {type(error).__name__}: {error}"

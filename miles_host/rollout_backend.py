@@ -1,0 +1,82 @@
+"""The embedded rollout backend: the in-process engine behind the rollout manager.
+
+A rollout backend offers a small request-level interface that the rollout
+manager drives: ``submit`` requests, ``step`` until enough groups finished,
+``abort`` the rest, ``update_weights`` between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_host.routing import RoutingHooks
+
+
+def resolve_device(config: Any) -> torch.device:
+    """``--device auto``: CUDA when available, else CPU."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device} asked for, but no CUDA device is available; use --device cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: Any, device: torch.device) -> torch.dtype:
+    """``--dtype auto``: bf16 on GPU, float32 on CPU."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+class EmbeddedRolloutBackend:
+    """The in-process engine (``miles_host.rollout.Engine``) as a rollout backend."""
+
+    def __init__(self, config: Any, manager: Any, model_path: str | None = None):
+        from miles_host.rollout import Engine
+
+        self.config = config
+        device = resolve_device(config)
+        engine_kwargs: dict[str, Any] = {"batch_invariant": bool(config.true_on_policy)}
+        if config.sglang_mem_fraction_static is not None:
+            engine_kwargs["mem_fraction_static"] = config.sglang_mem_fraction_static
+        if config.rollout_max_num_seqs is not None:
+            engine_kwargs["max_num_seqs"] = config.rollout_max_num_seqs
+        self.engine = Engine.from_pretrained(
+            model_path or config.hf_checkpoint,
+            dtype=resolve_dtype(config, device),
+            device=str(device),
+            routing_hooks=RoutingHooks(manager.hook),
+            **engine_kwargs,
+        )
+        precision = manager.registries.precisions.get(config.precision)
+        if precision.prepare_rollout_model is not None:
+            self.engine.model = precision.prepare_rollout_model(self.engine.model, config) or self.engine.model
+
+    @property
+    def weight_version(self) -> Any:
+        """Version of the weights the engine samples with."""
+        return self.engine.weight_version
+
+    def submit(self, rid: str, input_ids: list[int], sampling_params: dict, return_routed_experts: bool = False) -> None:
+        """Queue a request (``sampling_params["n"]`` samples). Raises ValueError if bad."""
+        self.engine.add_request(
+            rid, input_ids, sampling_params, return_logprob=True, return_routed_experts=return_routed_experts
+        )
+
+    def step(self) -> list[dict]:
+        """Advance generation; outputs of samples that finished in this step."""
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        """True while some submitted sample is still generating."""
+        return self.engine.has_unfinished()
+
+    def abort_all(self) -> list[dict]:
+        """Abort everything in flight; their partial outputs."""
+        return self.engine.abort(None)
+
+    def update_weights(self, named_tensors, weight_version: Any = None) -> Any:
+        """Load new weights in place; returns the new version."""
+        return self.engine.update_weights(named_tensors, weight_version=weight_version)

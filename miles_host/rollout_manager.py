@@ -1,0 +1,264 @@
+"""The rollout manager: prompts in, scored groups of samples out.
+
+One call of :meth:`RolloutManager.generate` produces ``--rollout-batch-size``
+groups of ``--n-samples-per-prompt`` samples:
+
+- prompts are submitted ``--over-sampling-batch-size`` at a time; every group
+  that finishes is scored, and the dynamic sampling filter (built-in: drop
+  groups whose rewards all agree) decides whether it is kept;
+- once enough groups are kept, whatever is still generating is aborted. With
+  ``--partial-rollout`` the unfinished samples (and finished groups beyond the
+  batch) go to a buffer and continue first in the next call, so nothing is lost
+  or counted twice; without it they are dropped and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from miles_host.data import PromptDataset, PromptRecord
+from miles_host.reward import RewardScorer, load_function
+from miles_host.sample import Sample, Status
+
+
+def rewards_all_equal(group: list[Sample], scalar: Callable[[Any], float]) -> bool:
+    """True when every sample of the group got the same reward (no signal)."""
+    rewards = [scalar(s.reward) for s in group if s.status is not Status.FAILED]
+    return len(set(rewards)) <= 1
+
+
+def keep_group_with_signal(group: list[Sample], scalar: Callable[[Any], float]) -> bool:
+    """The built-in dynamic sampling filter: keep groups whose rewards differ."""
+    return not rewards_all_equal(group, scalar)
+
+
+def sampling_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from the run seed and the sample's coordinates, so a
+    resumed run samples exactly what an uninterrupted one would."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class RolloutStats:
+    """Counts of one rollout call, for the metrics."""
+
+    submitted_groups: int = 0
+    filtered_groups: int = 0
+    dropped_samples: int = 0
+    buffered_samples: int = 0
+    failed_samples: int = 0
+    generated_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutManager:
+    """Drives a rollout backend to fill one batch of scored groups."""
+
+    def __init__(self, config: Any, backend: Any, tokenizer: Any, scorer: RewardScorer, dataset: PromptDataset):
+        self.config = config
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.dataset = dataset
+        self.buffer: list[list[Sample]] = []  # groups carried to the next rollout (partial rollout)
+        self.keep_group = keep_group_with_signal if config.over_sampling_batch_size else None
+        if config.dynamic_sampling_filter_path:
+            self.keep_group = load_function(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        self.eos_ids = _eos_ids(tokenizer)
+        self._next_group_index = 0
+
+    # -- building requests --------------------------------------------------
+
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a prompt (the chat template when ``--apply-chat-template``)."""
+        if self.config.apply_chat_template:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        if not isinstance(prompt, str):
+            raise ValueError("a chat-format prompt (list of messages) needs --apply-chat-template")
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def sampling_params(self, max_new_tokens: int, seed: int, eval_mode: bool = False) -> dict:
+        """SGLang-style sampling params from the rollout (or eval) flags."""
+        config = self.config
+        temperature = config.rollout_temperature
+        top_p = config.rollout_top_p
+        if eval_mode:
+            temperature = config.eval_temperature if config.eval_temperature is not None else temperature
+            top_p = config.eval_top_p if config.eval_top_p is not None else top_p
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": config.rollout_top_k,
+            "sampling_seed": seed,
+            "n": 1,
+        }
+        if config.rollout_stop:
+            params["stop"] = list(config.rollout_stop)
+        if config.rollout_stop_token_ids:
+            params["stop_token_ids"] = list(config.rollout_stop_token_ids)
+        return params
+
+    def new_group(self, record: PromptRecord, rollout_id: int) -> list[Sample]:
+        """``n`` fresh samples of one prompt."""
+        group_index = self._next_group_index
+        self._next_group_index += 1
+        tokens = self.prompt_ids(record.prompt)
+        return [
+            Sample(
+                prompt=record.prompt,
+                tokens=list(tokens),
+                label=record.label,
+                metadata={**record.metadata, "prompt_index": record.index, "rollout_id": rollout_id},
+                group_index=group_index,
+                index=group_index * self.config.n_samples_per_prompt + i,
+                loss_mask=[],
+                rollout_log_probs=[],
+            )
+            for i in range(self.config.n_samples_per_prompt)
+        ]
+
+    # -- one rollout ----------------------------------------------------------
+
+    def generate(self, rollout_id: int) -> tuple[list[list[Sample]], RolloutStats]:
+        """Fill a batch of ``--rollout-batch-size`` scored groups."""
+        config = self.config
+        stats = RolloutStats()
+        target = config.rollout_batch_size
+        chunk = config.over_sampling_batch_size or target
+        kept: list[list[Sample]] = []
+        in_flight: dict[str, tuple[list[Sample], int]] = {}  # rid -> (group, sample position)
+        waiting: dict[int, list[Sample]] = {}  # group_index -> group with samples in flight
+        carried, self.buffer = self.buffer, []
+        for group in carried:
+            if all(s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for s in group):
+                kept.append(group)  # a surplus group of the last rollout: already scored and kept
+            else:
+                self._submit_group(group, rollout_id, in_flight, waiting)
+        max_groups = max(64 * target, 1024)
+        while len(kept) < target:
+            if stats.submitted_groups > max_groups:
+                raise RuntimeError(
+                    f"rollout {rollout_id}: {stats.submitted_groups} groups submitted but only {len(kept)} of "
+                    f"{target} kept ({stats.filtered_groups} filtered by dynamic sampling); the filter drops "
+                    "nearly everything: check the reward or the --dynamic-sampling-filter-path function"
+                )
+            if not in_flight:
+                for record in self.dataset.next_batch(chunk):
+                    group = self.new_group(record, rollout_id)
+                    stats.submitted_groups += 1
+                    self._submit_group(group, rollout_id, in_flight, waiting)
+                if not in_flight:
+                    continue
+            for output in self.backend.step():
+                self._absorb(output, in_flight, waiting, kept, stats)
+        self._wind_down(kept[target:], in_flight, waiting, stats)
+        return kept[:target], stats
+
+    def _submit_group(self, group, rollout_id, in_flight, waiting) -> None:
+        pending = [i for i, s in enumerate(group) if s.status in (Status.PENDING, Status.ABORTED)]
+        waiting[group[0].group_index] = group
+        for position in pending:
+            sample = group[position]
+            remaining = self.config.rollout_max_response_len - sample.response_length
+            rid = f"r{rollout_id}-g{sample.group_index}-s{position}-{sample.response_length}"
+            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, position, sample.response_length)
+            params = self.sampling_params(max(remaining, 1), seed)
+            try:
+                self.backend.submit(rid, sample.tokens, params)
+            except ValueError as error:  # a bad prompt fails alone
+                sample.status = Status.FAILED
+                sample.metadata["failure"] = f"rollout: {error}"
+                continue
+            sample.status = Status.PENDING
+            in_flight[rid] = (group, position)
+        if not any(s.status is Status.PENDING for s in group):
+            waiting.pop(group[0].group_index, None)
+
+    def _absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
+        rid = output["meta_info"]["id"]
+        group, position = in_flight.pop(rid)
+        sample = group[position]
+        self.apply_output(sample, output)
+        stats.generated_tokens += len(output["output_ids"])
+        if all(s.status is not Status.PENDING for s in group) and group[0].group_index in waiting:
+            waiting.pop(group[0].group_index)
+            if any(s.status is Status.ABORTED for s in group):
+                return
+            self._finish_group(group, kept, stats)
+
+    def apply_output(self, sample: Sample, output: dict) -> None:
+        """Append an engine result to a sample (continuing a partial one)."""
+        meta = output["meta_info"]
+        new_ids = list(output["output_ids"])
+        logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
+        sample.tokens.extend(new_ids)
+        sample.response_length += len(new_ids)
+        sample.rollout_log_probs.extend(logprobs)
+        off_policy = bool(sample.weight_versions) and self.config.mask_offpolicy_in_partial_rollout
+        if off_policy:
+            sample.loss_mask = [0] * len(sample.loss_mask)
+        sample.loss_mask.extend([1] * len(new_ids))
+        sample.weight_versions.extend([meta.get("weight_version")] if new_ids else [])
+        sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :], skip_special_tokens=True)
+        reason = meta["finish_reason"] or {}
+        kind = reason.get("type")
+        if kind == "abort":
+            message = reason.get("message", "")
+            if message and message != "aborted":
+                sample.status = Status.FAILED
+                sample.metadata["failure"] = f"rollout: {message}"
+            else:
+                sample.status = Status.ABORTED
+        elif kind == "length":
+            sample.status = Status.TRUNCATED
+        else:
+            sample.status = Status.COMPLETED
+
+    def _finish_group(self, group: list[Sample], kept: list, stats: RolloutStats) -> None:
+        self.scorer.score_group(group)
+        stats.failed_samples += sum(s.status is Status.FAILED for s in group)
+        if self.keep_group is not None and not self.keep_group(group, self.scorer.scalar):
+            stats.filtered_groups += 1
+            return
+        kept.append(group)
+
+    def _wind_down(self, surplus: list[list[Sample]], in_flight, waiting, stats) -> None:
+        for output in self.backend.abort_all():
+            rid = output["meta_info"]["id"]
+            if rid in in_flight:
+                group, position = in_flight.pop(rid)
+                self.apply_output(group[position], output)
+                if group[position].status is Status.COMPLETED:
+                    group[position].status = Status.ABORTED
+        unfinished = list(waiting.values())
+        for group in unfinished:
+            for sample in group:
+                if sample.status is Status.PENDING:
+                    sample.status = Status.ABORTED
+        if self.config.partial_rollout:
+            self.buffer = surplus + unfinished
+            stats.buffered_samples = sum(len(g) for g in self.buffer)
+        else:
+            stats.dropped_samples = sum(len(g) for g in surplus + unfinished)
+
+    def state_dict(self) -> dict:
+        """The partial-rollout buffer and counters, for checkpoints."""
+        return {
+            "buffer": [[s.to_dict() for s in group] for group in self.buffer],
+            "next_group_index": self._next_group_index,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]
+        self._next_group_index = int(state["next_group_index"])
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])

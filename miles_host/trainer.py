@@ -1,0 +1,322 @@
+"""The native PyTorch trainer over the shared model code.
+
+One :meth:`NativeTrainer.train` call per rollout: advantages, old (and reference)
+log-probs, then ``--num-steps-per-rollout`` optimizer steps over micro-batches of
+packed sequences, with the policy loss of :mod:`miles_host.algorithms.losses` and
+the corrections the run enabled. Parameters are fp32 masters; on GPU the forward
+runs under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from miles_host.algorithms.advantages import AdvantageInputs
+from miles_host.algorithms.corrections import mismatch_metrics
+from miles_host.algorithms.kl import compute_approx_kl
+from miles_host.algorithms.losses import PolicyLossBatch, policy_loss
+from miles_host.rollout_backend import resolve_device
+from miles_host.routing import RoutingHooks
+from miles_host.sample import Sample, Status
+
+
+@dataclass
+class PackedBatch:
+    """Samples packed into one flat sequence for the training forward.
+
+    ``response_index_R`` selects, from the per-position log-probs ``[T]``, the
+    positions that predict response tokens (R = all response tokens, in order).
+    """
+
+    samples: list[Sample]
+    input_ids_T: torch.Tensor
+    positions_T: torch.Tensor
+    cu_seqlens: torch.Tensor
+    target_ids_T: torch.Tensor
+    response_index_R: torch.Tensor
+    response_lengths: list[int]
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], device: torch.device) -> "PackedBatch":
+        ids, positions, targets, response_index, lengths = [], [], [], [], []
+        cu = [0]
+        for sample in samples:
+            tokens = sample.tokens
+            start = cu[-1]
+            ids.extend(tokens)
+            positions.extend(range(len(tokens)))
+            targets.extend(tokens[1:] + [0])
+            first = len(tokens) - sample.response_length - 1  # position predicting the first response token
+            response_index.extend(range(start + first, start + len(tokens) - 1))
+            lengths.append(sample.response_length)
+            cu.append(start + len(tokens))
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            samples,
+            as_long(ids),
+            as_long(positions),
+            torch.tensor(cu, dtype=torch.int32, device=device),
+            as_long(targets),
+            as_long(response_index),
+            lengths,
+        )
+
+    def per_token(self, values: Iterable[Iterable[float]], device: torch.device) -> torch.Tensor:
+        """Concatenate per-sample response values (e.g. rollout log-probs) into ``[R]``."""
+        flat = [float(v) for row in values for v in row]
+        return torch.tensor(flat, dtype=torch.float32, device=device)
+
+
+def trainable(sample: Sample) -> bool:
+    """Samples that take part in training: generated something and were scored."""
+    return sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.response_length > 0 and sample.reward is not None
+
+
+def micro_batches(samples: list[Sample], config: Any) -> list[list[Sample]]:
+    """``--micro-batch-size`` samples, or packs of at most ``--max-tokens-per-gpu`` tokens."""
+    if not config.use_dynamic_batch_size:
+        size = config.micro_batch_size
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+    batches: list[list[Sample]] = []
+    current: list[Sample] = []
+    tokens = 0
+    for sample in samples:
+        if current and tokens + len(sample.tokens) > config.max_tokens_per_gpu:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(sample)
+        tokens += len(sample.tokens)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def lr_lambda(config: Any, total_steps: int):
+    """Warm-up then constant / linear / cosine decay to ``--min-lr`` (as a factor of ``--lr``)."""
+    warmup = config.lr_warmup_iters
+    decay_steps = config.lr_decay_iters or total_steps
+    floor = config.min_lr / config.lr if config.lr > 0 else 0.0
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if config.lr_decay_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+        if config.lr_decay_style == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class NativeTrainer:
+    """Trains the policy in this process (CPU or one GPU)."""
+
+    def __init__(self, config: Any, manager: Any):
+        from miles_host.models import load_pretrained
+
+        unsupported = {
+            "--tensor-model-parallel-size": config.tensor_model_parallel_size,
+            "--pipeline-model-parallel-size": config.pipeline_model_parallel_size,
+            "--expert-model-parallel-size": config.expert_model_parallel_size,
+            "--context-parallel-size": config.context_parallel_size,
+        }
+        for flag, value in unsupported.items():
+            if value != 1:
+                raise ValueError(
+                    f"{flag} {value} is not supported by the native trainer (one process); "
+                    "use a training backend with model parallelism (--train-backend megatron, plugin miles-megatron)"
+                )
+        self.config = config
+        self.manager = manager
+        self.device = resolve_device(config)
+        routing = RoutingHooks(manager.hook)
+        self.model = load_pretrained(config.hf_checkpoint, dtype=torch.float32, device=str(self.device), routing_hooks=routing)
+        precision = manager.registries.precisions.get(config.precision)
+        if precision.prepare_train_model is not None:
+            self.model = precision.prepare_train_model(self.model, config) or self.model
+        self.convert_for_rollout = precision.convert_for_rollout
+        self.ref_model = None
+        if config.use_kl_loss or config.kl_coef:
+            self.ref_model = load_pretrained(
+                config.ref_load or config.hf_checkpoint, dtype=torch.float32, device=str(self.device), routing_hooks=routing
+            )
+            self.ref_model.requires_grad_(False)
+        estimator = manager.registries.advantage_estimators.get(config.advantage_estimator)
+        if estimator.needs_critic:
+            raise ValueError(
+                f"--advantage-estimator {config.advantage_estimator} needs a critic, which the native "
+                "trainer does not build yet; use grpo, gspo, rloo, reinforce_plus_plus(_baseline)"
+            )
+        self.estimator = estimator
+        self.corrections = [c.fn for c in manager.registries.corrections if c.enabled(config)]
+        self.loss_terms = [t for t in manager.registries.loss_terms if t.enabled(config)]
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        total = (config.num_rollout or 1) * (config.num_steps_per_rollout or 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total))
+        self.consecutive_nan_steps = 0
+
+    # -- forward passes -----------------------------------------------------
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def response_log_probs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False):
+        """Log-probs ``[R]`` (and entropy) of the response tokens under ``model``."""
+        with self._autocast():
+            log_probs_T, entropy_T = model.packed_log_probs(
+                batch.input_ids_T,
+                batch.positions_T,
+                batch.cu_seqlens,
+                batch.target_ids_T,
+                temperature=self.config.rollout_temperature or 1.0,
+                return_entropy=with_entropy,
+            )
+        entropy = entropy_T[batch.response_index_R] if entropy_T is not None else None
+        return log_probs_T[batch.response_index_R], entropy
+
+    @torch.no_grad()
+    def _log_probs_without_grad(self, model, samples: list[Sample]) -> list[torch.Tensor]:
+        out = []
+        for micro in micro_batches(samples, self.config):
+            batch = PackedBatch.from_samples(micro, self.device)
+            log_probs, _ = self.response_log_probs(model, batch)
+            out.extend(torch.split(log_probs.float(), batch.response_lengths))
+        return out
+
+    # -- one rollout's training ------------------------------------------------
+
+    def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs) -> list[torch.Tensor]:
+        """Per-token advantages from the registry's estimator."""
+        rewards = torch.tensor([self._scalar(s.reward) for s in samples], dtype=torch.float32)
+        token_kl = None
+        if self.config.kl_coef and ref_log_probs is not None:
+            token_kl = [compute_approx_kl(o, r, "k1") for o, r in zip(old_log_probs, ref_log_probs)]
+        inputs = AdvantageInputs(
+            rewards=rewards,
+            group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
+            response_lengths=[s.response_length for s in samples],
+            token_kl=[t.cpu() for t in token_kl] if token_kl else None,
+            loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+        )
+        return self.estimator.fn(inputs, self.config).advantages
+
+    def _scalar(self, reward: Any) -> float:
+        if isinstance(reward, dict):
+            return float(reward[self.config.reward_key or "score"])
+        return float(reward)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """Train on one rollout's samples; returns ``train/*`` metrics."""
+        samples = [s for s in samples if trainable(s)]
+        if not samples:
+            return {"train/skipped_no_samples": 1.0}
+        self.model.eval()
+        old = self._log_probs_without_grad(self.model, samples)
+        ref = self._log_probs_without_grad(self.ref_model, samples) if self.ref_model is not None else None
+        advantages = self.advantages(samples, ref, old)
+        for i, sample in enumerate(samples):
+            sample.metadata["_train_index"] = i
+        self.model.train()
+        steps = self.config.num_steps_per_rollout or 1
+        global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
+        metrics: dict[str, list[float]] = {}
+        for start in range(0, len(samples), global_size):
+            step_metrics = self._optimizer_step(samples[start : start + global_size], old, ref, advantages)
+            for key, value in step_metrics.items():
+                metrics.setdefault(key, []).append(value)
+        for sample in samples:
+            sample.metadata.pop("_train_index", None)
+        out = {key: sum(values) / len(values) for key, values in metrics.items()}
+        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _optimizer_step(self, samples, old, ref, advantages) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        per_token = self.config.calculate_per_token_loss
+        total_tokens = sum(sum(s.loss_mask) for s in samples) or 1
+        metrics: dict[str, float] = {}
+        loss_sum = 0.0
+        for micro in micro_batches(samples, self.config):
+            loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
+            share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(samples)
+            (loss * share).backward()
+            loss_sum += float(loss.detach()) * share
+            for key, value in micro_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+        out = {f"train/{key}": value for key, value in metrics.items()}
+        out["train/loss"] = loss_sum
+        out["train/grad_norm"] = float(grad_norm)
+        if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_nan_steps += 1
+            out["train/nan_step_skipped"] = 1.0
+            return out
+        self.consecutive_nan_steps = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        return out
+
+    def _micro_loss(self, micro, old, ref, advantages):
+        batch = PackedBatch.from_samples(micro, self.device)
+        indices = [s.metadata["_train_index"] for s in micro]
+        log_probs, entropy = self.response_log_probs(self.model, batch, with_entropy=bool(self.config.entropy_coef))
+        cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device)  # noqa: E731
+        loss_batch = PolicyLossBatch(
+            log_probs=log_probs.float(),
+            advantages=cat(advantages).float(),
+            loss_mask=batch.per_token((s.loss_mask for s in micro), self.device),
+            response_lengths=batch.response_lengths,
+            old_log_probs=cat(old),
+            rollout_log_probs=batch.per_token((s.rollout_log_probs for s in micro), self.device),
+            ref_log_probs=cat(ref) if ref is not None else None,
+            entropy=entropy.float() if entropy is not None else None,
+        )
+        loss, metrics = policy_loss(loss_batch, self.config, corrections=self.corrections)
+        metrics = dict(metrics)
+        mismatch = mismatch_metrics(cat(old), loss_batch.rollout_log_probs, loss_batch.loss_mask)
+        metrics.update({k: float(v) for k, v in mismatch.items()})
+        for term in self.loss_terms:
+            extra, term_metrics = term.fn({"batch": batch, "log_probs": log_probs}, loss_batch, self.config)
+            loss = loss + extra
+            metrics.update({f"{term.name}/{k}": v for k, v in term_metrics.items()})
+        metrics.pop("loss", None)
+        return loss, metrics
+
+    # -- weights and state ----------------------------------------------------
+
+    def named_weights_for_rollout(self):
+        """``(name, tensor)`` pairs the rollout engine loads, after the precision's conversion."""
+        named = [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+        return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
+
+    def state_dict(self) -> dict:
+        """Model, optimizer and scheduler state for checkpoints."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "consecutive_nan_steps": self.consecutive_nan_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)

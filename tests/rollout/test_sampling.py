@@ -1,0 +1,100 @@
+"""Sampling frequencies follow softmax(logits / T) truncated by top-k / top-p / min-p."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_host.rollout.sampler import SamplingBatch, sample
+from miles_host.rollout.sampling_params import SamplingParams
+from tests.rollout.conftest import make_engine
+
+
+def reference_distribution(logits_V: torch.Tensor, temperature: float, top_k: int = -1,
+                           top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """SGLang's truncation written out in float64, one token at a time."""
+    probs = torch.softmax(logits_V.double() / temperature, dim=-1)
+    order = sorted(range(len(probs)), key=lambda i: -probs[i].item())
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, token in enumerate(order):
+        p = probs[token].item()
+        ok = (top_k <= 0 or rank < top_k) and mass <= top_p and p >= min_p * probs[order[0]].item()
+        keep[token] = ok or rank == 0
+        mass += p
+    truncated = torch.where(keep, probs, torch.zeros_like(probs))
+    return truncated / truncated.sum()
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square test; bins with tiny expectation are pooled."""
+    total = counts.sum().item()
+    expected = expected_probs * total
+    assert counts[expected_probs == 0].sum() == 0, "sampled a token the truncation removes"
+    big = expected >= 5
+    observed = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
+    expect = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if expect[-1] < 5:  # the pooled remainder is too small to test: drop it
+        observed, expect = observed[:-1], expect[:-1]
+    statistic = ((observed - expect) ** 2 / expect).sum()
+    dof = len(expect) - 1
+    assert dof >= 3, "too few tokens survive truncation for a meaningful test"
+    return torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2).item()
+
+
+CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.3, top_k=6),
+    dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.9, top_k=20, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampler_frequencies_match_the_truncated_softmax(case):
+    torch.manual_seed(0)
+    logits_V = torch.randn(64) * 0.8
+    rows = 20000
+    params = [SamplingParams(**case)] * rows
+    torch.manual_seed(123)
+    batch = SamplingBatch.build(params, [None] * rows, [[]] * rows, torch.device("cpu"))
+    tokens, logprobs = sample(logits_V.expand(rows, -1).contiguous(), batch)
+    counts = torch.bincount(tokens, minlength=64)
+    expected = reference_distribution(logits_V, **case)
+    assert chi_square_p_value(counts, expected) > 1e-3
+    # logprobs are of the untruncated tempered distribution
+    full = torch.log_softmax(logits_V / case["temperature"], dim=-1)
+    assert torch.allclose(logprobs, full[tokens], atol=1e-6)
+
+
+def test_engine_samples_follow_the_model_distribution(qwen3_dense):
+    """One step sampled many times through the engine (n samples share the prompt) vs HF logits."""
+    hf_model, path = qwen3_dense
+    prompt = [5, 9, 17, 33, 2, 8]
+    case = dict(temperature=0.8, top_p=0.95, top_k=40)
+    engine = make_engine(path, max_num_seqs=512)
+    torch.manual_seed(7)
+    outputs = engine.generate([prompt] * 8, {**case, "max_new_tokens": 1, "n": 500})
+    tokens = torch.tensor([o["output_ids"][0] for o in outputs])
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0, -1]
+    expected = reference_distribution(logits, **case)
+    counts = torch.bincount(tokens, minlength=logits.shape[0])
+    assert chi_square_p_value(counts, expected) > 1e-3
+
+
+def test_sampling_seed_makes_a_request_reproducible(qwen3_dense):
+    _, path = qwen3_dense
+    params = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "sampling_seed": 42, "n": 2}
+    first = make_engine(path).generate([[1, 2, 3]], params)
+    second = make_engine(path).generate([[9, 9], [1, 2, 3]], [params, params])[2:]
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second]
+    assert first[0]["output_ids"] != first[1]["output_ids"]  # the n samples differ
+
+
+def test_invalid_sampling_params_are_value_errors():
+    for bad in [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -3}, {"min_p": 2},
+                {"n": 0}, {"max_new_tokens": -1}, {"stop": [""]}, {"temprature": 1.0}]:
+        with pytest.raises(ValueError, match="sampling"):
+            SamplingParams.from_any(bad)
