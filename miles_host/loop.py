@@ -136,10 +136,11 @@ class Run:
 
     # -- pieces of a step --------------------------------------------------------
 
-    def sync_weights(self) -> float:
-        """Push the trainer's weights to the engine; seconds taken."""
+    def sync_weights(self, bump: bool = True) -> float:
+        """Push the trainer's weights to the engine (a new version unless ``bump``
+        is False, as for the initial sync); seconds taken."""
         start = time.perf_counter()
-        self.state.weight_version += 1
+        self.state.weight_version += int(bump)
         self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, self.state.weight_version)
         return time.perf_counter() - start
 
@@ -255,7 +256,7 @@ class Run:
         config = self.config
         if config.load:
             self.resume()
-        self.sync_weights()  # the engine samples with exactly the trainer's weights from step one
+        self.sync_weights(bump=False)  # the engine samples with exactly the trainer's weights from step one
         if self.state.rollout_id == 0 and config.eval_prompt_data:
             start_metrics = {"rollout_id": -1, **self.run_eval(0)}
             self.log(start_metrics, -1)

@@ -1,0 +1,129 @@
+"""``miles run`` end to end on a tiny CPU model: resume, bad input, NaN, Ctrl-C."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+
+import pytest
+
+from miles_host.cli.main import main
+from tests.loop.conftest import base_args, read_metrics
+
+
+def _comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+
+
+def test_run_learns_signal_and_logs_required_metrics(tiny_task, tmp_path):
+    model, data = tiny_task
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-rollout", "2", "--dump-rollouts")) == 0
+    rows = read_metrics(out)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
+                "perf/rollout_tok_per_s", "perf/train_tok_per_s", "perf/step_time_s",
+                "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"):
+        assert key in rows[0], key
+    # one model implementation on both sides: float32 CPU mismatch is rounding only
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert (out / "rollouts" / "rollout_00001.jsonl").is_file()
+
+
+def test_resume_gives_the_same_metrics(tiny_task, tmp_path):
+    model, data = tiny_task
+    straight, first, resumed = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(base_args(model, data, straight, "--num-rollout", "4")) == 0
+    assert main(base_args(model, data, first, "--num-rollout", "2", "--save", str(tmp_path / "ckpt"))) == 0
+    assert main(base_args(model, data, resumed, "--num-rollout", "4", "--load", str(tmp_path / "ckpt"))) == 0
+    expected = [_comparable(m) for m in read_metrics(straight)]
+    got = [_comparable(m) for m in read_metrics(first)] + [_comparable(m) for m in read_metrics(resumed)]
+    assert [m["rollout_id"] for m in got] == [0, 1, 2, 3]
+    for want, have in zip(expected, got):
+        assert want.keys() == have.keys()
+        for key in want:
+            assert want[key] == pytest.approx(have[key], rel=1e-6, abs=1e-9), key
+
+
+def test_missing_data_file(tiny_task, tmp_path, capsys):
+    model, _ = tiny_task
+    assert main(base_args(model, tmp_path / "nope.jsonl", tmp_path / "o")) == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_malformed_json_line_names_the_line(tiny_task, tmp_path, capsys):
+    model, _ = tiny_task
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": \n')
+    assert main(base_args(model, data, tmp_path / "o")) == 2
+    assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
+
+
+def test_missing_input_key(tiny_task, tmp_path, capsys):
+    model, data = tiny_task
+    assert main(base_args(model, data, tmp_path / "o", "--input-key", "question")) == 2
+    err = capsys.readouterr().err
+    assert "no key 'question'" in err and "--input-key" in err
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    """A module of custom rewards importable by --custom-rm-path."""
+    (tmp_path / "custom_rewards.py").write_text(textwrap.dedent(
+        """
+        import math
+        calls = {"n": 0}
+
+        def flaky(sample, config):
+            calls["n"] += 1
+            if calls["n"] % 3 == 0:
+                raise RuntimeError("judge unavailable")
+            return float(sample.response == sample.label)
+
+        def nan_reward(sample, config):
+            return float(len(sample.response)) if sample.index % 2 else math.nan
+
+        def interrupt_on_second_rollout(sample, config):
+            if sample.metadata["rollout_id"] == 1:
+                raise KeyboardInterrupt
+            return 0.0
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("custom_rewards", None)
+    return "custom_rewards"
+
+
+def test_reward_that_raises_fails_the_sample_not_the_run(tiny_task, tmp_path, reward_module):
+    model, data = tiny_task
+    out = tmp_path / "o"
+    args = base_args(model, data, out, "--num-rollout", "2", "--custom-rm-path", f"{reward_module}.flaky", "--dump-rollouts")
+    assert main(args) == 0
+    rows = read_metrics(out)
+    assert sum(r["rollout/failed_samples"] for r in rows) > 0
+    dumped = (out / "rollouts" / "rollout_00000.jsonl").read_text()
+    assert "judge unavailable" in dumped and '"failed"' in dumped
+
+
+def test_nan_loss_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tiny_task, tmp_path, reward_module, capsys):
+    model, data = tiny_task
+    out, ckpt = tmp_path / "o", tmp_path / "ckpt"
+    args = base_args(model, data, out, "--num-rollout", "5", "--custom-rm-path", f"{reward_module}.nan_reward",
+                     "--save", str(ckpt), "--max-consecutive-nan-steps", "2")
+    assert main(args) == 1
+    assert "NaN" in capsys.readouterr().err
+    rows = read_metrics(out)
+    assert rows[0]["train/nan_step_skipped"] == 1.0 and len(rows) == 1
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def test_ctrl_c_writes_a_checkpoint(tiny_task, tmp_path, reward_module):
+    model, data = tiny_task
+    ckpt = tmp_path / "ckpt"
+    args = base_args(model, data, tmp_path / "o", "--num-rollout", "4",
+                     "--custom-rm-path", f"{reward_module}.interrupt_on_second_rollout", "--save", str(ckpt))
+    assert main(args) == 130
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert (ckpt / "iter_0000000" / "state.pt").is_file()
+    assert not math.isnan(0.0)
