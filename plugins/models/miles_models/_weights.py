@@ -54,12 +54,18 @@ class WeightMap:
     # -- names only ------------------------------------------------------------
 
     def hf_to_native(self, name: str) -> str | None:
-        """The native tensor an HF tensor belongs to (None: ignored or unknown)."""
+        """The native tensor an HF tensor belongs to.
+
+        None for tensors to ignore (rotary buffers); an unknown name comes back
+        unchanged, so the loader reports it as unexpected.
+        """
+        if any(p.fullmatch(name) for p in self._ignore):
+            return None
         for rule, _, regex in self._hf:
             match = regex.fullmatch(name)
             if match:
                 return rule.native.format(i=match.groupdict().get("i"))
-        return None
+        return name
 
     def native_to_hf(self, name: str) -> str:
         """The first HF name of a native tensor (for messages; fused tensors have more)."""
@@ -75,7 +81,8 @@ class WeightMap:
         """``[(native_name, tensor, index)]`` where ``index`` selects the slice it fills.
 
         ``[]`` for tensors to ignore; None when no rule knows the name (the
-        loader reports it as unexpected).
+        loader then renames with :meth:`hf_to_native`, which keeps the name,
+        and reports it as unexpected).
         """
         if any(p.fullmatch(name) for p in self._ignore):
             return []
