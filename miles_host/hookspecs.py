@@ -56,7 +56,7 @@ def miles_register_precisions() -> Iterable["records.Precision"]:
 
 @hookspec(firstresult=True)
 def miles_select_experts(
-    layer_index: int, scores: "torch.Tensor", topk: int, routing_context: Any
+    layer_index: int, scores: "torch.Tensor", topk: int, router_ids: "torch.Tensor", routing_context: Any
 ) -> "torch.Tensor | None":
     """Choose the experts of an MoE layer instead of the router's own top-k.
 
@@ -64,7 +64,8 @@ def miles_select_experts(
     scores used for expert choice (``[tokens, num_experts]``, after any
     expert-bias correction) and the ``routing_context`` of that forward pass
     (a :class:`miles_host.models.context.RoutingContext`: which pass it is and
-    per-pass data such as replayed ids). Return a LongTensor ``[tokens, topk]``
+    per-pass data such as replayed ids), and ``router_ids`` (``[tokens, topk]``,
+    what the router itself chose, e.g. to measure agreement). Return a LongTensor ``[tokens, topk]``
     of expert ids to use, or None to let the router pick. Stops at the first
     non-None result. The gate weights are always recomputed from ``scores`` at
     the returned ids, so the router keeps its gradient.

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from miles_host.data import PromptDataset, PromptRecord
 from miles_host.reward import RewardScorer, load_function
-from miles_host.sample import Sample, Status
+from miles_host.sample import Sample, Status, compact_expert_ids
 
 
 def rewards_all_equal(group: list[Sample], scalar: Callable[[Any], float]) -> bool:
@@ -160,28 +160,35 @@ class RolloutManager:
         return kept[:target], stats
 
     def _submit_group(self, group, rollout_id, in_flight, waiting) -> None:
+        """Submit a group's unfinished samples: a fresh group as one request with
+        ``n`` samples (the prompt is prefilled once and shared), continued
+        samples one request each."""
         pending = [i for i, s in enumerate(group) if s.status in (Status.PENDING, Status.ABORTED)]
         waiting[group[0].group_index] = group
-        for position in pending:
-            sample = group[position]
+        fresh = len(pending) == len(group) and all(group[i].response_length == 0 for i in pending)
+        requests = [pending] if fresh else [[position] for position in pending]
+        for positions in requests:
+            sample = group[positions[0]]
             remaining = self.config.rollout_max_response_len - sample.response_length
-            rid = f"r{rollout_id}-g{sample.group_index}-s{position}-{sample.response_length}"
-            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, position, sample.response_length)
-            params = self.sampling_params(max(remaining, 1), seed)
+            rid = f"r{rollout_id}-g{sample.group_index}-s{positions[0]}-{sample.response_length}"
+            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, positions[0], sample.response_length)
+            params = {**self.sampling_params(max(remaining, 1), seed), "n": len(positions)}
             try:
-                self.backend.submit(rid, sample.tokens, params)
+                self.backend.submit(rid, sample.tokens, params, self.config.rollout_return_routed_experts)
             except ValueError as error:  # a bad prompt fails alone
-                sample.status = Status.FAILED
-                sample.metadata["failure"] = f"rollout: {error}"
+                for position in positions:
+                    group[position].status = Status.FAILED
+                    group[position].metadata["failure"] = f"rollout: {error}"
                 continue
-            sample.status = Status.PENDING
-            in_flight[rid] = (group, position)
+            for k, position in enumerate(positions):
+                group[position].status = Status.PENDING
+                in_flight[(rid, k)] = (group, position)
         if not any(s.status is Status.PENDING for s in group):
             waiting.pop(group[0].group_index, None)
 
     def _absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
-        rid = output["meta_info"]["id"]
-        group, position = in_flight.pop(rid)
+        key = (output["meta_info"]["id"], output["meta_info"].get("index", 0))
+        group, position = in_flight.pop(key)
         sample = group[position]
         self.apply_output(sample, output)
         stats.generated_tokens += len(output["output_ids"])
@@ -195,6 +202,8 @@ class RolloutManager:
         """Append an engine result to a sample (continuing a partial one)."""
         meta = output["meta_info"]
         new_ids = list(output["output_ids"])
+        if meta.get("routed_experts") is not None:
+            merge_routed_experts(sample, meta["routed_experts"])
         logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
         sample.tokens.extend(new_ids)
         sample.response_length += len(new_ids)
@@ -229,9 +238,9 @@ class RolloutManager:
 
     def _wind_down(self, surplus: list[list[Sample]], in_flight, waiting, stats) -> None:
         for output in self.backend.abort_all():
-            rid = output["meta_info"]["id"]
-            if rid in in_flight:
-                group, position = in_flight.pop(rid)
+            key = (output["meta_info"]["id"], output["meta_info"].get("index", 0))
+            if key in in_flight:
+                group, position = in_flight.pop(key)
                 self.apply_output(group[position], output)
                 if group[position].status is Status.COMPLETED:
                     group[position].status = Status.ABORTED
@@ -257,6 +266,26 @@ class RolloutManager:
         """Restore :meth:`state_dict`."""
         self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]
         self._next_group_index = int(state["next_group_index"])
+
+
+def merge_routed_experts(sample: Sample, routed: Any) -> None:
+    """Take the engine's ``[tokens - 1, moe_layers, topk]`` routes for a sample.
+
+    A continued (partial-rollout) sample keeps the routes its earlier tokens were
+    generated with; only rows of tokens new in this segment come from ``routed``.
+    """
+    import numpy as np
+
+    if isinstance(routed, str):  # SGLang's HTTP form: base64 int32, reshaped by the caller's layout
+        raise ValueError("base64 routed_experts must be decoded by the backend before reaching the manager")
+    routed = np.asarray(routed)
+    previous = sample.rollout_routed_experts
+    if previous is None or previous.size == 0:
+        sample.rollout_routed_experts = compact_expert_ids(routed)
+        return
+    keep = previous.shape[0]
+    merged = np.concatenate([previous.astype(np.int64), routed[keep:].astype(np.int64)], axis=0)
+    sample.rollout_routed_experts = compact_expert_ids(merged)
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

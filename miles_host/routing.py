@@ -47,10 +47,13 @@ class RoutingHooks:
         computed it (group-limited routing); otherwise plain top-k of ``scores``.
         """
         context = routing_context if routing_context is not None else RoutingContext()
+        if default_ids_TK is None:
+            default_ids_TK = torch.topk(scores_TE, topk, dim=-1).indices
         ids = None
         if self._select is not None:
             ids = self._select(
-                layer_index=layer_index, scores=scores_TE, topk=topk, routing_context=context
+                layer_index=layer_index, scores=scores_TE, topk=topk, router_ids=default_ids_TK,
+                routing_context=context,
             )
             if ids is not None:
                 if ids.shape != (scores_TE.shape[0], topk):
@@ -60,7 +63,7 @@ class RoutingHooks:
                     )
                 ids = ids.to(device=scores_TE.device, dtype=torch.long)
         if ids is None:
-            ids = default_ids_TK if default_ids_TK is not None else torch.topk(scores_TE, topk, dim=-1).indices
+            ids = default_ids_TK
         if self._observe is not None:
             self._observe(layer_index=layer_index, expert_ids=ids, routing_context=context)
         return ids

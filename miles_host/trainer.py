@@ -10,7 +10,7 @@ runs under bf16 autocast.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -20,6 +20,7 @@ from miles_host.algorithms.corrections import mismatch_metrics
 from miles_host.algorithms.kl import compute_approx_kl
 from miles_host.algorithms.losses import PolicyLossBatch, policy_loss
 from miles_host.rollout_backend import resolve_device
+from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.routing import RoutingHooks
 from miles_host.sample import Sample, Status
 
@@ -39,6 +40,8 @@ class PackedBatch:
     target_ids_T: torch.Tensor
     response_index_R: torch.Tensor
     response_lengths: list[int]
+    routing: RoutingContext = field(default_factory=RoutingContext)
+    model_config: Any = None
 
     @classmethod
     def from_samples(cls, samples: list[Sample], device: torch.device) -> "PackedBatch":
@@ -175,8 +178,20 @@ class NativeTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
+    def pack(self, samples: list[Sample], phase: str) -> PackedBatch:
+        """Pack ``samples`` for a forward of ``phase`` (``old_logprob``, ``ref``,
+        ``train``) and let plugins attach per-token data (``miles_train_batch_prepared``)."""
+        batch = PackedBatch.from_samples(samples, self.device)
+        batch.routing = RoutingContext(phase=phase)
+        batch.model_config = self.model.config
+        self.manager.hook.miles_train_batch_prepared(batch=batch, samples=samples, config=self.config)
+        return batch
+
     def response_log_probs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False):
         """Log-probs ``[R]`` (and entropy) of the response tokens under ``model``."""
+        from miles_host.models import PackedAttention
+
+        ctx = ForwardContext(attention=PackedAttention(batch.cu_seqlens), routing=batch.routing)
         with self._autocast():
             log_probs_T, entropy_T = model.packed_log_probs(
                 batch.input_ids_T,
@@ -184,16 +199,17 @@ class NativeTrainer:
                 batch.cu_seqlens,
                 batch.target_ids_T,
                 temperature=self.config.rollout_temperature or 1.0,
+                ctx=ctx,
                 return_entropy=with_entropy,
             )
         entropy = entropy_T[batch.response_index_R] if entropy_T is not None else None
         return log_probs_T[batch.response_index_R], entropy
 
     @torch.no_grad()
-    def _log_probs_without_grad(self, model, samples: list[Sample]) -> list[torch.Tensor]:
+    def _log_probs_without_grad(self, model, samples: list[Sample], phase: str) -> list[torch.Tensor]:
         out = []
         for micro in micro_batches(samples, self.config):
-            batch = PackedBatch.from_samples(micro, self.device)
+            batch = self.pack(micro, phase)
             log_probs, _ = self.response_log_probs(model, batch)
             out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return out
@@ -226,8 +242,8 @@ class NativeTrainer:
         if not samples:
             return {"train/skipped_no_samples": 1.0}
         self.model.eval()
-        old = self._log_probs_without_grad(self.model, samples)
-        ref = self._log_probs_without_grad(self.ref_model, samples) if self.ref_model is not None else None
+        old = self._log_probs_without_grad(self.model, samples, "old_logprob")
+        ref = self._log_probs_without_grad(self.ref_model, samples, "ref") if self.ref_model is not None else None
         advantages = self.advantages(samples, ref, old)
         for i, sample in enumerate(samples):
             sample.metadata["_train_index"] = i
@@ -273,7 +289,7 @@ class NativeTrainer:
         return out
 
     def _micro_loss(self, micro, old, ref, advantages):
-        batch = PackedBatch.from_samples(micro, self.device)
+        batch = self.pack(micro, "train")
         indices = [s.metadata["_train_index"] for s in micro]
         log_probs, entropy = self.response_log_probs(self.model, batch, with_entropy=bool(self.config.entropy_coef))
         cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device)  # noqa: E731

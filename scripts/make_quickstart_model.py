@@ -60,6 +60,7 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=MODEL_KW["num_hidden_layers"])
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: same bits everywhere)")
     parser.add_argument("--no-eval", action="store_true", help="skip the base-model metrics")
     return parser.parse_args(argv)
 
@@ -90,8 +91,13 @@ def make_model(vocab_size: int, eos_id: int, pad_id: int, hidden: int, layers: i
     return model
 
 
+_ENCODED: dict[str, list[int]] = {}
+
+
 def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if text not in _ENCODED:
+        _ENCODED[text] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(_ENCODED[text])
 
 
 def sft_batch(tokenizer, pairs, forget_prob: float, rng: random.Random):
@@ -174,6 +180,7 @@ def base_metrics(model, tokenizer, records: list[dict], n: int = 8, seed: int = 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.use_deterministic_algorithms(True)

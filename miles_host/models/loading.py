@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -48,7 +48,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def native_config(hf: dict[str, Any], family: Any) -> ModelConfig:
     """The family's native config for an HF config dict (keeps the dict on it)."""
-    config = family.config_from_hf(hf)
+    try:
+        config = family.config_from_hf(hf)
+    except KeyError as exc:
+        raise ValueError(
+            f"config.json of model_type {hf.get('model_type')!r} lacks the required field {exc.args[0]!r}"
+        ) from exc
     if not config.hf_config:
         config.hf_config = dict(hf)
     return config
@@ -113,14 +118,22 @@ def _listing(names: list[str]) -> str:
 
 
 def load_weights(model: CausalLM, family: Any, files: list[Path]) -> None:
-    """Stream HF tensors from ``files`` into ``model``; errors list missing/unexpected names."""
+    """Stream HF tensors from safetensors ``files`` into ``model``."""
+    load_hf_tensors(model, family, iter_safetensors(files))
+
+
+def load_hf_tensors(model: CausalLM, family: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into ``model`` one at a time (also for in-memory state dicts).
+
+    Raises ValueError naming shape mismatches, missing and unexpected weights.
+    """
     config = model.config
     targets = dict(model.named_parameters())
     targets.update(model.state_dict(keep_vars=True))
     written = {name: 0 for name in targets}
     seen, unexpected = set(), []
     with torch.no_grad():
-        for name, tensor in iter_safetensors(files):
+        for name, tensor in named_tensors:
             seen.add(name)
             for native, part, index in _native_targets(family, name, tensor, config):
                 if native == "lm_head.weight" and model.lm_head is None:

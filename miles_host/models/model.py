@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from miles_host.models.attention import PackedAttention
-from miles_host.models.config import ModelConfig, RopeConfig
+from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
 from miles_host.models.logprobs import chunked_log_probs
 from miles_host.models.mlp import MoE, GatedMLP

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
@@ -74,23 +75,27 @@ class ModelRunner:
         self, seqs: list[Sequence], num_new: list[int], is_decode: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
         cu_seqlens = [0]
         context_lens = []
-        for seq, n in zip(seqs, num_new):
-            start = len(seq) - n
-            input_ids.extend(seq.token_ids[start:])
-            for pos in range(start, len(seq)):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        input_ids: list[int] = []
+        for b, (seq, n) in enumerate(zip(seqs, num_new)):
+            tables[b, : len(seq.block_table)] = seq.block_table
+            input_ids.extend(seq.token_ids[len(seq) - n:])
             cu_seqlens.append(cu_seqlens[-1] + n)
             context_lens.append(len(seq))
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        # positions and slots of every new token, vectorised over the step
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(seqs)), np.diff(cu))
+        positions = ctx[seq_of_token] - (cu[1:][seq_of_token] - np.arange(cu[-1]))
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
 
         def to_dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+            return tensor.to(dev, dtype, non_blocking=True)
 
         meta = AttentionMetadata(
             slot_mapping_T=to_dev(slots, torch.long),

@@ -142,7 +142,8 @@ def test_registration_hook_returning_garbage_names_the_plugin():
 def test_miles_select_experts():
     class Replay:
         @staticmethod
-        def miles_select_experts(layer_index, scores, topk, routing_context):
+        def miles_select_experts(layer_index, scores, topk, router_ids, routing_context):
+            assert torch.equal(router_ids, torch.topk(scores, topk).indices)
             if layer_index in routing_context.replay_expert_ids:
                 return routing_context.replay_expert_ids[layer_index]
             return None

@@ -27,28 +27,30 @@ class ScriptedBackend:
 
     def submit(self, rid, input_ids, params, return_routed_experts=False):
         group = int(rid.split("-g")[1].split("-")[0])
-        position = int(rid.split("-s")[1].split("-")[0])
+        first = int(rid.split("-s")[1].split("-")[0])
         already = int(rid.rsplit("-", 1)[1])  # the manager puts the response length so far in the id
-        self.running[rid] = {"target": self.length(group, position) - already, "made": 0, "start": len(input_ids),
-                             "budget": params["max_new_tokens"]}
+        for index in range(params["n"]):
+            self.running[(rid, index)] = {"target": self.length(group, first + index) - already, "made": 0,
+                                          "budget": params["max_new_tokens"]}
         self.submitted.append(rid)
 
-    def _output(self, rid, reason):
-        state = self.running.pop(rid)
+    def _output(self, key, reason):
+        state = self.running.pop(key)
         ids = [2 + (i % 5) for i in range(state["made"])]
-        return {"output_ids": ids, "meta_info": {"id": rid, "finish_reason": reason, "weight_version": 7,
+        return {"output_ids": ids, "meta_info": {"id": key[0], "index": key[1], "finish_reason": reason,
+                                                 "weight_version": 7,
                                                  "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
 
     def step(self):
         done = []
-        for rid, state in list(self.running.items()):
+        for key, state in list(self.running.items()):
             state["made"] += 1
             if state["made"] >= min(state["target"], state["budget"]):
-                done.append(self._output(rid, {"type": "stop", "matched": 1}))
+                done.append(self._output(key, {"type": "stop", "matched": 1}))
         return done
 
     def abort_all(self):
-        return [self._output(rid, {"type": "abort", "message": "aborted"}) for rid in list(self.running)]
+        return [self._output(key, {"type": "abort", "message": "aborted"}) for key in list(self.running)]
 
 
 class CharTokenizer:

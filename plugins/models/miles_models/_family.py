@@ -32,10 +32,3 @@ def model_family(
         chat_defaults=dict(chat_defaults or {}),
     )
 
-
-def eos_token_ids(hf: Mapping[str, Any]) -> list[int]:
-    """``eos_token_id`` as a list (HF allows an int or a list)."""
-    eos = hf.get("eos_token_id")
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

@@ -1,0 +1,64 @@
+"""Laying recorded expert ids out in the packed token order of a training batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ReplayState:
+    """Per-run plugin state: R2 recordings and agreement counters of one step."""
+
+    mode: str = "r3"
+    agree: int = 0
+    total: int = 0
+    pending: list = field(default_factory=list)
+    recorded: dict = field(default_factory=dict)
+
+    def reset_step(self) -> None:
+        self.agree = self.total = 0
+        self.pending.clear()
+        self.recorded.clear()
+
+    def collect_recorded(self) -> None:
+        """R2: split the old-logprob passes' captures per sample, ``[len-1, layers, k]``."""
+        for routing, samples, cu_seqlens, moe_layers in self.pending:
+            stacked_TLK = torch.stack([routing.captured[layer].cpu() for layer in moe_layers], dim=1)
+            for sample, start, end in zip(samples, cu_seqlens[:-1], cu_seqlens[1:]):
+                self.recorded[id(sample)] = stacked_TLK[start : end - 1].numpy()
+        self.pending.clear()
+
+
+def check_routes(sample: Any, routes: np.ndarray, num_layers: int, topk: int) -> None:
+    """The routes of ``sample`` must be ``[len(tokens) - 1, num_layers, topk]``."""
+    expected = (len(sample.tokens) - 1, num_layers, topk)
+    if tuple(routes.shape) != expected:
+        raise ValueError(
+            f"sample {sample.index} (group {sample.group_index}): rollout_routed_experts has shape "
+            f"{tuple(routes.shape)} but the sample and model need {expected} "
+            "([len(tokens) - 1, MoE layers, top-k])"
+        )
+
+
+def replay_ids_for_batch(
+    samples: list[Any], routes: list[np.ndarray | None], moe_layers: list[int], topk: int, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """``{layer index: [T, topk]}`` ids for the packed batch; -1 where nothing was
+    recorded (the last token of each sequence, whose successor is not predicted)."""
+    per_sample = []
+    for sample, sample_routes in zip(samples, routes):
+        rows = np.full((len(sample.tokens), len(moe_layers), topk), -1, dtype=np.int64)
+        if sample_routes is None:
+            raise ValueError(
+                f"sample {sample.index} (group {sample.group_index}) has no rollout_routed_experts to replay; "
+                "was it generated with routing capture on (--plugins r3)?"
+            )
+        check_routes(sample, np.asarray(sample_routes), len(moe_layers), topk)
+        rows[:-1] = np.asarray(sample_routes, dtype=np.int64)
+        per_sample.append(rows)
+    packed_TLK = torch.from_numpy(np.concatenate(per_sample, axis=0)).to(device)
+    return {layer: packed_TLK[:, position].contiguous() for position, layer in enumerate(moe_layers)}
