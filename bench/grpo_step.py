@@ -1,0 +1,177 @@
+"""One GRPO step (rollout + reward + train + weight sync): miles vs TRL, same run.
+
+Qwen3-0.6B-shaped random-init model (DEVICE.md), bf16, 32 prompts x 8 samples,
+128-token prompts, 512 new tokens (EOS ignored / min_new_tokens=512). miles runs
+its real loop pieces (``Run.step``: embedded engine, native trainer, in-process
+weight sync); TRL runs ``GRPOTrainer`` with transformers generation. Steady-state
+step time is the median of the steps after the first.
+
+    python bench/grpo_step.py                 # both, on the H200
+    python bench/grpo_step.py --only miles
+    python bench/grpo_step.py --tiny          # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "models"), str(Path(__file__).resolve().parent)]
+
+import torch  # noqa: E402
+
+
+def random_reward(sample, config=None):
+    """Rewards with variance inside each group (no learning signal needed for timing)."""
+    return random.random()
+
+
+def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple[Path, Path]:
+    """A random Qwen3 model, a word-level tokenizer covering its vocab, and prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab_size = 512 if tiny else 151936
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
+    shape = (
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+        if tiny
+        else dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072)
+    )
+    config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+                         max_position_embeddings=4096, **shape)
+    torch.manual_seed(0)
+    model_dir = root / "model"
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    rng = random.Random(0)
+    data = root / "prompts.jsonl"
+    with data.open("w") as handle:
+        for _ in range(prompts):
+            handle.write(json.dumps({"input": " ".join(f"w{rng.randrange(2, vocab_size)}" for _ in range(prompt_len))}) + "\n")
+    return model_dir, data
+
+
+def bench_miles(model_dir: Path, data: Path, args) -> dict:
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.loop import Run
+    from miles_host.plugin_manager import MilesPluginManager
+
+    argv = [
+        "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--custom-rm-path", "grpo_step.random_reward",
+        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
+        "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
+        "--output-dir", str(args.workdir / "miles_out"), "--no-progress",
+    ]
+    manager = MilesPluginManager()
+    config, _ = resolve_run_config(argv, manager)
+    run = Run(config, manager)
+    sampling_params = run.rollout.sampling_params
+    run.rollout.sampling_params = lambda *a, **k: {**sampling_params(*a, **k), "ignore_eos": True}
+    run.sync_weights(bump=False)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for rollout_id in range(args.steps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        metrics = run.step(rollout_id)
+        steps.append(metrics)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith("perf/")}))
+    steady = steps[1:] or steps
+    med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
+    return {
+        "first_step_s": steps[0]["perf/step_time_s"],
+        "step_s": med("perf/step_time_s"),
+        "rollout_s": med("perf/rollout_time_s"),
+        "train_s": med("perf/train_time_s"),
+        "sync_s": med("perf/weight_sync_time_s"),
+        "rollout_tok_per_s": med("perf/rollout_tok_per_s"),
+        "response_len": med("rollout/response_len_mean"),
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan"),
+    }
+
+
+def bench_trl(model_dir: Path, data: Path, args) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = [json.loads(line)["input"] for line in data.read_text().splitlines()]
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.start)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    config = GRPOConfig(
+        output_dir=str(args.workdir / "trl_out"), per_device_train_batch_size=args.prompts,
+        gradient_accumulation_steps=args.samples, num_generations=args.samples,
+        max_completion_length=args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
+        bf16=True, max_steps=args.steps, learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no",
+        use_vllm=False, temperature=1.0,
+    )
+    torch.cuda.reset_peak_memory_stats()
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [random.random() for _ in completions]],
+                          args=config, train_dataset=Dataset.from_dict({"prompt": prompts * args.steps}),
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    return {"first_step_s": times[0], "step_s": statistics.median(times[1:] or times),
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", choices=["miles", "trl"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=32768)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompts, args.samples, args.new_tokens, args.prompt_len, args.steps = 4, 4, 16, 8, 2
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir, data = build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
+    results = {}
+    if args.only in (None, "miles"):
+        results["miles"] = bench_miles(model_dir, data, args)
+    if args.only in (None, "trl") and not args.tiny:
+        try:
+            results["trl"] = bench_trl(model_dir, data, args)
+        except Exception as error:  # noqa: BLE001 - report miles even when the baseline cannot run
+            print(f"TRL baseline failed: {type(error).__name__}: {error}")
+    completion_tokens = args.prompts * args.samples * args.new_tokens
+    print(f"\nGRPO step, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens")
+    print(f"{'system':<8} {'first s':>8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'tok/s':>9} {'peak GB':>8}")
+    for name, r in results.items():
+        print(f"{name:<8} {r['first_step_s']:8.2f} {r['step_s']:8.2f} {r.get('rollout_s', float('nan')):10.2f} "
+              f"{r.get('train_s', float('nan')):8.2f} {r.get('sync_s', float('nan')):7.3f} "
+              f"{completion_tokens / r['step_s']:9.0f} {r['peak_gb']:8.1f}")
+    if "miles" in results and "trl" in results:
+        print(f"speed-up per steady step: {results['trl']['step_s'] / results['miles']['step_s']:.2f}x")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
