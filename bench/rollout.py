@@ -93,6 +93,42 @@ def decode_bound_seconds(prompt_lens, output_lens, weight_bytes, kv_bytes_per_to
     return seconds
 
 
+def profile_case(fn, engine, device: str) -> None:
+    """Host profile of one run plus the GPU time of one decode-graph replay."""
+    import cProfile
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    sync(device)
+    start = time.perf_counter()
+    profiler.enable()
+    tokens = fn()
+    sync(device)
+    profiler.disable()
+    print(f"profiled run: {tokens / (time.perf_counter() - start):,.0f} tok/s")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    runner = engine.runner
+    if runner.graphs and device == "cuda":
+        for size in (64, 256):
+            if size not in runner.graphs:
+                continue
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(20):
+                runner.graphs[size].replay()
+            end.record()
+            sync(device)
+            print(f"decode graph replay, batch {size} (context 1): {begin.elapsed_time(end) / 20:.3f} ms")
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            fn()
+            sync(device)
+        print(trace.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model")
@@ -101,6 +137,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile case (a) on the host and stop")
     args = parser.parse_args()
 
     from miles_host.rollout import Engine
@@ -137,6 +174,9 @@ def main() -> None:
         # (a) fixed shapes, side by side with transformers
         n_prompts, prompt_len, new_tokens = 64 // (scale // 4 or 1), 128 // scale, 256 // scale
         prompts = [[random.randrange(1, vocab - 1) for _ in range(prompt_len)] for _ in range(n_prompts)]
+        if args.profile:
+            profile_case(lambda: run_engine(prompts, [new_tokens] * n_prompts), engine, device)
+            return
         times, tokens = timed(lambda: run_engine(prompts, [new_tokens] * n_prompts), device, args.repeats)
         miles_a = tokens / statistics.median(times)
         rows.append(("(a) miles engine", f"{n_prompts}x{prompt_len} -> {new_tokens}", tokens, statistics.median(times), miles_a, ""))

@@ -294,6 +294,8 @@ class Run:
         path = plot_history(self.state.history, Path(self.config.output_dir) / "curves.png")
         if path is not None:
             print(f"miles: curves written to {path}", file=sys.stderr)
+        else:
+            print("miles: no curves.png (pip install matplotlib to get one)", file=sys.stderr)
 
 
 def run_training(config: Any, manager: Any) -> int:

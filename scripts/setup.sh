@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ]; then
     # Pin torch first: an unpinned torch pulls a multi-GB CUDA build. 2.13.0 is a CPU build here.
     python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   fi
-  editable=(-e ".[test]")
+  editable=(-e ".[test,plot,math]")
   for plugin in plugins/*/; do
     editable+=(-e "$plugin")
   done

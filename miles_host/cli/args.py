@@ -129,6 +129,10 @@ def resolve_run_config(
     if not manager.discovered:
         manager.discover()
     parser, plugin_dests = build_run_parser(manager)
+    from miles_host.quickstart_preset import quickstart_defaults, wants_quickstart
+
+    if wants_quickstart(list(argv)):
+        parser.set_defaults(**quickstart_defaults())
     if known.config:
         parser.set_defaults(**load_config_file(known.config, parser))
     args = parser.parse_args(list(argv))

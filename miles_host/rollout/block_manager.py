@@ -6,7 +6,7 @@ keys and values there, so no kernel needs a "skip this slot" branch.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from miles_host.rollout.sequence import Sequence
 
@@ -35,7 +35,10 @@ class BlockManager:
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        # Free blocks without reusable content, and free blocks whose content a
+        # later prompt may still hit (least recently freed first: evicted first).
+        self.free_fresh: deque[int] = deque(range(1, num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
 
     # ------------------------------------------------------------------ capacity
@@ -46,7 +49,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_fresh) + len(self.free_cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -54,7 +57,10 @@ class BlockManager:
     # ------------------------------------------------------------------ internals
 
     def _take_free_block(self) -> int:
-        block = self.free_blocks.popleft()
+        if self.free_fresh:
+            block = self.free_fresh.popleft()
+        else:
+            block, _ = self.free_cached.popitem(last=False)
         self._forget_hash(block)
         self.ref_counts[block] = 1
         return block
@@ -70,12 +76,11 @@ class BlockManager:
         self.ref_counts[block] -= 1
         assert self.ref_counts[block] >= 0
         if self.ref_counts[block] == 0:
-            # Cached content stays valid until the block is handed out again:
-            # hashed blocks go to the back so they survive longest.
+            # Cached content stays valid until the block is handed out again.
             if self.block_hashes[block] is not None:
-                self.free_blocks.append(block)
+                self.free_cached[block] = None
             else:
-                self.free_blocks.appendleft(block)
+                self.free_fresh.appendleft(block)
 
     def _cached_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
         """Blocks already holding a prefix of ``seq`` (never covering its last token)."""
@@ -117,7 +122,7 @@ class BlockManager:
         hits = self._cached_prefix(seq, use_cache)
         for block in hits:
             if self.ref_counts[block] == 0:
-                self.free_blocks.remove(block)
+                del self.free_cached[block]
             self.ref_counts[block] += 1
         seq.block_table = list(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -190,6 +195,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every hash (weights changed: cached K/V are stale)."""
         self.hash_to_block.clear()
+        self.free_fresh.extend(self.free_cached)
+        self.free_cached.clear()
         for block in range(self.num_blocks):
             self.block_hashes[block] = None
             self.block_tokens[block] = None
