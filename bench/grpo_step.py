@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=32768)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
     args = parser.parse_args()
     if args.tiny:

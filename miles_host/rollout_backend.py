@@ -14,6 +14,10 @@ import torch
 from miles_host.routing import RoutingHooks
 
 
+#: share of GPU memory for the engine's weights + KV cache when the trainer shares the GPU
+DEFAULT_COLOCATED_MEM_FRACTION = 0.3
+
+
 def resolve_device(config: Any) -> torch.device:
     """``--device auto``: CUDA when available, else CPU."""
     if config.device == "auto":
@@ -41,6 +45,9 @@ class EmbeddedRolloutBackend:
         engine_kwargs: dict[str, Any] = {"batch_invariant": bool(config.true_on_policy)}
         if config.sglang_mem_fraction_static is not None:
             engine_kwargs["mem_fraction_static"] = config.sglang_mem_fraction_static
+        elif device.type == "cuda":
+            # the trainer shares this GPU in the embedded setup: leave it most of the memory
+            engine_kwargs["mem_fraction_static"] = DEFAULT_COLOCATED_MEM_FRACTION
         if config.rollout_max_num_seqs is not None:
             engine_kwargs["max_num_seqs"] = config.rollout_max_num_seqs
         self.engine = Engine.from_pretrained(

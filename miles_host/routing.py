@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from miles_host.models.context import RoutingContext
 
 
 class RoutingHooks:
@@ -38,7 +37,7 @@ class RoutingHooks:
         layer_index: int,
         scores_TE: torch.Tensor,
         topk: int,
-        routing_context: RoutingContext | None,
+        routing_context: Any,
         default_ids_TK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return the ``[T, K]`` expert ids this layer uses.
@@ -46,7 +45,11 @@ class RoutingHooks:
         ``default_ids_TK`` is the router's own choice when the caller already
         computed it (group-limited routing); otherwise plain top-k of ``scores``.
         """
-        context = routing_context if routing_context is not None else RoutingContext()
+        if routing_context is None:
+            from miles_host.models.context import RoutingContext  # lazy: models imports this module
+
+            routing_context = RoutingContext()
+        context = routing_context
         if default_ids_TK is None:
             default_ids_TK = torch.topk(scores_TE, topk, dim=-1).indices
         ids = None
