@@ -71,7 +71,7 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
-        "--output-dir", str(args.workdir / "miles_out"), "--no-progress",
+        "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -140,6 +140,7 @@ def bench_trl(model_dir: Path, data: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--train-compile", action="store_true", help="miles: torch.compile the decoder layers")
     parser.add_argument("--only", choices=["miles", "trl"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=32)

@@ -117,6 +117,13 @@ def lr_lambda(config: Any, total_steps: int):
     return factor
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (dynamic token count, so packed
+    batches of any size reuse one graph); the log-prob head stays chunked eager."""
+    for layer in model.layers:
+        layer.compile(dynamic=True)
+
+
 class NativeTrainer:
     """Trains the policy in this process (CPU or one GPU)."""
 
@@ -144,6 +151,8 @@ class NativeTrainer:
         if precision.prepare_train_model is not None:
             self.model = precision.prepare_train_model(self.model, config) or self.model
         self.convert_for_rollout = precision.convert_for_rollout
+        if config.train_compile:
+            compile_decoder_layers(self.model)
         self.ref_model = None
         if config.use_kl_loss or config.kl_coef:
             self.ref_model = load_pretrained(

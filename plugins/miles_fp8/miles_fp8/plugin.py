@@ -1,11 +1,16 @@
 """miles-fp8 (entry point ``fp8``): unified block-scaled FP8 for rollout and training.
 
-Selecting the plugin makes ``fp8`` the run's precision recipe. The recipe itself
-(quantize kernels, FP8 GEMMs, ``miles convert --to fp8``) is issue [7/13]; until
-it lands, a run that needs it stops with "unknown precision 'fp8'".
+Selecting the plugin makes ``fp8`` the run's precision recipe: training linears run
+their forward and backward GEMMs in block-scaled FP8 E4M3 (1x128 activation
+groups, 128x128 weight blocks, float32 scales) on the master weights, the rollout
+engine holds FP8 weights + ``weight_scale_inv``, and weight sync quantizes the
+master weights with the same code, so both sides multiply the same numbers.
+It also offers ``miles convert-fp8 SRC DST`` (see :mod:`miles_fp8.convert`).
 """
 
 from __future__ import annotations
+
+from miles_host.records import Command, Precision
 
 
 def miles_add_arguments(parser):
@@ -21,3 +26,32 @@ def miles_add_arguments(parser):
 def miles_configure(config):
     """An active fp8 plugin selects the ``fp8`` precision recipe."""
     config.precision = "fp8"
+
+
+def miles_register_precisions():
+    """The ``fp8`` recipe (imports torch-heavy modules only when a run builds models)."""
+    from miles_fp8 import recipe
+
+    return [
+        Precision(
+            "fp8",
+            "block-scaled FP8 E4M3 (1x128 activations, 128x128 weights) in training and rollout",
+            prepare_train_model=recipe.prepare_train_model,
+            prepare_rollout_model=recipe.prepare_rollout_model,
+            convert_for_rollout=recipe.convert_for_rollout,
+        )
+    ]
+
+
+def miles_register_commands():
+    """``miles convert-fp8 SRC DST`` (the host's ``miles convert --to fp8`` calls the same function)."""
+    from miles_fp8 import convert
+
+    return [
+        Command(
+            "convert-fp8",
+            "convert an HF checkpoint to block-scaled FP8 (weight + weight_scale_inv, quantization_config)",
+            add_arguments=convert.add_command_arguments,
+            run=convert.run_convert,
+        )
+    ]

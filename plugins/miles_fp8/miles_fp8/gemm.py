@@ -1,0 +1,129 @@
+"""The block-scaled FP8 GEMM ``y = (a_q * a_scale) @ (b_q * b_scale)^T`` and its backends.
+
+``a_q [M, K]`` is quantized in 1x128 groups (``a_scale [M, K/128]``); ``b_q [N, K]``
+in 128x128 blocks (``b_scale [N/128, K/128]``, a weight) or in 1x128 groups
+(``b_scale [N, K/128]``, the weight-gradient GEMM where both operands are
+activations). Backends:
+
+- ``reference``: dequantize both operands and multiply in float32 (CPU, and the
+  ground truth of the GPU tests);
+- ``scaled_mm``: cuBLAS block scaling through ``torch._scaled_mm`` / ``F.scaled_mm``
+  (SM90, CUDA >= 12.9), used for 128x128-block operands only after it passed a
+  numerical self-check on this GPU;
+- ``triton``: :mod:`miles_fp8.triton_kernels`, for everything else on CUDA.
+
+``MILES_FP8_GEMM=reference|triton|scaled_mm|auto`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from miles_fp8.quant import BLOCK, dequantize, use_reference
+
+logger = logging.getLogger(__name__)
+
+#: device index -> whether cuBLAS block-scaled _scaled_mm passed the self-check
+_SCALED_MM_OK: dict[int, bool] = {}
+
+
+def block_scaled_mm_ref(
+    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reference: dequantize both operands, ``matmul`` in float32, cast to ``out_dtype``."""
+    return (dequantize(a_q, a_scale) @ dequantize(b_q, b_scale).T).to(out_dtype)
+
+
+def _check_operands(a_q, a_scale, b_q, b_scale) -> None:
+    m, k = a_q.shape
+    n, k_b = b_q.shape
+    if k != k_b or k % BLOCK:
+        raise ValueError(f"block_scaled_mm: a {tuple(a_q.shape)} and b {tuple(b_q.shape)} need one K divisible by {BLOCK}")
+    if tuple(a_scale.shape) != (m, k // BLOCK):
+        raise ValueError(f"block_scaled_mm: a_scale {tuple(a_scale.shape)} should be {(m, k // BLOCK)} (1x128 groups)")
+    if tuple(b_scale.shape) not in ((n // BLOCK, k // BLOCK), (n, k // BLOCK)) or (
+        tuple(b_scale.shape) == (n // BLOCK, k // BLOCK) and n % BLOCK
+    ):
+        raise ValueError(
+            f"block_scaled_mm: b_scale {tuple(b_scale.shape)} should be {(n // BLOCK, k // BLOCK)} "
+            f"(128x128 blocks) or {(n, k // BLOCK)} (1x128 groups)"
+        )
+
+
+def _scaled_mm_cublas(a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
+    """cuBLAS 1x128 x 128x128 block scaling (the layout PyTorch's own tests use)."""
+    a_scale = a_scale.float().t().contiguous().t()  # 1x128 scales must be outer-dim-major
+    b_q = b_q.contiguous()  # mat2 = b_q.t() must be column-major
+    scaled_mm = getattr(F, "scaled_mm", None)
+    if scaled_mm is not None and hasattr(F, "ScalingType"):
+        pad = (-b_scale.shape[1]) % 4  # cuBLAS wants the K/128 dim of 128x128 scales padded to 4
+        b_scale_l4 = F.pad(b_scale.float(), (0, pad)) if pad else b_scale.float().contiguous()
+        return scaled_mm(
+            a_q, b_q.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale_l4.t(), F.ScalingType.BlockWise128x128,
+            output_dtype=out_dtype,
+        )
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=b_scale.float().t(), out_dtype=out_dtype)
+
+
+def scaled_mm_usable(device: torch.device) -> bool:
+    """Whether cuBLAS block scaling works here and agrees with the reference (checked once per GPU)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _SCALED_MM_OK:
+        return _SCALED_MM_OK[index]
+    from miles_fp8.quant import quantize_act_ref, quantize_weight_ref
+
+    ok, why = True, ""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        for m, n, k in ((1, 256, 384), (100, 128, 256), (256, 384, 512)):
+            a_q, a_s = quantize_act_ref(torch.randn(m, k, generator=generator))
+            b_q, b_s = quantize_weight_ref(torch.randn(n, k, generator=generator))
+            expected = block_scaled_mm_ref(a_q, a_s, b_q, b_s, torch.float32)
+            got = _scaled_mm_cublas(
+                a_q.to(device), a_s.to(device), b_q.to(device), b_s.to(device), torch.float32
+            ).cpu()
+            error = ((got - expected).norm() / expected.norm()).item()
+            if not error < 1e-3:
+                ok, why = False, f"relative error {error:.2e} at M,N,K={m},{n},{k}"
+                break
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the Triton kernel
+        ok, why = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    logger.info("fp8: cuBLAS block-scaled _scaled_mm %s%s", "in use" if ok else "not used, Triton GEMM instead", f" ({why})" if why else "")
+    _SCALED_MM_OK[index] = ok
+    return ok
+
+
+def gemm_backend(a_q: torch.Tensor, b_scale: torch.Tensor, n: int) -> str:
+    """Which backend :func:`block_scaled_mm` uses for these operands."""
+    if not a_q.is_cuda or use_reference():
+        return "reference"
+    choice = os.environ.get("MILES_FP8_GEMM", "auto")
+    if choice not in ("auto", "triton", "scaled_mm", "reference"):
+        raise ValueError(f"MILES_FP8_GEMM={choice!r}; use auto, triton, scaled_mm or reference")
+    block_scaled_b = b_scale.shape[0] != n
+    if choice == "auto":
+        return "scaled_mm" if block_scaled_b and scaled_mm_usable(a_q.device) else "triton"
+    if choice == "scaled_mm" and not block_scaled_b:
+        return "triton"  # cuBLAS has no 1x128 x 1x128 path we use; the wgrad GEMM stays on Triton
+    return choice
+
+
+def block_scaled_mm(
+    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale)^T`` as ``[M, N]`` in ``out_dtype`` (see the module doc)."""
+    _check_operands(a_q, a_scale, b_q, b_scale)
+    backend = gemm_backend(a_q, b_scale, b_q.shape[0])
+    if backend == "reference":
+        return block_scaled_mm_ref(a_q, a_scale, b_q, b_scale, out_dtype)
+    if backend == "scaled_mm":
+        return _scaled_mm_cublas(a_q, a_scale, b_q, b_scale, out_dtype)
+    from miles_fp8 import triton_kernels
+
+    return triton_kernels.block_scaled_mm(a_q, a_scale, b_q, b_scale, out_dtype)

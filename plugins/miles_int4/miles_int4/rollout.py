@@ -1,0 +1,208 @@
+"""INT4 weights on the rollout side: weight-only INT4 modules and the weight-sync conversion.
+
+:func:`prepare_rollout_model` replaces each selected ``torch.nn.Linear`` by an
+:class:`Int4Linear` and each MoE :class:`~miles_host.models.mlp.Experts` by an
+:class:`Int4Experts`. Their state is compressed-tensors' triple per weight,
+``<name>_packed`` (int32, 8 nibbles each), ``<name>_scale`` (bf16) and
+``<name>_shape`` (int64), exactly what :func:`convert_for_rollout` emits at weight
+sync, so the engine's ordinary ``update_weights`` (``copy_`` by name) loads it.
+
+Two GEMMs, chosen by ``--int4-rollout-gemm``:
+
+- ``dequant``: dequantize (the QAT forward's own formula) then ``F.linear``. The
+  rollout logits equal the QAT training forward's bit for bit.
+- ``packed``: torch's int4 kernels (:mod:`miles_int4.kernels`) on a copy of the
+  weights in the kernel's layout, re-packed in place after every weight update
+  (CUDA-graph safe when the host calls :func:`refresh_int4_weights`; otherwise the
+  next eager forward notices the new weights through the tensors' version counters).
+  Layers whose shape the kernel does not take fall back to ``dequant``.
+
+``auto`` (default) is ``packed`` on CUDA unless ``--true-on-policy``, else ``dequant``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from miles_host.models.mlp import Experts
+from miles_int4.kernels import PackedInt4, int4_mm, kernel_supports, pack_for_kernel
+from miles_int4.quant import check_groupable, compress, dequantize_packed, pack_int32, quantize, unpack_int32
+from miles_int4.settings import int4_settings
+from miles_int4.targets import is_target, target_parameters
+
+
+class _Int4Weights(torch.nn.Module):
+    """Shared state handling: compressed-tensors buffers per weight and their kernel copies."""
+
+    def _register_int4(self, name: str, weight: torch.Tensor, group_size: int) -> None:
+        q, scale = quantize(weight, group_size)
+        self.register_buffer(f"{name}_packed", pack_int32(q))
+        self.register_buffer(f"{name}_scale", scale)
+        self.register_buffer(f"{name}_shape", torch.tensor(list(weight.shape), dtype=torch.int64, device=weight.device))
+
+    def _dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_packed(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), dtype)
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f"{n}_{s}")._version for n in self.int4_names for s in ("packed", "scale"))
+
+    def _kernels(self, act_dtype: torch.dtype) -> dict[str, list[PackedInt4]]:
+        if self._kernel_state is None or self._kernel_state[0] != self._versions():
+            self.refresh(act_dtype)
+        return self._kernel_state[1]
+
+    @torch.no_grad()
+    def refresh(self, act_dtype: torch.dtype | None = None) -> None:
+        """Re-pack the kernel copies from the compressed-tensors buffers (in place when they exist)."""
+        if not self.use_kernel:
+            return
+        old = self._kernel_state[1] if self._kernel_state is not None else None
+        act_dtype = act_dtype or (old[self.int4_names[0]][0].scales_and_zeros.dtype if old else torch.float32)
+        kernels: dict[str, list[PackedInt4]] = {}
+        for name in self.int4_names:
+            q = unpack_int32(getattr(self, f"{name}_packed"))
+            q = q.reshape(-1, *q.shape[-2:])  # [E or 1, N, K]
+            scale = getattr(self, f"{name}_scale")
+            scale = scale.reshape(-1, *scale.shape[-2:])
+            fresh = [pack_for_kernel(q[i], scale[i], act_dtype) for i in range(q.shape[0])]
+            if old is not None and old[name][0].weight.device == fresh[0].weight.device:
+                for mine, new in zip(old[name], fresh):  # keep addresses: captured CUDA graphs read these
+                    mine.weight.copy_(new.weight)
+                    mine.scales_and_zeros.copy_(new.scales_and_zeros)
+                fresh = old[name]
+            kernels[name] = fresh
+        self._kernel_state = (self._versions(), kernels)
+
+
+class Int4Linear(_Int4Weights):
+    """``F.linear`` with a weight-only INT4 weight (``weight_packed``, ``weight_scale``, ``weight_shape``)."""
+
+    int4_names = ("weight",)
+
+    def __init__(self, linear: torch.nn.Linear, group_size: int, use_kernel: bool):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.group_size = group_size
+        self._register_int4("weight", linear.weight.detach(), group_size)
+        self.bias = linear.bias
+        self.use_kernel = use_kernel and kernel_supports(self.out_features, self.in_features, linear.weight.device)
+        self._kernel_state = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            y = int4_mm(x, self._kernels(x.dtype)["weight"][0])
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self._dequantized("weight", x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        kernel = "packed" if self.use_kernel else "dequant"
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, gemm={kernel}"
+
+
+class Int4Experts(_Int4Weights):
+    """Routed experts with INT4 ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``.
+
+    The token loop is :meth:`Experts.forward`'s, op for op (the rollout/QAT
+    equality test guards that), with each expert's matmul done in INT4.
+    """
+
+    int4_names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: Experts, group_size: int, use_kernel: bool):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.act = experts.act
+        self.group_size = group_size
+        for name in self.int4_names:
+            self._register_int4(name, getattr(experts, name).detach(), group_size)
+        device = experts.gate_up_proj.device
+        self.use_kernel = use_kernel and all(
+            kernel_supports(*getattr(experts, name).shape[1:], device) for name in self.int4_names
+        )
+        self._kernel_state = None
+
+    def _expert_linear(self, x: torch.Tensor, name: str, expert: int, cache: dict) -> torch.Tensor:
+        if self.use_kernel:
+            return int4_mm(x, cache[name][expert])
+        packed = getattr(self, f"{name}_packed")[expert]
+        scale = getattr(self, f"{name}_scale")[expert]
+        return F.linear(x, dequantize_packed(packed, scale, x.dtype))
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        cache = self._kernels(x_TH.dtype) if self.use_kernel else {}
+        num_tokens, top_k = ids_TK.shape
+        flat_ids = ids_TK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        x_sorted = x_TH[token_of]
+        w_sorted = weights_TK.reshape(-1)[order]
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            x_e = x_sorted[start : start + count]
+            gate, up = self._expert_linear(x_e, "gate_up_proj", expert, cache).chunk(2, dim=-1)
+            y_e = self._expert_linear(self.act(gate) * up, "down_proj", expert, cache)
+            outputs.append(y_e * w_sorted[start : start + count, None])
+            start += count
+        y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
+        y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
+        y_TH.index_add_(0, token_of, y_sorted)
+        return y_TH.to(x_TH.dtype)
+
+    def extra_repr(self) -> str:
+        kernel = "packed" if self.use_kernel else "dequant"
+        return f"num_experts={self.num_experts}, group_size={self.group_size}, gemm={kernel}"
+
+
+def _use_kernel(config: Any, device: torch.device) -> bool:
+    gemm = int4_settings(config).rollout_gemm
+    if gemm == "auto":
+        return device.type == "cuda" and not getattr(config, "true_on_policy", False)
+    return gemm == "packed"
+
+
+def quantize_rollout_model(model: torch.nn.Module, group_size: int, target: str, use_kernel: bool) -> int:
+    """Swap the ``target`` linears/experts of ``model`` for INT4 modules; return how many modules."""
+    selected: dict[str, torch.nn.Module] = {}
+    for module_name, module, param_name in target_parameters(model, target):
+        check_groupable(f"{module_name}.{param_name}", module._parameters[param_name].shape, group_size)
+        selected[module_name] = module
+    for module_name, module in selected.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        kind = Int4Experts if isinstance(module, Experts) else Int4Linear
+        setattr(parent, child, kind(module, group_size, use_kernel))
+    return len(selected)
+
+
+def prepare_rollout_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """The ``int4`` recipe's rollout side: INT4 modules in place of the selected weights."""
+    settings = int4_settings(config)
+    device = next(model.parameters()).device
+    quantize_rollout_model(model, settings.group_size, settings.target, _use_kernel(config, device))
+    return model
+
+
+def convert_for_rollout(named_tensors: Iterable[tuple[str, torch.Tensor]], config: Any) -> list[tuple[str, torch.Tensor]]:
+    """Weight sync: each selected ``(name, w)`` -> ``name_packed``, ``name_scale``, ``name_shape``."""
+    settings = int4_settings(config)
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named_tensors:
+        if is_target(name, tensor.dim(), settings.target):
+            out.extend(compress(name, tensor, settings.group_size))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def refresh_int4_weights(model: torch.nn.Module) -> int:
+    """Re-pack every INT4 module's kernel copy after an in-place weight update; return how many."""
+    modules = [m for m in model.modules() if isinstance(m, _Int4Weights) and m.use_kernel]
+    for module in modules:
+        module.refresh()
+    return len(modules)
