@@ -137,6 +137,16 @@ def miles_register_model_families() -> Iterable["records.ModelFamily"]:
     """
 
 
+@hookspec
+def miles_register_checkpoint_converters() -> Iterable["records.CheckpointConverter"]:
+    """Register checkpoint formats for ``miles convert --to NAME SRC DST`` (``fp8``, ``int4``).
+
+    Fires when ``miles convert`` runs, for every importable plugin (selected or
+    not: converting needs no run). Returns
+    :class:`~miles_host.records.CheckpointConverter` records.
+    """
+
+
 # ----------------------------------------------------------------------------
 # weight sync
 # ----------------------------------------------------------------------------

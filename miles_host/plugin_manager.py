@@ -61,6 +61,7 @@ REGISTRY_KINDS: dict[str, tuple[str, str]] = {
     "train_backends": ("miles_register_train_backends", "training backend"),
     "loggers": ("miles_register_loggers", "logger"),
     "commands": ("miles_register_commands", "command"),
+    "checkpoint_converters": ("miles_register_checkpoint_converters", "checkpoint converter"),
 }
 assert {hook for hook, _ in REGISTRY_KINDS.values()} == set(REGISTRATION_HOOKS)
 
@@ -144,6 +145,7 @@ class Registries:
     train_backends: Registry = field(default_factory=lambda: Registry("training backend"))
     loggers: Registry = field(default_factory=lambda: Registry("logger"))
     commands: Registry = field(default_factory=lambda: Registry("command"))
+    checkpoint_converters: Registry = field(default_factory=lambda: Registry("checkpoint converter"))
 
 
 def parse_plugin_names(values: Iterable[str] | None) -> list[str]:

@@ -208,6 +208,18 @@ class Command(Record):
     run: Callable[[Any], int] | None = None
 
 
+@dataclass(frozen=True)
+class CheckpointConverter(Record):
+    """A checkpoint format for ``miles convert --to NAME SRC DST``.
+
+    ``add_arguments(parser)`` adds the format's own flags (e.g. ``--group-size``);
+    ``convert(src, dst, args) -> None`` writes the converted HF checkpoint.
+    """
+
+    add_arguments: Callable[[Any], None] | None = None
+    convert: Callable[[str, str, Any], None] | None = None
+
+
 #: record type -> registration hook name; the plugin manager builds one registry each.
 REGISTRATION_HOOKS: Mapping[str, type[Record]] = {
     "miles_register_precisions": Precision,
@@ -222,6 +234,7 @@ REGISTRATION_HOOKS: Mapping[str, type[Record]] = {
     "miles_register_train_backends": TrainBackend,
     "miles_register_loggers": Logger,
     "miles_register_commands": Command,
+    "miles_register_checkpoint_converters": CheckpointConverter,
 }
 
 __all__: Sequence[str] = [name for name in dir() if name[0].isupper()]

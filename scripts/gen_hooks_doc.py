@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 from miles_host import hookspecs  # noqa: E402
 
 CONCERNS = [
-    ("Precision", ["miles_register_precisions"]),
+    ("Precision", ["miles_register_precisions", "miles_register_checkpoint_converters"]),
     ("Routing", ["miles_select_experts", "miles_experts_selected"]),
     ("Rollout", ["miles_register_rollout_backends", "miles_register_decoding_strategies"]),
     ("Correction", ["miles_register_corrections"]),

@@ -6,14 +6,14 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 from miles_host import __version__
 from miles_host.cli.args import UsageError, config_report, resolve_run_config
 from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.records import Command
 
-HOST_COMMANDS = ("run", "plugins")
+HOST_COMMANDS = ("run", "plugins", "convert")
 
 
 def _error(message: str, code: int) -> int:
@@ -60,6 +60,43 @@ def cmd_plugins(argv: Sequence[str]) -> int:
     return 0
 
 
+def checkpoint_converters(manager: MilesPluginManager) -> dict[str, Any]:
+    """``--to`` formats offered by every importable plugin (active or not)."""
+    converters: dict[str, Any] = {}
+    for plugin, records in manager.call_each("miles_register_checkpoint_converters").items():
+        for record in records or ():
+            if record.name in converters:
+                raise PluginError(f"two plugins register a checkpoint converter {record.name!r} (one is {plugin!r})")
+            converters[record.name] = record
+    return converters
+
+
+def cmd_convert(argv: Sequence[str]) -> int:
+    """``miles convert --to FORMAT SRC DST [format flags]``: convert an HF checkpoint."""
+    manager = MilesPluginManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manager.discover()
+    converters = checkpoint_converters(manager)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--to")
+    known, _ = pre.parse_known_args(list(argv))
+    parser = argparse.ArgumentParser(prog="miles convert", description="Convert an HF checkpoint to another format.")
+    parser.add_argument("--to", required=True,
+                        help="target format (from installed plugins: " + (", ".join(sorted(converters)) or "none") + ")")
+    parser.add_argument("src", help="HF checkpoint directory to read")
+    parser.add_argument("dst", help="directory to write")
+    if known.to in converters and converters[known.to].add_arguments is not None:
+        converters[known.to].add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    if args.to not in converters:
+        installed = ", ".join(sorted(converters)) or "none: install miles-fp8 or miles-int4"
+        raise UsageError(f"unknown checkpoint format {args.to!r}; formats: {installed}")
+    converters[args.to].convert(args.src, args.dst, args)
+    print(f"miles: wrote {args.to} checkpoint to {args.dst}")
+    return 0
+
+
 def plugin_commands(manager: MilesPluginManager) -> dict[str, Command]:
     """Sub-commands offered by every importable plugin (active or not)."""
     commands: dict[str, Command] = {}
@@ -93,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(rest)
         if name == "plugins":
             return cmd_plugins(rest)
+        if name == "convert":
+            return cmd_convert(rest)
         manager = MilesPluginManager()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

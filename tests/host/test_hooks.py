@@ -227,7 +227,7 @@ def test_miles_add_arguments():
 def test_miles_activate():
     config, _ = _resolve(["--throwaway-k", "3"])
     assert config.plugins == ["flags"]
-    config, _ = _resolve([])
+    config, _ = _resolve(["--rollout-batch-size", "8"])
     assert config.plugins == [] and config.rollout_batch_size == 8
 
 
@@ -257,3 +257,38 @@ def test_miles_register_commands():
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     assert command.run(parser.parse_args(["--who", "miles"])) == 0 and calls == ["miles"]
+
+
+def test_miles_register_checkpoint_converters(tmp_path):
+    from miles_host.cli.main import checkpoint_converters
+
+    written = []
+
+    class Halve:
+        @staticmethod
+        def miles_register_checkpoint_converters():
+            return [
+                records.CheckpointConverter(
+                    "half",
+                    add_arguments=lambda p: p.add_argument("--factor", type=float, default=0.5),
+                    convert=lambda src, dst, args: written.append((src, dst, args.factor)),
+                )
+            ]
+
+    manager = MilesPluginManager()
+    manager.discover(entry_points=[])
+    manager.add_inline_plugin(Halve(), "halve")
+    converter = checkpoint_converters(manager)["half"]
+    parser = argparse.ArgumentParser()
+    converter.add_arguments(parser)
+    converter.convert("a", "b", parser.parse_args(["--factor", "0.25"]))
+    assert written == [("a", "b", 0.25)]
+    manager.activate()
+    assert manager.registries.checkpoint_converters.get("half") is not None
+
+
+def test_convert_command_rejects_unknown_format(capsys):
+    from miles_host.cli.main import main
+
+    assert main(["convert", "--to", "nosuchformat", "a", "b"]) == 2
+    assert "unknown checkpoint format 'nosuchformat'" in capsys.readouterr().err

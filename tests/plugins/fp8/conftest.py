@@ -79,7 +79,7 @@ GRID = e4m3_grid()
 
 def nearest_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(nearest E4M3 value, distance to it) of float64 ``v`` (saturated to +-448)."""
-    v = v.double().clamp(-FP8_MAX, FP8_MAX)
+    v = v.double().clamp(-FP8_MAX, FP8_MAX).contiguous()
     index = torch.searchsorted(GRID, v).clamp(1, len(GRID) - 1)
     low, high = GRID[index - 1], GRID[index]
     nearest = torch.where((v - low).abs() <= (high - v).abs(), low, high)
