@@ -1,0 +1,1 @@
+"""miles-megatron plugin package."""

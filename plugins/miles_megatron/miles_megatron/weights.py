@@ -1,0 +1,205 @@
+"""Native (miles) <-> Megatron-Core GPTModel state dicts.
+
+Every model-family adapter maps HF checkpoints onto one native layout
+(``miles_host.models``), so one map from the native layout to Megatron-Core's
+names covers every family; the per-family differences that matter here are
+read from the native :class:`~miles_host.models.ModelConfig`. Both directions
+are pure functions over ``{name: tensor}`` and are exact inverses.
+
+Megatron-Core conventions used (local layer spec, no TransformerEngine):
+
+- ``decoder.layers.{i}.self_attention.linear_qkv`` holds q, k, v interleaved per
+  query group: for each KV head, its ``num_heads / num_kv_heads`` query heads,
+  then its key head, then its value head. miles keeps ``[q; k; v]``.
+- MLA (DeepSeek): ``linear_q_down_proj`` / ``linear_q_up_proj`` /
+  ``linear_kv_down_proj`` / ``linear_kv_up_proj`` with ``q_layernorm`` /
+  ``kv_layernorm``.
+- SwiGLU ``linear_fc1`` is ``[gate; up]``, as miles' ``gate_up_proj``.
+- Routed experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}`` (SequentialMLP).
+- Post-attention / post-MLP ("sandwich") norms of Gemma and GLM-4 use the names
+  Megatron-Bridge gives them (``post_self_attn_layernorm``, ``post_mlp_layernorm``);
+  stock GPTModel layer specs have no such modules, so the backend needs a layer
+  spec with them for those families.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+#: per-layer names that are a plain rename (native suffix -> Megatron suffix)
+LAYER_RENAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "pre_mlp_layernorm.weight",
+    "post_attn_norm.weight": "post_self_attn_layernorm.weight",
+    "post_mlp_norm.weight": "post_mlp_layernorm.weight",
+    "attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "attn.o_proj.bias": "self_attention.linear_proj.bias",
+    "attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "attn.q_a_norm.weight": "self_attention.q_layernorm.weight",
+    "attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "attn.q_proj.weight": "self_attention.linear_q_proj.weight",
+    "attn.kv_a_proj.weight": "self_attention.linear_kv_down_proj.weight",
+    "attn.kv_a_norm.weight": "self_attention.kv_layernorm.weight",
+    "attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+    "mlp.gate_up_proj.weight": "mlp.linear_fc1.weight",
+    "mlp.gate_up_proj.bias": "mlp.linear_fc1.bias",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.down_proj.bias": "mlp.linear_fc2.bias",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.shared_experts.gate_up_proj.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_gate.weight": "mlp.shared_experts.gate_weight",
+}
+GLOBAL_RENAMES: dict[str, str] = {
+    "embed_tokens.weight": "embedding.word_embeddings.weight",
+    "norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+_NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def qkv_to_megatron(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``[q; k; v]`` rows (weight or bias) -> Megatron's per-query-group interleave."""
+    per_group = num_heads // num_kv_heads
+    rest = qkv.shape[1:]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    q = q.reshape(num_kv_heads, per_group * head_dim, *rest)
+    k = k.reshape(num_kv_heads, head_dim, *rest)
+    v = v.reshape(num_kv_heads, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def qkv_from_megatron(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`qkv_to_megatron`."""
+    per_group = num_heads // num_kv_heads
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(num_kv_heads, (per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
+
+
+def _invert(mapping: Mapping[str, str]) -> dict[str, str]:
+    inverse: dict[str, str] = {}
+    for native, megatron in mapping.items():
+        # q_norm (GQA) and q_a_norm (MLA) share Megatron's q_layernorm: one model has only one
+        inverse.setdefault(megatron, native)
+    return inverse
+
+
+def _layer_map(config: Any) -> dict[str, str]:
+    renames = dict(LAYER_RENAMES)
+    if config.mla is not None:
+        renames["attn.q_a_norm.weight"] = "self_attention.q_layernorm.weight"
+        renames.pop("attn.q_norm.weight")
+    return renames
+
+
+def native_to_megatron(state: Mapping[str, torch.Tensor], config: Any) -> Tensors:
+    """A native state dict -> Megatron-Core GPTModel names and layouts."""
+    renames = _layer_map(config)
+    out: Tensors = {}
+    for name, tensor in state.items():
+        if name in GLOBAL_RENAMES:
+            out[GLOBAL_RENAMES[name]] = tensor
+            continue
+        match = _NATIVE_LAYER.match(name)
+        if match is None:
+            raise ValueError(f"no Megatron-Core name for native weight {name!r}")
+        index, suffix = match.groups()
+        prefix = f"decoder.layers.{index}."
+        if suffix in ("attn.qkv_proj.weight", "attn.qkv_proj.bias"):
+            kind = suffix.rsplit(".", 1)[1]
+            out[f"{prefix}self_attention.linear_qkv.{kind}"] = qkv_to_megatron(
+                tensor, config.num_heads, config.num_kv_heads, config.head_dim
+            )
+        elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            fc = "linear_fc1" if "gate_up" in suffix else "linear_fc2"
+            for expert, weight in enumerate(tensor.unbind(0)):
+                out[f"{prefix}mlp.experts.local_experts.{expert}.{fc}.weight"] = weight
+        elif suffix in renames:
+            out[prefix + renames[suffix]] = tensor
+        else:
+            raise ValueError(f"no Megatron-Core name for native weight {name!r}")
+    return out
+
+
+def megatron_to_native(state: Mapping[str, torch.Tensor], config: Any) -> Tensors:
+    """Inverse of :func:`native_to_megatron`."""
+    inverse_layer = _invert(_layer_map(config))
+    inverse_global = _invert(GLOBAL_RENAMES)
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out: Tensors = {}
+    for name, tensor in state.items():
+        if name in inverse_global:
+            out[inverse_global[name]] = tensor
+            continue
+        match = _MEGATRON_LAYER.match(name)
+        if match is None:
+            raise ValueError(f"unexpected Megatron-Core weight {name!r}")
+        index, suffix = match.groups()
+        prefix = f"layers.{index}."
+        expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", suffix)
+        if suffix.startswith("self_attention.linear_qkv."):
+            kind = suffix.rsplit(".", 1)[1]
+            out[f"{prefix}attn.qkv_proj.{kind}"] = qkv_from_megatron(
+                tensor, config.num_heads, config.num_kv_heads, config.head_dim
+            )
+        elif expert is not None:
+            experts.setdefault((index, expert.group(2)), {})[int(expert.group(1))] = tensor
+        elif suffix in inverse_layer:
+            out[prefix + inverse_layer[suffix]] = tensor
+        else:
+            raise ValueError(f"unexpected Megatron-Core weight {name!r}")
+    for (index, fc), by_expert in experts.items():
+        native = "gate_up_proj" if fc == "linear_fc1" else "down_proj"
+        out[f"layers.{index}.mlp.experts.{native}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
+    """Megatron-Core ``TransformerConfig`` arguments for a native config (what
+    the backend builds its GPTModel from); features Megatron's GPT layer spec
+    cannot express are refused with the feature named."""
+    unsupported: list[tuple[bool, str]] = [
+        (config.attn_logit_softcap is not None, "attention logit soft-capping (Gemma-2)"),
+        (config.final_logit_softcap is not None, "final logit soft-capping (Gemma-2)"),
+        (config.sandwich_norm, "post-attention/post-MLP norms (Gemma, GLM-4): need a custom layer spec"),
+        ("sliding_attention" in config.layer_types, "sliding-window layers"),
+    ]
+    problems = [what for bad, what in unsupported if bad]
+    if problems:
+        raise ValueError(f"the megatron backend does not support {', '.join(problems)} yet; use --train-backend native")
+    kwargs: dict[str, Any] = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_heads,
+        "num_query_groups": config.num_kv_heads,
+        "kv_channels": config.head_dim,
+        "ffn_hidden_size": config.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.rms_norm_eps,
+        "gated_linear_unit": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": config.qkv_bias,
+        "qk_layernorm": config.qk_norm == "head",
+    }
+    if config.moe is not None:
+        kwargs.update(
+            num_moe_experts=config.moe.num_experts,
+            moe_router_topk=config.moe.top_k,
+            moe_ffn_hidden_size=config.moe.intermediate_size,
+            moe_enable_routing_replay=True,
+        )
+    return kwargs
+
+
+ConvertFn = Callable[[Mapping[str, torch.Tensor], Any], Tensors]

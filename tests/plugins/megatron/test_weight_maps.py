@@ -1,0 +1,90 @@
+"""miles-megatron: native <-> Megatron-Core weight maps round-trip for every family."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from miles_host.models import load_pretrained
+from miles_megatron.plugin import megatron_available
+from miles_megatron.weights import (
+    megatron_to_native,
+    megatron_transformer_config_kwargs,
+    native_to_megatron,
+    qkv_to_megatron,
+)
+from tests.models.conftest import CASES, build_hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def native_model(request):
+    directory = tempfile.mkdtemp()
+    build_hf_model(request.param).save_pretrained(directory)
+    return load_pretrained(directory)
+
+
+def test_round_trip_is_exact(native_model):
+    state = native_model.state_dict()
+    megatron = native_to_megatron(state, native_model.config)
+    assert all(name.startswith(("decoder.", "embedding.", "output_layer.")) for name in megatron)
+    back = megatron_to_native(megatron, native_model.config)
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_expert_and_norm_names(native_model):
+    megatron = native_to_megatron(native_model.state_dict(), native_model.config)
+    config = native_model.config
+    assert "decoder.final_layernorm.weight" in megatron and "embedding.word_embeddings.weight" in megatron
+    if config.moe is not None:
+        layer = config.moe_layers.index(True)
+        for expert in range(config.moe.num_experts):
+            assert f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight" in megatron
+        assert f"decoder.layers.{layer}.mlp.router.weight" in megatron
+    if config.mla is not None:
+        assert "decoder.layers.0.self_attention.linear_kv_down_proj.weight" in megatron
+
+
+def test_qkv_interleave_matches_megatron_layout_built_by_hand():
+    heads, kv_heads, head_dim, hidden = 4, 2, 3, 5
+    q = torch.randn(heads * head_dim, hidden)
+    k = torch.randn(kv_heads * head_dim, hidden)
+    v = torch.randn(kv_heads * head_dim, hidden)
+    rows = []
+    for group in range(kv_heads):  # Megatron: per KV group, its query heads, then k, then v
+        for head in range(group * 2, group * 2 + 2):
+            rows.append(q[head * head_dim:(head + 1) * head_dim])
+        rows.append(k[group * head_dim:(group + 1) * head_dim])
+        rows.append(v[group * head_dim:(group + 1) * head_dim])
+    assert torch.equal(qkv_to_megatron(torch.cat([q, k, v]), heads, kv_heads, head_dim), torch.cat(rows))
+
+
+def test_unknown_weight_is_named():
+    config = type("C", (), {"mla": None, "num_heads": 2, "num_kv_heads": 1, "head_dim": 2})()
+    with pytest.raises(ValueError, match="layers.0.mystery"):
+        native_to_megatron({"layers.0.mystery": torch.zeros(1)}, config)
+    with pytest.raises(ValueError, match="decoder.layers.0.mystery"):
+        megatron_to_native({"decoder.layers.0.mystery": torch.zeros(1)}, config)
+
+
+def test_transformer_config_refuses_what_megatron_cannot_express(native_model):
+    config = native_model.config
+    if config.attn_logit_softcap or config.sandwich_norm or "sliding_attention" in config.layer_types:
+        with pytest.raises(ValueError, match="does not support"):
+            megatron_transformer_config_kwargs(config)
+    else:
+        kwargs = megatron_transformer_config_kwargs(config)
+        assert kwargs["num_query_groups"] == config.num_kv_heads
+
+
+def test_backend_without_cuda_or_megatron_says_so():
+    from miles_megatron.plugin import _megatron_trainer
+
+    ok, why = megatron_available()
+    with pytest.raises(ValueError, match="--train-backend megatron"):
+        _megatron_trainer(None, None)
+    if not ok:
+        assert "CUDA" in why or "megatron-core" in why
