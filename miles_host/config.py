@@ -21,7 +21,7 @@ class ClusterArgs:
     actor_num_gpus_per_node: int = flag(1, "GPUs per node for training", type=int, group="cluster")
     rollout_num_gpus: int | None = flag(None, "GPUs for rollout engines (default: same as training)", type=optional_int, group="cluster")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine", type=int, group="cluster")
-    num_gpus_per_node: int = flag(8, "GPUs per node of the cluster", type=int, group="cluster")
+    num_gpus_per_node: int = flag(8, "GPUs per node of the cluster (informational in one-process runs)", type=int, group="cluster")
     colocate: bool = flag(False, "training and rollout share GPUs, releasing memory between phases", group="cluster")
     offload_train: bool = flag(False, "offload training state during rollout", group="cluster")
     offload_rollout: bool = flag(False, "offload the rollout engine during training", group="cluster")
@@ -31,7 +31,7 @@ class ClusterArgs:
 @dataclass
 class CheckpointArgs:
     hf_checkpoint: str | None = flag(None, "HF-format model directory (policy init, tokenizer)", type=str, group="checkpoint")
-    model_name: str | None = flag(None, "a name for the model (informational, slime compatible)", type=str, group="checkpoint")
+    model_name: str | None = flag(None, "a name for the model (informational, recorded in config.json; slime compatible)", type=str, group="checkpoint")
     ref_load: str | None = flag(None, "reference model checkpoint (default: --hf-checkpoint)", type=str, group="checkpoint")
     load: str | None = flag(None, "resume from this checkpoint directory", type=str, group="checkpoint")
     save: str | None = flag(None, "save checkpoints to this directory", type=str, group="checkpoint")

@@ -54,8 +54,9 @@ def check_supported(config: Any, registries: Any) -> None:
     for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):
         if getattr(config, flag):
             raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
-    if config.recompute_granularity is not None:
-        raise ValueError("--recompute-granularity (activation checkpointing) is not supported yet in this version")
+    for flag in ("recompute_granularity", "recompute_method", "recompute_num_layers", "tool_key"):
+        if getattr(config, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
     algorithm = (config.sglang_speculative_algorithm or "plain").lower()
     registries.decoding_strategies.get(algorithm)  # EAGLE needs the spec plugin's strategy
     if config.enable_mtp_training and not any(t.enabled(config) for t in registries.loss_terms):

@@ -48,8 +48,14 @@ class EmbeddedRolloutBackend:
         elif device.type == "cuda":
             # the trainer shares this GPU in the embedded setup: leave it most of the memory
             engine_kwargs["mem_fraction_static"] = DEFAULT_COLOCATED_MEM_FRACTION
+        if config.rollout_max_context_len is not None:
+            engine_kwargs["max_model_len"] = config.rollout_max_context_len
         if config.rollout_max_num_seqs is not None:
             engine_kwargs["max_num_seqs"] = config.rollout_max_num_seqs
+        algorithm = (config.sglang_speculative_algorithm or "plain").lower()
+        strategy = manager.registries.decoding_strategies.get(algorithm)
+        if strategy.factory is not None:  # plain decoding is the engine's own loop
+            engine_kwargs["decoding_strategy"] = lambda engine: strategy.factory(engine, config)
         self.engine = Engine.from_pretrained(
             model_path or config.hf_checkpoint,
             dtype=resolve_dtype(config, device),

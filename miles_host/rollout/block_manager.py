@@ -158,29 +158,32 @@ class BlockManager:
 
     # ------------------------------------------------------------------ decode
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the slot for the last token can be made writable."""
-        return self._blocks_to_write(seq) <= self.num_free_blocks
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether the slots of the last token (and ``lookahead`` more) can be made writable."""
+        return self._blocks_to_write(seq, lookahead) <= self.num_free_blocks
 
-    def _blocks_to_write(self, seq: Sequence) -> int:
-        index = (len(seq) - 1) // self.block_size
-        if index >= len(seq.block_table):
-            return 1
-        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+    def _blocks_to_write(self, seq: Sequence, lookahead: int = 0) -> int:
+        first = (len(seq) - 1) // self.block_size
+        last = (len(seq) - 1 + lookahead) // self.block_size
+        table = seq.block_table
+        return sum(1 for index in range(first, last + 1) if index >= len(table) or self.ref_counts[table[index]] > 1)
 
-    def prepare_append(self, seq: Sequence) -> None:
-        """Make the slot of the last token writable: new block, or copy a shared one."""
-        index = (len(seq) - 1) // self.block_size
-        if index >= len(seq.block_table):
-            assert index == len(seq.block_table)
-            seq.block_table.append(self._take_free_block())
-            return
-        block = seq.block_table[index]
-        if self.ref_counts[block] > 1:
-            new_block = self._take_free_block()
-            self.pending_copies.append((block, new_block))
-            self.ref_counts[block] -= 1
-            seq.block_table[index] = new_block
+    def prepare_append(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make the slots of the last token and of ``lookahead`` more writable: new
+        blocks, or copies of shared ones (speculative decoding writes ahead)."""
+        first = (len(seq) - 1) // self.block_size
+        last = (len(seq) - 1 + lookahead) // self.block_size
+        for index in range(first, last + 1):
+            if index >= len(seq.block_table):
+                assert index == len(seq.block_table)
+                seq.block_table.append(self._take_free_block())
+                continue
+            block = seq.block_table[index]
+            if self.ref_counts[block] > 1:
+                new_block = self._take_free_block()
+                self.pending_copies.append((block, new_block))
+                self.ref_counts[block] -= 1
+                seq.block_table[index] = new_block
 
     # ------------------------------------------------------------------ release
 

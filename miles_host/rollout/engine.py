@@ -24,7 +24,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -36,6 +36,7 @@ from miles_host.rollout.outputs import rejected_output, sequence_output
 from miles_host.rollout.sampling_params import SamplingParams
 from miles_host.rollout.scheduler import ScheduledBatch, Scheduler
 from miles_host.rollout.sequence import Sequence, SequenceStatus
+from miles_host.rollout.strategy import DecodingStrategy
 from miles_host.rollout.weights import copy_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,13 @@ class Engine:
     (``mem_fraction_static``, ``max_num_seqs``, ``batch_invariant``, ...).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any | None = None, **config_kwargs: Any):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any | None = None,
+        decoding_strategy: Callable[["Engine"], DecodingStrategy] | None = None,
+        **config_kwargs: Any,
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config: EngineConfig = resolve_config(model, **config_kwargs)
@@ -91,6 +98,11 @@ class Engine:
             batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
         )
         self.eos_token_ids = tuple(cfg.eos_token_ids)
+        #: None: one policy forward per token (plain). Else a plugin's strategy runs the decode steps.
+        self.strategy: DecodingStrategy | None = None
+        if decoding_strategy is not None:
+            self.strategy = decoding_strategy(self)
+            self.scheduler.num_lookahead_tokens = self.strategy.num_lookahead_tokens
         self._requests: dict[str, _Request] = {}
         self._paused = False
         self._driver: asyncio.Task | None = None
@@ -257,12 +269,21 @@ class Engine:
         if not batch.sequences:
             return finished
         want_routes = any(s.want_routed_experts for s in batch.sequences)
+        if self.strategy is not None:
+            if batch.pending_copies:
+                self.strategy.copy_blocks(batch.pending_copies)
+            if not batch.is_prefill:
+                return finished + self._strategy_step(batch, want_routes)
         starts = [s.num_cached_tokens if batch.is_prefill else len(s) - 1 for s in batch.sequences]
         if batch.is_prefill:
             for seq in batch.sequences:
                 if seq.num_output_tokens == 0 and seq.sample_index == 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
-        result, routes = self.runner.run(batch, want_routes)
+        on_hidden = None
+        if self.strategy is not None:
+            def on_hidden(group, hidden_TH, cu_seqlens):
+                self.strategy.on_prefill(batch, group, hidden_TH, cu_seqlens)
+        result, routes = self.runner.run(batch, want_routes, on_hidden=on_hidden)
         if routes:
             self._store_routes(batch, starts, routes)
         for seq, token, logprob in zip(batch.samplers, result.token_ids, result.logprobs):
@@ -273,6 +294,28 @@ class Engine:
             seq.num_cached_tokens = len(seq) - 1
             self.block_manager.register_full_blocks(seq, len(seq) - 1)
             reason = self._finish_reason(seq)
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _strategy_step(self, batch: ScheduledBatch, want_routes: bool) -> list[dict[str, Any]]:
+        """A decode step of the decoding strategy: possibly several tokens per sequence."""
+        if batch.pending_copies:
+            self.kv_cache.copy_blocks(batch.pending_copies)
+        finished: list[dict[str, Any]] = []
+        steps = self.strategy.decode(batch.sequences, want_routes)
+        for seq, step in zip(batch.sequences, steps):
+            reason = None
+            for token, logprob in zip(step.token_ids, step.logprobs):
+                seq.token_ids.append(token)
+                seq.output_logprobs.append(logprob)
+                reason = self._finish_reason(seq)
+                if reason is not None:
+                    break  # tokens past a stop are dropped, like a plain engine that stopped there
+            if step.routes is not None and seq.want_routed_experts:
+                seq.routed_expert_chunks.append(step.routes)
+            seq.num_cached_tokens = len(seq) - 1
+            self.block_manager.register_full_blocks(seq, len(seq) - 1)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return finished
@@ -373,6 +416,8 @@ class Engine:
         flight keep their cache and continue with the new weights, as in SGLang.
         """
         copy_named_tensors(self.model, named_tensors)
+        if self.strategy is not None:
+            self.strategy.on_weights_updated()
         self.flush_cache()
         self.weight_version = weight_version if weight_version is not None else _bump(self.weight_version)
         return self.weight_version

@@ -35,6 +35,61 @@ class StepResult:
     logprobs: list[float]
 
 
+def paged_metadata(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    num_new: list[int],
+    block_size: int,
+    device: torch.device,
+    is_decode: bool,
+    attention_backend: str = "torch",
+    head_counts=None,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions ``[T]`` and attention metadata of a step over the paged cache.
+
+    Sequence ``b`` has ``context_lens[b]`` tokens of which the last ``num_new[b]``
+    are forwarded now (their K/V are written at their slots). Also used by
+    decoding strategies that forward tokens not yet in ``Sequence.token_ids``
+    (speculative verification) or into a cache of their own (a draft).
+    """
+    bs = block_size
+    width = max(len(table) for table in block_tables)
+    tables = np.zeros((len(block_tables), width), dtype=np.int32)
+    cu_seqlens = [0]
+    for b, (table, n) in enumerate(zip(block_tables, num_new)):
+        tables[b, : len(table)] = table
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    context_lens = [int(c) for c in context_lens]
+    # positions and slots of every new token, vectorised over the step
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    seq_of_token = np.repeat(np.arange(len(block_tables)), np.diff(cu))
+    positions = ctx[seq_of_token] - (cu[1:][seq_of_token] - np.arange(cu[-1]))
+    slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+    def to_dev(values, dtype):
+        tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+        return tensor.to(device, dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping_T=to_dev(slots, torch.long),
+        cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
+        context_lens_B=to_dev(context_lens, torch.int32),
+        block_tables_BM=to_dev(tables, torch.int32),
+        max_q_len=max(num_new),
+        max_context_len=max(context_lens),
+        is_decode=is_decode,
+        cu_seqlens_q_host=cu_seqlens,
+        context_lens_host=context_lens,
+    )
+    if attention_backend == "triton":
+        from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+
+        heads = head_counts()
+        meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, tokens_per_tile(*heads, is_decode), device)
+    return to_dev(positions, torch.long), meta
+
+
 class ModelRunner:
     """Owns the model, the KV cache and (on CUDA) the decode graphs."""
 
@@ -74,46 +129,14 @@ class ModelRunner:
     def _metadata(
         self, seqs: list[Sequence], num_new: list[int], is_decode: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        cu_seqlens = [0]
-        context_lens = []
         input_ids: list[int] = []
-        for b, (seq, n) in enumerate(zip(seqs, num_new)):
-            tables[b, : len(seq.block_table)] = seq.block_table
+        for seq, n in zip(seqs, num_new):
             input_ids.extend(seq.token_ids[len(seq) - n:])
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            context_lens.append(len(seq))
-        # positions and slots of every new token, vectorised over the step
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-        ctx = np.asarray(context_lens, dtype=np.int64)
-        seq_of_token = np.repeat(np.arange(len(seqs)), np.diff(cu))
-        positions = ctx[seq_of_token] - (cu[1:][seq_of_token] - np.arange(cu[-1]))
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
-
-        def to_dev(values, dtype):
-            tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-            return tensor.to(dev, dtype, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping_T=to_dev(slots, torch.long),
-            cu_seqlens_q=to_dev(cu_seqlens, torch.int32),
-            context_lens_B=to_dev(context_lens, torch.int32),
-            block_tables_BM=to_dev(tables, torch.int32),
-            max_q_len=max(num_new),
-            max_context_len=max(context_lens),
-            is_decode=is_decode,
-            cu_seqlens_q_host=cu_seqlens,
-            context_lens_host=context_lens,
+        positions, meta = paged_metadata(
+            [seq.block_table for seq in seqs], [len(seq) for seq in seqs], num_new, self.block_size,
+            self.device, is_decode, self.attention_backend, self._head_counts,
         )
-        if self.attention_backend == "triton":
-            from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
-
-            heads = self._head_counts()
-            meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, tokens_per_tile(*heads, is_decode), dev)
-        return to_dev(input_ids, torch.long), to_dev(positions, torch.long), meta
+        return torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True), positions, meta
 
     def _head_counts(self) -> tuple[int, int]:
         layout = self.kv_cache.layout[0]
@@ -124,8 +147,9 @@ class ModelRunner:
 
     def _forward(
         self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of each sequence's last token ``[B, hidden]`` and the step's cu_seqlens."""
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens
+        and the hidden states of every forwarded token ``[T, hidden]``."""
         input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
         if not is_decode:
             self.prefill_forwards += 1
@@ -136,12 +160,16 @@ class ModelRunner:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
             hidden_TH = self.model.forward_hidden(input_ids, positions, ForwardContext(attention=attention, routing=routing))
         last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
-        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host
+        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, want_routes: bool) -> tuple[StepResult, list[tuple[list[int], list[int], dict]]]:
+    def run(
+        self, batch: ScheduledBatch, want_routes: bool, on_hidden=None
+    ) -> tuple[StepResult, list[tuple[list[int], list[int], dict]]]:
         """Forward ``batch``, sample every sampler's next token.
 
+        ``on_hidden(group, hidden_TH, cu_seqlens)``, when given, receives the hidden
+        states of every forwarded token of each forward (a draft model reads them).
         Returns the sampled tokens and, when ``want_routes``, per forward
         ``(sequence indices, cu_seqlens, captured {layer: [T, K] expert ids})``.
         """
@@ -156,9 +184,11 @@ class ModelRunner:
         for group in groups:
             routing = RoutingContext(phase="rollout")
             routing.extra["capture"] = want_routes
-            hidden_BH, cu_seqlens = self._forward(
+            hidden_BH, cu_seqlens, hidden_TH = self._forward(
                 [seqs[i] for i in group], [num_new[i] for i in group], not batch.is_prefill, routing
             )
+            if on_hidden is not None:
+                on_hidden(group, hidden_TH, cu_seqlens)
             if want_routes:
                 routes.append((group, cu_seqlens, dict(routing.captured)))
             logits_BV = self.model.compute_logits(hidden_BH)

@@ -46,6 +46,7 @@ def sequence_output(
         "cached_tokens": seq.num_prompt_cached_tokens,
         "weight_version": weight_version,
     }
+    meta.update(seq.spec_info)
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, output_ids)]
     if return_routed_experts:

@@ -43,6 +43,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        #: slots past the last token each decode step writes (speculative decoding's drafts)
+        self.num_lookahead_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a request's sample 0; its other samples ride along in ``seq.children``."""
@@ -52,7 +54,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _fits_alone(self, seq: Sequence) -> bool:
-        return self.block_manager.blocks_needed(len(seq)) <= self.block_manager.num_usable_blocks
+        needed = self.block_manager.blocks_needed(len(seq) + self.num_lookahead_tokens)
+        return needed <= self.block_manager.num_usable_blocks
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch, or None when nothing can run."""
@@ -109,7 +112,7 @@ class Scheduler:
         kept: list[Sequence] = []
         while self.running and len(kept) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.can_append(seq, self.num_lookahead_tokens):
                 if self.running:
                     self.preempt(self.running.pop())
                 elif self._fits_alone(seq):
@@ -120,7 +123,7 @@ class Scheduler:
                     batch.failed.append(seq)
                     break
             else:
-                self.block_manager.prepare_append(seq)
+                self.block_manager.prepare_append(seq, self.num_lookahead_tokens)
                 kept.append(seq)
         self.running.extendleft(reversed(kept))
         batch.sequences = kept

@@ -50,6 +50,8 @@ class Sequence:
     stop_text_checked: int = 0          # output tokens already searched for stop strings
     eos_token_ids: tuple[int, ...] = ()
     full_block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
+    draft_state: Any = None             # a decoding strategy's per-sequence state (speculative drafts)
+    spec_info: dict[str, Any] = field(default_factory=dict)  # strategy statistics, copied to meta_info
 
     def banned_tokens(self) -> list[int]:
         """Tokens this sequence may not sample yet (``min_new_tokens`` not reached)."""
