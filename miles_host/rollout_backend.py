@@ -56,16 +56,18 @@ class EmbeddedRolloutBackend:
         strategy = manager.registries.decoding_strategies.get(algorithm)
         if strategy.factory is not None:  # plain decoding is the engine's own loop
             engine_kwargs["decoding_strategy"] = lambda engine: strategy.factory(engine, config)
+        precision = manager.registries.precisions.get(config.precision)
+        prepare = None
+        if precision.prepare_rollout_model is not None:
+            prepare = lambda model: precision.prepare_rollout_model(model, config)  # noqa: E731
         self.engine = Engine.from_pretrained(
             model_path or config.hf_checkpoint,
             dtype=resolve_dtype(config, device),
             device=str(device),
             routing_hooks=RoutingHooks(manager.hook),
+            prepare_model=prepare,  # before CUDA-graph capture and KV sizing
             **engine_kwargs,
         )
-        precision = manager.registries.precisions.get(config.precision)
-        if precision.prepare_rollout_model is not None:
-            self.engine.model = precision.prepare_rollout_model(self.engine.model, config) or self.engine.model
 
     @property
     def weight_version(self) -> Any:

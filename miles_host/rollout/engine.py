@@ -122,16 +122,21 @@ class Engine:
         device: str | torch.device = "cuda",
         routing_hooks: Any = None,
         tokenizer: Any = "auto",
+        prepare_model: Any = None,
         **config_kwargs: Any,
     ) -> "Engine":
         """Load a Hugging Face checkpoint folder through :func:`miles_host.models.load_pretrained`.
 
         ``tokenizer="auto"`` loads the folder's tokenizer when there is one (it is
         only needed for ``stop`` strings and ``text`` in the results).
+        ``prepare_model(model) -> model`` runs before the KV cache is sized and CUDA
+        graphs are captured (precision plugins swap linears there).
         """
         from miles_host.models import load_pretrained
 
         model = load_pretrained(path, dtype=dtype, device=device, routing_hooks=routing_hooks)
+        if prepare_model is not None:
+            model = prepare_model(model) or model
         if tokenizer == "auto":
             tokenizer = _try_load_tokenizer(path)
         return cls(model, tokenizer=tokenizer, **config_kwargs)

@@ -147,15 +147,10 @@ def iter_dequantized(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> I
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """``miles convert-fp8 SRC DST``: convert and print a one-line summary."""
+    """``miles convert --to fp8 SRC DST``: convert and print a one-line summary."""
     summary = convert_checkpoint(args.src, args.dst, args)
     ignored = f"; kept in high precision (dims): {len(summary.ignored_layers)}" if summary.ignored_layers else ""
     print(f"wrote {args.dst}: {len(summary.quantized)} weights in block FP8 (E4M3, 128x128){ignored}")
     return 0
 
 
-def add_command_arguments(parser: argparse.ArgumentParser) -> None:
-    """``SRC DST`` + :func:`add_convert_arguments`."""
-    parser.add_argument("src", help="HF checkpoint folder (bf16/fp32 safetensors)")
-    parser.add_argument("dst", help="output folder for the block-FP8 checkpoint")
-    add_convert_arguments(parser)

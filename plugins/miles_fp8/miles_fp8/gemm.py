@@ -126,4 +126,7 @@ def block_scaled_mm(
         return _scaled_mm_cublas(a_q, a_scale, b_q, b_scale, out_dtype)
     from miles_fp8 import triton_kernels
 
+    # FP8 wgmma wants both operands K-contiguous; the dgrad's transposed weight is not
+    a_q = a_q if a_q.stride(1) == 1 else a_q.contiguous()
+    b_q = b_q if b_q.stride(1) == 1 else b_q.contiguous()
     return triton_kernels.block_scaled_mm(a_q, a_scale, b_q, b_scale, out_dtype)

@@ -5,12 +5,12 @@ their forward and backward GEMMs in block-scaled FP8 E4M3 (1x128 activation
 groups, 128x128 weight blocks, float32 scales) on the master weights, the rollout
 engine holds FP8 weights + ``weight_scale_inv``, and weight sync quantizes the
 master weights with the same code, so both sides multiply the same numbers.
-It also offers ``miles convert-fp8 SRC DST`` (see :mod:`miles_fp8.convert`).
+It also offers ``miles convert --to fp8 SRC DST`` (see :mod:`miles_fp8.convert`).
 """
 
 from __future__ import annotations
 
-from miles_host.records import Command, Precision
+from miles_host.records import CheckpointConverter, Precision
 
 
 def miles_add_arguments(parser):
@@ -43,15 +43,15 @@ def miles_register_precisions():
     ]
 
 
-def miles_register_commands():
-    """``miles convert-fp8 SRC DST`` (the host's ``miles convert --to fp8`` calls the same function)."""
+def miles_register_checkpoint_converters():
+    """``miles convert --to fp8 SRC DST``."""
     from miles_fp8 import convert
 
     return [
-        Command(
-            "convert-fp8",
-            "convert an HF checkpoint to block-scaled FP8 (weight + weight_scale_inv, quantization_config)",
-            add_arguments=convert.add_command_arguments,
-            run=convert.run_convert,
+        CheckpointConverter(
+            "fp8",
+            "block-scaled FP8 HF checkpoint (weight + weight_scale_inv, quantization_config)",
+            add_arguments=convert.add_convert_arguments,
+            convert=lambda src, dst, args: convert.run_convert(args),
         )
     ]

@@ -1,4 +1,4 @@
-"""``convert_checkpoint`` / ``miles convert-fp8``: a block-FP8 HF checkpoint that round-trips."""
+"""``convert_checkpoint`` / ``miles convert --to fp8``: a block-FP8 HF checkpoint that round-trips."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_convert_writes_block_fp8_checkpoint(qwen3_moe_path, tmp_path):
         flat = original.reshape(-1, original.shape[-1])
         _, _, expanded = quantize64(flat, 128)
         back = (q.double() * scale.double().repeat_interleave(128, -2).repeat_interleave(128, -1)).reshape(flat.shape)
-        bound = expanded * torch.maximum(flat.abs() * 2.0**-4, torch.full_like(flat, 2.0**-10))
+        bound = torch.maximum(flat.abs() * 2.0**-4, expanded * 2.0**-10)
         assert torch.all((back - flat).abs() <= bound * (1 + 1e-6)), name
 
 
@@ -54,14 +54,14 @@ def test_converted_checkpoint_round_trips_into_the_model(qwen3_path, tmp_path):
     with torch.no_grad():
         a, b = original(input_ids), restored(input_ids)
     assert not torch.equal(a, b)
-    assert (a - b).abs().max() < 0.1 * a.abs().max()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    # each weight matrix carries ~2.6% E4M3 noise (Gaussian weights); 8 of them in 2 layers
+    assert (a - b).norm() / a.norm() < 0.15
 
 
 def test_command_line(qwen3_path, tmp_path, capsys):
     from miles_host.cli.main import main
 
-    assert main(["convert-fp8", qwen3_path, str(tmp_path / "out"), "--fp8-power-of-two-scales"]) == 0
+    assert main(["convert", "--to", "fp8", qwen3_path, str(tmp_path / "out"), "--fp8-power-of-two-scales"]) == 0
     assert "weights in block FP8" in capsys.readouterr().out
     scales = [t for n, t in _tensors(tmp_path / "out").items() if n.endswith("_scale_inv")]
     assert scales and all(torch.all(torch.frexp(s)[0] == 0.5) for s in scales)

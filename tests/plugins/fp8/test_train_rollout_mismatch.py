@@ -37,7 +37,7 @@ def _mismatch(path: str, train_fp8: bool, rollout_fp8: bool) -> tuple[float, flo
     convert = recipe.convert_for_rollout if rollout_fp8 else _pass_through
     engine.update_weights(convert(train.state_dict().items(), config))
     torch.manual_seed(0)
-    outputs = engine.generate(PROMPTS, {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True})
+    outputs = engine.generate(PROMPTS, {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True})
     differences = []
     for prompt, output in zip(PROMPTS, outputs):
         tokens = prompt + output["output_ids"]
