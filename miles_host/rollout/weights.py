@@ -32,4 +32,8 @@ def copy_named_tensors(
             )
     for name, tensor in items:
         targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+    for module in model.modules():  # e.g. INT4 linears repack their kernel copies in place
+        refresh = getattr(module, "miles_weights_updated", None)
+        if callable(refresh):
+            refresh()
     return len(items)

@@ -165,9 +165,7 @@ def convert_checkpoint(
 
 
 def add_convert_arguments(parser) -> None:
-    """``miles convert-int4 SRC DST [--group-size N] [--target experts|all]``."""
-    parser.add_argument("src", help="HF checkpoint directory (bf16/fp32)")
-    parser.add_argument("dst", help="output directory (compressed-tensors pack-quantized INT4)")
+    """``miles convert --to int4 SRC DST [--group-size N] [--target experts|all]`` (SRC, DST: the host's)."""
     parser.add_argument("--group-size", "--int4-group-size", dest="group_size", type=int, default=128, choices=[32, 64, 128])
     parser.add_argument("--target", "--int4-target", dest="target", default="experts", choices=["experts", "all"])
 

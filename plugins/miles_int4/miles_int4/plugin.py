@@ -17,7 +17,7 @@ SGLang/vLLM) and ``miles memory`` (BF16 vs INT4 weight memory of a config).
 
 from __future__ import annotations
 
-from miles_host.records import Command, Precision
+from miles_host.records import CheckpointConverter, Command, Precision
 from miles_int4.convert import add_convert_arguments, run_convert
 from miles_int4.memory import add_memory_arguments, run_memory
 from miles_int4.qat import apply_fake_quant
@@ -64,15 +64,21 @@ def miles_register_precisions():
     ]
 
 
-def miles_register_commands():
-    """``convert-int4`` and ``memory``."""
+def miles_register_checkpoint_converters():
+    """``miles convert --to int4 SRC DST [--group-size N] [--target experts|all]``."""
     return [
-        Command(
-            "convert-int4",
-            "convert an HF checkpoint to compressed-tensors pack-quantized INT4 (SGLang/vLLM W4A16)",
+        CheckpointConverter(
+            "int4",
+            "compressed-tensors pack-quantized INT4 (SGLang/vLLM W4A16)",
             add_arguments=add_convert_arguments,
-            run=run_convert,
-        ),
+            convert=lambda src, dst, args: run_convert(args),
+        )
+    ]
+
+
+def miles_register_commands():
+    """``miles memory``."""
+    return [
         Command(
             "memory",
             "BF16 vs INT4 weight memory of a model, from its config.json",

@@ -76,6 +76,10 @@ class _Int4Weights(torch.nn.Module):
             kernels[name] = fresh
         self._kernel_state = (self._versions(), kernels)
 
+    def miles_weights_updated(self) -> None:
+        """Called by the host after an in-place weight update (see :func:`refresh_int4_weights`)."""
+        self.refresh()
+
 
 class Int4Linear(_Int4Weights):
     """``F.linear`` with a weight-only INT4 weight (``weight_packed``, ``weight_scale``, ``weight_shape``)."""
@@ -176,7 +180,10 @@ def quantize_rollout_model(model: torch.nn.Module, group_size: int, target: str,
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         kind = Int4Experts if isinstance(module, Experts) else Int4Linear
-        setattr(parent, child, kind(module, group_size, use_kernel))
+        dtype = next(module.parameters()).dtype
+        replacement = kind(module, group_size, use_kernel)
+        replacement.refresh(dtype)  # kernel copies exist before any CUDA graph is captured
+        setattr(parent, child, replacement)
     return len(selected)
 
 

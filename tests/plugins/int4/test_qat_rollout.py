@@ -130,3 +130,25 @@ def test_packed_kernel_rollout_tracks_weight_updates(tiny_checkpoints, name, tar
         new, expected = rollout(ids, mask), train(ids, mask)
     torch.testing.assert_close(new, expected, rtol=1e-4, atol=1e-4)
     assert (new - old).abs().max() > 100 * (new - expected).abs().max()
+
+
+def test_refresh_repacks_in_place_for_captured_graphs(tiny_checkpoints):
+    """Kernel copies exist after prepare and keep their storage across updates (CUDA graphs read them)."""
+    from miles_int4.rollout import refresh_int4_weights
+
+    path = tiny_checkpoints["qwen3_moe"]
+    flags = Flags(32, "all", rollout_gemm="packed")
+    train = INT4.prepare_train_model(load_pretrained(path), flags)
+    rollout = INT4.prepare_rollout_model(load_pretrained(path), flags)
+    experts = rollout.layers[1].mlp.experts
+    assert experts._kernel_state is not None  # built at prepare time, not inside a first (captured) forward
+    address = experts._kernel_state[1]["down_proj"][3].weight.data_ptr()
+    _train_step(train, seed=7)
+    _sync(train, rollout, flags)
+    modules = [m for m in rollout.modules() if isinstance(m, (Int4Linear, Int4Experts))]
+    assert refresh_int4_weights(rollout) == len(modules)
+    assert experts._kernel_state[0] == experts._versions()
+    assert experts._kernel_state[1]["down_proj"][3].weight.data_ptr() == address
+    ids, mask = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(rollout(ids, mask), train(ids, mask), rtol=1e-4, atol=1e-4)
