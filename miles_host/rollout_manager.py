@@ -213,6 +213,7 @@ class RolloutManager:
             sample.loss_mask = [0] * len(sample.loss_mask)
         sample.loss_mask.extend([1] * len(new_ids))
         sample.weight_versions.extend([meta.get("weight_version")] if new_ids else [])
+        sample.spec_info.update({k: v for k, v in meta.items() if k.startswith("spec_")})
         sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :], skip_special_tokens=True)
         reason = meta["finish_reason"] or {}
         kind = reason.get("type")

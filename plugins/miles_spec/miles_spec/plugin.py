@@ -2,13 +2,118 @@
 
 Activated by ``--plugins spec`` or by the seed's ``--sglang-speculative-algorithm``
 / ``--enable-mtp-training`` flags (declared by the host for slime compatibility).
-The EAGLE/MTP decoding strategy and the MTP loss term are issue [9/13]; until
-they land a run that needs them stops with "unknown decoding strategy".
+
+- decoding strategy ``eagle`` (aliases ``mtp``, ``nextn``) for the embedded
+  engine (:mod:`miles_spec.strategy`);
+- loss term ``mtp`` (``--enable-mtp-training``, :mod:`miles_spec.training`);
+- the native trainer, with the draft attached to the policy model when
+  ``--enable-mtp-training`` (override of the host's ``native`` backend while
+  this plugin is active);
+- ``spec/*`` metrics at the end of every step.
 """
 
 from __future__ import annotations
+
+from miles_host.records import DecodingStrategy, LossTerm, TrainBackend
+
+ALGORITHMS = ("eagle", "mtp", "nextn")
 
 
 def miles_activate(args):
     """The seed's speculative flags switch the plugin on."""
     return bool(args.sglang_speculative_algorithm or args.enable_mtp_training)
+
+
+def miles_configure(config):
+    """Check the speculative flags: chain drafting only, ``num_draft_tokens == num_steps + 1``."""
+    algorithm = (config.sglang_speculative_algorithm or "").lower()
+    if not algorithm:
+        return
+    if algorithm not in ALGORITHMS:
+        return  # the loop reports an unknown decoding strategy with the known names
+    if config.sglang_speculative_num_steps is None:
+        config.sglang_speculative_num_steps = 3
+    steps = config.sglang_speculative_num_steps
+    if steps < 1:
+        raise ValueError(f"--sglang-speculative-num-steps must be >= 1, got {steps}")
+    if config.sglang_speculative_eagle_topk not in (None, 1):
+        raise ValueError(
+            f"--sglang-speculative-eagle-topk {config.sglang_speculative_eagle_topk}: only chain drafting "
+            "(topk 1) is supported by the embedded engine; use --sglang-speculative-eagle-topk 1"
+        )
+    tokens = config.sglang_speculative_num_draft_tokens
+    if tokens is not None and tokens != steps + 1:
+        raise ValueError(
+            f"--sglang-speculative-num-draft-tokens {tokens} with --sglang-speculative-num-steps {steps}: "
+            f"with topk 1 the verified tokens are num_steps + 1 = {steps + 1}"
+        )
+
+
+def eagle_factory(engine, config):
+    """``DecodingStrategy.factory``: the draft (MTP head or a separate model) and the strategy."""
+    from miles_spec.draft import MTPDraft, ModelDraft, attach_mtp
+    from miles_spec.strategy import EagleStrategy
+
+    if config.sglang_speculative_draft_model_path:
+        from miles_host.models import load_pretrained
+
+        reference = next(engine.model.parameters())
+        draft_model = load_pretrained(
+            config.sglang_speculative_draft_model_path, dtype=reference.dtype, device=reference.device
+        )
+        draft = ModelDraft(draft_model, engine.model.config.vocab_size)
+    else:
+        attach_mtp(engine.model, config.mtp_num_layers or 1)
+        draft = MTPDraft(engine.model)
+    return EagleStrategy(
+        engine, draft, num_steps=config.sglang_speculative_num_steps or 3,
+        cpu_backup=bool(config.sglang_enable_draft_weights_cpu_backup),
+    )
+
+
+def miles_register_decoding_strategies():
+    """EAGLE/MTP chain drafting verified in one policy forward."""
+    description = "draft k tokens (MTP head or draft model), verify in one policy forward, speculative sampling"
+    return [DecodingStrategy(name, description, factory=eagle_factory) for name in ALGORITHMS]
+
+
+def _mtp_loss(model_outputs, loss_batch, config):
+    from miles_spec.training import mtp_loss
+
+    return mtp_loss(model_outputs, loss_batch, config)
+
+
+def miles_register_loss_terms():
+    """The draft's next-next-token loss (``--enable-mtp-training``)."""
+    return [LossTerm("mtp", "draft head cross-entropy on rollout tokens", fn=_mtp_loss,
+                     enabled=lambda config: bool(config.enable_mtp_training))]
+
+
+def _native(config, manager):
+    from miles_spec.training import build_native_trainer
+
+    return build_native_trainer(config, manager)
+
+
+def miles_register_train_backends():
+    """The host's native trainer plus the draft head (only differs with ``--enable-mtp-training``)."""
+    return [TrainBackend("native", "native PyTorch trainer (+ MTP draft when --enable-mtp-training)",
+                         factory=_native, override=True)]
+
+
+def miles_step_end(rollout_id, metrics, config):
+    """``spec/accept_rate`` (accepted / drafted), ``spec/accept_len_mean`` (tokens per verify)."""
+    from miles_spec.strategy import LIVE
+
+    verify = drafted = accepted = 0
+    for strategy in list(LIVE):
+        counters = strategy.pop_counters()
+        verify += counters.verify_steps
+        drafted += counters.draft_tokens
+        accepted += counters.accepted_tokens
+    if verify:
+        metrics["spec/accept_rate"] = accepted / drafted
+        metrics["spec/accept_len_mean"] = 1.0 + accepted / verify
+        metrics["spec/accept_length"] = metrics["spec/accept_len_mean"]
+        metrics["spec/draft_tokens_per_step"] = drafted / verify
+        metrics["spec/verify_steps"] = float(verify)

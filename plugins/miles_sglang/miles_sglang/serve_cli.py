@@ -1,0 +1,61 @@
+"""The ``miles serve`` command: build the embedded engine and serve SGLang's API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+DEFAULT_PORT = 30000  # SGLang's default
+
+
+def build_engine(model_path: str, dtype: str = "auto", device: str = "auto", **engine_kwargs: Any) -> Any:
+    """The embedded engine for ``model_path``, capturing MoE routes on request."""
+    from miles_host.rollout import Engine
+    from miles_host.rollout_backend import resolve_device, resolve_dtype
+    from miles_sglang.service import capture_routing_hooks
+
+    flags = SimpleNamespace(device=device, dtype=dtype)
+    resolved = resolve_device(flags)
+    return Engine.from_pretrained(
+        model_path, dtype=resolve_dtype(flags, resolved), device=str(resolved),
+        routing_hooks=capture_routing_hooks(), **{k: v for k, v in engine_kwargs.items() if v is not None},
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``miles serve`` (SGLang's spellings where SGLang has them)."""
+    parser.add_argument("--hf-checkpoint", "--model-path", dest="hf_checkpoint", required=True,
+                        help="HF-format model directory to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (a non-loopback one needs --api-key)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size on CPU, tokens")
+    parser.add_argument("--mem-fraction-static", type=float, default=None, help="GPU memory share for weights + KV cache")
+    parser.add_argument("--max-running-requests", dest="max_num_seqs", type=int, default=None,
+                        help="max concurrent sequences")
+    parser.add_argument("--context-length", dest="max_model_len", type=int, default=None, help="max prompt + output tokens")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="batch-invariant kernels (results independent of batch composition)")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="stream chunks carry only new tokens (default: cumulative, as SGLang)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server and block until Ctrl-C."""
+    from miles_sglang.server import start_server, wait_forever
+
+    engine = build_engine(
+        args.hf_checkpoint, args.dtype, args.device, kv_cache_tokens=args.kv_cache_tokens,
+        mem_fraction_static=args.mem_fraction_static, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, batch_invariant=args.enable_deterministic_inference or None,
+    )
+    server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    handle = start_server(engine, args.hf_checkpoint, args.host, args.port, args.api_key,
+                          args.incremental_streaming_output, server_args)
+    print(f"miles serve: {args.hf_checkpoint} at {handle.url} (SGLang HTTP API; Ctrl-C stops)", file=sys.stderr)
+    wait_forever(handle)
+    return 0

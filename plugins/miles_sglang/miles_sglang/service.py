@@ -1,0 +1,263 @@
+"""The engine behind ``miles serve``: one thread owns the engine and steps it.
+
+The embedded :class:`~miles_host.rollout.Engine` is single-threaded. HTTP handler
+threads never touch it: they hand closures to :meth:`EngineWorker.call` (run in
+the engine thread between steps) and wait on a :class:`GenerateJob` for results
+or stream chunks. While requests are in flight the thread steps the engine; when
+idle it sleeps on the command queue.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+import torch
+
+from miles_host import hookspecs
+from miles_host.rollout.outputs import sequence_output
+from miles_host.routing import RoutingHooks
+from miles_sglang.protocol import encode_routed_experts
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class _RouteCapture:
+    """Captures each MoE layer's experts in rollout forwards that ask for them
+    (the engine sets ``routing_context.extra["capture"]`` for ``return_routed_experts``)."""
+
+    @hookspecs.hookimpl
+    def miles_experts_selected(self, layer_index, expert_ids, routing_context):
+        if routing_context.phase == "rollout" and routing_context.extra.get("capture"):
+            routing_context.captured[layer_index] = expert_ids.detach()
+
+
+def capture_routing_hooks() -> RoutingHooks:
+    """Routing hooks whose only plugin records routes, so ``return_routed_experts`` works
+    without the r3 plugin (its own manager: no other plugin's hooks run in the server)."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    manager.register(_RouteCapture(), name="miles-serve-route-capture")
+    return RoutingHooks(manager.hook)
+
+
+@dataclass
+class GenerateJob:
+    """One ``/generate`` call: its samples, their results and (streaming) chunks."""
+
+    keys: list[tuple[str, int]]
+    prompts: dict[str, list[int]]
+    return_logprob: bool
+    return_routed_experts: bool
+    logprob_start_len: int
+    stream: bool
+    incremental: bool
+    created: float = field(default_factory=time.time)
+    results: dict[tuple[str, int], dict] = field(default_factory=dict)
+    chunks: "queue.Queue[dict | None]" = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+    sent_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+    sent_text: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def ordered_results(self) -> list[dict]:
+        """Results in request order (prompt-major, then sample index)."""
+        return [self.results[key] for key in self.keys]
+
+
+class EngineWorker:
+    """Owns the engine in a background thread; other threads call into it."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._commands: "queue.Queue[tuple[Callable, concurrent.futures.Future]]" = queue.Queue()
+        self._jobs: dict[str, GenerateJob] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="miles-serve-engine", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight and end the thread."""
+        if self._thread.is_alive():
+            try:
+                self.call(lambda engine: self.abort_here(None, "server shutting down"), timeout=timeout)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    # -- calls from other threads ---------------------------------------------
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
+        """Run ``fn(engine)`` in the engine thread; its result (or its exception)."""
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future.result(timeout)
+
+    def submit(self, job: GenerateJob, prompts: list[list[int]], params: list[dict], rids: list[str]) -> None:
+        """Queue the job's requests (ValueError for a bad one: none of them is queued)."""
+
+        def add(engine):
+            added = []
+            try:
+                for prompt, sampling, rid in zip(prompts, params, rids):
+                    if rid in self._jobs:
+                        raise ValueError(f"request id {rid!r} is already in use")
+                    if sampling.get("max_new_tokens") == 0:
+                        # finishes at once; generate() hands back the result add_request would drop
+                        outputs = engine.generate(prompt, sampling, return_logprob=job.return_logprob,
+                                                  return_routed_experts=job.return_routed_experts, rid=rid)
+                        self._jobs[rid] = job
+                        added.append(rid)
+                        self._deliver(outputs)
+                        continue
+                    engine.add_request(rid, prompt, sampling, return_logprob=job.return_logprob,
+                                       return_routed_experts=job.return_routed_experts)
+                    self._jobs[rid] = job
+                    added.append(rid)
+            except (ValueError, RuntimeError):
+                for rid in added:
+                    engine.abort(rid)
+                    self._jobs.pop(rid, None)
+                raise
+
+        self.call(add)
+
+    def abort(self, rid: str | None, message: str = "aborted") -> int:
+        """Abort one request (or all); how many samples were stopped."""
+        return self.call(lambda engine: self.abort_here(rid, message))
+
+    # -- the engine thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished() and not self.engine.paused
+            self._run_commands(block=not busy)
+            if not (self.engine.has_unfinished() and not self.engine.paused):
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as error:  # noqa: BLE001 - fail the requests, keep serving
+                logger.exception("engine step failed")
+                self.abort_here(None, f"engine error: {type(error).__name__}: {error}")
+                continue
+            self._deliver(finished)
+            self._stream_progress()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def abort_here(self, rid: str | None, message: str) -> int:
+        """Abort in the engine thread (from inside :meth:`call`); deliver the partial outputs."""
+        outputs = self.engine.abort(rid)
+        if message != "aborted":
+            for output in outputs:
+                output["meta_info"]["finish_reason"] = {"type": "abort", "message": message}
+        self._deliver(outputs)
+        return len(outputs)
+
+    def _deliver(self, outputs: list[dict]) -> None:
+        for output in outputs:
+            meta = output["meta_info"]
+            job = self._jobs.get(meta["id"])
+            if job is None:
+                continue
+            key = (meta["id"], meta.get("index", 0))
+            wire = self._to_wire(job, output)
+            job.results[key] = wire
+            if job.stream:
+                job.chunks.put(self._chunk(job, key, wire, final=True))
+            if all(k in job.results for k in job.keys):
+                for rid in job.prompts:
+                    self._jobs.pop(rid, None)
+                job.done.set()
+                if job.stream:
+                    job.chunks.put(None)
+
+    def _stream_progress(self) -> None:
+        streaming = {rid: job for rid, job in self._jobs.items() if job.stream}
+        if not streaming:
+            return
+        requests = getattr(self.engine, "_requests", {})  # TODO(host): a public Engine.progress(rid)
+        for rid, job in streaming.items():
+            request = requests.get(rid)
+            for seq in getattr(request, "samples", ()):
+                key = (rid, seq.sample_index)
+                if key in job.results or seq.num_output_tokens <= job.sent_tokens.get(key, 0):
+                    continue
+                partial = sequence_output(seq, weight_version=self.engine.weight_version,
+                                          return_logprob=job.return_logprob, return_routed_experts=False,
+                                          tokenizer=self.engine.tokenizer)
+                job.chunks.put(self._chunk(job, key, self._to_wire(job, partial, final=False), final=False))
+
+    # -- response shapes -----------------------------------------------------------
+
+    def _to_wire(self, job: GenerateJob, output: dict, final: bool = True) -> dict:
+        meta = dict(output["meta_info"])
+        if "routed_experts" in meta:
+            meta["routed_experts"] = encode_routed_experts(meta["routed_experts"])
+        if job.return_logprob and final and job.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = self._input_logprobs(job.prompts[meta["id"]], job.logprob_start_len)
+        meta["e2e_latency"] = time.time() - job.created
+        return {**output, "meta_info": meta}
+
+    def _chunk(self, job: GenerateJob, key: tuple[str, int], wire: dict, final: bool) -> dict:
+        """SGLang's default stream chunks are cumulative; ``incremental`` sends deltas."""
+        chunk = {**wire, "index": job.keys.index(key)}
+        if job.incremental:
+            start = job.sent_tokens.get(key, 0)
+            meta = dict(wire["meta_info"])
+            chunk["output_ids"] = wire["output_ids"][start:]
+            if "output_token_logprobs" in meta:
+                meta["output_token_logprobs"] = meta["output_token_logprobs"][start:]
+            chunk["meta_info"] = meta
+            if "text" in wire:
+                chunk["text"] = wire["text"][job.sent_text.get(key, 0):]
+                job.sent_text[key] = len(wire["text"])
+        job.sent_tokens[key] = len(wire["output_ids"])
+        return chunk
+
+    @torch.inference_mode()
+    def _input_logprobs(self, prompt: list[int], start: int) -> list[list]:
+        """SGLang's ``input_token_logprobs`` from ``logprob_start_len``: ``[logprob, id, None]``,
+        the first prompt token having no logprob."""
+        model = self.engine.model
+        device = next(model.parameters()).device
+        ids = torch.tensor(prompt, dtype=torch.long, device=device)
+        targets = torch.cat([ids[1:], ids[:1]])
+        cu = torch.tensor([0, len(prompt)], dtype=torch.int32, device=device)
+        logprobs, _ = model.packed_log_probs(ids, torch.arange(len(prompt), device=device), cu, targets)
+        values = [None] + [float(v) for v in logprobs[: len(prompt) - 1].float().cpu()]
+        return [[values[i], prompt[i], None] for i in range(min(start, len(prompt)), len(prompt))]

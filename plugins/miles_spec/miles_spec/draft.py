@@ -1,0 +1,150 @@
+"""Draft models for speculative rollout.
+
+Two kinds, one interface (:class:`Draft`): ``forward(hidden_TH, token_ids_T,
+positions_T, attention) -> (feature_TH, logits_TV)``.
+
+- :class:`MTPDraft`: an MTP/EAGLE head on the policy itself, the policy's
+  ``mtp[0]`` :class:`~miles_host.models.model.MTPLayer`:
+  ``eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))`` -> one decoder layer ->
+  ``head_norm`` -> the policy's lm head. It reads the policy's final (post-norm)
+  hidden state ``h_t`` and the next token's embedding and predicts ``x_{t+2}``.
+  Embedding and output head are the policy's (the layer's own DeepSeek copies,
+  when a checkpoint has them, are loaded and synced but not used). Weights:
+  from the checkpoint when it has MTP layers (DeepSeek-V3/GLM
+  ``num_nextn_predict_layers``, through the host's ``mtp.*`` slot, exported
+  back by ``save_pretrained`` for those families), else a fresh layer is
+  attached (:func:`attach_mtp`, PyTorch default init) and learns online with
+  ``--enable-mtp-training``. Chain drafting feeds the layer's own output
+  feature back as ``h`` for the next draft token (as SGLang does with one
+  DeepSeek MTP layer), so one layer serves every draft step.
+- :class:`ModelDraft`: a separate small causal LM
+  (``--sglang-speculative-draft-model-path``); reads tokens only.
+
+Draft *entries*: entry ``t`` pairs ``(h_t, x_{t+1})`` and predicts ``x_{t+2}``;
+it lives in KV slot/position ``t + offset`` (``offset`` 0 for MTP, 1 for a
+model draft, whose entry ``t`` is the token ``x_{t+1}`` at its own position).
+
+Tensor legend: T tokens, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from miles_host.models.context import ForwardContext, RoutingContext
+from miles_host.models.model import CausalLM, DecoderLayer, MTPLayer
+from miles_host.models.rope import RotaryEmbedding
+
+
+class Draft(Protocol):
+    """What the speculative strategy needs from a draft."""
+
+    uses_hidden: bool
+    offset: int
+
+    def layout(self) -> list[tuple[int, int, int, int | None]]:
+        """KV layout of the draft's own attention layers."""
+        ...
+
+    def forward(self, hidden_TH, token_ids_T, positions_T, attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(feature_TH, logits_TV)`` of the draft entries."""
+        ...
+
+
+class _LayerOffset:
+    """An attention context whose layer ``i`` is layer ``i - first`` of the wrapped one
+    (the MTP layer's index is ``num_layers + j``; its KV cache has one layer)."""
+
+    def __init__(self, attention: Any, first: int):
+        self.attention = attention
+        self.first = first
+
+    def attend(self, layer_index, q_THD, k_THD, v_THD, **kwargs):
+        return self.attention.attend(layer_index - self.first, q_THD, k_THD, v_THD, **kwargs)
+
+
+def attach_mtp(model: CausalLM, num_layers: int = 1) -> bool:
+    """Give ``model`` MTP layers when its checkpoint had none; True when attached.
+
+    The fresh layers have no private embedding/head copies (the policy's are
+    shared). Same names (``mtp.{j}.*``) on the trainer's and the engine's
+    model, so weight sync carries them.
+    """
+    if len(model.mtp) > 0:
+        return False
+    if num_layers != 1:
+        raise ValueError(
+            f"--mtp-num-layers {num_layers}: a freshly initialised draft supports 1 MTP layer (it is reused "
+            "for every draft step, as SGLang does); use --mtp-num-layers 1 or a checkpoint with MTP layers"
+        )
+    reference = model.embed_tokens.weight
+    config = model.config
+    layers = []
+    for j in range(num_layers):
+        layer = MTPLayer(config, config.num_layers + j, model.routing_hooks)
+        layer.embed_tokens = None  # shared with the policy
+        layer.head = None
+        layers.append(layer.to(device=reference.device, dtype=reference.dtype))
+    model.mtp = torch.nn.ModuleList(layers)
+    return True
+
+
+class MTPDraft:
+    """The policy's first MTP layer as an EAGLE-style draft head."""
+
+    uses_hidden = True
+    offset = 0
+
+    def __init__(self, policy: CausalLM):
+        if len(policy.mtp) == 0:
+            raise ValueError("the policy has no MTP layer: call attach_mtp(model) first")
+        self.policy = policy
+        layer = policy.mtp[0]
+        rope = policy.config.rope_of(layer.layer_index)
+        self.rope = policy._ropes.get(id(rope)) or RotaryEmbedding(rope)
+
+    @property
+    def layer(self) -> MTPLayer:
+        return self.policy.mtp[0]
+
+    def layout(self):
+        return [self.layer.attn.layout()]
+
+    def features(self, hidden_TH, token_ids_T, positions_T, attention, detach_shared: bool = False) -> torch.Tensor:
+        """The decoder layer's output ``[T, H]`` (before ``head_norm``)."""
+        layer = self.layer
+        embedded_TH = self.policy.embed(token_ids_T)
+        if detach_shared:
+            embedded_TH = embedded_TH.detach()
+        x_TH = layer.eh_proj(torch.cat([layer.enorm(embedded_TH), layer.hnorm(hidden_TH.to(embedded_TH.dtype))], dim=-1))
+        ctx = ForwardContext(attention=_LayerOffset(attention, layer.layer_index), routing=RoutingContext(phase="draft"))
+        return DecoderLayer.forward(layer, x_TH, self.rope(positions_T, x_TH.dtype), ctx)
+
+    def forward(self, hidden_TH, token_ids_T, positions_T, attention):
+        feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
+        return feature_TH, self.policy.compute_logits(self.layer.head_norm(feature_TH))
+
+
+class ModelDraft:
+    """A separate small causal LM as the draft (same vocabulary as the policy)."""
+
+    uses_hidden = False
+    offset = 1
+
+    def __init__(self, model: CausalLM, policy_vocab: int):
+        if model.config.vocab_size != policy_vocab:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the policy's "
+                f"({policy_vocab}); --sglang-speculative-draft-model-path needs the same tokenizer"
+            )
+        self.model = model.eval()
+
+    def layout(self):
+        return self.model.attention_layout()
+
+    def forward(self, hidden_TH, token_ids_T, positions_T, attention):
+        ctx = ForwardContext(attention=attention, routing=RoutingContext(phase="draft"))
+        hidden_TH = self.model.forward_hidden(token_ids_T, positions_T, ctx)
+        return hidden_TH, self.model.compute_logits(hidden_TH)
