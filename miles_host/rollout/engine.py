@@ -394,6 +394,19 @@ class Engine:
                     outputs.append(self._finish(seq, {"type": "abort", "message": "aborted"}))
         return outputs
 
+    def progress(self, rid: str, return_logprob: bool = True) -> list[dict[str, Any]]:
+        """Partial outputs (``finish_reason`` None) of request ``rid``'s unfinished
+        samples, for streaming; empty when the request is unknown or done."""
+        request = self._requests.get(rid)
+        if request is None:
+            return []
+        return [
+            sequence_output(seq, weight_version=self.weight_version, return_logprob=return_logprob,
+                            return_routed_experts=False, tokenizer=self.tokenizer)
+            for seq in request.samples
+            if seq.status != SequenceStatus.FINISHED
+        ]
+
     def pause(self) -> None:
         """Stop stepping (requests stay queued, KV cache kept) until :meth:`resume`."""
         self._paused = True

@@ -210,16 +210,11 @@ class EngineWorker:
         streaming = {rid: job for rid, job in self._jobs.items() if job.stream}
         if not streaming:
             return
-        requests = getattr(self.engine, "_requests", {})  # TODO(host): a public Engine.progress(rid)
         for rid, job in streaming.items():
-            request = requests.get(rid)
-            for seq in getattr(request, "samples", ()):
-                key = (rid, seq.sample_index)
-                if key in job.results or seq.num_output_tokens <= job.sent_tokens.get(key, 0):
+            for partial in self.engine.progress(rid, return_logprob=job.return_logprob):
+                key = (rid, partial["meta_info"]["index"])
+                if key in job.results or len(partial["output_ids"]) <= job.sent_tokens.get(key, 0):
                     continue
-                partial = sequence_output(seq, weight_version=self.engine.weight_version,
-                                          return_logprob=job.return_logprob, return_routed_experts=False,
-                                          tokenizer=self.engine.tokenizer)
                 job.chunks.put(self._chunk(job, key, self._to_wire(job, partial, final=False), final=False))
 
     # -- response shapes -----------------------------------------------------------
