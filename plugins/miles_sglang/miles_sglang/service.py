@@ -21,7 +21,6 @@ import pluggy
 import torch
 
 from miles_host import hookspecs
-from miles_host.rollout.outputs import sequence_output
 from miles_host.routing import RoutingHooks
 from miles_sglang.protocol import encode_routed_experts
 
