@@ -167,6 +167,20 @@ def miles_register_weight_sync_transports() -> Iterable["records.WeightSyncTrans
 
 
 @hookspec
+def miles_prepare_model(model: Any, role: str, config: "MilesConfig") -> None:
+    """Adjust a freshly loaded model in place before it is used.
+
+    Fires once per model after loading and after the precision recipe's
+    ``prepare_*_model``: ``role`` is ``"train"`` (the policy in the trainer,
+    before its optimizer is built, so new parameters are optimized),
+    ``"ref"`` (the frozen reference model) or ``"rollout"`` (the engine's model,
+    before its KV cache is sized and CUDA graphs are captured). E.g. the spec
+    plugin attaches its MTP draft head. Return value ignored; all
+    implementations are called.
+    """
+
+
+@hookspec
 def miles_register_reward_functions() -> Iterable["records.RewardFunction"]:
     """Register reward functions (``math``, ``deepscaler``, ``f1``, ``exact``, ...).
 

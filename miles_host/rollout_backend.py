@@ -57,9 +57,12 @@ class EmbeddedRolloutBackend:
         if strategy.factory is not None:  # plain decoding is the engine's own loop
             engine_kwargs["decoding_strategy"] = lambda engine: strategy.factory(engine, config)
         precision = manager.registries.precisions.get(config.precision)
-        prepare = None
-        if precision.prepare_rollout_model is not None:
-            prepare = lambda model: precision.prepare_rollout_model(model, config)  # noqa: E731
+
+        def prepare(model):
+            if precision.prepare_rollout_model is not None:
+                model = precision.prepare_rollout_model(model, config) or model
+            manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
+            return model
         self.engine = Engine.from_pretrained(
             model_path or config.hf_checkpoint,
             dtype=resolve_dtype(config, device),

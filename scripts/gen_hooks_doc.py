@@ -30,6 +30,7 @@ CONCERNS = [
             "miles_register_loss_terms",
             "miles_register_train_backends",
             "miles_register_loggers",
+            "miles_prepare_model",
             "miles_train_batch_prepared",
             "miles_step_end",
         ],

@@ -171,6 +171,22 @@ def test_miles_experts_selected():
     assert not RoutingHooks(manager_with(object()).hook).active  # no routing plugins: no hook calls
 
 
+def test_miles_prepare_model():
+    class AttachHead:
+        @staticmethod
+        def miles_prepare_model(model, role, config):
+            if role == "train":
+                model.extra_head = torch.nn.Linear(2, 2)
+
+    manager = manager_with(AttachHead())
+    model = torch.nn.Module()
+    manager.hook.miles_prepare_model(model=model, role="train", config=None)
+    assert isinstance(model.extra_head, torch.nn.Linear)
+    other = torch.nn.Module()
+    manager.hook.miles_prepare_model(model=other, role="rollout", config=None)
+    assert not hasattr(other, "extra_head")
+
+
 def test_miles_train_batch_prepared():
     seen = []
 
