@@ -9,6 +9,7 @@ runs under bf16 autocast.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -23,6 +24,8 @@ from miles_host.rollout_backend import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.routing import RoutingHooks
 from miles_host.sample import Sample, Status
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,7 +154,16 @@ class NativeTrainer:
         if precision.prepare_train_model is not None:
             self.model = precision.prepare_train_model(self.model, config) or self.model
         self.convert_for_rollout = precision.convert_for_rollout
-        if config.train_compile:
+        if config.true_on_policy and self.device.type == "cuda":
+            logger.warning(
+                "--true-on-policy on CUDA: the batch-invariant path is the per-token PyTorch reference (slow), and "
+                "the trainer's fp32-master + bf16-autocast forward does not yet follow the engine's bf16 dtype flow, "
+                "so bitwise equality is only guaranteed on CPU float32 for now"
+            )
+        if config.train_compile and config.true_on_policy:
+            # compiled kernels would not compute what the engine's eager per-token path does
+            logger.warning("--train-compile is ignored with --true-on-policy (batch-invariant eager path)")
+        elif config.train_compile:
             compile_decoder_layers(self.model)
         self.ref_model = None
         if config.use_kl_loss or config.kl_coef:
@@ -200,7 +212,10 @@ class NativeTrainer:
         """Log-probs ``[R]`` (and entropy) of the response tokens under ``model``."""
         from miles_host.models import PackedAttention
 
-        ctx = ForwardContext(attention=PackedAttention(batch.cu_seqlens), routing=batch.routing)
+        ctx = ForwardContext(
+            attention=PackedAttention(batch.cu_seqlens), routing=batch.routing,
+            batch_invariant=bool(self.config.true_on_policy),
+        )
         with self._autocast():
             log_probs_T, entropy_T = model.packed_log_probs(
                 batch.input_ids_T,
@@ -247,6 +262,15 @@ class NativeTrainer:
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns ``train/*`` metrics."""
+        if self.config.true_on_policy:
+            # the per-token graph's backward too: tiny ops, one CPU thread is faster
+            from miles_host.models.batch_invariant import single_threaded
+
+            with single_threaded():
+                return self._train(samples)
+        return self._train(samples)
+
+    def _train(self, samples: list[Sample]) -> dict[str, float]:
         samples = [s for s in samples if trainable(s)]
         if not samples:
             return {"train/skipped_no_samples": 1.0}

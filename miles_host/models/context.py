@@ -60,7 +60,15 @@ class RoutingContext:
 
 @dataclass
 class ForwardContext:
-    """Everything a model forward needs besides the token ids and positions."""
+    """Everything a model forward needs besides the token ids and positions.
+
+    ``batch_invariant``: compute every token on its own with fixed shapes
+    (:mod:`miles_host.models.batch_invariant`), so its result does not depend on
+    the batch, the packing or whether it is forwarded in a prefill, a decode step
+    or a training pass (``--true-on-policy``). The attention context must then be
+    a :class:`PackedAttention` or provide ``attend_token``.
+    """
 
     attention: AttentionContext
     routing: RoutingContext = field(default_factory=RoutingContext)
+    batch_invariant: bool = False

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from miles_host.models import batch_invariant
 from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
@@ -120,7 +121,12 @@ class CausalLM(torch.nn.Module):
         return x_TH
 
     def forward_hidden(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final-norm hidden states ``[T, H]`` of the flattened batch."""
+        """Final-norm hidden states ``[T, H]`` of the flattened batch.
+
+        ``ctx.batch_invariant``: one token at a time (:mod:`miles_host.models.batch_invariant`).
+        """
+        if ctx.batch_invariant:
+            return batch_invariant.forward_hidden(self, input_ids_T, positions_T, ctx)
         x_TH = self.embed(input_ids_T)
         tables = self._rope_tables(positions_T, x_TH.dtype)
         for i, layer in enumerate(self.layers):
@@ -154,11 +160,18 @@ class CausalLM(torch.nn.Module):
 
         ``cu_seqlens`` (int32 ``[S + 1]``) delimits the sequences; ``target_ids_T``
         is usually the next token of each position. Logits are computed
-        ``chunk_size`` tokens at a time, forward and backward.
+        ``chunk_size`` tokens at a time, forward and backward. With
+        ``ctx.batch_invariant`` every token is computed on its own and its log-prob
+        by :func:`~miles_host.models.batch_invariant.log_softmax_row`, as the engine does.
         """
         if ctx is None:
             ctx = ForwardContext(attention=PackedAttention(cu_seqlens))
         hidden_TH = self.forward_hidden(input_ids_T, positions_T, ctx)
+        if ctx.batch_invariant:
+            return batch_invariant.token_log_probs(
+                hidden_TH, self.lm_head_weight, target_ids_T, temperature=temperature,
+                logit_softcap=self.config.final_logit_softcap, return_entropy=return_entropy,
+            )
         return chunked_log_probs(
             hidden_TH, self.lm_head_weight, target_ids_T,
             temperature=temperature, logit_softcap=self.config.final_logit_softcap,

@@ -154,7 +154,9 @@ class ModelRunner:
         if not is_decode:
             self.prefill_forwards += 1
         graph_size = self._graph_size(len(seqs)) if is_decode and not routing.extra.get("capture") else None
-        if graph_size is not None:
+        if self.batch_invariant:
+            hidden_TH = self._invariant_forward(seqs, num_new, input_ids, positions, routing)
+        elif graph_size is not None:
             hidden_TH = self._replay(graph_size, input_ids, positions, meta)[: len(seqs)]
         else:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
@@ -211,7 +213,29 @@ class ModelRunner:
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
                     logprobs[r] = lp
+                if self.batch_invariant:
+                    logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
         return StepResult(tokens, logprobs), routes
+
+    # ------------------------------------------------------------------ batch-invariant mode
+
+    def _invariant_forward(self, seqs, num_new, input_ids, positions, routing) -> torch.Tensor:
+        """One sequence, one token at a time over the paged cache (``models.batch_invariant``)."""
+        from miles_host.models.batch_invariant import PagedTokenAttention
+
+        (seq,) = seqs
+        attention = PagedTokenAttention(
+            self.kv_cache.k_NSHD, self.kv_cache.v_NSHD, seq.block_table, self.block_size, len(seq) - num_new[0]
+        )
+        context = ForwardContext(attention=attention, routing=routing, batch_invariant=True)
+        return self.model.forward_hidden(input_ids, positions, context)
+
+    def _invariant_logprob(self, hidden_BH, index, token: int, sampler) -> float:
+        """The sampled token's logprob by the function the trainer's log-prob head uses."""
+        from miles_host.models.batch_invariant import sampled_token_log_prob
+
+        hidden_1H = hidden_BH.index_select(0, index.to(hidden_BH.device))
+        return sampled_token_log_prob(self.model, hidden_1H, token, sampler.params.temperature)
 
     # ------------------------------------------------------------------ CUDA graphs
 
