@@ -171,6 +171,7 @@ class NativeTrainer:
                 config.ref_load or config.hf_checkpoint, dtype=torch.float32, device=str(self.device), routing_hooks=routing
             )
             self.ref_model.requires_grad_(False)
+            manager.hook.miles_prepare_model(model=self.ref_model, role="ref", config=config)
         estimator = manager.registries.advantage_estimators.get(config.advantage_estimator)
         if estimator.needs_critic:
             raise ValueError(
@@ -180,6 +181,8 @@ class NativeTrainer:
         self.estimator = estimator
         self.corrections = [c.fn for c in manager.registries.corrections if c.enabled(config)]
         self.loss_terms = [t for t in manager.registries.loss_terms if t.enabled(config)]
+        # plugins may attach modules (e.g. a draft head) before the optimizer sees the parameters
+        manager.hook.miles_prepare_model(model=self.model, role="train", config=config)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.lr,
@@ -341,7 +344,8 @@ class NativeTrainer:
         mismatch = mismatch_metrics(cat(old), loss_batch.rollout_log_probs, loss_batch.loss_mask)
         metrics.update({k: float(v) for k, v in mismatch.items()})
         for term in self.loss_terms:
-            extra, term_metrics = term.fn({"batch": batch, "log_probs": log_probs}, loss_batch, self.config)
+            outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}
+            extra, term_metrics = term.fn(outputs, loss_batch, self.config)
             loss = loss + extra
             metrics.update({f"{term.name}/{k}": v for k, v in term_metrics.items()})
         metrics.pop("loss", None)

@@ -127,3 +127,30 @@ def test_ctrl_c_writes_a_checkpoint(tiny_task, tmp_path, reward_module):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
     assert (ckpt / "iter_0000000" / "state.pt").is_file()
     assert not math.isnan(0.0)
+
+
+def test_prepare_model_hook_runs_before_the_optimizer(tiny_task, tmp_path):
+    import torch
+
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.plugin_manager import MilesPluginManager
+    from miles_host.trainer import NativeTrainer
+
+    roles = []
+
+    class AttachHead:
+        @staticmethod
+        def miles_prepare_model(model, role, config):
+            roles.append(role)
+            if role == "train":
+                model.extra_head = torch.nn.Linear(4, 4)
+
+    model, data = tiny_task
+    manager = MilesPluginManager()
+    manager.discover()
+    manager.add_inline_plugin(AttachHead(), "attach-head")
+    config, _ = resolve_run_config(base_args(model, data, tmp_path)[1:], manager)
+    trainer = NativeTrainer(config, manager)
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert all(id(p) in optimized for p in trainer.model.extra_head.parameters())
+    assert roles == ["train"]

@@ -7,14 +7,14 @@ Activated by ``--plugins spec`` or by the seed's ``--sglang-speculative-algorith
   engine (:mod:`miles_spec.strategy`);
 - loss term ``mtp`` (``--enable-mtp-training``, :mod:`miles_spec.training`);
 - the native trainer, with the draft attached to the policy model when
-  ``--enable-mtp-training`` (override of the host's ``native`` backend while
+  ``--enable-mtp-training`` (attached through ``miles_prepare_model`` while
   this plugin is active);
 - ``spec/*`` metrics at the end of every step.
 """
 
 from __future__ import annotations
 
-from miles_host.records import DecodingStrategy, LossTerm, TrainBackend
+from miles_host.records import DecodingStrategy, LossTerm
 
 ALGORITHMS = ("eagle", "mtp", "nextn")
 
@@ -89,16 +89,13 @@ def miles_register_loss_terms():
                      enabled=lambda config: bool(config.enable_mtp_training))]
 
 
-def _native(config, manager):
-    from miles_spec.training import build_native_trainer
+def miles_prepare_model(model, role, config):
+    """Attach the MTP draft to the trainer's policy before its optimizer is built
+    (``--enable-mtp-training``), and keep the policy's hidden states for the loss."""
+    if role == "train" and config.enable_mtp_training:
+        from miles_spec.training import prepare_train_model
 
-    return build_native_trainer(config, manager)
-
-
-def miles_register_train_backends():
-    """The host's native trainer plus the draft head (only differs with ``--enable-mtp-training``)."""
-    return [TrainBackend("native", "native PyTorch trainer (+ MTP draft when --enable-mtp-training)",
-                         factory=_native, override=True)]
+        prepare_train_model(model, config)
 
 
 def miles_step_end(rollout_id, metrics, config):

@@ -26,7 +26,7 @@ from miles_host.models.logprobs import chunked_log_probs
 
 from miles_spec.draft import MTPDraft, attach_mtp
 
-#: model config (by id) -> the trainer model's hidden-state capture
+#: trainer model (by id) -> its hidden-state capture
 _CAPTURES: "dict[int, HiddenCapture]" = {}
 
 
@@ -42,27 +42,13 @@ class HiddenCapture:
         self.hidden_TH = output.detach()
 
 
-def prepare_train_model(trainer: Any, config: Any) -> HiddenCapture:
-    """Attach a fresh draft to the trainer's model if its checkpoint had none, add it
-    to the optimizer (same lr schedule), and start keeping the hidden states."""
-    model = trainer.model
-    if attach_mtp(model, config.mtp_num_layers or 1):
-        trainer.optimizer.add_param_group({"params": list(model.mtp.parameters())})
-        # no step taken yet: rebuild the schedule so it covers the new group too
-        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, trainer.scheduler.lr_lambdas[0])
+def prepare_train_model(model: torch.nn.Module, config: Any) -> HiddenCapture:
+    """Attach a fresh draft to the trainer's model if its checkpoint had none (before
+    the optimizer is built, so the draft is optimized) and keep its hidden states."""
+    attach_mtp(model, config.mtp_num_layers or 1)
     capture = HiddenCapture(model)
-    _CAPTURES[id(model.config)] = capture
+    _CAPTURES[id(model)] = capture
     return capture
-
-
-def build_native_trainer(config: Any, manager: Any):
-    """The host's native trainer, with the draft attached when ``--enable-mtp-training``."""
-    from miles_host.trainer import NativeTrainer
-
-    trainer = NativeTrainer(config, manager)
-    if config.enable_mtp_training:
-        prepare_train_model(trainer, config)
-    return trainer
 
 
 def mtp_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,9 +71,7 @@ def mtp_loss(model_outputs: dict, loss_batch: Any, config: Any) -> tuple[torch.T
     batch = model_outputs["batch"]
     model = model_outputs.get("model")
     hidden_TH = model_outputs.get("hidden")
-    capture = _CAPTURES.get(id(batch.model_config))
-    if model is None and capture is not None:
-        model = capture.model_ref()
+    capture = _CAPTURES.get(id(model)) if model is not None else None
     if hidden_TH is None and capture is not None:
         hidden_TH = capture.hidden_TH
     if model is None or hidden_TH is None or len(model.mtp) == 0:
