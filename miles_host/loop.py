@@ -49,8 +49,11 @@ def check_supported(config: Any, registries: Any) -> None:
                 f"{flag} {value}: multi-GPU / multi-node placement is not supported yet in this version "
                 "(the embedded backends run in one process); run with the default of 1"
             )
-    if config.rollout_num_gpus not in (None, 0, 1):
-        raise ValueError(f"--rollout-num-gpus {config.rollout_num_gpus}: separate rollout GPUs are not supported yet")
+    if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
+        raise ValueError(
+            f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "
+            "use --rollout-backend sglang for several rollout servers"
+        )
     for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):
         if getattr(config, flag):
             raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")

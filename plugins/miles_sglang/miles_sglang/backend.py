@@ -59,6 +59,12 @@ class SGLangRolloutBackend:
 
     def __init__(self, config: Any, manager: Any = None):
         self.config = config
+        self.launched = None
+        if not getattr(config, "sglang_url", None) and getattr(config, "sglang_router_ip", None) is None:
+            from miles_sglang.launcher import launch_servers
+
+            self.launched = launch_servers(config)
+            config.plugin_args["sglang_url"] = list(self.launched.urls)
         urls = server_urls(config)
         self.clients = [
             SGLangClient(url, api_key=config.sglang_api_key, timeout=config.sglang_request_timeout,

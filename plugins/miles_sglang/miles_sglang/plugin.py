@@ -24,6 +24,10 @@ def miles_add_arguments(parser):
     group.add_argument("--sglang-concurrency", type=int, default=64, help="generate requests in flight at once")
     group.add_argument("--sglang-weight-names", choices=["hf", "native"], default="hf",
                        help="weight names sent at weight sync: hf (what SGLang loads) or miles' native names")
+    group.add_argument("--sglang-server-command", choices=["auto", "sglang", "miles"], default="auto",
+                       help="servers started when no --sglang-url is given: real SGLang if importable (auto), or miles serve")
+    group.add_argument("--sglang-server-start-timeout", type=float, default=300.0,
+                       help="seconds for a started server to answer /health")
     group.add_argument("--sglang-weight-encoding", choices=["safetensors", "cuda_ipc"], default="safetensors",
                        help="update_weights_from_tensor payload: safetensors (miles serve, CPU) or CUDA IPC (colocated SGLang)")
 

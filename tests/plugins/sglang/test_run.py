@@ -36,19 +36,16 @@ def _dumped(out):
 
 
 def test_r3_routes_and_logprobs_round_trip_exactly(moe_model, addition_data, tmp_path):
-    """The same RL step through the embedded engine and through `miles serve`:
-    identical tokens, rollout logprobs and routed experts (batch-invariant kernels on both)."""
+    """The same RL step through the embedded engine and through a `miles serve` server
+    process that the sglang backend starts itself (no --sglang-url): identical tokens,
+    rollout logprobs and routed experts (batch-invariant kernels on both)."""
     flags = ["--num-rollout", "1", "--plugins", "r3", "--true-on-policy", "--dump-rollouts",
              "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4"]
     embedded = tmp_path / "embedded"
     assert main([*base_args(moe_model, addition_data, embedded), *flags]) == 0
-    handle = serve(moe_model, engine_kwargs={"batch_invariant": True})
-    try:
-        remote = tmp_path / "sglang"
-        assert main([*base_args(moe_model, addition_data, remote), *flags,
-                     "--rollout-backend", "sglang", "--sglang-url", handle.url]) == 0
-    finally:
-        handle.shutdown()
+    remote = tmp_path / "sglang"
+    assert main([*base_args(moe_model, addition_data, remote), *flags,
+                 "--rollout-backend", "sglang", "--sglang-server-command", "miles"]) == 0
     local_rows, remote_rows = _dumped(embedded), _dumped(remote)
     assert len(local_rows) == len(remote_rows) == 4
     for local, sent in zip(local_rows, remote_rows):
