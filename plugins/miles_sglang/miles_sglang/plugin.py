@@ -71,7 +71,15 @@ def miles_register_weight_sync_transports():
     return [
         WeightSyncTransport("sglang_tensor", "buckets through /update_weights_from_tensor", factory=_tensor_transport),
         WeightSyncTransport("sglang_disk", "HF checkpoint + /update_weights_from_disk", factory=_disk_transport),
+        WeightSyncTransport("sglang_distributed", "broadcast over a process group the servers join",
+                            factory=_distributed_transport),
     ]
+
+
+def _distributed_transport(config):
+    from miles_sglang.transport import DistributedTransport
+
+    return DistributedTransport(config)
 
 
 def _serve_arguments(parser):

@@ -90,3 +90,17 @@ def test_miles_serve_command_in_a_subprocess(dense_model):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_distributed_weight_sync_to_a_server_process(dense_model, addition_data, tmp_path):
+    """Weights broadcast over a gloo group that a `miles serve` process joins; the
+    server's logprobs then equal the trainer's for the same tokens."""
+    out = tmp_path / "run"
+    code = main([*base_args(dense_model, addition_data, out), "--num-rollout", "2", "--rollout-backend", "sglang",
+                 "--sglang-server-command", "miles", "--weight-sync", "sglang_distributed",
+                 "--update-weight-buffer-size", "20000"])
+    assert code == 0
+    metrics = read_metrics(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [1, 2]
+    # the server samples with the trainer's weights: recomputed logprobs agree to float32 rounding
+    assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-5 for m in metrics)
