@@ -152,7 +152,7 @@ class TrainArgs:
     adam_eps: float = flag(1e-8, "AdamW eps", type=float, group="train")
     clip_grad: float = flag(1.0, "gradient norm clip", type=float, group="train")
     train_compile: bool = flag(False, "torch.compile the trainer's decoder layers (CUDA; dynamic shapes)", group="train")
-    recompute_granularity: str | None = flag(None, "activation checkpointing: full", type=str, choices=["full", "selective"], group="train")
+    recompute_granularity: str | None = flag(None, "activation checkpointing: full (recompute every decoder layer in backward)", type=str, choices=["full", "selective"], group="train")
     recompute_method: str | None = flag(None, "activation checkpointing method (megatron compatible)", type=str, group="train")
     recompute_num_layers: int | None = flag(None, "activation checkpointing layers (megatron compatible)", type=optional_int, group="train")
     tensor_model_parallel_size: int = flag(1, "tensor parallelism", type=int, group="parallel")

@@ -57,7 +57,9 @@ def check_supported(config: Any, registries: Any) -> None:
     for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):
         if getattr(config, flag):
             raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
-    for flag in ("recompute_granularity", "recompute_method", "recompute_num_layers", "tool_key"):
+    if config.recompute_granularity == "selective":
+        raise ValueError("--recompute-granularity selective is not supported yet; use full (every decoder layer)")
+    for flag in ("recompute_method", "recompute_num_layers", "tool_key"):
         if getattr(config, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
     algorithm = (config.sglang_speculative_algorithm or "plain").lower()

@@ -181,6 +181,8 @@ class NativeTrainer:
         self.estimator = estimator
         self.corrections = [c.fn for c in manager.registries.corrections if c.enabled(config)]
         self.loss_terms = [t for t in manager.registries.loss_terms if t.enabled(config)]
+        # activation checkpointing: each decoder layer's activations are recomputed in backward
+        self.model.gradient_checkpointing = config.recompute_granularity == "full"
         # plugins may attach modules (e.g. a draft head) before the optimizer sees the parameters
         manager.hook.miles_prepare_model(model=self.model, role="train", config=config)
         self.optimizer = torch.optim.AdamW(

@@ -154,3 +154,13 @@ def test_prepare_model_hook_runs_before_the_optimizer(tiny_task, tmp_path):
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert all(id(p) in optimized for p in trainer.model.extra_head.parameters())
     assert roles == ["train"]
+
+
+def test_activation_checkpointing_gives_the_same_training(tiny_task, tmp_path):
+    model, data = tiny_task
+    plain, recompute = tmp_path / "plain", tmp_path / "recompute"
+    assert main(base_args(model, data, plain, "--num-rollout", "2")) == 0
+    assert main(base_args(model, data, recompute, "--num-rollout", "2", "--recompute-granularity", "full")) == 0
+    for want, have in zip(read_metrics(plain), read_metrics(recompute)):
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
+            assert want[key] == pytest.approx(have[key], rel=1e-6, abs=1e-9), key
