@@ -66,8 +66,6 @@ def check_supported(config: Any, registries: Any) -> None:
     registries.decoding_strategies.get(algorithm)  # EAGLE needs the spec plugin's strategy
     if config.enable_mtp_training and not any(t.enabled(config) for t in registries.loss_terms):
         raise ValueError("--enable-mtp-training needs a plugin providing the MTP loss term (miles-spec)")
-    if config.custom_generate_function_path:
-        raise ValueError("--custom-generate-function-path is not supported yet in this version")
     registries.precisions.get(config.precision)
     registries.weight_sync_transports.get(config.weight_sync)
     registries.rollout_backends.get(config.rollout_backend)

@@ -69,6 +69,11 @@ class RolloutManager:
             self.keep_group = load_function(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         self.eos_ids = _eos_ids(tokenizer)
         self._next_group_index = 0
+        self.custom_generate = None
+        if config.custom_generate_function_path:
+            if config.partial_rollout:
+                raise ValueError("--custom-generate-function-path cannot be combined with --partial-rollout yet")
+            self.custom_generate = load_function(config.custom_generate_function_path, "--custom-generate-function-path")
 
     # -- building requests --------------------------------------------------
 
@@ -151,13 +156,37 @@ class RolloutManager:
                 for record in self.dataset.next_batch(chunk):
                     group = self.new_group(record, rollout_id)
                     stats.submitted_groups += 1
-                    self._submit_group(group, rollout_id, in_flight, waiting)
+                    if self.custom_generate is not None:
+                        self._custom_group(group, rollout_id, kept, stats)
+                    else:
+                        self._submit_group(group, rollout_id, in_flight, waiting)
                 if not in_flight:
                     continue
             for output in self.backend.step():
                 self._absorb(output, in_flight, waiting, kept, stats)
         self._wind_down(kept[target:], in_flight, waiting, stats)
         return kept[:target], stats
+
+    def _custom_group(self, group: list[Sample], rollout_id: int, kept: list, stats: RolloutStats) -> None:
+        """``--custom-generate-function-path``: ``fn(args, sample, sampling_params, session)``
+        (sync or async) fills each sample, e.g. over several turns with tool output
+        appended by ``session.append_tokens(sample, ids, loss_mask=0)``."""
+        session = GenerateSession(self, rollout_id)
+        for position, sample in enumerate(group):
+            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, position, 0)
+            params = self.sampling_params(self.config.rollout_max_response_len, seed)
+            try:
+                result = _call_maybe_async(self.custom_generate, self.config, sample, params, session)
+                if result is not None and result is not sample:
+                    group[position] = sample = result
+                if sample.status is Status.PENDING:
+                    sample.status = Status.COMPLETED
+                sample.validate()
+            except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
+                sample.status = Status.FAILED
+                sample.metadata["failure"] = f"custom generate: {type(error).__name__}: {error}"
+            stats.generated_tokens += sample.response_length
+        self._finish_group(group, kept, stats)
 
     def _submit_group(self, group, rollout_id, in_flight, waiting) -> None:
         """Submit a group's unfinished samples: a fresh group as one request with
@@ -267,6 +296,55 @@ class RolloutManager:
         """Restore :meth:`state_dict`."""
         self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]
         self._next_group_index = int(state["next_group_index"])
+
+
+class GenerateSession:
+    """What a custom generate function gets to talk to the rollout backend."""
+
+    def __init__(self, manager: RolloutManager, rollout_id: int):
+        self.manager = manager
+        self.tokenizer = manager.tokenizer
+        self.rollout_id = rollout_id
+        self._count = 0
+
+    def generate(self, input_ids: list[int], sampling_params: dict) -> dict:
+        """One request (n=1); blocks until its SGLang-shaped output is back."""
+        self._count += 1
+        rid = f"custom-r{self.rollout_id}-{self._count}"
+        self.manager.backend.submit(rid, list(input_ids), {**sampling_params, "n": 1},
+                                    self.manager.config.rollout_return_routed_experts)
+        while True:
+            for output in self.manager.backend.step():
+                if output["meta_info"]["id"] == rid:
+                    return output
+            if not self.manager.backend.has_unfinished():
+                raise RuntimeError(f"request {rid} finished without an output")
+
+    def append_generation(self, sample: Sample, output: dict) -> None:
+        """Append a :meth:`generate` result to the sample (trained tokens, logprobs)."""
+        self.manager.apply_output(sample, output)
+
+    def append_tokens(self, sample: Sample, token_ids: list[int], loss_mask: int = 0) -> None:
+        """Append tokens the policy did not sample (tool output, user turn): not trained
+        (``loss_mask`` 0) and with a 0.0 placeholder log-prob."""
+        sample.tokens.extend(token_ids)
+        sample.response_length += len(token_ids)
+        sample.loss_mask.extend([loss_mask] * len(token_ids))
+        sample.rollout_log_probs.extend([0.0] * len(token_ids))
+        sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :], skip_special_tokens=True)
+
+
+def _call_maybe_async(function: Callable, *args: Any) -> Any:
+    import asyncio
+    import inspect
+
+    result = function(*args)
+    if inspect.isawaitable(result):
+        async def wait():
+            return await result
+
+        result = asyncio.run(wait())
+    return result
 
 
 def merge_routed_experts(sample: Sample, routed: Any) -> None:

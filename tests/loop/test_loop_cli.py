@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import textwrap
@@ -164,3 +165,35 @@ def test_activation_checkpointing_gives_the_same_training(tiny_task, tmp_path):
     for want, have in zip(read_metrics(plain), read_metrics(recompute)):
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
             assert want[key] == pytest.approx(have[key], rel=1e-6, abs=1e-9), key
+
+
+def test_custom_generate_function_multi_turn(tiny_task, tmp_path, monkeypatch):
+    """A two-turn generation with a tool answer in between: the tool tokens are
+    kept in the sample but not trained, and the trainer's log-probs of the
+    policy's own tokens still match the rollout's."""
+    (tmp_path / "two_turns.py").write_text(textwrap.dedent(
+        """
+        def generate(args, sample, sampling_params, session):
+            first = session.generate(sample.tokens, {**sampling_params, "max_new_tokens": 2, "ignore_eos": True})
+            session.append_generation(sample, first)
+            tool = session.tokenizer("=7", add_special_tokens=False)["input_ids"]
+            session.append_tokens(sample, tool)
+            second = session.generate(sample.tokens, {**sampling_params, "max_new_tokens": 2})
+            session.append_generation(sample, second)
+            sample.metadata["turns"] = 2
+            return sample
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, data = tiny_task
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-rollout", "2", "--dump-rollouts",
+                          "--custom-generate-function-path", "two_turns.generate")) == 0
+    rows = read_metrics(out)
+    assert all(r["rollout/failed_samples"] == 0 for r in rows)
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
+    samples = [json.loads(line) for line in (out / "rollouts" / "rollout_00000.jsonl").read_text().splitlines()]
+    for sample in samples:
+        assert sample["metadata"]["turns"] == 2
+        assert sample["loss_mask"][:2] == [1, 1] and sample["loss_mask"][2:4] == [0, 0]
+        assert len(sample["loss_mask"]) == len(sample["rollout_log_probs"]) == sample["response_length"]
