@@ -173,11 +173,11 @@ class NativeTrainer:
             self.ref_model.requires_grad_(False)
             manager.hook.miles_prepare_model(model=self.ref_model, role="ref", config=config)
         estimator = manager.registries.advantage_estimators.get(config.advantage_estimator)
+        self.critic = None
         if estimator.needs_critic:
-            raise ValueError(
-                f"--advantage-estimator {config.advantage_estimator} needs a critic, which the native "
-                "trainer does not build yet; use grpo, gspo, rloo, reinforce_plus_plus(_baseline)"
-            )
+            from miles_host.critic import Critic
+
+            self.critic = Critic(config, manager, self.device)
         self.estimator = estimator
         self.corrections = [c.fn for c in manager.registries.corrections if c.enabled(config)]
         self.loss_terms = [t for t in manager.registries.loss_terms if t.enabled(config)]
@@ -245,8 +245,8 @@ class NativeTrainer:
 
     # -- one rollout's training ------------------------------------------------
 
-    def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs) -> list[torch.Tensor]:
-        """Per-token advantages from the registry's estimator."""
+    def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs, values=None):
+        """Per-token advantages (and value targets) from the registry's estimator."""
         rewards = torch.tensor([self._scalar(s.reward) for s in samples], dtype=torch.float32)
         token_kl = None
         if self.config.kl_coef and ref_log_probs is not None:
@@ -257,8 +257,10 @@ class NativeTrainer:
             response_lengths=[s.response_length for s in samples],
             token_kl=[t.cpu() for t in token_kl] if token_kl else None,
             loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+            values=[v.cpu() for v in values] if values is not None else None,
         )
-        return self.estimator.fn(inputs, self.config).advantages
+        outputs = self.estimator.fn(inputs, self.config)
+        return outputs.advantages, outputs.returns
 
     def _scalar(self, reward: Any) -> float:
         if isinstance(reward, dict):
@@ -282,7 +284,8 @@ class NativeTrainer:
         self.model.eval()
         old = self._log_probs_without_grad(self.model, samples, "old_logprob")
         ref = self._log_probs_without_grad(self.ref_model, samples, "ref") if self.ref_model is not None else None
-        advantages = self.advantages(samples, ref, old)
+        values = self._critic_values(samples) if self.critic is not None else None
+        advantages, returns = self.advantages(samples, ref, old, values)
         for i, sample in enumerate(samples):
             sample.metadata["_train_index"] = i
         self.model.train()
@@ -290,7 +293,10 @@ class NativeTrainer:
         global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
         metrics: dict[str, list[float]] = {}
         for start in range(0, len(samples), global_size):
-            step_metrics = self._optimizer_step(samples[start : start + global_size], old, ref, advantages)
+            chunk = samples[start : start + global_size]
+            step_metrics = self._optimizer_step(chunk, old, ref, advantages)
+            if self.critic is not None:
+                step_metrics.update(self._critic_step(chunk, values, returns))
             for key, value in step_metrics.items():
                 metrics.setdefault(key, []).append(value)
         for sample in samples:
@@ -325,6 +331,37 @@ class NativeTrainer:
         self.optimizer.step()
         self.scheduler.step()
         return out
+
+    @torch.no_grad()
+    def _critic_values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """``V_old`` per sample (``[L_i]``) before this rollout's updates."""
+        self.critic.eval()
+        out = []
+        for micro in micro_batches(samples, self.config):
+            batch = PackedBatch.from_samples(micro, self.device)
+            out.extend(torch.split(self.critic.values(batch), batch.response_lengths))
+        return out
+
+    def _critic_step(self, samples, values, returns) -> dict[str, float]:
+        """One critic optimizer step on the clipped value loss."""
+        self.critic.train()
+        self.critic.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {}
+        for micro in micro_batches(samples, self.config):
+            batch = PackedBatch.from_samples(micro, self.device)
+            indices = [s.metadata["_train_index"] for s in micro]
+            cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device).float()  # noqa: E731
+            loss_mask = batch.per_token((s.loss_mask for s in micro), self.device)
+            loss, micro_metrics = self.critic.loss(batch, cat(values), cat(returns), loss_mask)
+            share = len(micro) / len(samples)
+            (loss * share).backward()
+            for key, value in micro_metrics.items():
+                metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.clip_grad)
+        metrics["critic/grad_norm"] = float(grad_norm)
+        if math.isfinite(float(grad_norm)):
+            self.critic.optimizer.step()
+        return metrics
 
     def _micro_loss(self, micro, old, ref, advantages):
         batch = self.pack(micro, "train")
@@ -367,6 +404,7 @@ class NativeTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "consecutive_nan_steps": self.consecutive_nan_steps,
+            "critic": self.critic.checkpoint_state() if self.critic is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -375,3 +413,5 @@ class NativeTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_checkpoint_state(state["critic"])

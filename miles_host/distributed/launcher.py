@@ -48,8 +48,7 @@ def wants_distributed(config: Any) -> bool:
     """True when the run needs more than this one process."""
     return (
         num_trainers(config) > 1
-        or num_engines(config) > 1
-        or bool(config.rollout_num_gpus)
+        or (config.rollout_num_gpus or 0) > 1
         or config.rollout_backend == "process"
         or config.train_backend == "native_dp"
     )

@@ -82,6 +82,9 @@ def reward_module(tmp_path, monkeypatch):
                 raise RuntimeError("judge unavailable")
             return float(sample.response == sample.label)
 
+        def length_reward(sample, config):
+            return float(len(sample.response))
+
         def nan_reward(sample, config):
             return float(len(sample.response)) if sample.index % 2 else math.nan
 
@@ -197,3 +200,18 @@ def test_custom_generate_function_multi_turn(tiny_task, tmp_path, monkeypatch):
         assert sample["metadata"]["turns"] == 2
         assert sample["loss_mask"][:2] == [1, 1] and sample["loss_mask"][2:4] == [0, 0]
         assert len(sample["loss_mask"]) == len(sample["rollout_log_probs"]) == sample["response_length"]
+
+
+def test_ppo_with_a_critic_learns_the_values(tiny_task, tmp_path, reward_module):
+    model, data = tiny_task
+    out = tmp_path / "ppo"
+    args = base_args(model, data, out, "--num-rollout", "4", "--advantage-estimator", "ppo",
+                     "--custom-rm-path", f"{reward_module}.length_reward", "--critic-lr", "1e-2", "--gamma", "1.0",
+                     "--lambd", "0.95", "--save", str(tmp_path / "ckpt"))
+    assert main(args) == 0
+    rows = read_metrics(out)
+    losses = [r["critic/value_loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses) and "critic/values_mean" in rows[0]
+    assert rows[0]["critic/values_mean"] == 0.0  # zero-initialised head
+    assert rows[-1]["critic/values_mean"] != 0.0  # the critic moved
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
