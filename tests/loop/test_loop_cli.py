@@ -215,3 +215,37 @@ def test_ppo_with_a_critic_learns_the_values(tiny_task, tmp_path, reward_module)
     assert rows[0]["critic/values_mean"] == 0.0  # zero-initialised head
     assert rows[-1]["critic/values_mean"] != 0.0  # the critic moved
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_remote_reward_over_http(tiny_task, tmp_path):
+    import http.server
+    import threading
+
+    seen = []
+
+    class Judge(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            payload = json.dumps({"score": 0.25 if body["label"] else 0.0}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        model, data = tiny_task
+        out = tmp_path / "out"
+        url = f"http://127.0.0.1:{server.server_address[1]}/reward"
+        assert main(base_args(model, data, out, "--num-rollout", "1", "--rm-url", url)) == 0
+    finally:
+        server.shutdown()
+    assert read_metrics(out)[0]["rollout/reward_mean"] == 0.25
+    assert len(seen) == 16 and {"prompt", "response", "label", "metadata"} <= set(seen[0])
