@@ -81,7 +81,10 @@ class RolloutManager:
         """Token ids of a prompt (the chat template when ``--apply-chat-template``)."""
         if self.config.apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(encoded, "keys"):  # transformers 5 returns a BatchEncoding
+                encoded = encoded["input_ids"]
+            return [int(t) for t in encoded]
         if not isinstance(prompt, str):
             raise ValueError("a chat-format prompt (list of messages) needs --apply-chat-template")
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -143,7 +146,7 @@ class RolloutManager:
             if all(s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for s in group):
                 kept.append(group)  # a surplus group of the last rollout: already scored and kept
             else:
-                self._submit_group(group, rollout_id, in_flight, waiting)
+                self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
         max_groups = max(64 * target, 1024)
         while len(kept) < target:
             if stats.submitted_groups > max_groups:
@@ -159,9 +162,9 @@ class RolloutManager:
                     if self.custom_generate is not None:
                         self._custom_group(group, rollout_id, kept, stats)
                     else:
-                        self._submit_group(group, rollout_id, in_flight, waiting)
+                        self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
                 if not in_flight:
-                    continue
+                    continue  # every new group failed at submission (counted) or was kept
             for output in self.backend.step():
                 self._absorb(output, in_flight, waiting, kept, stats)
         self._wind_down(kept[target:], in_flight, waiting, stats)
@@ -188,7 +191,7 @@ class RolloutManager:
             stats.generated_tokens += sample.response_length
         self._finish_group(group, kept, stats)
 
-    def _submit_group(self, group, rollout_id, in_flight, waiting) -> None:
+    def _submit_group(self, group, rollout_id, in_flight, waiting, kept=None, stats=None) -> None:
         """Submit a group's unfinished samples: a fresh group as one request with
         ``n`` samples (the prompt is prefilled once and shared), continued
         samples one request each."""
@@ -213,7 +216,10 @@ class RolloutManager:
                 group[position].status = Status.PENDING
                 in_flight[(rid, k)] = (group, position)
         if not any(s.status is Status.PENDING for s in group):
+            # nothing could be submitted (every sample failed): the group is done, failures counted
             waiting.pop(group[0].group_index, None)
+            if all(s.status is Status.FAILED for s in group) and kept is not None:
+                self._finish_group(group, kept, stats)
 
     def _absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
         key = (output["meta_info"]["id"], output["meta_info"].get("index", 0))

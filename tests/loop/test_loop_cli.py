@@ -249,3 +249,65 @@ def test_remote_reward_over_http(tiny_task, tmp_path):
         server.shutdown()
     assert read_metrics(out)[0]["rollout/reward_mean"] == 0.25
     assert len(seen) == 16 and {"prompt", "response", "label", "metadata"} <= set(seen[0])
+
+
+def test_save_hf_writes_weights_transformers_loads(tiny_task, tmp_path):
+    import torch
+    import transformers
+
+    from miles_host.models import load_pretrained
+
+    model, data = tiny_task
+    hf_dir = tmp_path / "hf"
+    ckpt = tmp_path / "ckpt"
+    assert main(base_args(model, data, tmp_path / "o", "--num-rollout", "1", "--save", str(ckpt),
+                          "--save-hf", str(hf_dir))) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    ids = torch.tensor([[5, 12, 6, 13]])
+    ours = load_pretrained(str(hf_dir))(ids)
+    assert torch.allclose(loaded(ids).logits, ours, atol=1e-5)
+    trained = torch.load(ckpt / "iter_0000000" / "state.pt", weights_only=False)["trainer"]["model"]
+    assert torch.equal(ours.new_tensor(0) + trained["embed_tokens.weight"],
+                       load_pretrained(str(hf_dir)).state_dict()["embed_tokens.weight"])
+
+
+def test_apply_chat_template_and_async_group_reward(tmp_path, monkeypatch):
+    """Prompts as chat messages through the tokenizer's template, scored per group
+    by an async reward function."""
+    from miles_host.quickstart_preset import QUICKSTART_DIR
+
+    (tmp_path / "group_rewards.py").write_text(textwrap.dedent(
+        """
+        async def score(samples, config):
+            assert len(samples) == 4 and len({s.group_index for s in samples}) == 1
+            return [float(i) for i in range(len(samples))]
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"input": [{"role": "user", "content": f"{a}+1="}], "label": str(a + 1)})
+                              for a in range(10, 18)) + "\n")
+    out = tmp_path / "out"
+    assert main(["run", "--hf-checkpoint", str(QUICKSTART_DIR / "model"), "--prompt-data", str(data),
+                 "--apply-chat-template", "--custom-rm-path", "group_rewards.score", "--group-rm",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+                 "--num-rollout", "1", "--output-dir", str(out), "--no-progress", "--dump-rollouts"]) == 0
+    assert read_metrics(out)[0]["rollout/reward_mean"] == 1.5
+    sample = json.loads((out / "rollouts" / "rollout_00000.jsonl").read_text().splitlines()[0])
+    assert isinstance(sample["prompt"], list) and sample["prompt"][0]["role"] == "user"
+
+
+def test_a_prompt_too_long_for_the_context_fails_alone(tiny_task, tmp_path):
+    model, _ = tiny_task
+    data = tmp_path / "mixed.jsonl"
+    rows = [{"input": "1+2=", "label": "3"}, {"input": "1+2+3+4+5+6+7+8=", "label": "36"}] * 4
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-rollout", "2", "--rollout-max-context-len", "10",
+                          "--dump-rollouts")) == 0
+    metrics = read_metrics(out)
+    assert sum(m["rollout/failed_samples"] for m in metrics) > 0
+    dumped = [json.loads(line) for line in (out / "rollouts" / "rollout_00000.jsonl").read_text().splitlines()]
+    failed = [d for d in dumped if d["status"] == "failed"]
+    assert failed and all("rollout:" in d["metadata"]["failure"] for d in failed)
+    assert any(d["status"] != "failed" for d in dumped)
