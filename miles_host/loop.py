@@ -38,23 +38,13 @@ def check_supported(config: Any, registries: Any) -> None:
         raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
     if config.prompt_data is None:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
-    multi = {
-        "--actor-num-nodes": config.actor_num_nodes,
-        "--actor-num-gpus-per-node": config.actor_num_gpus_per_node,
-        "--rollout-num-gpus-per-engine": config.rollout_num_gpus_per_engine,
-    }
-    for flag, value in multi.items():
-        if value != 1:
-            raise ValueError(
-                f"{flag} {value}: multi-GPU / multi-node placement is not supported yet in this version "
-                "(the embedded backends run in one process); run with the default of 1"
-            )
-    if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
-        raise ValueError(
-            f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "
-            "use --rollout-backend sglang for several rollout servers"
-        )
-    for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):
+    from miles_host.distributed.launcher import check_placement, wants_distributed
+
+    if wants_distributed(config):
+        check_placement(config)  # trainer / engine processes (miles_host.distributed)
+    else:
+        check_single_process(config)
+    for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):  # not yet, any mode
         if getattr(config, flag):
             raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
     if config.recompute_granularity == "selective":
@@ -71,6 +61,22 @@ def check_supported(config: Any, registries: Any) -> None:
     registries.rollout_backends.get(config.rollout_backend)
     registries.train_backends.get(config.train_backend)
     registries.advantage_estimators.get(config.advantage_estimator)
+
+
+def check_single_process(config: Any) -> None:
+    """Placement flags a one-process run can honour."""
+    if config.actor_num_nodes != 1:
+        raise ValueError(f"--actor-num-nodes {config.actor_num_nodes}: several nodes are not supported yet")
+    if config.rollout_num_gpus_per_engine != 1:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
+            "tensor parallelism; use 1, or the sglang backend"
+        )
+    if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
+        raise ValueError(
+            f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "
+            "use --rollout-backend process or sglang for several engines"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -304,6 +310,10 @@ class Run:
 
 def run_training(config: Any, manager: Any) -> int:
     """Entry point of ``miles run`` (after the config is resolved)."""
+    from miles_host.distributed.launcher import run_distributed, wants_distributed
+
+    if wants_distributed(config):
+        return run_distributed(config, manager)
     run = Run(config, manager)
     try:
         return run.run()

@@ -45,6 +45,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("builtin-train", "miles_host.builtin.train"),
     ("builtin-weight-sync", "miles_host.builtin.weight_sync"),
     ("builtin-loggers", "miles_host.builtin.loggers"),
+    ("builtin-distributed", "miles_host.distributed.plugin"),
 )
 
 #: registry attribute name -> (registration hook, human-readable kind)

@@ -1,0 +1,154 @@
+"""Small helpers over raw process groups and pipes.
+
+Process groups are built directly from a ``TCPStore`` (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` on GPU), not through ``init_process_group``: a process can then
+sit in two groups (the trainers' data-parallel group and the weight-sync group with
+the rollout engines) and nothing global is left behind in the driver (tests run
+several launches in one pytest process)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_host.distributed.errors import WorkerFailed
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def new_group(address: str, port: int, rank: int, world: int, backend: str, timeout_s: float):
+    """Join (rank 0: host) a process group of ``world`` ranks; returns the group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA; use gloo on CPU")
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, options)
+
+
+def allreduce_sum_(group, tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ``group``."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    group.allreduce([tensor], options).wait()
+    return tensor
+
+
+def broadcast_(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    """In-place broadcast from ``root`` over ``group``."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait()
+    return tensor
+
+
+class WorkerHandle:
+    """The driver's end of one worker: its process and a request/reply pipe.
+
+    Every wait polls the pipe in short slices and checks that the process is still
+    alive, so a dead worker is reported at once and a hung one after ``timeout_s``."""
+
+    def __init__(self, name: str, process, conn, timeout_s: float):
+        self.name = name
+        self.process = process
+        self.conn = conn
+        self.timeout_s = timeout_s
+
+    def send(self, method: str, *args: Any) -> None:
+        self._check_alive()
+        try:
+            self.conn.send((method, args))
+        except (BrokenPipeError, ConnectionError, EOFError) as error:
+            raise WorkerFailed(self.name, f"(pid {self.process.pid}) is unreachable: {error}") from error
+
+    def recv(self, what: str = "a reply", timeout_s: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            try:
+                ready = self.conn.poll(0.05)
+            except (EOFError, OSError, ConnectionError):
+                ready = False
+                self._check_alive(grace=True)
+            if ready:
+                try:
+                    status, payload = self.conn.recv()
+                except (EOFError, ConnectionError, OSError) as error:
+                    self._check_alive(grace=True)
+                    raise WorkerFailed(self.name, f"(pid {self.process.pid}) closed its pipe: {error}") from error
+                if status == "error":
+                    raise WorkerFailed(self.name, f"raised an error:\n{payload}")
+                return payload
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerFailed(
+                    self.name,
+                    f"(pid {self.process.pid}) did not answer {what} within --worker-timeout {self.timeout_s:g} s (hung?)",
+                )
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        self.send(method, *args)
+        return self.recv(f"'{method}'", timeout_s)
+
+    def _check_alive(self, grace: bool = False) -> None:
+        if grace:
+            self.process.join(0.5)
+        if not self.process.is_alive():
+            code = self.process.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            raise WorkerFailed(self.name, f"(pid {self.process.pid}) {how}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop", ()))
+            except (BrokenPipeError, ConnectionError, EOFError, OSError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+
+
+def serve(conn, target: Any) -> None:
+    """Worker side: answer ``(method, args)`` requests on ``conn`` by calling
+    ``target.<method>(*args)`` until ``stop``; errors go back as text."""
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, ConnectionError, OSError):
+            return  # the driver went away
+        if method == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            result = getattr(target, method)(*args)
+            conn.send(("ok", result))
+        except Exception:  # noqa: BLE001 - reported to the driver, which stops the run
+            conn.send(("error", traceback.format_exc()))
+
+
+def rebuild_manager(config: Any):
+    """The plugin manager of a worker process: the driver's active plugins again."""
+    from miles_host.plugin_manager import MilesPluginManager
+
+    manager = MilesPluginManager()
+    manager.discover()
+    manager.activate(selected=list(config.plugins or []))
+    manager.registries
+    return manager

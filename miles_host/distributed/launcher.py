@@ -1,0 +1,272 @@
+"""``miles run`` beyond one process, on one node.
+
+``--actor-num-gpus-per-node N`` trainers (rank 0 in this process; on CPU a "GPU"
+is a process), ``--rollout-num-gpus M`` rollout engines of
+``--rollout-num-gpus-per-engine`` each (engines = M / per-engine), all started with
+``torch.multiprocessing`` spawn. The RL loop (:class:`miles_host.loop.Run`) runs in
+this process unchanged: it sees a :class:`TrainerGroup` as its trainer and a
+:class:`RolloutRouter` as its rollout backend.
+
+Faults: every wait on a worker checks that the process lives and gives up after
+``--worker-timeout`` seconds; the run then writes a checkpoint of the last
+completed rollout (``--save``), stops every worker and exits with code 3 and a
+message naming the worker.
+
+Ray (``--actor-num-nodes > 1``): not yet; see :func:`check_placement`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import torch
+
+from miles_host.distributed.comm import WorkerHandle, free_port
+from miles_host.distributed.errors import WorkerFailed
+
+DEFAULT_WORKER_TIMEOUT_S = 120.0
+#: exit code of a run stopped by a worker failure
+WORKER_FAILED_EXIT = 3
+
+
+def worker_timeout(config: Any) -> float:
+    return float(getattr(config, "worker_timeout", None) or DEFAULT_WORKER_TIMEOUT_S)
+
+
+def num_trainers(config: Any) -> int:
+    return int(config.actor_num_nodes) * int(config.actor_num_gpus_per_node)
+
+
+def num_engines(config: Any) -> int:
+    gpus = config.rollout_num_gpus or 0
+    return max(1, gpus // max(1, config.rollout_num_gpus_per_engine)) if gpus else 0
+
+
+def wants_distributed(config: Any) -> bool:
+    """True when the run needs more than this one process."""
+    return (
+        num_trainers(config) > 1
+        or (config.rollout_num_gpus or 0) > 1
+        or config.rollout_backend == "process"
+        or config.train_backend == "native_dp"
+    )
+
+
+def check_placement(config: Any) -> None:
+    """The placement flags this launcher can honour (raises ValueError otherwise)."""
+    if config.actor_num_nodes != 1:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            ray = None
+        raise ValueError(
+            f"--actor-num-nodes {config.actor_num_nodes}: placing workers across nodes with Ray placement groups is "
+            "not implemented yet" + ("" if ray is not None else " (and ray is not installed)")
+            + "; use one node (--actor-num-nodes 1) with --actor-num-gpus-per-node N"
+        )
+    if config.rollout_num_gpus_per_engine != 1:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
+            "tensor parallelism; use 1 (one engine per GPU) or the sglang backend"
+        )
+    if config.colocate or config.offload_train or config.offload_rollout:
+        raise ValueError("--colocate / --offload-train / --offload-rollout are not supported by the process launcher yet")
+    if torch.cuda.is_available() and str(config.device) != "cpu":
+        need = num_trainers(config) + num_engines(config)
+        if need > torch.cuda.device_count():
+            raise ValueError(
+                f"{num_trainers(config)} trainer(s) + {num_engines(config)} engine(s) need {need} GPUs, "
+                f"this node has {torch.cuda.device_count()}"
+            )
+
+
+def _threads(config: Any) -> int:
+    import os
+
+    return max(1, (os.cpu_count() or 1) // max(1, num_trainers(config) + num_engines(config)))
+
+
+#: workers started by this process and not stopped yet
+_LIVE: list[WorkerHandle] = []
+
+
+def _spawn(target, name: str, args: tuple, timeout_s: float):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
+    process.start()
+    child.close()
+    handle = WorkerHandle(name, process, parent, timeout_s)
+    _LIVE.append(handle)
+    return handle
+
+
+# -- registry factories ------------------------------------------------------------
+
+
+def make_trainer(config: Any, manager: Any):
+    """``--train-backend native_dp``: N data-parallel trainers (``--actor-num-gpus-per-node``)."""
+    from miles_host.distributed.dp_trainer import DataParallelTrainer
+    from miles_host.distributed.trainer_group import TrainerGroup, group_backend, trainer_main
+
+    world, timeout_s = num_trainers(config), worker_timeout(config)
+    if world == 1:
+        return DataParallelTrainer(config, manager)
+    port = free_port()
+    handles = []
+    try:
+        for rank in range(1, world):
+            # trainer_main(config, rank, world, port, conn, num_threads, timeout_s): conn goes last via _spawn
+            handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, port, _threads(config), timeout_s), timeout_s))
+        from miles_host.distributed.comm import new_group
+
+        group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s)
+        local = DataParallelTrainer(config, manager, group, 0, world)
+        for handle in handles:
+            handle.recv("its start-up")
+    except BaseException:
+        for handle in handles:
+            handle.stop(1)
+        raise
+    return TrainerGroup(local, handles)
+
+
+def _trainer_entry(config, rank, world, port, num_threads, timeout_s, conn):
+    from miles_host.distributed.trainer_group import trainer_main
+
+    trainer_main(config, rank, world, port, conn, num_threads, timeout_s)
+
+
+def _rollout_entry(config, index, num_threads, conn):
+    from miles_host.distributed.rollout_worker import rollout_main
+
+    rollout_main(config, index, conn, num_threads)
+
+
+def make_rollout(config: Any, manager: Any):
+    """``--rollout-backend process``: engines in their own processes behind a router."""
+    import copy
+
+    from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter
+
+    count, timeout_s = max(1, num_engines(config)), worker_timeout(config)
+    handles = []
+    try:
+        for index in range(count):
+            engine_config = copy.copy(config)
+            if torch.cuda.is_available() and str(config.device) != "cpu":
+                # disaggregated: engines on the GPUs after the trainers'
+                engine_config.device = f"cuda:{num_trainers(config) + index}"
+            handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s))
+        for handle in handles:
+            handle.recv("its start-up")
+    except BaseException:
+        for handle in handles:
+            handle.stop(1)
+        raise
+    return RolloutRouter([RolloutClient(handle) for handle in handles])
+
+
+# -- the run -------------------------------------------------------------------------
+
+
+def _stop_workers(run: Any = None) -> None:
+    """Stop every worker this process started (those of ``run`` and any left over
+    by a launch that failed half way)."""
+    while _LIVE:
+        handle = _LIVE.pop()
+        with contextlib.suppress(Exception):
+            handle.stop()
+
+
+def prepare(config: Any) -> None:
+    """The process defaults: engines in processes, data-parallel trainers, broadcast sync."""
+    if config.rollout_backend == "embedded":
+        config.rollout_backend = "process"
+    if config.train_backend == "native":
+        config.train_backend = "native_dp"
+    if config.weight_sync == "inprocess":
+        config.weight_sync = "broadcast"
+
+
+def make_run(config: Any, manager: Any):
+    """A :class:`miles_host.loop.Run` over processes (call ``stop_workers(run)`` after)."""
+    from miles_host.loop import Run
+
+    prepare(config)
+    run = Run(config, manager)
+    _track_trained(run)
+    return run
+
+
+def _track_trained(run: Any) -> None:
+    """``run._trained_unlogged``: the trainer moved past the last logged rollout
+    (a checkpoint written now would mix states)."""
+    run._trained_unlogged = False
+    train, log = run.trainer.train, run.log
+
+    def tracked_train(samples):
+        run._trained_unlogged = True
+        return train(samples)
+
+    def tracked_log(metrics, step):
+        log(metrics, step)
+        run._trained_unlogged = False
+
+    run.trainer.train, run.log = tracked_train, tracked_log
+
+
+def stop_workers(run: Any) -> None:
+    _stop_workers(run)
+
+
+def run_distributed(config: Any, manager: Any) -> int:
+    """``miles run`` with trainers and / or engines in other processes."""
+    from miles_host.loop import NanLossError
+
+    run = None
+    try:
+        run = make_run(config, manager)
+        return run.run()
+    except WorkerFailed as error:
+        message = f"miles: error: {error}; the run stopped"
+        if run is not None and config.save:
+            message += "; " + _final_checkpoint(run, config)
+        print(message, file=sys.stderr)
+        return WORKER_FAILED_EXIT
+    except NanLossError as error:
+        print(f"miles: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_workers(run)
+
+
+def _final_checkpoint(run: Any, config: Any) -> str:
+    """Write the checkpoint of the last completed rollout when the state is clean;
+    say where the newest usable checkpoint is."""
+    from pathlib import Path
+
+    from miles_host.checkpoint import LATEST
+
+    last = run_last_completed(run)
+    latest_file = Path(config.save) / LATEST
+    on_disk = int(latest_file.read_text().strip()) if latest_file.is_file() else -1
+    if last >= 0 and last > on_disk and not run._trained_unlogged:
+        try:
+            run.checkpoint(last)
+            return f"checkpoint of rollout {last} written to {config.save} (resume with --load {config.save})"
+        except Exception as error:  # noqa: BLE001
+            return f"writing the checkpoint of rollout {last} failed ({error})"
+    if on_disk >= 0:
+        return f"last checkpoint: rollout {on_disk} in {config.save} (resume with --load {config.save})"
+    return "no rollout had completed, no checkpoint written"
+
+
+def run_last_completed(run: Any) -> int:
+    """The last rollout whose step finished (its metrics were logged)."""
+    history = [m for m in run.state.history if m.get("rollout_id", -1) >= 0]
+    return int(history[-1]["rollout_id"]) if history else run.state.rollout_id - 1

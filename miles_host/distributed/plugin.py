@@ -1,0 +1,53 @@
+"""Built-in plugin ``builtin-distributed``: the multi-process pieces of the host —
+training backend ``native_dp`` (data parallel over processes), rollout backend
+``process`` (engines in their own processes) and weight-sync transports
+``broadcast`` and ``cuda_ipc``. ``miles run`` switches to them when a run needs
+more than one process (see :mod:`miles_host.distributed.launcher`)."""
+
+from __future__ import annotations
+
+from miles_host.records import RolloutBackend, TrainBackend, WeightSyncTransport
+
+
+def _dp(config, manager):
+    from miles_host.distributed.launcher import make_trainer
+
+    return make_trainer(config, manager)
+
+
+def _process(config, manager):
+    from miles_host.distributed.launcher import make_rollout
+
+    return make_rollout(config, manager)
+
+
+def _broadcast(config):
+    from miles_host.distributed.transports import BroadcastTransport
+
+    return BroadcastTransport(config)
+
+
+def _ipc(config):
+    from miles_host.distributed.transports import IpcTransport
+
+    return IpcTransport(config)
+
+
+def miles_register_train_backends():
+    """``native_dp``."""
+    return [TrainBackend(
+        "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)", factory=_dp,
+    )]
+
+
+def miles_register_rollout_backends():
+    """``process``."""
+    return [RolloutBackend("process", "embedded engines in their own processes (--rollout-num-gpus), RPC over pipes", factory=_process)]
+
+
+def miles_register_weight_sync_transports():
+    """``broadcast`` and ``cuda_ipc``."""
+    return [
+        WeightSyncTransport("broadcast", "bucketed torch.distributed broadcast (NCCL on GPU, gloo on CPU)", factory=_broadcast),
+        WeightSyncTransport("cuda_ipc", "CUDA IPC memory handles (shared memory on CPU)", factory=_ipc),
+    ]

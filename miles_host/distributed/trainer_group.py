@@ -1,0 +1,105 @@
+"""The driver's view of N data-parallel trainers: rank 0 in this process, ranks
+1..N-1 spawned, each a :class:`DataParallelTrainer`; one object with the
+trainer interface the loop uses (``train``, ``named_weights_for_rollout``,
+``state_dict``, ``load_state_dict``, ``consecutive_nan_steps``, ``model``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from miles_host.distributed.comm import WorkerHandle, free_port, new_group, rebuild_manager, serve
+from miles_host.distributed.errors import WorkerFailed
+
+
+def group_backend(config: Any) -> str:
+    return "nccl" if torch.cuda.is_available() and str(config.device) != "cpu" else "gloo"
+
+
+def device_for_rank(config: Any, rank: int) -> str:
+    """``cuda:<rank>`` on GPU (one trainer per GPU), else the configured device."""
+    if group_backend(config) == "nccl":
+        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    return config.device
+
+
+class _TrainerTarget:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def train(self, samples):
+        return self.trainer.train(samples)
+
+    def load_state_dict(self, state):
+        self.trainer.load_state_dict(state)
+        return True
+
+    def state_dict(self):
+        return self.trainer.state_dict()
+
+    def ping(self):
+        return os.getpid()
+
+
+def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_threads: int, timeout_s: float) -> None:
+    """Entry point of trainer rank ``rank`` (> 0)."""
+    import copy
+
+    from miles_host.distributed.dp_trainer import DataParallelTrainer
+    from miles_host.loop import seed_everything
+
+    torch.set_num_threads(num_threads)
+    seed_everything(config.seed)
+    try:
+        config = copy.copy(config)
+        config.device = device_for_rank(config, rank)
+        manager = rebuild_manager(config)
+        group = new_group("127.0.0.1", port, rank, world, group_backend(config), timeout_s)
+        trainer = DataParallelTrainer(config, manager, group, rank, world)
+    except Exception:  # noqa: BLE001
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", os.getpid()))
+    serve(conn, _TrainerTarget(trainer))
+
+
+class TrainerGroup:
+    """Rank 0 here, the other ranks behind pipes."""
+
+    def __init__(self, local, handles: list[WorkerHandle]):
+        self.local = local
+        self.handles = handles
+
+    def __getattr__(self, name: str) -> Any:  # model, config, consecutive_nan_steps, ...
+        return getattr(self.__dict__["local"], name)
+
+    def _check_workers(self) -> None:
+        for handle in self.handles:
+            handle._check_alive(grace=True)
+
+    def train(self, samples) -> dict[str, float]:
+        for handle in self.handles:
+            handle.send("train", samples)
+        try:
+            metrics = self.local.train(samples)
+        except RuntimeError as error:  # a peer vanished under a collective
+            self._check_workers()
+            raise WorkerFailed("trainer-0", f"failed in a collective: {error}") from error
+        for handle in self.handles:
+            handle.recv("'train'")
+        return metrics
+
+    def load_state_dict(self, state: dict) -> None:
+        for handle in self.handles:
+            handle.send("load_state_dict", state)
+        self.local.load_state_dict(state)
+        for handle in self.handles:
+            handle.recv("'load_state_dict'")
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            handle.stop()

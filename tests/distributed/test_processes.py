@@ -1,0 +1,105 @@
+"""Two trainer processes (gloo) + a rollout process against one process, on CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from miles_host.checkpoint import load_checkpoint
+from miles_host.distributed.rollout_worker import DIE_AFTER_ENV, HANG_AFTER_ENV, packed_log_probs
+from tests.distributed.conftest import base_args, read_metrics, resolve, run_launched, run_one_process
+
+TWO_TRAINERS = dict(actor_num_gpus_per_node=2, rollout_num_gpus=1)
+
+
+def _comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+
+
+def _model(directory) -> dict:
+    return load_checkpoint(str(directory))["trainer"]["model"]
+
+
+def test_two_trainers_and_a_rollout_process_match_one_process(tiny_task, tmp_path, signal_reward):
+    """2 rollouts x 2 optimizer steps (--global-batch-size 8 of 16 samples): metrics
+    and final weights of 2 gloo trainers + 1 engine process equal one process."""
+    from miles_host.models import load_pretrained
+
+    model, data = tiny_task
+    common = ("--num-rollout", "2", "--global-batch-size", "8", *signal_reward)
+    one = base_args(model, data, tmp_path / "one", *common, "--save", str(tmp_path / "c1"))
+    many = base_args(model, data, tmp_path / "many", *common, "--save", str(tmp_path / "c2"), "--weight-sync", "broadcast")
+    assert run_one_process(one) == 0
+    assert run_launched(many, worker_timeout=60, **TWO_TRAINERS) == 0
+    expected, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "many")
+    assert [m["rollout_id"] for m in got] == [0, 1]
+    for want, have in zip(expected, got):
+        want, have = _comparable(want), _comparable(have)
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
+    a, b = _model(tmp_path / "c1"), _model(tmp_path / "c2")
+    start = load_pretrained(str(model), dtype=torch.float32, device="cpu").state_dict()
+    assert any(not torch.equal(start[n], b[n]) for n in b)  # it trained
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "cuda_ipc", "disk"])
+def test_rollout_process_logprobs_equal_trainer_after_each_sync(tiny_task, tmp_path, transport, signal_reward):
+    from miles_host.distributed.launcher import make_run, stop_workers
+
+    model, data = tiny_task
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "2", "--weight-sync", transport, *signal_reward)
+    config, manager = resolve(argv, worker_timeout=60, **TWO_TRAINERS)
+    run = make_run(config, manager)
+    try:
+        initial = {n: t.clone() for n, t in run.trainer.model.state_dict().items()}
+        run.sync_weights(bump=False)
+        for rollout_id in range(2):
+            groups, _ = run.rollout.generate(rollout_id)
+            samples = [s for g in groups for s in g]
+            run.trainer.train(samples)
+            run.sync_weights()
+            for sample in samples[:3]:
+                start = len(sample.tokens) - sample.response_length
+                ids = torch.tensor(sample.tokens, dtype=torch.long)
+                trainer_lp = packed_log_probs(run.trainer.model, ids, start)
+                engine_lp = run.backend.log_probs(sample.tokens, start)
+                assert engine_lp == pytest.approx(trainer_lp, abs=1e-6)
+            assert run.backend.weight_version == rollout_id + 1
+        assert any(not torch.equal(initial[n], t) for n, t in run.trainer.model.state_dict().items())
+    finally:
+        stop_workers(run)
+
+
+def test_killing_the_rollout_process_stops_the_run_with_a_checkpoint(tiny_task, tmp_path, monkeypatch, capsys):
+    model, data = tiny_task
+    monkeypatch.setenv(DIE_AFTER_ENV, "2")  # SIGKILL at the first engine step of the second rollout
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"))
+    started = time.monotonic()
+    assert run_launched(argv, worker_timeout=20, **TWO_TRAINERS) == 3
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert "worker rollout-0" in err and "killed by signal 9" in err, err
+    assert "checkpoint of rollout 0" in err, err
+    state = load_checkpoint(str(tmp_path / "ckpt"))
+    assert state["rollout_id"] == 0
+    # usable: a one-process run resumes from it and finishes
+    monkeypatch.delenv(DIE_AFTER_ENV)
+    resume = base_args(model, data, tmp_path / "r", "--num-rollout", "2", "--load", str(tmp_path / "ckpt"))
+    assert run_one_process(resume) == 0
+    assert [m["rollout_id"] for m in read_metrics(tmp_path / "r")] == [1]
+
+
+def test_a_hung_rollout_process_is_reported_after_the_timeout(tiny_task, tmp_path, monkeypatch, capsys):
+    model, data = tiny_task
+    monkeypatch.setenv(HANG_AFTER_ENV, "1")  # hangs at its first step
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "1")
+    started = time.monotonic()
+    assert run_launched(argv, worker_timeout=3, rollout_num_gpus=1) == 3
+    assert time.monotonic() - started < 45
+    err = capsys.readouterr().err
+    assert "worker rollout-0" in err and "--worker-timeout 3" in err, err
