@@ -158,3 +158,35 @@ def test_unknown_hook_name_in_r3_would_be_caught():
     assert manager.plugins["r3"].status == "active"
     with pytest.raises(PluginError):
         manager.add_inline_plugin(object(), "r3")
+
+
+def test_replay_survives_activation_recomputation(moe_task, tmp_path):
+    """With --recompute-granularity full every MoE layer runs twice in training
+    (forward, then recompute in backward): both passes use the rollout's experts."""
+    model, data = moe_task
+    run, samples, metrics, observer = _run(model, data, tmp_path / "recompute", "--plugins", "r3",
+                                           "--recompute-granularity", "full")
+    moe_layers = [i for i, m in enumerate(run.trainer.model.config.moe_layers) if m]
+    train_passes = [(layer, ids) for phase, layer, ids in observer.used if phase == "train"]
+    per_sample = 2 * len(moe_layers)  # forward + recompute (in reverse layer order)
+    assert len(train_passes) == per_sample * len(samples)
+    for index, sample in enumerate(samples):
+        rollout = torch.from_numpy(sample.rollout_routed_experts.astype(np.int64)).sort(dim=-1).values
+        passes = train_passes[index * per_sample:(index + 1) * per_sample]
+        assert sorted(layer for layer, _ in passes) == sorted(moe_layers * 2)
+        for layer, ids in passes:
+            assert torch.equal(ids[:-1].sort(dim=-1).values, rollout[:, moe_layers.index(layer)])
+
+
+def test_partial_rollout_keeps_the_routes_of_earlier_tokens():
+    from miles_host.rollout_manager import merge_routed_experts
+
+    sample = Sample(tokens=[1, 2, 3, 4, 5], response_length=2)
+    first = np.array([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]])  # 5 tokens -> 4 rows
+    merge_routed_experts(sample, first)
+    sample.tokens += [6, 7]
+    # the continuation re-prefills the old tokens (possibly routed differently under new weights)
+    second = np.array([[[7, 7]]] * 4 + [[[1, 2]], [[3, 4]]])
+    merge_routed_experts(sample, second)
+    assert sample.rollout_routed_experts.tolist() == first.tolist() + [[[1, 2]], [[3, 4]]]
+    assert sample.rollout_routed_experts.dtype == np.uint8
