@@ -318,8 +318,11 @@ class NativeTrainer:
             loss_sum += float(loss.detach()) * share
             for key, value in micro_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) * share
+        return self._clip_and_step({f"train/{key}": value for key, value in metrics.items()}, loss_sum)
+
+    def _clip_and_step(self, out: dict[str, float], loss_sum: float) -> dict[str, float]:
+        """Clip gradients and step, or skip the step (and count it) on a NaN/Inf loss or norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
-        out = {f"train/{key}": value for key, value in metrics.items()}
         out["train/loss"] = loss_sum
         out["train/grad_norm"] = float(grad_norm)
         if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):

@@ -183,16 +183,4 @@ class DataParallelTrainer(NativeTrainer):
         self._allreduce_grads()
         keys = self._agree_on_keys(sorted(sums), source)
         reduced = self._allreduce_floats([loss_sum, *[sums.get(k, 0.0) for k in keys]])
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
-        out = {f"train/{key}": value for key, value in zip(keys, reduced[1:])}
-        out["train/loss"] = reduced[0]
-        out["train/grad_norm"] = float(grad_norm)
-        if not (math.isfinite(reduced[0]) and math.isfinite(float(grad_norm))):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.consecutive_nan_steps += 1
-            out["train/nan_step_skipped"] = 1.0
-            return out
-        self.consecutive_nan_steps = 0
-        self.optimizer.step()
-        self.scheduler.step()
-        return out
+        return self._clip_and_step({f"train/{key}": value for key, value in zip(keys, reduced[1:])}, reduced[0])

@@ -111,7 +111,7 @@ def _spawn(target, name: str, args: tuple, timeout_s: float):
 def make_trainer(config: Any, manager: Any):
     """``--train-backend native_dp``: N data-parallel trainers (``--actor-num-gpus-per-node``)."""
     from miles_host.distributed.dp_trainer import DataParallelTrainer
-    from miles_host.distributed.trainer_group import TrainerGroup, group_backend, trainer_main
+    from miles_host.distributed.trainer_group import TrainerGroup, group_backend
 
     world, timeout_s = num_trainers(config), worker_timeout(config)
     if world == 1:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from miles_host.distributed.comm import WorkerHandle, free_port, new_group, rebuild_manager, serve
+from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager, serve
 from miles_host.distributed.errors import WorkerFailed
 
 

@@ -230,7 +230,7 @@ class SGLangRolloutBackend:
         if not isinstance(logprobs, list) or len(logprobs) != len(output_ids) or not all(
             isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (int, float)) for entry in logprobs
         ):
-            raise bad("meta_info.output_token_logprobs", f"does not hold one [logprob, token_id, text] per output token")
+            raise bad("meta_info.output_token_logprobs", "does not hold one [logprob, token_id, text] per output token")
         if reason["type"] == "abort" and aborted_by_us:
             reason = {"type": "abort", "message": "aborted"}  # our abort: the sample continues later
         routes = meta.get("routed_experts")

@@ -115,6 +115,35 @@ def moe_layer_flags(hf: Mapping[str, Any], num_layers: int, *, num_experts: int)
     return [i >= first_dense and i not in only_mlp and (i + 1) % step == 0 for i in range(num_layers)]
 
 
+def sigmoid_group_moe(
+    hf: Mapping[str, Any], fields: dict[str, Any], *, first_k_dense_default: int, scaling_default: float
+) -> MoEConfig:
+    """DeepSeek-V3-style routing (GLM-4-MoE shares it): sigmoid scores, group-limited
+    top-k, expert-score bias, shared experts, fp32 router. Also fills
+    ``fields["moe_layers"]`` and ``fields["num_mtp_layers"]``."""
+    num_experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
+    fields["moe_layers"] = moe_layer_flags(
+        {"first_k_dense_replace": hf.get("first_k_dense_replace", first_k_dense_default)},
+        fields["num_layers"],
+        num_experts=num_experts,
+    )
+    fields["num_mtp_layers"] = int(hf.get("num_nextn_predict_layers", 0) or 0)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        score_func="sigmoid",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", scaling_default)),
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        expert_bias=True,
+        shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+        router_fp32=True,
+        norm_eps=1e-20,
+    )
+
+
 def build(fields: dict[str, Any], moe: MoEConfig | None = None) -> ModelConfig:
     """Construct the native config, turning dataclass validation into clear errors."""
     try:

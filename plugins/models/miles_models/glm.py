@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from miles_host.models.config import ModelConfig, MoEConfig
+from miles_host.models.config import ModelConfig
 
-from miles_models._config import base_fields, build, moe_layer_flags, rope_config
+from miles_models._config import base_fields, build, rope_config, sigmoid_group_moe
 from miles_models._family import model_family
 from miles_models._weights import MTPWeightMap, WeightMap, common_rules, gqa_rules, mlp_rules, moe_rules, norm_rules
 
@@ -33,25 +33,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         return build(fields)
     if hf.get("use_qk_norm", False):
         fields["qk_norm"] = "head"
-    num_experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
-    fields["moe_layers"] = moe_layer_flags(
-        {"first_k_dense_replace": hf.get("first_k_dense_replace", 1)}, fields["num_layers"], num_experts=num_experts
-    )
-    fields["num_mtp_layers"] = int(hf.get("num_nextn_predict_layers", 0) or 0)
-    moe = MoEConfig(
-        num_experts=num_experts,
-        top_k=hf["num_experts_per_tok"],
-        intermediate_size=hf["moe_intermediate_size"],
-        score_func="sigmoid",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=hf.get("n_group") or 1,
-        topk_group=hf.get("topk_group") or 1,
-        expert_bias=True,
-        shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
-        router_fp32=True,
-        norm_eps=1e-20,
-    )
+    moe = sigmoid_group_moe(hf, fields, first_k_dense_default=1, scaling_default=1.0)
     return build(fields, moe)
 
 
