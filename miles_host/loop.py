@@ -36,8 +36,17 @@ def check_supported(config: Any, registries: Any) -> None:
     """Stop early, with a clear message, on flags this installation cannot honour."""
     if config.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
+    if not (Path(config.hf_checkpoint) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--hf-checkpoint {config.hf_checkpoint}: no config.json there; give a local HF-format model "
+            "directory (models are not downloaded from a hub)"
+        )
     if config.prompt_data is None:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+    if not Path(config.prompt_data).is_file():
+        raise FileNotFoundError(f"prompt data file {config.prompt_data} does not exist")
+    if not (config.rm_type or config.custom_rm_path or config.rm_url):
+        raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
     from miles_host.distributed.launcher import check_placement, wants_distributed
 
     if wants_distributed(config):

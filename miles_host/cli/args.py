@@ -156,8 +156,19 @@ def resolve_run_config(
     config = MilesConfig(**core, plugins=feature_plugins, plugin_args=plugin_args)
     manager.hook.miles_configure(config=config)
     validate_config(config)
-    manager.registries  # builds every registry now: duplicate names fail before any work
+    check_registry_names(config, manager.registries)  # builds every registry: duplicates fail here too
     return config, args
+
+
+def check_registry_names(config: MilesConfig, registries) -> None:
+    """Names the config picks from registries must exist (typos fail in --dry-run too)."""
+    registries.advantage_estimators.get(config.advantage_estimator)
+    registries.precisions.get(config.precision)
+    registries.weight_sync_transports.get(config.weight_sync)
+    registries.rollout_backends.get(config.rollout_backend)
+    registries.train_backends.get(config.train_backend)
+    if config.rm_type is not None:
+        registries.reward_functions.get(config.rm_type)
 
 
 def config_report(config: MilesConfig, manager: MilesPluginManager) -> str:

@@ -111,3 +111,25 @@ def test_train_py_forwards_to_miles_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["config"]["rollout_batch_size"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--advantage-estimator", "grpoo"], "unknown advantage estimator 'grpoo'"),
+        (["--rm-type", "mth"], "unknown reward function 'mth'"),
+        (["--weight-sync", "carrier-pigeon"], "unknown weight-sync transport"),
+    ],
+)
+def test_registry_typos_fail_in_dry_run(argv, message, capsys):
+    assert main(["run", *argv, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_directory_is_named_before_any_work(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input": "1+1="}\n')
+    assert main(["run", "--hf-checkpoint", str(tmp_path / "nope"), "--prompt-data", str(data),
+                 "--rm-type", "exact", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -98,9 +98,9 @@ def test_miles_plugins_environment_variable_selects(run_miles):
 
 
 def test_disable_builtin_with_p_no(run_miles):
-    result = run_miles("run", "-p", "no:builtin-rewards", "--dry-run")
+    result = run_miles("run", "-p", "no:builtin-loggers", "--dry-run")
     names = [p["name"] for p in dry_run_config(result)["active_plugins"]]
-    assert "builtin-rewards" not in names and "builtin-precision" in names
+    assert "builtin-loggers" not in names and "builtin-precision" in names
 
 
 def test_flag_of_inactive_plugin_is_not_silently_ignored(run_miles):
