@@ -26,6 +26,7 @@ class ClusterArgs:
     offload_train: bool = flag(False, "offload training state during rollout", group="cluster")
     offload_rollout: bool = flag(False, "offload the rollout engine during training", group="cluster")
     device: str = flag("auto", "device for the embedded engine and trainer: auto, cpu, cuda", type=str, group="cluster")
+    use_ray: bool = flag(False, "place trainer and rollout workers as Ray actors (a local cluster, or RAY_ADDRESS); implied by --actor-num-nodes > 1", group="cluster")
     worker_timeout: float = flag(120.0, "seconds a worker process may stay silent before the run stops (multi-process runs)", type=float, group="cluster")
 
 

@@ -122,6 +122,9 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        release = getattr(self.process, "release", None)  # Ray actors outlive their entry point
+        if release is not None:
+            release()
         self.conn.close()
 
 

@@ -47,7 +47,8 @@ def num_engines(config: Any) -> int:
 def wants_distributed(config: Any) -> bool:
     """True when the run needs more than this one process."""
     return (
-        num_trainers(config) > 1
+        uses_ray(config)
+        or num_trainers(config) > 1
         or (config.rollout_num_gpus or 0) > 1
         or config.rollout_backend == "process"
         or config.train_backend == "native_dp"
@@ -56,16 +57,13 @@ def wants_distributed(config: Any) -> bool:
 
 def check_placement(config: Any) -> None:
     """The placement flags this launcher can honour (raises ValueError otherwise)."""
-    if config.actor_num_nodes != 1:
+    if uses_ray(config):
         try:
             import ray  # noqa: F401
         except ImportError:
-            ray = None
-        raise ValueError(
-            f"--actor-num-nodes {config.actor_num_nodes}: placing workers across nodes with Ray placement groups is "
-            "not implemented yet" + ("" if ray is not None else " (and ray is not installed)")
-            + "; use one node (--actor-num-nodes 1) with --actor-num-gpus-per-node N"
-        )
+            raise ValueError(
+                "--use-ray / --actor-num-nodes > 1 place workers with Ray placement groups: pip install ray"
+            ) from None
     if config.rollout_num_gpus_per_engine != 1:
         raise ValueError(
             f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
@@ -92,14 +90,24 @@ def _threads(config: Any) -> int:
 _LIVE: list[WorkerHandle] = []
 
 
-def _spawn(target, name: str, args: tuple, timeout_s: float):
-    import torch.multiprocessing as mp
+def uses_ray(config: Any) -> bool:
+    """Workers as Ray actors: ``--use-ray`` or more than one node."""
+    return bool(getattr(config, "use_ray", False)) or config.actor_num_nodes > 1
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
-    process.start()
-    child.close()
+
+def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None, index: int = 0):
+    if config is not None and uses_ray(config):
+        from miles_host.distributed.ray_workers import spawn_ray
+
+        process, parent = spawn_ray(target, name, args, timeout_s, config, index)
+    else:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
+        process.start()
+        child.close()
     handle = WorkerHandle(name, process, parent, timeout_s)
     _LIVE.append(handle)
     return handle
@@ -121,7 +129,8 @@ def make_trainer(config: Any, manager: Any):
     try:
         for rank in range(1, world):
             # trainer_main(config, rank, world, port, conn, num_threads, timeout_s): conn goes last via _spawn
-            handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, port, _threads(config), timeout_s), timeout_s))
+            handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, port, _threads(config), timeout_s),
+                                  timeout_s, config, rank - 1))
         from miles_host.distributed.comm import new_group
 
         group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s)
@@ -161,7 +170,8 @@ def make_rollout(config: Any, manager: Any):
             if torch.cuda.is_available() and str(config.device) != "cpu":
                 # disaggregated: engines on the GPUs after the trainers'
                 engine_config.device = f"cuda:{num_trainers(config) + index}"
-            handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s))
+            handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s,
+                                  config, num_trainers(config) - 1 + index))
         for handle in handles:
             handle.recv("its start-up")
     except BaseException:
@@ -181,6 +191,10 @@ def _stop_workers(run: Any = None) -> None:
         handle = _LIVE.pop()
         with contextlib.suppress(Exception):
             handle.stop()
+    import sys
+
+    if "miles_host.distributed.ray_workers" in sys.modules:
+        sys.modules["miles_host.distributed.ray_workers"].shutdown()
 
 
 def prepare(config: Any) -> None:

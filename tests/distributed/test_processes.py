@@ -103,3 +103,19 @@ def test_a_hung_rollout_process_is_reported_after_the_timeout(tiny_task, tmp_pat
     assert time.monotonic() - started < 45
     err = capsys.readouterr().err
     assert "worker rollout-0" in err and "--worker-timeout 3" in err, err
+
+
+def test_two_trainers_and_a_rollout_as_ray_actors_match_one_process(tiny_task, tmp_path, signal_reward):
+    """The same run with the workers placed by Ray (a local cluster, placement group)."""
+    pytest.importorskip("ray")
+    model, data = tiny_task
+    common = ("--num-rollout", "2", "--global-batch-size", "8", *signal_reward)
+    one = base_args(model, data, tmp_path / "one", *common)
+    many = base_args(model, data, tmp_path / "ray", *common, "--weight-sync", "broadcast", "--use-ray")
+    assert run_one_process(one) == 0
+    assert run_launched(many, worker_timeout=120, **TWO_TRAINERS) == 0
+    for want, have in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ray")):
+        want, have = _comparable(want), _comparable(have)
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
