@@ -260,13 +260,21 @@ class Run:
         if config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
-        self.manager.hook.miles_step_end(rollout_id=rollout_id, metrics=metrics, config=config)
+        failed = self.manager.call_isolated("miles_step_end", rollout_id=rollout_id, metrics=metrics, config=config)
+        if failed:
+            metrics["plugins/step_end_failures"] = len(failed)
         return metrics
 
     def log(self, metrics: dict, step: int) -> None:
+        """Record the step's metrics; a logger that fails is warned about and dropped
+        (metrics.jsonl of the jsonl logger is the record of last resort)."""
         self.state.history.append(metrics)
-        for logger in self.loggers:
-            logger.log(metrics, step)
+        for logger in list(self.loggers):
+            try:
+                logger.log(metrics, step)
+            except Exception as error:  # noqa: BLE001 - a logger never takes the run down
+                print(f"miles: warning: logger {type(logger).__name__} failed and is disabled: {error}", file=sys.stderr)
+                self.loggers.remove(logger)
 
     # -- the loop -----------------------------------------------------------------
 

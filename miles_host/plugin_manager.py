@@ -327,6 +327,21 @@ class MilesPluginManager:
                 )
         self.pm.check_pending()
 
+    def call_isolated(self, hook_name: str, **kwargs: Any) -> list[str]:
+        """Call every implementation of an observer hook (return values ignored) so
+        that one plugin raising does not stop the others or the run: the error is
+        warned with the plugin's name and distribution. Returns the failing plugins."""
+        failed = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            try:
+                impl.function(**{name: kwargs[name] for name in impl.argnames})
+            except Exception as error:  # noqa: BLE001 - isolate the plugin
+                info = self.plugins.get(impl.plugin_name)
+                where = f"{impl.plugin_name!r} ({info.distribution if info else '?'})"
+                warnings.warn(f"plugin {where} failed in {hook_name}: {type(error).__name__}: {error}", stacklevel=2)
+                failed.append(impl.plugin_name)
+        return failed
+
     def active_names(self) -> list[str]:
         """Names of the registered plugins, built-ins first."""
         return [name for name, info in self.plugins.items() if info.status == "active"]

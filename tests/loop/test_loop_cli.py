@@ -311,3 +311,41 @@ def test_a_prompt_too_long_for_the_context_fails_alone(tiny_task, tmp_path):
     failed = [d for d in dumped if d["status"] == "failed"]
     assert failed and all("rollout:" in d["metadata"]["failure"] for d in failed)
     assert any(d["status"] != "failed" for d in dumped)
+
+
+def test_a_failing_plugin_hook_or_logger_does_not_stop_the_run(tiny_task, tmp_path):
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.loop import Run
+    from miles_host.plugin_manager import MilesPluginManager
+
+    class Broken:
+        @staticmethod
+        def miles_step_end(rollout_id, metrics, config):
+            raise RuntimeError("metrics service down")
+
+    class Good:
+        @staticmethod
+        def miles_step_end(rollout_id, metrics, config):
+            metrics["good/seen"] = rollout_id
+
+    class ExplodingLogger:
+        def log(self, metrics, step):
+            raise OSError("disk full")
+
+        def close(self):
+            pass
+
+    model, data = tiny_task
+    manager = MilesPluginManager()
+    manager.discover()
+    manager.add_inline_plugin(Broken(), "broken-metrics")
+    manager.add_inline_plugin(Good(), "good-metrics")
+    config, _ = resolve_run_config(base_args(model, data, tmp_path / "o", "--num-rollout", "2")[1:], manager)
+    run = Run(config, manager)
+    run.loggers.append(ExplodingLogger())
+    with pytest.warns(UserWarning, match="broken-metrics"):
+        assert run.run() == 0
+    rows = read_metrics(tmp_path / "o")
+    assert [r["good/seen"] for r in rows] == [0, 1]
+    assert all(r["plugins/step_end_failures"] == 1 for r in rows)
+    assert not any(isinstance(logger, ExplodingLogger) for logger in run.loggers)
