@@ -223,6 +223,8 @@ class RolloutManager:
 
     def _absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
         key = (output["meta_info"]["id"], output["meta_info"].get("index", 0))
+        if key not in in_flight:  # not ours (e.g. a request of an earlier, aborted rollout)
+            return
         group, position = in_flight.pop(key)
         sample = group[position]
         self.apply_output(sample, output)

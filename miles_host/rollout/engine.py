@@ -105,6 +105,7 @@ class Engine:
             self.scheduler.num_lookahead_tokens = self.strategy.num_lookahead_tokens
         self._requests: dict[str, _Request] = {}
         self._paused = False
+        self._ready_outputs: list[dict[str, Any]] = []  # finished at submission, returned by step()
         self._driver: asyncio.Task | None = None
         self._rid_counter = itertools.count()
         logger.info(
@@ -220,8 +221,8 @@ class Engine:
         request = _Request(rid, samples, return_logprob, return_routed_experts, outputs=[None] * params.n)
         self._requests[rid] = request
         if params.max_new_tokens == 0:
-            for seq in samples:
-                self._finish(seq, {"type": "length", "length": 0})
+            # nothing to generate: the outputs come back from the next step(), like any other
+            self._ready_outputs.extend(self._finish(seq, {"type": "length", "length": 0}) for seq in samples)
         else:
             self.scheduler.add(parent)
         return request
@@ -254,15 +255,16 @@ class Engine:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine or use stop_token_ids")
 
     def has_unfinished(self) -> bool:
-        """True while some request still has samples to generate."""
-        return self.scheduler.has_work()
+        """True while some request still has samples to generate (or outputs to hand back)."""
+        return bool(self._ready_outputs) or self.scheduler.has_work()
 
     def step(self) -> list[dict[str, Any]]:
         """Run one scheduler step; return the outputs of samples that finished in it."""
+        finished: list[dict[str, Any]] = self._ready_outputs
+        self._ready_outputs = []
         if self._paused or not self.scheduler.has_work():
-            return []
+            return finished
         batch = self.scheduler.schedule()
-        finished: list[dict[str, Any]] = []
         if batch is None:
             return finished
         for seq in batch.failed:
@@ -472,6 +474,8 @@ class Engine:
                 slots.append(self._rejected(r, prompt, params, error))
         while any(isinstance(s, _Request) and not s.done for s in slots):
             self.step()
+        mine = {s.rid for s in slots if isinstance(s, _Request)}
+        self._ready_outputs = [o for o in self._ready_outputs if o["meta_info"]["id"] not in mine]
         return [o for s in slots for o in (s.outputs if isinstance(s, _Request) else s)]
 
     def _rejected(self, rid, prompt, params, error: ValueError) -> list[dict[str, Any]]:
@@ -515,6 +519,7 @@ class Engine:
         except ValueError as error:
             return self._rejected(rid, prompt, params, error)
         if request.done:
+            self._ready_outputs = [o for o in self._ready_outputs if o["meta_info"]["id"] != request.rid]
             return request.outputs
         request.future = asyncio.get_running_loop().create_future()
         if self._driver is None or self._driver.done():

@@ -138,3 +138,21 @@ def test_routed_experts_are_returned_per_token_and_layer(qwen3_moe):
         assert torch.equal(torch.as_tensor(routes).long().sort(-1).values, reference.sort(-1).values)
     plain = engine.generate(prompts, GREEDY)
     assert "routed_experts" not in plain[0]["meta_info"]
+
+
+def test_zero_new_tokens_comes_back_from_step(qwen3_dense):
+    """max_new_tokens=0 (prompt only, as SGLang allows) is answered by the next step()."""
+    from tests.rollout.conftest import load
+    from miles_host.rollout import Engine
+
+    _, path = qwen3_dense
+    engine = Engine(load(str(path)), kv_cache_tokens=256)
+    engine.add_request("empty", [3, 4, 5], {"max_new_tokens": 0})
+    assert engine.has_unfinished()
+    outputs = engine.step()
+    assert [o["meta_info"]["id"] for o in outputs] == ["empty"]
+    assert outputs[0]["output_ids"] == [] and outputs[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert not engine.has_unfinished() and engine.step() == []
+    # generate() keeps its own zero-token results to itself
+    assert engine.generate([[3, 4]], {"max_new_tokens": 0})[0]["output_ids"] == []
+    assert engine.step() == []
