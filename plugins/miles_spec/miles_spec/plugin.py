@@ -29,6 +29,11 @@ def miles_configure(config):
     algorithm = (config.sglang_speculative_algorithm or "").lower()
     if not algorithm:
         return
+    if config.true_on_policy:
+        raise ValueError(
+            "--true-on-policy with --sglang-speculative-algorithm is not supported yet: the draft/verify "
+            "passes do not use the batch-invariant per-token path; drop one of the two"
+        )
     if algorithm not in ALGORITHMS:
         return  # the loop reports an unknown decoding strategy with the known names
     if config.sglang_speculative_num_steps is None:

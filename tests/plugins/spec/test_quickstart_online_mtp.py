@@ -24,3 +24,8 @@ def test_mean_accepted_length_rises_over_the_quickstart(tmp_path):
     assert last > first + 0.15, (first, last)
     accuracy = [r["eval/addition/accuracy"] for r in rows if "eval/addition/accuracy" in r]
     assert accuracy[-1] >= 0.8  # speculation does not change what the policy learns
+
+
+def test_speculation_and_true_on_policy_together_are_refused(capsys):
+    assert main(["run", "--sglang-speculative-algorithm", "EAGLE", "--true-on-policy", "--dry-run"]) == 2
+    assert "not supported yet" in capsys.readouterr().err
