@@ -8,6 +8,8 @@ from the scores at those ids, so the router keeps its gradient under replay.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -92,27 +94,43 @@ class Experts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.act = activation(act)
 
+    def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
+        """One expert's gated MLP on its tokens."""
+        gate, up = F.linear(x_e, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj[expert])
+
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids_TK.shape
-        flat_ids = ids_TK.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        x_sorted = x_TH[token_of]
-        w_sorted = weights_TK.reshape(-1)[order]
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            x_e = x_sorted[start : start + count]
-            gate, up = F.linear(x_e, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y_e = F.linear(self.act(gate) * up, self.down_proj[expert])
-            outputs.append(y_e * w_sorted[start : start + count, None])
-            start += count
-        y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
-        y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
-        y_TH.index_add_(0, token_of, y_sorted)
-        return y_TH.to(x_TH.dtype)
+        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+
+
+def routed_forward(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    expert_mlp: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """Dispatch tokens to their experts, run ``expert_mlp(x_e, expert)`` on each
+    expert's tokens, and combine with the gate weights. Precision plugins reuse it
+    with their own per-expert MLP (FP8, INT4), so the routing stays one code path."""
+    num_tokens, top_k = ids_TK.shape
+    flat_ids = ids_TK.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    x_sorted = x_TH[token_of]
+    w_sorted = weights_TK.reshape(-1)[order]
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        y_e = expert_mlp(x_sorted[start : start + count], expert)
+        outputs.append(y_e * w_sorted[start : start + count, None])
+        start += count
+    y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
+    y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
+    y_TH.index_add_(0, token_of, y_sorted)
+    return y_TH.to(x_TH.dtype)
 
 
 class MoE(torch.nn.Module):

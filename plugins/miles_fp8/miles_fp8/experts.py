@@ -11,38 +11,11 @@ Tensor legend: T tokens, H hidden, I expert intermediate, E experts, K experts p
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from miles_host.models.mlp import Experts
+from miles_host.models.mlp import Experts, routed_forward
 from miles_fp8.linear import _Fp8Buffers, fp8_inference_linear, fp8_linear
 from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, quantize_weight
-
-
-def routed_forward(
-    x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
-    expert_mlp: Callable[[torch.Tensor, int], torch.Tensor],
-) -> torch.Tensor:
-    """The host ``Experts.forward`` loop with ``expert_mlp(x_e, expert)`` as each expert's MLP."""
-    num_tokens, top_k = ids_TK.shape
-    flat_ids = ids_TK.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    x_sorted = x_TH[token_of]
-    w_sorted = weights_TK.reshape(-1)[order]
-    outputs, start = [], 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        y_e = expert_mlp(x_sorted[start : start + count], expert)
-        outputs.append(y_e * w_sorted[start : start + count, None])
-        start += count
-    y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
-    y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
-    y_TH.index_add_(0, token_of, y_sorted)
-    return y_TH.to(x_TH.dtype)
 
 
 def check_experts(experts: Experts, name: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from miles_host.models.mlp import Experts
+from miles_host.models.mlp import Experts, routed_forward
 from miles_int4.kernels import PackedInt4, int4_mm, kernel_supports, pack_for_kernel
 from miles_int4.quant import check_groupable, compress, dequantize_packed, pack_int32, quantize, unpack_int32
 from miles_int4.settings import int4_settings
@@ -137,26 +137,12 @@ class Int4Experts(_Int4Weights):
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         cache = self._kernels(x_TH.dtype) if self.use_kernel else {}
-        num_tokens, top_k = ids_TK.shape
-        flat_ids = ids_TK.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        x_sorted = x_TH[token_of]
-        w_sorted = weights_TK.reshape(-1)[order]
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            x_e = x_sorted[start : start + count]
+
+        def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:
             gate, up = self._expert_linear(x_e, "gate_up_proj", expert, cache).chunk(2, dim=-1)
-            y_e = self._expert_linear(self.act(gate) * up, "down_proj", expert, cache)
-            outputs.append(y_e * w_sorted[start : start + count, None])
-            start += count
-        y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
-        y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
-        y_TH.index_add_(0, token_of, y_sorted)
-        return y_TH.to(x_TH.dtype)
+            return self._expert_linear(self.act(gate) * up, "down_proj", expert, cache)
+
+        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, expert_mlp)
 
     def extra_repr(self) -> str:
         kernel = "packed" if self.use_kernel else "dequant"
