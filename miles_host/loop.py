@@ -152,6 +152,7 @@ class Run:
         self.loggers = [record.factory(config) for record in registries.loggers if record.enabled(config)]
         self.state = RunState()
         self.total = num_rollouts(config, self.dataset)
+        self.training_started = False
 
     # -- pieces of a step --------------------------------------------------------
 
@@ -163,16 +164,20 @@ class Run:
         self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, self.state.weight_version)
         return time.perf_counter() - start
 
-    def checkpoint(self, rollout_id: int) -> None:
-        """Write a resumable checkpoint (``--save``) and HF weights (``--save-hf``)."""
+    def checkpoint(self, rollout_id: int, positions: dict | None = None) -> None:
+        """Write a resumable checkpoint (``--save``) and HF weights (``--save-hf``).
+
+        ``positions`` (data and rollout-buffer state) overrides the current ones: an
+        interrupted step saves where that step began, so its prompts are not skipped."""
+        positions = positions or {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
         if self.config.save:
             save_checkpoint(
                 self.config.save,
                 rollout_id,
                 {
                     "trainer": self.trainer.state_dict(),
-                    "rollout": self.rollout.state_dict(),
-                    "data": self.dataset.state_dict(),
+                    "rollout": positions["rollout"],
+                    "data": positions["data"],
                     "history": self.state.history,
                     "weight_version": self.state.weight_version,
                 },
@@ -228,6 +233,7 @@ class Run:
         if config.dump_rollouts:
             self.dump(rollout_id, samples)
         train_start = time.perf_counter()
+        self.training_started = True
         train_metrics = self.trainer.train(samples)
         train_time = time.perf_counter() - train_start
         train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
@@ -290,16 +296,27 @@ class Run:
         progress = Progress(self.total, start=self.state.rollout_id, enabled=not config.no_progress)
         rollout_id = self.state.rollout_id
         try:
+            last_logged = self.state.rollout_id - 1
+            step_start = None
             for rollout_id in range(self.state.rollout_id, self.total):
+                step_start = {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
+                self.training_started = False
                 metrics = self.step(rollout_id)
                 self.log(metrics, rollout_id)
+                last_logged = rollout_id
                 progress.update(rollout_id + 1, metrics.get("rollout/reward_mean"))
                 if config.save_interval and (rollout_id + 1) % config.save_interval == 0:
                     self.checkpoint(rollout_id)
         except KeyboardInterrupt:
             progress.close()
             if config.save:
-                self.checkpoint(rollout_id - 1)  # the last completed rollout
+                if last_logged == rollout_id:
+                    self.checkpoint(rollout_id)
+                else:  # mid-step: resume at the step's first prompt, not after the prompts it consumed
+                    self.checkpoint(rollout_id - 1, step_start)
+                    if self.training_started:
+                        print("miles: warning: interrupted during training: the saved weights include part "
+                              f"of rollout {rollout_id}'s update, which a resumed run repeats", file=sys.stderr)
                 print(f"miles: interrupted; checkpoint written to {config.save}", file=sys.stderr)
             raise
         progress.close()
