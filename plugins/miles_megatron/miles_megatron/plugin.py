@@ -1,7 +1,9 @@
 """miles-megatron (entry point ``megatron``): Megatron-Core as the training backend.
 
 Chosen with ``--train-backend megatron`` (which also activates the plugin).
-Weight maps (:mod:`miles_megatron.weights`) are pure functions tested on CPU;
+Weight maps and the ``TransformerConfig``/``GPTModel`` arguments
+(:mod:`miles_megatron.weights`) are tested on CPU against a real Megatron-Core
+``GPTModel`` (same logits as the native model for Qwen3, Llama and Qwen3-MoE);
 the backend itself needs CUDA and megatron-core (Python >= 3.12), and says so
 clearly when either is missing. The training loop on Megatron-Core (TP/PP/EP,
 RouterReplay for R3, MTP) is issue [12/13] and not written yet.

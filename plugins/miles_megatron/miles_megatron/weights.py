@@ -174,6 +174,12 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         (config.final_logit_softcap is not None, "final logit soft-capping (Gemma-2)"),
         (config.sandwich_norm, "post-attention/post-MLP norms (Gemma, GLM-4): need a custom layer spec"),
         ("sliding_attention" in config.layer_types, "sliding-window layers"),
+        (config.rope.rope_type != "default", f"rope scaling {config.rope.rope_type!r}"),
+        (config.rope.interleaved or config.rope.rotary_dim != config.head_dim, "interleaved or partial rotary"),
+        (config.mla is not None, "multi-head latent attention (needs Megatron's MLA spec)"),
+        (config.qk_norm == "full", "q/k norm over all heads (MiniMax-M2)"),
+        (config.o_bias or config.mlp_bias, "output-projection or MLP biases"),
+        (config.norm_unit_offset or config.embed_scale is not None, "Gemma's (1+w) norms / embedding scale"),
     ]
     problems = [what for bad, what in unsupported if bad]
     if problems:
@@ -188,11 +194,18 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.rms_norm_eps,
         "gated_linear_unit": True,
+        "activation_func": _activation(config.hidden_act),
         "add_bias_linear": False,
         "add_qkv_bias": config.qkv_bias,
         "qk_layernorm": config.qk_norm == "head",
     }
     if config.moe is not None:
+        moe = config.moe
+        if moe.score_func != "softmax" or not moe.norm_topk_prob or moe.n_group != 1 or moe.shared_intermediate_size:
+            raise ValueError(
+                "the megatron backend maps softmax top-k routing with normalised weights and no shared experts "
+                "(Qwen3-MoE) for now; use --train-backend native for this model"
+            )
         kwargs.update(
             num_moe_experts=config.moe.num_experts,
             moe_router_topk=config.moe.top_k,
@@ -200,6 +213,24 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
             moe_enable_routing_replay=True,
         )
     return kwargs
+
+
+def gpt_model_kwargs(config: Any) -> dict[str, Any]:
+    """Megatron-Core ``GPTModel`` arguments besides the ``TransformerConfig``."""
+    return {
+        "vocab_size": config.vocab_size,
+        "max_sequence_length": int(config.hf_config.get("max_position_embeddings", 4096)),
+        "position_embedding_type": "rope",
+        "rotary_base": int(config.rope.theta),
+        "share_embeddings_and_output_weights": bool(config.tie_word_embeddings),
+    }
+
+
+def _activation(name: str):
+    import torch.nn.functional as F
+
+    functions = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+    return functions[name]
 
 
 ConvertFn = Callable[[Mapping[str, torch.Tensor], Any], Tensors]

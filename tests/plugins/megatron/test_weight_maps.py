@@ -72,8 +72,18 @@ def test_unknown_weight_is_named():
 
 def test_transformer_config_refuses_what_megatron_cannot_express(native_model):
     config = native_model.config
-    if config.attn_logit_softcap or config.sandwich_norm or "sliding_attention" in config.layer_types:
-        with pytest.raises(ValueError, match="does not support"):
+    unsupported = (
+        config.attn_logit_softcap is not None or config.sandwich_norm or "sliding_attention" in config.layer_types
+        or config.rope.rope_type != "default" or config.rope.interleaved or config.rope.rotary_dim != config.head_dim
+        or config.mla is not None or config.qk_norm == "full" or config.o_bias or config.mlp_bias
+        or config.norm_unit_offset or config.embed_scale is not None
+    )
+    moe_unsupported = config.moe is not None and (
+        config.moe.score_func != "softmax" or not config.moe.norm_topk_prob or config.moe.n_group != 1
+        or config.moe.shared_intermediate_size
+    )
+    if unsupported or moe_unsupported:
+        with pytest.raises(ValueError, match="does not support|use --train-backend native"):
             megatron_transformer_config_kwargs(config)
     else:
         kwargs = megatron_transformer_config_kwargs(config)
