@@ -299,6 +299,10 @@ class NativeTrainer:
                 step_metrics.update(self._critic_step(chunk, values, returns))
             for key, value in step_metrics.items():
                 metrics.setdefault(key, []).append(value)
+        return self._rollout_metrics(samples, metrics)
+
+    def _rollout_metrics(self, samples: list[Sample], metrics: dict[str, list[float]]) -> dict[str, float]:
+        """Mean of each metric over the rollout's optimizer steps (and drop the batch indices)."""
         for sample in samples:
             sample.metadata.pop("_train_index", None)
         out = {key: sum(values) / len(values) for key, values in metrics.items()}

@@ -143,11 +143,7 @@ class DataParallelTrainer(NativeTrainer):
             step_metrics = self._optimizer_step_dp(local, chunk, old, ref, advantages, source)
             for key, value in step_metrics.items():
                 metrics.setdefault(key, []).append(value)
-        for sample in samples:
-            sample.metadata.pop("_train_index", None)
-        out = {key: sum(values) / len(values) for key, values in metrics.items()}
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        return self._rollout_metrics(samples, metrics)
 
     @staticmethod
     def _fill(values: list, samples) -> list[torch.Tensor]:

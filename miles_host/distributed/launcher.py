@@ -135,13 +135,26 @@ def make_trainer(config: Any, manager: Any):
 
         group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s)
         local = DataParallelTrainer(config, manager, group, 0, world)
+    except BaseException:
+        _stop_all(handles)
+        raise
+    _await_startup(handles)
+    return TrainerGroup(local, handles)
+
+
+def _stop_all(handles: list) -> None:
+    for handle in handles:
+        handle.stop(1)
+
+
+def _await_startup(handles: list) -> None:
+    """Wait for every worker's start-up answer; stop them all if one fails."""
+    try:
         for handle in handles:
             handle.recv("its start-up")
     except BaseException:
-        for handle in handles:
-            handle.stop(1)
+        _stop_all(handles)
         raise
-    return TrainerGroup(local, handles)
 
 
 def _trainer_entry(config, rank, world, port, num_threads, timeout_s, conn):
@@ -172,12 +185,10 @@ def make_rollout(config: Any, manager: Any):
                 engine_config.device = f"cuda:{num_trainers(config) + index}"
             handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s,
                                   config, num_trainers(config) - 1 + index))
-        for handle in handles:
-            handle.recv("its start-up")
     except BaseException:
-        for handle in handles:
-            handle.stop(1)
+        _stop_all(handles)
         raise
+    _await_startup(handles)
     return RolloutRouter([RolloutClient(handle) for handle in handles])
 
 

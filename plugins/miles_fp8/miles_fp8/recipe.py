@@ -126,34 +126,29 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def prepare_train_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
-    """Swap eligible linears / experts of the training model for FP8-GEMM ones (master weights kept)."""
+def _prepare(model: torch.nn.Module, config: Any, side: str, linear_class, experts_class) -> torch.nn.Module:
+    """Swap eligible linears / experts of ``model`` for ``linear_class`` / ``experts_class``."""
     recipe = Fp8Recipe.from_config(config)
     check_fp8_device(_model_device(model))
     p2 = recipe.power_of_two_scales
     fp8_names, kept = _swap_modules(
         model,
-        lambda linear, path: Fp8Linear.from_linear(linear, p2, path),
-        lambda experts, path: Fp8Experts.from_experts(experts, p2, path),
+        lambda linear, path: linear_class.from_linear(linear, p2, path),
+        lambda experts, path: experts_class.from_experts(experts, p2, path),
     )
-    _check_consistent(model, fp8_names, "train")
-    _log("train", fp8_names, kept)
+    _check_consistent(model, fp8_names, side)
+    _log(side, fp8_names, kept)
     return model
+
+
+def prepare_train_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """Swap eligible linears / experts of the training model for FP8-GEMM ones (master weights kept)."""
+    return _prepare(model, config, "train", Fp8Linear, Fp8Experts)
 
 
 def prepare_rollout_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """Swap eligible linears / experts of the rollout model for FP8-weight inference ones."""
-    recipe = Fp8Recipe.from_config(config)
-    check_fp8_device(_model_device(model))
-    p2 = recipe.power_of_two_scales
-    fp8_names, kept = _swap_modules(
-        model,
-        lambda linear, path: Fp8InferenceLinear.from_linear(linear, p2, path),
-        lambda experts, path: Fp8InferenceExperts.from_experts(experts, p2, path),
-    )
-    _check_consistent(model, fp8_names, "rollout")
-    _log("rollout", fp8_names, kept)
-    return model
+    return _prepare(model, config, "rollout", Fp8InferenceLinear, Fp8InferenceExperts)
 
 
 @torch.no_grad()

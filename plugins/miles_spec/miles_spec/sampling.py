@@ -17,39 +17,22 @@ Tensor legend: B sequences, K draft tokens, J = K + 1 verified positions, V voca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from miles_host.rollout.sampler import exponential_noise, truncation_mask
+from miles_host.rollout.sampler import SamplingBatch, exponential_noise, truncation_mask
 from miles_host.rollout.sampling_params import SamplingParams
 
 
-@dataclass
-class RowSettings:
-    """Per-sequence sampling settings on device."""
-
-    temperature_B: torch.Tensor
-    greedy_B: torch.Tensor
-    top_k_B: torch.Tensor | None
-    top_p_B: torch.Tensor | None
-    min_p_B: torch.Tensor | None
-    generators: list[torch.Generator | None]
+class RowSettings(SamplingBatch):
+    """Per-sequence sampling settings on device: the host sampler's, so speculative
+    acceptance truncates exactly as plain sampling does."""
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators, device) -> "RowSettings":
-        def to_device(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
-
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        return cls(
-            temperature_B=to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32),
-            greedy_B=to_device([p.greedy for p in params], torch.bool),
-            top_k_B=to_device(top_k, torch.long) if any(top_k) else None,
-            top_p_B=to_device([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
-            min_p_B=to_device([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
-            generators=list(generators),
-        )
+        batch = SamplingBatch.build(params, list(generators), [[] for _ in params], device)
+        return cls(**{f.name: getattr(batch, f.name) for f in fields(SamplingBatch)})
 
 
 def distributions(
