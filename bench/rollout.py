@@ -111,12 +111,12 @@ def profile_case(fn, engine, device: str) -> None:
     runner = engine.runner
     if runner.graphs and device == "cuda":
         for size in (64, 256):
-            if size not in runner.graphs:
+            if (size, False) not in runner.graphs.graphs:
                 continue
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             for _ in range(20):
-                runner.graphs[size].replay()
+                runner.graphs.graphs[(size, False)].replay()
             end.record()
             sync(device)
             print(f"decode graph replay, batch {size} (context 1): {begin.elapsed_time(end) / 20:.3f} ms")

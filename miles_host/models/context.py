@@ -67,8 +67,13 @@ class ForwardContext:
     the batch, the packing or whether it is forwarded in a prefill, a decode step
     or a training pass (``--true-on-policy``). The attention context must then be
     a :class:`PackedAttention` or provide ``attend_token``.
+
+    ``fused_kernels``: inference only (no autograd), on CUDA: the residual add
+    and norms, q/k norm + rotary and SiLU-mul run as the Triton kernels of
+    :mod:`miles_host.kernels` (the rollout engine's default on a GPU).
     """
 
     attention: AttentionContext
     routing: RoutingContext = field(default_factory=RoutingContext)
     batch_invariant: bool = False
+    fused_kernels: bool = False

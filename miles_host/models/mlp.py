@@ -38,10 +38,19 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = torch.nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         gate_TI, up_TI = self.gate_up_proj(x_TH).chunk(2, dim=-1)
         return self.down_proj(self.act(gate_TI) * up_TI)
+
+    def forward_fused(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Inference forward with the fused SiLU-mul kernel (other activations: eager)."""
+        if self.act_name != "silu":
+            return self.forward(x_TH)
+        from miles_host.kernels.activation import silu_and_mul
+
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x_TH)))
 
 
 class Router(torch.nn.Module):
@@ -114,6 +123,8 @@ def routed_forward(
     expert's tokens, and combine with the gate weights. Precision plugins reuse it
     with their own per-expert MLP (FP8, INT4), so the routing stays one code path."""
     num_tokens, top_k = ids_TK.shape
+    if x_TH.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp)
     flat_ids = ids_TK.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
@@ -130,6 +141,18 @@ def routed_forward(
     y_sorted = torch.cat(outputs, dim=0) if outputs else x_sorted.new_zeros(0, x_TH.shape[1])
     y_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=y_sorted.dtype, device=x_TH.device)
     y_TH.index_add_(0, token_of, y_sorted)
+    return y_TH.to(x_TH.dtype)
+
+
+def _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp) -> torch.Tensor:
+    """The CUDA-graph form of :func:`routed_forward` (no host sync, static shapes): every
+    expert runs on every token and its output is weighted by the token's gate weight
+    for it (zero when not chosen). Each expert's weights are read once, as a decode
+    step reads them anyway; the extra FLOPs are cheap at decode batch sizes."""
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    for expert in range(num_experts):
+        gate_T = (weights_TK * (ids_TK == expert)).sum(dim=-1)
+        y_TH += (expert_mlp(x_TH, expert) * gate_T[:, None].to(x_TH.dtype)).float()
     return y_TH.to(x_TH.dtype)
 
 

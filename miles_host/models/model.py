@@ -53,6 +53,40 @@ class DecoderLayer(torch.nn.Module):
             h_TH = self.post_mlp_norm(h_TH)
         return x_TH + h_TH
 
+    def forward_fused(
+        self, h_TH: torch.Tensor, residual_TH: torch.Tensor | None, rope_cos_sin, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference form of :meth:`forward` over the residual stream (``ctx.fused_kernels``).
+
+        Takes the previous layer's output ``h`` and the residual it has not added
+        yet (None before the first layer: ``h`` is the embedding); returns the
+        same pair. The residual add is fused into each norm; numerics are the
+        eager forward's up to the norms' reduction order.
+        """
+        from miles_host.kernels.rmsnorm import rmsnorm
+
+        norm = self.attn_norm
+        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
+        if residual_TH is None:
+            residual_TH = h_TH
+        if isinstance(self.attn, GQAAttention):
+            h_TH = self.attn.forward_fused(x_TH, rope_cos_sin, ctx.attention)
+        else:
+            h_TH = self.attn(x_TH, rope_cos_sin, ctx.attention)
+        if self.post_attn_norm is not None:
+            h_TH = self.post_attn_norm(h_TH)
+        norm = self.mlp_norm
+        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
+        if isinstance(self.mlp, MoE):
+            h_TH = self.mlp(x_TH, ctx.routing)
+        elif isinstance(self.mlp, GatedMLP):
+            h_TH = self.mlp.forward_fused(x_TH)
+        else:
+            h_TH = self.mlp(x_TH)
+        if self.post_mlp_norm is not None:
+            h_TH = self.post_mlp_norm(h_TH)
+        return h_TH, residual_TH
+
 
 class MTPLayer(DecoderLayer):
     """A DeepSeek multi-token-prediction layer (weights load and save; no forward yet).
@@ -129,6 +163,8 @@ class CausalLM(torch.nn.Module):
             return batch_invariant.forward_hidden(self, input_ids_T, positions_T, ctx)
         x_TH = self.embed(input_ids_T)
         tables = self._rope_tables(positions_T, x_TH.dtype)
+        if ctx.fused_kernels:
+            return self._forward_hidden_fused(x_TH, tables, ctx)
         for i, layer in enumerate(self.layers):
             cos_sin = tables[id(self.config.rope_of(i))]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -136,6 +172,16 @@ class CausalLM(torch.nn.Module):
             else:
                 x_TH = layer(x_TH, cos_sin, ctx)
         return self.norm(x_TH)
+
+    def _forward_hidden_fused(self, x_TH: torch.Tensor, tables: dict, ctx: ForwardContext) -> torch.Tensor:
+        from miles_host.kernels.rmsnorm import rmsnorm
+
+        h_TH, residual_TH = x_TH, None
+        for i, layer in enumerate(self.layers):
+            h_TH, residual_TH = layer.forward_fused(h_TH, residual_TH, tables[id(self.config.rope_of(i))], ctx)
+        if residual_TH is None:  # no layers
+            return self.norm(h_TH)
+        return rmsnorm(h_TH, self.norm.weight, self.norm.eps, self.norm.unit_offset, residual_TH)[0]
 
     def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """``[T, V]`` logits in the model dtype (final soft-capping applied)."""

@@ -10,6 +10,16 @@ from __future__ import annotations
 import torch
 
 
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """The norm in plain PyTorch (also the reference of the fused kernel)."""
+    dtype = x.dtype
+    x_fp32 = x.float()
+    x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x_fp32 * (1.0 + weight.float())).to(dtype)
+    return weight * x_fp32.to(dtype)
+
+
 class RMSNorm(torch.nn.Module):
     """Root-mean-square norm over the last dim."""
 
@@ -20,12 +30,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x_fp32 = x.float()
-        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (x_fp32 * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x_fp32.to(dtype)
+        return rms_norm_eager(x, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"

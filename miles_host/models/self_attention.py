@@ -58,6 +58,30 @@ class GQAAttention(torch.nn.Module):
         )
         return self.o_proj(y_TND.reshape(num_tokens, -1))
 
+    def forward_fused(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
+        """Inference forward with q/k norm and rotary in one kernel (:mod:`miles_host.kernels.rotary`)."""
+        from miles_host.kernels.rotary import qk_norm_rope
+
+        num_tokens = x_TH.shape[0]
+        q, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        head_norm = self.qk_norm == "head"
+        cos, sin = rope_cos_sin
+        q_TND, k_TND = qk_norm_rope(
+            q, k, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+            q_weight=self.q_norm.weight if head_norm else None,
+            k_weight=self.k_norm.weight if head_norm else None,
+            eps=self.q_norm.eps if head_norm else 0.0,
+            unit_offset=self.q_norm.unit_offset if head_norm else False,
+            interleaved=self.rope_interleaved,
+        )
+        y_TND = attention.attend(
+            self.layer_index, q_TND, k_TND, v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+        )
+        return self.o_proj(y_TND.reshape(num_tokens, -1))
+
     def layout(self) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing."""
         return self.num_kv_heads, self.head_dim, self.head_dim, self.sliding_window

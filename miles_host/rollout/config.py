@@ -22,6 +22,9 @@ class EngineConfig:
     still runs alone). ``batch_invariant``: results of a request independent of
     the batch (each sequence is forwarded and sampled alone; no cross-request
     prefix cache; no CUDA graphs). ``enforce_eager``: no CUDA graphs.
+    ``fused_kernels``: the Triton norm/rotary/activation kernels of
+    :mod:`miles_host.kernels` in every forward (default: on CUDA with triton,
+    off in batch-invariant mode).
     """
 
     device: torch.device
@@ -38,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "torch"
+    fused_kernels: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static < 1:
@@ -53,6 +57,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r} needs a CUDA device; use 'torch' on CPU")
         if self.attention_backend == "flash_attn" and self.block_size % 256:
             raise ValueError("flash-attn's paged kernel needs block_size to be a multiple of 256")
+        from miles_host.kernels import fused_kernels_usable
+
+        if self.fused_kernels is None:
+            self.fused_kernels = fused_kernels_usable(self.device) and not self.batch_invariant
+        elif self.fused_kernels and not fused_kernels_usable(self.device):
+            raise ValueError("fused_kernels=True needs a CUDA device and triton; leave it unset to choose automatically")
 
     @property
     def use_cuda_graph(self) -> bool:

@@ -20,6 +20,7 @@ the other requests run normally.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import uuid
@@ -96,6 +97,7 @@ class Engine:
             model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
             batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
+            fused_kernels=cfg.fused_kernels,
         )
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         #: None: one policy forward per token (plain). Else a plugin's strategy runs the decode steps.
@@ -108,6 +110,12 @@ class Engine:
         self._ready_outputs: list[dict[str, Any]] = []  # finished at submission, returned by step()
         self._driver: asyncio.Task | None = None
         self._rid_counter = itertools.count()
+        if self.device.type == "cuda":
+            # Move the objects alive now (model, tokenizer, the caller's heap) out of the
+            # collector's reach: full collections over them stalled decode steps (SGLang
+            # freezes its scheduler's heap likewise). Reference counting still frees them.
+            gc.collect()
+            gc.freeze()
         logger.info(
             "rollout engine: %d KV blocks x %d tokens (%.2f GiB), attention=%s, cuda_graphs=%s",
             num_blocks - 1, cfg.block_size, self.kv_cache.num_bytes / 2**30, cfg.attention_backend,
@@ -332,7 +340,8 @@ class Engine:
             if not captured:
                 continue
             layers = sorted(captured)
-            stacked_TLK = torch.stack([captured[layer].to(torch.int32) for layer in layers], dim=1)
+            # one device-to-host copy per step; sequences keep CPU slices
+            stacked_TLK = torch.stack([captured[layer].to(torch.int32) for layer in layers], dim=1).cpu()
             for j, index in enumerate(group):
                 seq = batch.sequences[index]
                 if seq.want_routed_experts:

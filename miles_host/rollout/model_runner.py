@@ -1,7 +1,6 @@
 """Runs one scheduled batch through the model: inputs, forward, logits, sampling.
 
-Decode batches on CUDA replay CUDA graphs captured for a ladder of batch sizes
-(padded rows write to the reserved block 0). In batch-invariant mode every
+Decode batches on CUDA replay the CUDA graphs of :mod:`.cuda_graphs`. In batch-invariant mode every
 sequence is forwarded and sampled on its own, so nothing about a request's
 numerics depends on its neighbours.
 
@@ -19,6 +18,7 @@ import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
+from miles_host.rollout.cuda_graphs import DecodeGraphs
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.sampler import SamplingBatch, sample
 from miles_host.rollout.scheduler import ScheduledBatch
@@ -104,6 +104,7 @@ class ModelRunner:
         max_model_len: int,
         batch_invariant: bool = False,
         use_cuda_graph: bool = False,
+        fused_kernels: bool = False,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -111,18 +112,22 @@ class ModelRunner:
         self.device = device
         self.attention_backend = attention_backend
         self.batch_invariant = batch_invariant
+        self.fused_kernels = fused_kernels and not batch_invariant
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_sizes: list[int] = []
+        #: the captured decode graphs (None: decode runs eagerly)
+        self.graphs: DecodeGraphs | None = None
         self.prefill_forwards = 0
         if use_cuda_graph:
             try:
-                self._capture_decode_graphs()
+                self.graphs = DecodeGraphs(
+                    model, kv_cache, device=device, attention_backend=attention_backend,
+                    max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
+                    fused_kernels=self.fused_kernels,
+                )
             except Exception as error:  # noqa: BLE001 - fall back to eager, say why
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", error)
-                self.graphs.clear()
-                self.graph_sizes = []
+                self.graphs = None
 
     # ------------------------------------------------------------------ inputs
 
@@ -150,17 +155,22 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens
         and the hidden states of every forwarded token ``[T, hidden]``."""
+        if is_decode and self.graphs is not None and not self.batch_invariant:
+            if self.graphs.padded_size(len(seqs)) is not None:
+                hidden_BH, captured = self.graphs.replay(seqs, capture_routes=bool(routing.extra.get("capture")))
+                routing.captured.update(captured)
+                return hidden_BH, list(range(len(seqs) + 1)), hidden_BH
         input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
         if not is_decode:
             self.prefill_forwards += 1
-        graph_size = self._graph_size(len(seqs)) if is_decode and not routing.extra.get("capture") else None
         if self.batch_invariant:
             hidden_TH = self._invariant_forward(seqs, num_new, input_ids, positions, routing)
-        elif graph_size is not None:
-            hidden_TH = self._replay(graph_size, input_ids, positions, meta)[: len(seqs)]
         else:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
-            hidden_TH = self.model.forward_hidden(input_ids, positions, ForwardContext(attention=attention, routing=routing))
+            context = ForwardContext(attention=attention, routing=routing, fused_kernels=self.fused_kernels)
+            hidden_TH = self.model.forward_hidden(input_ids, positions, context)
+        if is_decode:
+            return hidden_TH, meta.cu_seqlens_q_host, hidden_TH
         last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
         return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH
 
@@ -236,73 +246,3 @@ class ModelRunner:
 
         hidden_1H = hidden_BH.index_select(0, index.to(hidden_BH.device))
         return sampled_token_log_prob(self.model, hidden_1H, token, sampler.params.temperature)
-
-    # ------------------------------------------------------------------ CUDA graphs
-
-    def _graph_size(self, batch_size: int) -> int | None:
-        for size in self.graph_sizes:
-            if size >= batch_size:
-                return size
-        return None
-
-    def _capture_decode_graphs(self) -> None:
-        max_bs = self.max_num_seqs
-        dev = self.device
-        self.graph_sizes = sorted({s for s in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if s <= max_bs} | {max_bs})
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slots": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "cu_seqlens": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "tile_seq": torch.arange(max_bs, dtype=torch.int32, device=dev),
-        }
-        self.graph_outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        for size in reversed(self.graph_sizes):
-            meta = self._static_metadata(size)
-            attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
-            context = ForwardContext(attention=attention, routing=RoutingContext(phase="rollout"))
-            ids, pos = self.static["input_ids"][:size], self.static["positions"][:size]
-            self.model.forward_hidden(ids, pos, context)  # warm-up (Triton compilation, allocator)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_outputs[size] = self.model.forward_hidden(ids, pos, context)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[size] = graph
-            torch.cuda.synchronize()
-        self.graph_sizes = sorted(self.graphs)
-
-    def _static_metadata(self, size: int) -> AttentionMetadata:
-        s = self.static
-        return AttentionMetadata(
-            slot_mapping_T=s["slots"][:size],
-            cu_seqlens_q=s["cu_seqlens"][: size + 1],
-            context_lens_B=s["context_lens"][:size],
-            block_tables_BM=s["block_tables"][:size],
-            max_q_len=1,
-            max_context_len=self.max_blocks_per_seq * self.block_size,
-            is_decode=True,
-            tile_seq=s["tile_seq"][:size],
-            tile_q_start=s["cu_seqlens"][:size],
-        )
-
-    def _replay(self, size: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        s = self.static
-        n = input_ids.shape[0]
-        s["input_ids"][:n].copy_(input_ids)
-        s["positions"][:n].copy_(positions)
-        s["slots"][:n].copy_(meta.slot_mapping_T)
-        s["context_lens"][:n].copy_(meta.context_lens_B)
-        width = meta.block_tables_BM.shape[1]
-        s["block_tables"][:n, :width].copy_(meta.block_tables_BM)
-        if size > n:  # padded rows: write to the reserved block 0, attend to one slot
-            s["input_ids"][n:size].zero_()
-            s["positions"][n:size].zero_()
-            s["slots"][n:size].zero_()
-            s["context_lens"][n:size].fill_(1)
-            s["block_tables"][n:size, 0].zero_()
-        self.graphs[size].replay()
-        return self.graph_outputs[size]

@@ -141,7 +141,7 @@ def test_fp8_linear_on_gpu_matches_cpu_emulation():
         with torch.no_grad():
             module.weight.copy_(linear.weight)
             module.bias.copy_(linear.bias)
-        x_d = x.to(device).requires_grad_(True)
+        x_d = x.detach().clone().to(device).requires_grad_(True)
         y = module(x_d)
         (y * dy.to(device)).sum().backward()
         results.append((y.detach().cpu(), x_d.grad.cpu(), module.weight.grad.cpu()))

@@ -1,0 +1,25 @@
+"""Fused inference kernels (Triton) for the engine's decode and prefill forwards.
+
+Each kernel has a plain-PyTorch reference that runs anywhere and is the
+oracle of its GPU test (``tests/models/test_fused_kernels.py``). The fused
+kernels reproduce the eager modules' bf16 rounding steps, so they differ
+from the eager forward only in the order of the RMS reduction.
+They carry no autograd: the trainer keeps the eager (or compiled) modules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_kernels_usable(device: torch.device) -> bool:
+    """Whether the Triton fused kernels can run on ``device``."""
+    return device.type == "cuda" and torch.cuda.is_available() and triton_importable()

@@ -1,0 +1,48 @@
+"""Triton body of :mod:`miles_host.kernels.rmsnorm` (imported only on CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, R, W, Out, ResOut,
+    stride_x, stride_r, stride_o, stride_ro,
+    H, eps,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        y = xf * rstd * (1.0 + w)
+    else:
+        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x_TH, weight_H, eps, unit_offset, residual_TH=None):
+    num_rows, hidden = x_TH.shape
+    out = torch.empty((num_rows, hidden), dtype=x_TH.dtype, device=x_TH.device)
+    res_out = torch.empty_like(out) if residual_TH is not None else None
+    if num_rows:
+        residual = residual_TH if residual_TH is not None else x_TH
+        _rmsnorm_kernel[(num_rows,)](
+            x_TH, residual, weight_H, out, res_out if res_out is not None else out,
+            x_TH.stride(0), residual.stride(0), out.stride(0), out.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual_TH is not None, UNIT_OFFSET=unit_offset,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8,
+        )
+    return out, res_out

@@ -1,0 +1,180 @@
+"""CUDA graphs of the decode forward, and their inputs staged in one host-to-device copy.
+
+A graph is captured per padded batch size of a ladder (1, 2, 4, 8, 16, 32, ...),
+once without and, on first use, once with MoE route capture (R3): the captured
+expert ids are then outputs of the graph. Every step writes the token ids,
+positions, cache slots and context lengths of the batch, plus the block-table
+entries that changed since the previous step, into one pinned int64 staging
+vector and copies it to the device with a single ``copy_``; the graph reads
+its inputs from that device vector. Padded rows write to the reserved block 0
+and attend to one slot.
+
+Block tables live on the device, one row per batch position. A row is
+rewritten only when the sequence in that position changed (its table is
+another list object) and otherwise gets its new entries plus its last entry
+(the one a copy-on-write can replace), so a steady decode batch sends a few
+numbers per step instead of the whole table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_host.models.context import ForwardContext, RoutingContext
+from miles_host.rollout.attention import AttentionMetadata, PagedAttention
+from miles_host.rollout.kv_cache import PagedKVCache
+from miles_host.rollout.sequence import Sequence
+
+IDS, POSITIONS, SLOTS, CONTEXT = range(4)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes graphs are captured for."""
+    ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({s for s in ladder if s <= max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Captured decode graphs over a model and a paged KV cache (see the module doc)."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: PagedKVCache, *, device: torch.device, attention_backend: str,
+        max_num_seqs: int, max_blocks_per_seq: int, fused_kernels: bool,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.attention_backend = attention_backend
+        self.fused_kernels = fused_kernels
+        self.max_bs = max_num_seqs
+        self.max_blocks = max_blocks_per_seq
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        bs = self.max_bs
+        # [4 * max_bs] fixed fields, then up to max_bs * max_blocks (flat index, block) pairs
+        capacity = 4 * bs + 2 * bs * self.max_blocks
+        self.host = torch.zeros(capacity, dtype=torch.long, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.staged = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(bs, self.max_blocks, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        self.tile_seq = torch.arange(bs, dtype=torch.int32, device=device)
+        self._row_tables: list[list[int] | None] = [None] * bs
+        self._row_written: list[int] = [0] * bs
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self.pool = None
+        self.num_replays = 0
+        for size in reversed(self.sizes):
+            self._capture(size, capture_routes=False)
+
+    # ------------------------------------------------------------------ capture
+
+    def _field(self, index: int, size: int) -> torch.Tensor:
+        start = index * self.max_bs
+        return self.staged[start:start + size]
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping_T=self._field(SLOTS, size),
+            cu_seqlens_q=self.cu_seqlens[: size + 1],
+            context_lens_B=self.context_lens[:size],
+            block_tables_BM=self.block_tables[:size],
+            max_q_len=1,
+            max_context_len=self.max_blocks * self.block_size,
+            is_decode=True,
+            tile_seq=self.tile_seq[:size],
+            tile_q_start=self.cu_seqlens[:size],
+        )
+
+    def _graph_body(self, size: int, capture_routes: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        self.context_lens[:size].copy_(self._field(CONTEXT, size))
+        routing = RoutingContext(phase="rollout")
+        routing.extra["capture"] = capture_routes
+        context = ForwardContext(
+            attention=PagedAttention(self.kv_cache, self._metadata(size), self.attention_backend),
+            routing=routing, fused_kernels=self.fused_kernels,
+        )
+        hidden = self.model.forward_hidden(self._field(IDS, size), self._field(POSITIONS, size), context)
+        return hidden, dict(routing.captured)
+
+    def _capture(self, size: int, capture_routes: bool) -> None:
+        self.host_np[: 4 * self.max_bs] = 0
+        self.host_np[CONTEXT * self.max_bs:(CONTEXT + 1) * self.max_bs] = 1
+        self.staged[: 4 * self.max_bs].copy_(self.host[: 4 * self.max_bs])
+        self._graph_body(size, capture_routes)  # warm-up: Triton compilation, allocator
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            self.outputs[(size, capture_routes)] = self._graph_body(size, capture_routes)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(size, capture_routes)] = graph
+        torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ replay
+
+    def padded_size(self, batch_size: int) -> int | None:
+        for size in self.sizes:
+            if size >= batch_size:
+                return size
+        return None
+
+    def _stage(self, seqs: list[Sequence], size: int) -> int:
+        """Write the step's inputs into the pinned staging vector; return how many numbers to copy."""
+        host, bs, block_size = self.host_np, self.max_bs, self.block_size
+        n = len(seqs)
+        ids, positions, slots, contexts = [], [], [], []
+        pairs: list[int] = []
+        row_tables, row_written = self._row_tables, self._row_written
+        for row, seq in enumerate(seqs):
+            table = seq.block_table
+            position = len(seq) - 1
+            ids.append(seq.token_ids[-1])
+            positions.append(position)
+            slots.append(table[position // block_size] * block_size + position % block_size)
+            contexts.append(position + 1)
+            first = 0 if row_tables[row] is not table else max(row_written[row] - 1, 0)
+            base = row * self.max_blocks
+            for index in range(first, len(table)):
+                pairs.append(base + index)
+                pairs.append(table[index])
+            row_tables[row] = table
+            row_written[row] = len(table)
+        for row in range(n, size):  # padding rows: block 0, one slot of context
+            if row_tables[row] is not None or row_written[row] != 1:
+                pairs.extend((row * self.max_blocks, 0))
+                row_tables[row] = None
+                row_written[row] = 1
+        host[IDS * bs:IDS * bs + n] = ids
+        host[POSITIONS * bs:POSITIONS * bs + n] = positions
+        host[SLOTS * bs:SLOTS * bs + n] = slots
+        host[CONTEXT * bs:CONTEXT * bs + n] = contexts
+        for field_index, fill in ((IDS, 0), (POSITIONS, 0), (SLOTS, 0), (CONTEXT, 1)):
+            host[field_index * bs + n:field_index * bs + size] = fill
+        host[4 * bs:4 * bs + len(pairs)] = pairs
+        return len(pairs) // 2
+
+    def replay(self, seqs: list[Sequence], capture_routes: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Hidden states ``[len(seqs), H]`` of one decode step, and the captured routes."""
+        size = self.padded_size(len(seqs))
+        assert size is not None
+        key = (size, capture_routes)
+        if key not in self.graphs:
+            self._row_tables = [None] * self.max_bs  # capture runs the forward: forget cached rows
+            self._capture(size, capture_routes)
+        num_pairs = self._stage(seqs, size)
+        used = 4 * self.max_bs + 2 * num_pairs
+        self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        if num_pairs:
+            pairs = self.staged[4 * self.max_bs:used].view(num_pairs, 2)
+            self.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1].to(torch.int32))
+        self.graphs[key].replay()
+        self.num_replays += 1
+        hidden, captured = self.outputs[key]
+        n = len(seqs)
+        return hidden[:n], {layer: ids[:n] for layer, ids in captured.items()}
+
+    def forget_rows(self) -> None:
+        """Resend every block-table row at the next replay (after the table was written elsewhere)."""
+        self._row_tables = [None] * self.max_bs
