@@ -96,6 +96,8 @@ def build_checkpoint(shape: dict, dtype: torch.dtype, device: str, folder: str) 
 
 
 def free_memory(device: str) -> None:
+    # the engine gc.freeze()s the heap on CUDA; unfreeze so a freed engine's cycles are collectable
+    gc.unfreeze()
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -276,7 +278,7 @@ def decode_bound_tok_s(batch: int, prompt_len: int, new_tokens: int, step_bytes:
     return batch * len(steps) / seconds
 
 
-def bench_precision(name, args, folder, dtype, device, shape, prompts_by_batch, engine_kwargs) -> dict:
+def bench_precision(name, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
     """Build the engine for one precision, check it, time every batch; free it before returning."""
     from miles_host.rollout import Engine
 
@@ -336,7 +338,9 @@ def print_tables(results: dict, skipped: dict, args) -> None:
     print()
     print(f"Decode throughput, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, T=1, ignore_eos; "
           f"median of {args.repeats} after a warm-up. HBM bound at {HBM_BYTES_PER_S / 1e12:.2f} TB/s "
-          "(weights read per step + KV), compared with the decode figure.")
+          "(weights read per step + KV), compared with the decode figure."
+          + (" --tiny: 'bf16' is the plain model dtype (float32) and the bound is the H200's, meaningless on CPU."
+             if args.tiny else ""))
     print()
     print("| precision | batch | tok/s (wall) | decode tok/s (prefill excl.) | speedup vs bf16 (wall / decode) "
           "| linear-weight bytes read/step | HBM bound tok/s | decode / bound |")
@@ -347,7 +351,7 @@ def print_tables(results: dict, skipped: dict, args) -> None:
                    if ref else "-")
         print(f"| {row['precision']} | {row['batch']} | {row['wall_tok_s']:,.0f} | {row['decode_tok_s']:,.0f} | "
               f"{speedup} | {_gb(row['linear_read'])} | {row['bound_tok_s']:,.0f} | "
-              f"{row['decode_tok_s'] / row['bound_tok_s']:.1%} |")
+              f"{row['decode_tok_s'] / row['bound_tok_s']:.2%} |")
     for name, why in skipped.items():
         print(f"| {name} | - | skipped: {why} | | | | | |")
 
@@ -434,7 +438,7 @@ def main(argv=None) -> int:
               f"precisions {', '.join(precisions)}; batches {batches}; INT4 group {args.int4_group_size}", flush=True)
         for name in precisions:
             try:
-                results[name] = bench_precision(name, args, folder, dtype, device, shape, prompts_by_batch,
+                results[name] = bench_precision(name, args, folder, dtype, device, prompts_by_batch,
                                                 engine_kwargs)
             except Unusable as error:
                 skipped[name] = str(error)
