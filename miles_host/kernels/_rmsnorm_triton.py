@@ -6,13 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels._triton_common import TL_DTYPES, cast, round_to
+
 
 @triton.jit
 def _rmsnorm_kernel(
     X, R, W, Out, ResOut,
     stride_x, stride_r, stride_o, stride_ro,
     H, eps,
-    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -20,16 +22,17 @@ def _rmsnorm_kernel(
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+        xf = round_to(r.to(tl.float32) + x.to(tl.float32), DTYPE)
+        tl.store(ResOut + row * stride_ro + cols, cast(xf, DTYPE), mask=mask)
+    else:
+        xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         y = xf * rstd * (1.0 + w)
     else:
-        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
-    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+        y = round_to(xf * rstd, DTYPE) * w
+    tl.store(Out + row * stride_o + cols, cast(y, DTYPE), mask=mask)
 
 
 def rmsnorm(x_TH, weight_H, eps, unit_offset, residual_TH=None):
@@ -43,6 +46,6 @@ def rmsnorm(x_TH, weight_H, eps, unit_offset, residual_TH=None):
             x_TH.stride(0), residual.stride(0), out.stride(0), out.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual_TH is not None, UNIT_OFFSET=unit_offset,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8,
+            BLOCK=triton.next_power_of_2(hidden), DTYPE=TL_DTYPES[x_TH.dtype], num_warps=4 if hidden <= 2048 else 8,
         )
     return out, res_out

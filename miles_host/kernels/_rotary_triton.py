@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels._triton_common import TL_DTYPES, cast, round_to
 
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    return x.to(DTYPE).to(tl.float32)
+
+_round = round_to
 
 
 @triton.jit
@@ -33,11 +33,10 @@ def _qk_norm_rope_kernel(
     num_q_heads, eps,
     D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     PASS: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, DTYPE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    DTYPE = Q.dtype.element_ty
     if head < num_q_heads:
         src = Q + token * stride_q + head * D
         weight = QW
@@ -75,8 +74,8 @@ def _qk_norm_rope_kernel(
     sin = tl.load(Sin + token * stride_c + i, mask=rmask, other=0.0).to(tl.float32)
     out1 = _round(_round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE), DTYPE)
     out2 = _round(_round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE), DTYPE)
-    tl.store(dst + i, out1.to(DTYPE), mask=rmask)
-    tl.store(dst + R + i, out2.to(DTYPE), mask=rmask)
+    tl.store(dst + i, cast(out1, DTYPE), mask=rmask)
+    tl.store(dst + R + i, cast(out2, DTYPE), mask=rmask)
     if PASS > 0:
         p = tl.arange(0, BLOCK_P)
         pmask = p < PASS
@@ -85,7 +84,7 @@ def _qk_norm_rope_kernel(
         if HAS_NORM:
             wp = tl.load(weight + 2 * R + p, mask=pmask, other=0.0).to(tl.float32)
         xp = _normed(xp, wp, rstd, HAS_NORM, UNIT_OFFSET, DTYPE)
-        tl.store(dst + 2 * R + p, xp.to(DTYPE), mask=pmask)
+        tl.store(dst + 2 * R + p, cast(xp, DTYPE), mask=pmask)
 
 
 def qk_norm_rope(q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR, sin_TR,
@@ -106,7 +105,7 @@ def qk_norm_rope(q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR, sin_TR
         D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         R=half, BLOCK_R=triton.next_power_of_2(max(half, 1)),
         PASS=passthrough, BLOCK_P=triton.next_power_of_2(max(passthrough, 1)),
-        HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, INTERLEAVED=interleaved,
+        HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, INTERLEAVED=interleaved, DTYPE=TL_DTYPES[q_TC.dtype],
         num_warps=1,
     )
     return q_out, k_out

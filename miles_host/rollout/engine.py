@@ -161,15 +161,18 @@ class Engine:
         """Peak activation bytes of the largest prefill and of sampling a full decode batch."""
         cfg = self.config
         tokens = cfg.max_num_batched_tokens
-        blocks = tokens // cfg.block_size + 2
+        seq_len = min(tokens, cfg.max_model_len - 1)
+        num_seqs = max(1, tokens // seq_len)
+        # every sequence's last block may be partly filled: size the scratch cache per sequence
+        blocks = num_seqs * self.block_manager_blocks(seq_len) + 1
         scratch = PagedKVCache(layout, blocks, cfg.block_size, cfg.kv_cache_dtype, self.device)
         runner = ModelRunner(
             self.model, scratch, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=tokens + cfg.block_size,
+            fused_kernels=cfg.fused_kernels,
         )
-        seq_len = min(tokens, cfg.max_model_len - 1)
         seqs, next_block = [], 1
-        for i in range(max(1, tokens // seq_len)):
+        for i in range(num_seqs):
             seq = Sequence(rid=f"warmup-{i}", token_ids=[0] * seq_len, num_prompt_tokens=seq_len,
                            params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50))
             need = self.block_manager_blocks(seq_len)

@@ -118,6 +118,7 @@ class ModelRunner:
         #: the captured decode graphs (None: decode runs eagerly)
         self.graphs: DecodeGraphs | None = None
         self.prefill_forwards = 0
+        self._last_sampling: tuple[list, list, SamplingBatch] | None = None
         if use_cuda_graph:
             try:
                 self.graphs = DecodeGraphs(
@@ -212,12 +213,7 @@ class ModelRunner:
                     continue
                 index = torch.tensor([batch.sample_from[r] - first for r in sub], dtype=torch.long)
                 samplers = [batch.samplers[r] for r in sub]
-                sampling = SamplingBatch.build(
-                    [s.params for s in samplers],
-                    [s.generator for s in samplers],
-                    [s.banned_tokens() for s in samplers],
-                    logits_BV.device,
-                )
+                sampling = self._sampling_batch(samplers, logits_BV.device)
                 token_B, logprob_B = sample(logits_BV.index_select(0, index.to(logits_BV.device)), sampling)
                 # One device-to-host copy per sampling group: the only sync of the step.
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
@@ -226,6 +222,23 @@ class ModelRunner:
                 if self.batch_invariant:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
         return StepResult(tokens, logprobs), routes
+
+    def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
+        """The rows' sampling settings; reused while the same requests decode together."""
+        params = [s.params for s in samplers]
+        generators = [s.generator for s in samplers]
+        banned = [s.banned_tokens() for s in samplers]
+        cached = self._last_sampling
+        if (
+            cached is not None and not any(banned) and len(cached[0]) == len(params)
+            and all(a is b for a, b in zip(cached[0], params))
+            and all(a is b for a, b in zip(cached[1], generators))
+        ):
+            return cached[2]
+        sampling = SamplingBatch.build(params, generators, banned, device)
+        # holding the params keeps their ids from being reused by new objects
+        self._last_sampling = None if any(banned) else (params, generators, sampling)
+        return sampling
 
     # ------------------------------------------------------------------ batch-invariant mode
 

@@ -33,6 +33,8 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     all_greedy: bool
     banned: list[list[int]]               # token ids a row may not sample (min_new_tokens)
+    any_greedy: bool = True
+    all_unit_temperature: bool = False    # every sampled row has temperature 1: no division
 
     @classmethod
     def build(
@@ -55,6 +57,8 @@ class SamplingBatch:
             generators=generators,
             all_greedy=all(p.greedy for p in params),
             banned=banned,
+            any_greedy=any(p.greedy for p in params),
+            all_unit_temperature=all(p.greedy or p.temperature == 1.0 for p in params),
         )
 
 
@@ -115,7 +119,8 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         tokens_B = choice_BV.argmax(dim=-1)
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
-    logprobs_BV = torch.log_softmax(logits_BV / batch.temperature_B[:, None], dim=-1)
+    scaled_BV = logits_BV if batch.all_unit_temperature else logits_BV / batch.temperature_B[:, None]
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
     keep_BV = truncation_mask(logprobs_BV, batch.top_k_B, batch.top_p_B, batch.min_p_B)
     noise_BV = exponential_noise(tuple(logits_BV.shape), batch.generators, logits_BV.device)
     race_BV = logprobs_BV - noise_BV.log()
@@ -124,6 +129,7 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
     for row, token_ids in enumerate(batch.banned):
         if token_ids:
             race_BV[row, token_ids] = float("-inf")
-    sampled_B = race_BV.argmax(dim=-1)
-    tokens_B = torch.where(batch.greedy_B, choice_BV.argmax(dim=-1), sampled_B)
+    tokens_B = race_BV.argmax(dim=-1)
+    if batch.any_greedy:
+        tokens_B = torch.where(batch.greedy_B, choice_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

@@ -71,11 +71,19 @@ def test_cuda_rollout_model_packed_vs_qat(tiny_checkpoints):
     modules = [m for m in rollout.modules() if isinstance(m, (Int4Linear, Int4Experts))]
     assert modules and all(m.use_kernel for m in modules)
     ids = torch.randint(2, 96, (2, 12), device="cuda")
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        expected = train(ids).float()
+    # the same bf16 model with the dequantize-then-F.linear path: only the GEMM differs
+    dequant = int4.prepare_rollout_model(
+        load_pretrained(path, dtype=torch.bfloat16, device="cuda"), Flags(32, "all", rollout_gemm="dequant")
+    )
     with torch.no_grad():
         got = rollout(ids).float()
+        expected = dequant(ids).float()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        qat = train(ids).float()
+    print(f"max |packed - dequant| {(got - expected).abs().max():.4f}, max |packed - QAT under autocast| "
+          f"{(got - qat).abs().max():.4f}, max |logit| {expected.abs().max():.4f}")
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (got - qat).abs().max() < 0.1 * qat.abs().max()
     # dequant path on CUDA: bit-identical to the QAT forward at the same dtype
     exact = int4.prepare_rollout_model(load_pretrained(path, dtype=torch.float32, device="cuda"), Flags(32, "all", rollout_gemm="dequant"))
     with torch.no_grad():

@@ -1,0 +1,31 @@
+"""Triton helpers shared by the fused kernels.
+
+Triton's plain ``x.to(tl.bfloat16)`` from float32 may round toward zero; PyTorch
+rounds to nearest even. Every downcast of the fused kernels goes through
+:func:`cast` so results round like the eager modules they replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """float32 ``x`` to ``DTYPE`` rounding to nearest even (identity for float32)."""
+    if DTYPE == tl.float32:
+        return x
+    else:
+        return x.to(DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """``x`` rounded to ``DTYPE`` and back to float32 (an eager op's output rounding)."""
+    return cast(x, DTYPE).to(tl.float32)
+
+
+#: torch dtype -> Triton dtype of the activations the fused kernels take
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
