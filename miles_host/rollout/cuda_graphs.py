@@ -28,6 +28,13 @@ from miles_host.rollout.sequence import Sequence
 IDS, POSITIONS, SLOTS, CONTEXT = range(4)
 
 
+def stack_routes(captured: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """Per-layer ``[T, K]`` expert ids -> ``[T, layers, K]`` int32 in layer order (None if empty)."""
+    if not captured:
+        return None
+    return torch.stack([captured[layer].to(torch.int32) for layer in sorted(captured)], dim=1)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The padded batch sizes graphs are captured for."""
     ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
@@ -63,7 +70,7 @@ class DecodeGraphs:
         self._row_tables: list[list[int] | None] = [None] * bs
         self._row_written: list[int] = [0] * bs
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         self.num_replays = 0
         for size in reversed(self.sizes):
@@ -88,7 +95,7 @@ class DecodeGraphs:
             tile_q_start=self.cu_seqlens[:size],
         )
 
-    def _graph_body(self, size: int, capture_routes: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _graph_body(self, size: int, capture_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.context_lens[:size].copy_(self._field(CONTEXT, size))
         routing = RoutingContext(phase="rollout")
         routing.extra["capture"] = capture_routes
@@ -97,7 +104,7 @@ class DecodeGraphs:
             routing=routing, fused_kernels=self.fused_kernels,
         )
         hidden = self.model.forward_hidden(self._field(IDS, size), self._field(POSITIONS, size), context)
-        return hidden, dict(routing.captured)
+        return hidden, stack_routes(routing.captured)
 
     def _capture(self, size: int, capture_routes: bool) -> None:
         self.host_np[: 4 * self.max_bs] = 0
@@ -155,8 +162,9 @@ class DecodeGraphs:
         host[4 * bs:4 * bs + len(pairs)] = pairs
         return len(pairs) // 2
 
-    def replay(self, seqs: list[Sequence], capture_routes: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Hidden states ``[len(seqs), H]`` of one decode step, and the captured routes."""
+    def replay(self, seqs: list[Sequence], capture_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states ``[len(seqs), H]`` of one decode step, and the captured routes
+        ``[len(seqs), moe_layers, K]`` int32 (None without capture or MoE layers)."""
         size = self.padded_size(len(seqs))
         assert size is not None
         key = (size, capture_routes)
@@ -171,9 +179,9 @@ class DecodeGraphs:
             self.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1].to(torch.int32))
         self.graphs[key].replay()
         self.num_replays += 1
-        hidden, captured = self.outputs[key]
+        hidden, routes_TLK = self.outputs[key]
         n = len(seqs)
-        return hidden[:n], {layer: ids[:n] for layer, ids in captured.items()}
+        return hidden[:n], (routes_TLK[:n] if routes_TLK is not None else None)
 
     def forget_rows(self) -> None:
         """Resend every block-table row at the next replay (after the table was written elsewhere)."""

@@ -339,12 +339,8 @@ class Engine:
         return finished
 
     def _store_routes(self, batch: ScheduledBatch, starts: list[int], routes) -> None:
-        for group, cu_seqlens, captured in routes:
-            if not captured:
-                continue
-            layers = sorted(captured)
-            # one device-to-host copy per step; sequences keep CPU slices
-            stacked_TLK = torch.stack([captured[layer].to(torch.int32) for layer in layers], dim=1).cpu()
+        """Give each sequence its rows of the step's ``[T, moe_layers, K]`` routes (numpy)."""
+        for group, cu_seqlens, stacked_TLK in routes:
             for j, index in enumerate(group):
                 seq = batch.sequences[index]
                 if seq.want_routed_experts:

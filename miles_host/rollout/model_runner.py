@@ -18,7 +18,7 @@ import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
-from miles_host.rollout.cuda_graphs import DecodeGraphs
+from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.sampler import SamplingBatch, sample
 from miles_host.rollout.scheduler import ScheduledBatch
@@ -119,6 +119,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_forwards = 0
         self._last_sampling: tuple[list, list, SamplingBatch] | None = None
+        self._routes_host: torch.Tensor | None = None  # pinned staging of captured routes
+        self._routes_used = 0
         if use_cuda_graph:
             try:
                 self.graphs = DecodeGraphs(
@@ -153,14 +155,15 @@ class ModelRunner:
 
     def _forward(
         self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext
-    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens
-        and the hidden states of every forwarded token ``[T, hidden]``."""
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
+        """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens,
+        the hidden states of every forwarded token ``[T, hidden]`` and, when routes are
+        captured, their expert ids ``[T, moe_layers, K]`` int32 on the device."""
+        capture = bool(routing.extra.get("capture"))
         if is_decode and self.graphs is not None and not self.batch_invariant:
             if self.graphs.padded_size(len(seqs)) is not None:
-                hidden_BH, captured = self.graphs.replay(seqs, capture_routes=bool(routing.extra.get("capture")))
-                routing.captured.update(captured)
-                return hidden_BH, list(range(len(seqs) + 1)), hidden_BH
+                hidden_BH, routes_TLK = self.graphs.replay(seqs, capture_routes=capture)
+                return hidden_BH, list(range(len(seqs) + 1)), hidden_BH, routes_TLK
         input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
         if not is_decode:
             self.prefill_forwards += 1
@@ -170,10 +173,11 @@ class ModelRunner:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
             context = ForwardContext(attention=attention, routing=routing, fused_kernels=self.fused_kernels)
             hidden_TH = self.model.forward_hidden(input_ids, positions, context)
+        routes_TLK = stack_routes(routing.captured) if capture else None
         if is_decode:
-            return hidden_TH, meta.cu_seqlens_q_host, hidden_TH
+            return hidden_TH, meta.cu_seqlens_q_host, hidden_TH, routes_TLK
         last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
-        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH
+        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH, routes_TLK
 
     @torch.inference_mode()
     def run(
@@ -184,7 +188,7 @@ class ModelRunner:
         ``on_hidden(group, hidden_TH, cu_seqlens)``, when given, receives the hidden
         states of every forwarded token of each forward (a draft model reads them).
         Returns the sampled tokens and, when ``want_routes``, per forward
-        ``(sequence indices, cu_seqlens, captured {layer: [T, K] expert ids})``.
+        ``(sequence indices, cu_seqlens, [T, moe_layers, K] int32 numpy expert ids)``.
         """
         if batch.pending_copies:
             self.kv_cache.copy_blocks(batch.pending_copies)
@@ -193,17 +197,19 @@ class ModelRunner:
         groups = [[i] for i in range(len(seqs))] if self.batch_invariant else [list(range(len(seqs)))]
         tokens: list[int] = [0] * len(batch.samplers)
         logprobs: list[float] = [0.0] * len(batch.samplers)
-        routes: list[tuple[list[int], list[int], dict]] = []
+        routes: list[tuple[list[int], list[int], torch.Tensor]] = []
+        self._routes_used = 0
         for group in groups:
             routing = RoutingContext(phase="rollout")
             routing.extra["capture"] = want_routes
-            hidden_BH, cu_seqlens, hidden_TH = self._forward(
+            hidden_BH, cu_seqlens, hidden_TH, routes_TLK = self._forward(
                 [seqs[i] for i in group], [num_new[i] for i in group], not batch.is_prefill, routing
             )
             if on_hidden is not None:
                 on_hidden(group, hidden_TH, cu_seqlens)
-            if want_routes:
-                routes.append((group, cu_seqlens, dict(routing.captured)))
+            if routes_TLK is not None:
+                # copied while the step's sampling runs; read after the step's one sync
+                routes.append((group, cu_seqlens, self._routes_to_host(routes_TLK)))
             logits_BV = self.model.compute_logits(hidden_BH)
             first = group[0]
             rows = [r for r, source in enumerate(batch.sample_from) if first <= source <= group[-1]]
@@ -221,7 +227,24 @@ class ModelRunner:
                     logprobs[r] = lp
                 if self.batch_invariant:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
-        return StepResult(tokens, logprobs), routes
+        return StepResult(tokens, logprobs), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
+
+    def _routes_to_host(self, routes_TLK: torch.Tensor) -> torch.Tensor:
+        """Start an asynchronous copy of the routes into a reused pinned buffer.
+
+        Forwards of one step take consecutive parts of the buffer; a larger buffer
+        replaces it when needed (earlier parts keep the old one alive).
+        """
+        if routes_TLK.device.type != "cuda":
+            return routes_TLK
+        numel, start = routes_TLK.numel(), self._routes_used
+        if self._routes_host is None or self._routes_host.numel() < start + numel:
+            size = max(2 * (start + numel), 1 << 16)
+            self._routes_host, start = torch.empty(size, dtype=torch.int32, pin_memory=True), 0
+        self._routes_used = start + numel
+        host = self._routes_host[start:start + numel].view(routes_TLK.shape)
+        host.copy_(routes_TLK, non_blocking=True)
+        return host
 
     def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
         """The rows' sampling settings; reused while the same requests decode together."""

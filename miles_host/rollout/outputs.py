@@ -14,17 +14,20 @@ def routed_experts_array(seq: Sequence) -> np.ndarray | None:
     """``[prompt + completion - 1, moe_layers, top_k]`` int32 expert ids (SGLang's layout).
 
     Every token but the last was forwarded once (or again after a preemption:
-    later captures overwrite earlier ones).
+    later captures overwrite earlier ones). Chunks are numpy arrays (the
+    engine's per-step copies) or tensors (a decoding strategy's).
     """
     if not seq.routed_expert_chunks:
         return None
     num_rows = len(seq) - 1
     _, first = seq.routed_expert_chunks[0]
-    out = torch.zeros(num_rows, *first.shape[1:], dtype=torch.int32)
+    out = np.zeros((num_rows, *first.shape[1:]), dtype=np.int32)
     for start, chunk_TLK in seq.routed_expert_chunks:
+        if isinstance(chunk_TLK, torch.Tensor):
+            chunk_TLK = chunk_TLK.cpu().numpy()
         rows = chunk_TLK[: max(0, num_rows - start)]
-        out[start:start + rows.shape[0]] = rows.to("cpu", torch.int32)
-    return out.numpy()
+        out[start:start + rows.shape[0]] = rows
+    return out
 
 
 def sequence_output(

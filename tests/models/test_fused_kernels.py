@@ -46,14 +46,14 @@ def test_fused_forward_equals_eager_forward_on_cpu(case, checkpoints):
     assert torch.equal(eager, fused)
 
 
-def _assert_close(actual, expected, dtype):
-    """float32: 1e-5; bf16: all within one bf16 step, and 99% of elements bit-identical."""
+def _assert_close(actual, expected, dtype, min_equal: float = 0.99):
+    """float32: 1e-5; bf16: all within one bf16 step, and ``min_equal`` of elements bit-identical."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
         return
     torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=2 ** -7)
-    assert (actual == expected).float().mean().item() >= 0.99
+    assert (actual == expected).float().mean().item() >= min_equal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,8 +99,10 @@ def test_qk_norm_rope_kernel_matches_reference(dtype, head_norm, interleaved, he
     args = (q, k, nq, nk, head_dim, cos, sin)
     q_out, k_out = qk_norm_rope(*args, interleaved=interleaved, **weights)
     q_ref, k_ref = qk_norm_rope_reference(*args, interleaved=interleaved, **weights)
-    _assert_close(q_out, q_ref.contiguous(), dtype)
-    _assert_close(k_out, k_ref.contiguous(), dtype)
+    # bf16: eager rounds each product before the sum; the kernel's products may be
+    # contracted differently, so only closeness (not a share of equal bits) is asserted
+    _assert_close(q_out, q_ref.contiguous(), dtype, min_equal=0.0)
+    _assert_close(k_out, k_ref.contiguous(), dtype, min_equal=0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
