@@ -149,22 +149,29 @@ def bench(kind: str, args) -> dict:
     def ser():
         return handle.call("load_serialized", serialize(named))
 
-    backend = "nccl" if cuda else "gloo"
-    handle.call("set_group_backend", backend)
-    port = free_port()
-    handle.send("init_group", port, backend)
-    group = new_group("127.0.0.1", port, 0, 2, backend, 120)
-    handle.recv("init_group")
-    buckets = bucketize(named, args.bucket_mb << 20)
-    meta = [[(n, t.numel()) for n, t in entries] for _, entries in buckets]
+    cases = [("ipc", ipc), ("serialize", ser)]
+    if cuda and recv_dev == send_dev:
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): broadcast needs --two-gpus
+        results["broadcast_s"] = results["broadcast_GBps"] = None
+    else:
+        backend = "nccl" if cuda else "gloo"
+        handle.call("set_group_backend", backend)
+        port = free_port()
+        handle.send("init_group", port, backend)
+        group = new_group("127.0.0.1", port, 0, 2, backend, 120)
+        handle.recv("init_group")
+        buckets = bucketize(named, args.bucket_mb << 20)
+        meta = [[(n, t.numel()) for n, t in entries] for _, entries in buckets]
 
-    def bcast():
-        handle.send("receive_broadcast", meta)
-        for _, entries in buckets:
-            broadcast_(group, torch.cat([t.reshape(-1) for _, t in entries]), 0)
-        return handle.recv("receive_broadcast")
+        def bcast():
+            handle.send("receive_broadcast", meta)
+            for _, entries in buckets:
+                broadcast_(group, torch.cat([t.reshape(-1) for _, t in entries]), 0)
+            return handle.recv("receive_broadcast")
 
-    for label, fn in (("ipc", ipc), ("serialize", ser), ("broadcast", bcast)):
+        cases.append(("broadcast", bcast))
+
+    for label, fn in cases:
         times = []
         for i in range(args.warmup + args.repeat):
             start = time.perf_counter()
