@@ -186,7 +186,8 @@ class Run:
             from miles_host.models import save_pretrained
 
             path = self.config.save_hf.format(rollout_id=rollout_id)
-            save_pretrained(self.trainer.model, path)
+            full_state = getattr(self.trainer, "full_state_dict", None)  # a sharded trainer's gathered weights
+            save_pretrained(self.trainer.model, path, state_dict=full_state() if full_state is not None else None)
             self.tokenizer.save_pretrained(path)
 
     def resume(self) -> None:

@@ -131,8 +131,6 @@ class NativeTrainer:
     """Trains the policy in this process (CPU or one GPU)."""
 
     def __init__(self, config: Any, manager: Any):
-        from miles_host.models import load_pretrained
-
         unsupported = {
             "--tensor-model-parallel-size": config.tensor_model_parallel_size,
             "--pipeline-model-parallel-size": config.pipeline_model_parallel_size,
@@ -149,7 +147,7 @@ class NativeTrainer:
         self.manager = manager
         self.device = resolve_device(config)
         routing = RoutingHooks(manager.hook)
-        self.model = load_pretrained(config.hf_checkpoint, dtype=torch.float32, device=str(self.device), routing_hooks=routing)
+        self.model = self.load_model(config.hf_checkpoint, routing)
         precision = manager.registries.precisions.get(config.precision)
         if precision.prepare_train_model is not None:
             self.model = precision.prepare_train_model(self.model, config) or self.model
@@ -167,9 +165,7 @@ class NativeTrainer:
             compile_decoder_layers(self.model)
         self.ref_model = None
         if config.use_kl_loss or config.kl_coef:
-            self.ref_model = load_pretrained(
-                config.ref_load or config.hf_checkpoint, dtype=torch.float32, device=str(self.device), routing_hooks=routing
-            )
+            self.ref_model = self.load_model(config.ref_load or config.hf_checkpoint, routing)
             self.ref_model.requires_grad_(False)
             manager.hook.miles_prepare_model(model=self.ref_model, role="ref", config=config)
         estimator = manager.registries.advantage_estimators.get(config.advantage_estimator)
@@ -185,17 +181,31 @@ class NativeTrainer:
         self.model.gradient_checkpointing = config.recompute_granularity == "full"
         # plugins may attach modules (e.g. a draft head) before the optimizer sees the parameters
         manager.hook.miles_prepare_model(model=self.model, role="train", config=config)
+        self._make_optimizer()
+        self.consecutive_nan_steps = 0
+
+    def _make_optimizer(self, fused: bool | None = None) -> None:
+        """AdamW over the model's parameters and its learning-rate schedule."""
+        config = self.config
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=self.device.type == "cuda" if fused is None else fused,
         )
         total = (config.num_rollout or 1) * (config.num_steps_per_rollout or 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total))
-        self.consecutive_nan_steps = 0
+
+    def load_model(self, path: str, routing: RoutingHooks) -> torch.nn.Module:
+        """The policy (and reference) model of an HF checkpoint directory, fp32 on
+        the trainer's device. Other training backends override this: the rest of
+        the trainer needs ``packed_log_probs``, ``config`` (native), ``parameters``
+        and a native-named ``state_dict`` / ``load_state_dict`` from the model."""
+        from miles_host.models import load_pretrained
+
+        return load_pretrained(path, dtype=torch.float32, device=str(self.device), routing_hooks=routing)
 
     # -- forward passes -----------------------------------------------------
 

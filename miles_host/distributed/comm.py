@@ -27,17 +27,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def new_group(address: str, port: int, rank: int, world: int, backend: str, timeout_s: float):
-    """Join (rank 0: host) a process group of ``world`` ranks; returns the group."""
+def new_group(
+    address: str, port: int, rank: int, world: int, backend: str, timeout_s: float, as_default: bool = False
+):
+    """Join (rank 0: host) a process group of ``world`` ranks; returns the group.
+
+    ``as_default``: make it this process's default group (``init_process_group``),
+    which FSDP2's device mesh needs; other groups (weight sync) stay private.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA; use gloo on CPU")
     store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if as_default:
+        if dist.is_initialized():
+            raise RuntimeError("this process already has a default process group; one sharded trainer per process")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        global _OWNS_DEFAULT_GROUP
+        _OWNS_DEFAULT_GROUP = True
+        return dist.distributed_c10d._get_default_group()
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world, options)
+
+
+_OWNS_DEFAULT_GROUP = False
+
+
+def leave_default_group() -> None:
+    """Destroy the default process group if :func:`new_group` created it."""
+    global _OWNS_DEFAULT_GROUP
+    if _OWNS_DEFAULT_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_DEFAULT_GROUP = False
 
 
 def allreduce_sum_(group, tensor: torch.Tensor) -> torch.Tensor:

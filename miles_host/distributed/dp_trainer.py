@@ -32,6 +32,11 @@ from miles_host.trainer import NativeTrainer, micro_batches, trainable
 class DataParallelTrainer(NativeTrainer):
     """:class:`NativeTrainer` on rank ``rank`` of ``world`` trainers over ``group``."""
 
+    #: whether ``state_dict`` must be called on every rank (sharded trainers)
+    collective_state_dict = False
+    #: factor on each rank's backward (a sharded trainer's gradient reduction averages)
+    loss_scale = 1.0
+
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
         super().__init__(config, manager)
         self.group = group
@@ -118,10 +123,10 @@ class DataParallelTrainer(NativeTrainer):
         # old / ref log-probs of this rank's samples only
         self.model.eval()
         mine_samples = [samples[i] for i in mine]
-        old_local = self._log_probs_without_grad(self.model, mine_samples, "old_logprob") if mine_samples else []
+        old_local = self._log_probs_without_grad(self.model, mine_samples, "old_logprob")
         ref_local = None
         if self.ref_model is not None:
-            ref_local = self._log_probs_without_grad(self.ref_model, mine_samples, "ref") if mine_samples else []
+            ref_local = self._log_probs_without_grad(self.ref_model, mine_samples, "ref")
         old: list = [None] * len(samples)
         ref: list | None = [None] * len(samples) if self.ref_model is not None else None
         for j, i in enumerate(mine):
@@ -163,16 +168,27 @@ class DataParallelTrainer(NativeTrainer):
         allreduce_sum_(self.group, flat)
         return [t.float().to(self.device) for t in torch.split(flat, lengths)]
 
+    def _local_micro_batches(self, local) -> list:
+        """This rank's micro-batches of an optimizer step. A sharded trainer pads the
+        list with ``None`` (a pass that only joins the collectives) to the longest rank's."""
+        return micro_batches(local, self.config) if local else []
+
+    def _placeholder_pass(self, phase: str) -> None:
+        raise NotImplementedError  # only sharded trainers pad their micro-batches
+
     def _optimizer_step_dp(self, local, step_samples, old, ref, advantages, source: int = 0) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         per_token = self.config.calculate_per_token_loss
         total_tokens = sum(sum(s.loss_mask) for s in step_samples) or 1
         sums: dict[str, float] = {}
         loss_sum = 0.0
-        for micro in micro_batches(local, self.config) if local else []:
+        for micro in self._local_micro_batches(local):
+            if micro is None:  # a sharded model's placeholder pass (see _local_micro_batches)
+                self._placeholder_pass("train")
+                continue
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
             share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(step_samples)
-            (loss * share).backward()
+            (loss * (share * self.loss_scale)).backward()
             loss_sum += float(loss.detach()) * share
             for key, value in micro_metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * share

@@ -51,7 +51,7 @@ def wants_distributed(config: Any) -> bool:
         or num_trainers(config) > 1
         or (config.rollout_num_gpus or 0) > 1
         or config.rollout_backend == "process"
-        or config.train_backend == "native_dp"
+        or config.train_backend in ("native_dp", "fsdp")
     )
 
 
@@ -117,13 +117,14 @@ def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None,
 
 
 def make_trainer(config: Any, manager: Any):
-    """``--train-backend native_dp``: N data-parallel trainers (``--actor-num-gpus-per-node``)."""
-    from miles_host.distributed.dp_trainer import DataParallelTrainer
-    from miles_host.distributed.trainer_group import TrainerGroup, group_backend
+    """``--train-backend native_dp`` / ``fsdp``: N data-parallel trainers (``--actor-num-gpus-per-node``),
+    replicated or FSDP2-sharded."""
+    from miles_host.distributed.trainer_group import TrainerGroup, group_backend, trainer_class_for
 
+    trainer_class = trainer_class_for(config)
     world, timeout_s = num_trainers(config), worker_timeout(config)
-    if world == 1:
-        return DataParallelTrainer(config, manager)
+    if world == 1 and not trainer_class.collective_state_dict:
+        return trainer_class(config, manager)
     port = free_port()
     handles = []
     try:
@@ -133,8 +134,9 @@ def make_trainer(config: Any, manager: Any):
                                   timeout_s, config, rank - 1))
         from miles_host.distributed.comm import new_group
 
-        group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s)
-        local = DataParallelTrainer(config, manager, group, 0, world)
+        group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s,
+                          as_default=trainer_class.collective_state_dict)
+        local = trainer_class(config, manager, group, 0, world)
     except BaseException:
         _stop_all(handles)
         raise
@@ -202,6 +204,9 @@ def _stop_workers(run: Any = None) -> None:
         handle = _LIVE.pop()
         with contextlib.suppress(Exception):
             handle.stop()
+    from miles_host.distributed.comm import leave_default_group
+
+    leave_default_group()  # a sharded trainer's group in this process
     import sys
 
     if "miles_host.distributed.ray_workers" in sys.modules:

@@ -34,10 +34,17 @@ def _ipc(config):
 
 
 def miles_register_train_backends():
-    """``native_dp``."""
-    return [TrainBackend(
-        "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)", factory=_dp,
-    )]
+    """``native_dp`` and ``fsdp``."""
+    return [
+        TrainBackend(
+            "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)",
+            factory=_dp,
+        ),
+        TrainBackend(
+            "fsdp", "native trainer with FSDP2 (fully_shard per decoder layer) over --actor-num-gpus-per-node processes",
+            factory=_dp,
+        ),
+    ]
 
 
 def miles_register_rollout_backends():

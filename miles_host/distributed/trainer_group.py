@@ -5,6 +5,7 @@ trainer interface the loop uses (``train``, ``named_weights_for_rollout``,
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -25,6 +26,17 @@ def device_for_rank(config: Any, rank: int) -> str:
     return config.device
 
 
+def trainer_class_for(config: Any):
+    """The trainer class of ``--train-backend``: FSDP2-sharded (``fsdp``) or replicated."""
+    if config.train_backend == "fsdp":
+        from miles_host.distributed.fsdp_trainer import Fsdp2Trainer
+
+        return Fsdp2Trainer
+    from miles_host.distributed.dp_trainer import DataParallelTrainer
+
+    return DataParallelTrainer
+
+
 class _TrainerTarget:
     def __init__(self, trainer):
         self.trainer = trainer
@@ -33,11 +45,19 @@ class _TrainerTarget:
         return self.trainer.train(samples)
 
     def load_state_dict(self, state):
-        self.trainer.load_state_dict(state)
+        # Tensors that came through the pipe live in memory shared with the sender, whose
+        # own trainer loads the same state: optimizer.load_state_dict keeps the tensors it
+        # is given, so without a private copy both ranks' Adam steps would update one buffer.
+        self.trainer.load_state_dict(copy.deepcopy(state))
         return True
 
     def state_dict(self):
         return self.trainer.state_dict()
+
+    def join_state_dict(self):
+        """Take part in a collective ``state_dict`` (FSDP2); rank 0 keeps the result."""
+        self.trainer.state_dict()
+        return True
 
     def ping(self):
         return os.getpid()
@@ -47,7 +67,6 @@ def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_thread
     """Entry point of trainer rank ``rank`` (> 0)."""
     import copy
 
-    from miles_host.distributed.dp_trainer import DataParallelTrainer
     from miles_host.loop import seed_everything
 
     torch.set_num_threads(num_threads)
@@ -56,8 +75,10 @@ def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_thread
         config = copy.copy(config)
         config.device = device_for_rank(config, rank)
         manager = rebuild_manager(config)
-        group = new_group("127.0.0.1", port, rank, world, group_backend(config), timeout_s)
-        trainer = DataParallelTrainer(config, manager, group, rank, world)
+        trainer_class = trainer_class_for(config)
+        group = new_group("127.0.0.1", port, rank, world, group_backend(config), timeout_s,
+                          as_default=trainer_class.collective_state_dict)
+        trainer = trainer_class(config, manager, group, rank, world)
     except Exception:  # noqa: BLE001
         import traceback
 
@@ -93,6 +114,17 @@ class TrainerGroup:
             handle.recv("'train'")
         return metrics
 
+    def state_dict(self) -> dict:
+        """Rank 0's checkpoint state; a sharded trainer's is gathered with every rank."""
+        if not getattr(self.local, "collective_state_dict", False):
+            return self.local.state_dict()
+        for handle in self.handles:
+            handle.send("join_state_dict")
+        state = self.local.state_dict()
+        for handle in self.handles:
+            handle.recv("'state_dict'")
+        return state
+
     def load_state_dict(self, state: dict) -> None:
         for handle in self.handles:
             handle.send("load_state_dict", state)
@@ -103,3 +135,6 @@ class TrainerGroup:
     def stop(self) -> None:
         for handle in self.handles:
             handle.stop()
+        close = getattr(self.local, "close", None)
+        if close is not None:
+            close()

@@ -217,8 +217,12 @@ def save_pretrained(
     path: str | Path,
     family: FamilyLookup | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write ``config.json`` (+ ``generation_config.json``) and safetensors shards in HF names."""
+    """Write ``config.json`` (+ ``generation_config.json``) and safetensors shards in HF names.
+
+    ``state_dict``: the weights to write under native names (default: the model's own;
+    a sharded trainer passes its gathered full weights)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -229,14 +233,15 @@ def save_pretrained(
         hf = record.hf_config_from_native(config, config.hf_config)
     else:
         hf = dict(config.hf_config)
-    hf["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    embed = state_dict["embed_tokens.weight"] if state_dict is not None else model.embed_tokens.weight
+    hf["dtype"] = str(embed.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     if config.generation_config:
         (path / "generation_config.json").write_text(json.dumps(config.generation_config, indent=2) + "\n")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for native, tensor in model.state_dict().items():
+    for native, tensor in (state_dict if state_dict is not None else model.state_dict()).items():
         for hf_name, part in _converted(record, native, tensor, config):
             size = part.numel() * part.element_size()
             if shards[-1] and shard_bytes + size > max_shard_bytes:

@@ -119,3 +119,21 @@ def test_two_trainers_and_a_rollout_as_ray_actors_match_one_process(tiny_task, t
         assert want.keys() == have.keys()
         for key in want:
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
+
+
+@pytest.mark.parametrize("backend", ["native_dp", "fsdp"])
+def test_resumed_multi_trainer_run_continues_like_an_uninterrupted_run(tiny_task, tmp_path, signal_reward, backend):
+    """2 rollouts, then --load and 1 more, equal 3 rollouts in one run, with 2 trainer
+    processes (regression: both ranks' optimizers once shared the loaded state's memory)."""
+    model, data = tiny_task
+    placement = dict(TWO_TRAINERS, train_backend=backend)
+    common = ("--global-batch-size", "8", *signal_reward)
+    straight = base_args(model, data, tmp_path / "straight", "--num-rollout", "3", *common)
+    first = base_args(model, data, tmp_path / "first", "--num-rollout", "2", *common, "--save", str(tmp_path / "ck"))
+    second = base_args(model, data, tmp_path / "second", "--num-rollout", "3", *common, "--load", str(tmp_path / "ck"))
+    for argv in (straight, first, second):
+        assert run_launched(argv, worker_timeout=90, **placement) == 0
+    want, have = _comparable(read_metrics(tmp_path / "straight")[2]), _comparable(read_metrics(tmp_path / "second")[0])
+    assert want.keys() == have.keys()
+    for key in want:
+        assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
