@@ -1,13 +1,9 @@
 """Data-parallel native trainer: the same model on every rank, samples split by
 tokens, gradients summed over the trainers' process group.
 
-Why not FSDP2 here: ``fully_shard`` needs the default process group and a
-DeviceMesh, while this package keeps its groups private (a rank is also in the
-weight-sync group); and the acceptance bar is bit-level agreement with one
-process, which a replicated model + one fp32 gradient all-reduce gives by
-construction. TODO(GPU): FSDP2 ``fully_shard`` per decoder layer behind the
-same ``DataParallelTrainer`` API (sharded optimizer state; ``state_dict`` through
-``get_model_state_dict(full_state_dict=True)``).
+Replicated: every rank holds the whole model and optimizer, and one fp32 gradient
+all-reduce gives bit-level agreement with one process. ``--train-backend fsdp``
+(:mod:`miles_host.distributed.fsdp_trainer`) shards them with FSDP2 instead.
 
 Loss normalisation: the one-process trainer weights each micro-batch's mean loss
 by ``micro_tokens / step_tokens`` (``--calculate-per-token-loss``) or
