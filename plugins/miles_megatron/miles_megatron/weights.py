@@ -210,6 +210,7 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
             num_moe_experts=config.moe.num_experts,
             moe_router_topk=config.moe.top_k,
             moe_ffn_hidden_size=config.moe.intermediate_size,
+            moe_layer_freq=[int(is_moe) for is_moe in config.moe_layers],  # dense layers stay dense
             moe_enable_routing_replay=True,
         )
     return kwargs

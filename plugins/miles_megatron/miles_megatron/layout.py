@@ -1,0 +1,55 @@
+"""Packed sequences <-> Megatron's padded ``[S, B]`` layout (sbhd).
+
+The host packs a micro-batch as one flat ``[T]`` token list (``cu_seqlens``);
+Megatron's local layer spec (no TransformerEngine) runs ``[S, B, H]`` batches.
+Sequences are right-padded to the longest: under a causal mask a real token never
+attends to the padding after it, so every real token computes what it would alone.
+Megatron flattens ``[S, B]`` position-major (row ``s * B + b``) wherever it works
+per token (the MoE router among them): :attr:`PaddedLayout.megatron_row_T` is,
+for each packed token, its row in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PaddedLayout:
+    """Where each of the ``T`` packed tokens sits in an ``[S, B]`` batch."""
+
+    seq_len: int
+    batch: int
+    #: ``[T]``: row of each packed token in Megatron's ``s * B + b`` order
+    megatron_row_T: torch.Tensor
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device) -> "PaddedLayout":
+        bounds = cu_seqlens.to("cpu", torch.long)
+        lengths = bounds[1:] - bounds[:-1]
+        batch = int(lengths.numel())
+        seq_len = int(lengths.max()) if batch else 0
+        sequence_T = torch.repeat_interleave(torch.arange(batch), lengths)
+        position_T = torch.arange(int(bounds[-1])) - bounds[:-1][sequence_T]
+        return cls(seq_len, batch, (position_T * batch + sequence_T).to(device))
+
+    @property
+    def rows(self) -> int:
+        return self.seq_len * self.batch
+
+    def to_sb(self, values_T: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """``[T, ...]`` packed values -> ``[S, B, ...]`` (padding = ``fill``)."""
+        out = values_T.new_full((self.rows, *values_T.shape[1:]), fill)
+        out[self.megatron_row_T] = values_T
+        return out.view(self.seq_len, self.batch, *values_T.shape[1:])
+
+    def from_sb(self, values_SB: torch.Tensor) -> torch.Tensor:
+        """``[S, B, ...]`` -> the ``[T, ...]`` packed tokens (padding dropped)."""
+        return values_SB.reshape(self.rows, *values_SB.shape[2:])[self.megatron_row_T]
+
+    def causal_mask(self) -> torch.Tensor:
+        """``[1, 1, S, S]`` boolean, True where attention is masked (Megatron's convention)."""
+        ones = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=self.megatron_row_T.device)
+        return torch.triu(ones, diagonal=1)[None, None]

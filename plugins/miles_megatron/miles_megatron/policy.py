@@ -1,0 +1,176 @@
+"""A Megatron-Core ``GPTModel`` behind the model interface the host trainer uses.
+
+:class:`MegatronPolicy` is what :class:`~miles_megatron.trainer.MegatronTrainer`
+puts where the native trainer keeps its ``CausalLM``:
+
+- ``packed_log_probs(...)``: same signature and result as ``CausalLM.packed_log_probs``
+  (per-position float32 log-probs of the targets, optional entropy); the hidden
+  states come from Megatron's embedding + decoder, the log-probs from the host's
+  :func:`~miles_host.models.logprobs.chunked_log_probs` over Megatron's output weight.
+- ``config``: the native :class:`~miles_host.models.ModelConfig` (R3 reads the MoE
+  layers from it; ``save_pretrained`` writes the HF config from it).
+- ``state_dict()`` / ``load_state_dict()``: native names and layouts
+  (:mod:`miles_megatron.weights`), so weight sync, ``--save-hf`` and checkpoints see
+  what the native trainer gives them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from miles_megatron.layout import PaddedLayout
+from miles_megatron.replay import RouterReplayBridge
+from miles_megatron.runtime import on_cpu, quiet_imports
+from miles_megatron.weights import (
+    gpt_model_kwargs,
+    megatron_to_native,
+    megatron_transformer_config_kwargs,
+    native_to_megatron,
+)
+
+#: TransformerConfig settings of this backend: local (non-TE) modules, no dropout,
+#: no fused kernels, weights loaded from the checkpoint rather than initialised
+LOCAL_SETTINGS: dict[str, Any] = dict(
+    use_cpu_initialization=True,
+    perform_initialization=False,
+    params_dtype=torch.float32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+def transformer_config(native_config: Any, recompute: bool = False):
+    """Megatron ``TransformerConfig`` of a native config (unsupported features refused)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = megatron_transformer_config_kwargs(native_config)
+    kwargs.update(LOCAL_SETTINGS)
+    if native_config.moe is not None:
+        kwargs["moe_router_load_balancing_type"] = "none"  # the native trainer has no aux loss either
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Apex/TE fallbacks
+        return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(native_config: Any, recompute: bool = False) -> torch.nn.Module:
+    """An uninitialised GPTModel (local layer spec) on CPU for a native config."""
+    with quiet_imports():
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = transformer_config(native_config, recompute)
+    with warnings.catch_warnings(), on_cpu():
+        warnings.simplefilter("ignore")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        return GPTModel(config, spec, **gpt_model_kwargs(native_config))
+
+
+def load_native_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor], native_config: Any) -> None:
+    """Copy native-named weights into ``gpt`` (every Megatron weight must be given)."""
+    megatron_state = native_to_megatron(state, native_config)
+    missing, unexpected = gpt.load_state_dict(megatron_state, strict=False)
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"native -> Megatron-Core weights do not match: missing {missing}, unexpected {unexpected}")
+
+
+class MegatronPolicy(torch.nn.Module):
+    """A GPTModel with the native model's trainer-facing interface (see module doc)."""
+
+    def __init__(self, gpt: torch.nn.Module, native_config: Any, routing_hooks: Any):
+        super().__init__()
+        self.gpt = gpt
+        self.config = native_config
+        #: set by the host trainer; Megatron's recomputation is fixed when the model is built
+        self.gradient_checkpointing = False
+        top_k = native_config.moe.top_k if native_config.moe is not None else 0
+        self.replay = RouterReplayBridge(gpt, routing_hooks, top_k)
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False):
+        """Build from an HF checkpoint directory, through the family adapter's native
+        weights and :func:`~miles_megatron.weights.native_to_megatron`."""
+        from miles_host.models import load_pretrained
+
+        native = load_pretrained(path, dtype=torch.float32, device="cpu")
+        gpt = build_gpt_model(native.config, recompute)
+        load_native_state(gpt, native.state_dict(), native.config)
+        config = native.config
+        del native
+        return cls(gpt.to(device), config, routing_hooks)
+
+    # -- what the trainer and the loop read ----------------------------------------
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.gpt.embedding.word_embeddings
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V, H]`` output weight (the embedding when tied)."""
+        if self.gpt.share_embeddings_and_output_weights:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D102 - native names, see module doc
+        state = {
+            name: tensor.detach()
+            for name, tensor in self.gpt.state_dict().items()
+            if not name.endswith("_extra_state")
+        }
+        return megatron_to_native(state, self.config)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):  # noqa: D102
+        load_native_state(self.gpt, state, self.config)
+
+    # -- forward ----------------------------------------------------------------------
+
+    def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
+        """Final-norm hidden states ``[T, H]`` of packed sequences."""
+        device = input_ids_T.device
+        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device)
+        self.replay.set_forward(routing, layout)
+        ids_SB = layout.to_sb(input_ids_T)
+        positions_SB = layout.to_sb(positions_T)
+        with on_cpu():
+            x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
+            freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
+            rotary_SB1D = freqs_PD[positions_SB]
+            hidden_SBH = self.gpt.decoder(
+                hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
+            )
+        return layout.from_sb(hidden_SBH)
+
+    def packed_log_probs(
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        target_ids_T: torch.Tensor,
+        temperature: float = 1.0,
+        ctx: Any = None,
+        chunk_size: int = 1024,
+        return_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``CausalLM.packed_log_probs`` on Megatron-Core."""
+        from miles_host.models.logprobs import chunked_log_probs
+
+        if ctx is not None and ctx.batch_invariant:
+            raise ValueError("--true-on-policy (batch-invariant forward) is not supported by --train-backend megatron")
+        routing = ctx.routing if ctx is not None else None
+        hidden_TH = self.forward_hidden(input_ids_T, positions_T, cu_seqlens, routing)
+        return chunked_log_probs(
+            hidden_TH, self.lm_head_weight, target_ids_T,
+            temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy,
+        )

@@ -1,0 +1,100 @@
+"""The host's MoE routing (R3/R2 replay, route observers) through Megatron-Core's
+``RouterReplay`` (``moe_enable_routing_replay``).
+
+A forward pre-hook on every MoE layer's ``TopKRouter`` decides the ids that layer
+uses, the way the native MoE layer does (:class:`miles_host.routing.RoutingHooks`):
+
+- the router's own top-k is computed from the router input (no gradient);
+- with routing plugins (``miles_select_experts`` / ``miles_experts_selected``, e.g.
+  miles-r3) they choose and observe the ids, in packed token order;
+- without them, ``RoutingContext.replay_expert_ids[layer]`` is replayed, rows of -1
+  keeping the router's own choice;
+
+and the ids, reordered to Megatron's token order (padding rows keep the router's
+choice), become the layer's ``RouterReplay`` target (``REPLAY_FORWARD``). Megatron
+then gathers the router's scores at those ids, so the router keeps its gradient.
+Dense layers have no router and are never touched. The context stays set until the
+next forward, so a recomputation in backward (``--recompute-granularity full``)
+replays the same ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``{layer index (0-based): TopKRouter}`` of the MoE layers of a GPTModel."""
+    routers = {}
+    for layer in gpt.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            routers[layer.layer_number - 1] = router
+    return routers
+
+
+class RouterReplayBridge:
+    """Installs the pre-hooks; :meth:`set_forward` gives them each forward's routing."""
+
+    def __init__(self, gpt: torch.nn.Module, routing_hooks: Any, top_k: int):
+        self.routing_hooks = routing_hooks
+        self.top_k = top_k
+        self.routers = moe_routers(gpt)
+        self.routing = None
+        self.layout = None
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        instances = RouterReplay.global_router_replay_instances
+        for layer_index, router in self.routers.items():
+            if router.router_replay is None:
+                raise ValueError("the megatron backend builds MoE layers with moe_enable_routing_replay=True")
+            router.register_forward_pre_hook(self._pre_hook(layer_index))
+            # driven per router here, never through Megatron's process-wide list: leave it
+            # (a reference model or a second trainer would otherwise pile up there)
+            if router.router_replay in instances:
+                instances.remove(router.router_replay)
+
+    def set_forward(self, routing: Any, layout: Any) -> None:
+        """The routing context and token layout of the forward about to run."""
+        self.routing = routing
+        self.layout = layout
+
+    def _pre_hook(self, layer_index: int):
+        def hook(router, args):
+            self._route(layer_index, router, args[0])
+
+        return hook
+
+    def _route(self, layer_index: int, router: torch.nn.Module, hidden_SBH: torch.Tensor) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay = router.router_replay
+        routing, layout = self.routing, self.layout
+        wanted = routing is not None and (
+            self.routing_hooks.active or routing.replay_expert_ids.get(layer_index) is not None
+        )
+        if not wanted:
+            replay.clear_indices()
+            replay.clear_router_replay_action()  # Megatron's own top-k
+            return
+        with torch.no_grad():
+            logits_NE = F.linear(hidden_SBH.reshape(-1, hidden_SBH.shape[-1]).float(), router.weight.float())
+            scores_NE = torch.softmax(logits_NE, dim=-1)
+            own_NK = torch.topk(scores_NE, self.top_k, dim=-1).indices
+            rows_T = layout.megatron_row_T
+            own_TK = own_NK[rows_T]
+            if self.routing_hooks.active:
+                ids_TK = self.routing_hooks.select(
+                    layer_index, scores_NE[rows_T], self.top_k, routing, default_ids_TK=own_TK
+                )
+            else:
+                recorded_TK = routing.replay_expert_ids[layer_index].to(own_TK.device)
+                ids_TK = torch.where(recorded_TK[:, :1] >= 0, recorded_TK, own_TK)
+            target_NK = own_NK.clone()
+            target_NK[rows_T] = ids_TK.to(own_NK.dtype)
+        replay.clear_indices()
+        replay.set_target_indices(target_NK)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

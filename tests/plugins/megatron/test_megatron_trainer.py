@@ -1,0 +1,248 @@
+"""``--train-backend megatron``: the native trainer's RL step on a Megatron-Core GPTModel.
+
+CPU, float32, tiny HF models (hidden 64, 2 layers) saved with transformers. The
+megatron trainer must give the native trainer's log-probs, losses and weights, and
+with R3 train on the replayed experts through Megatron's RouterReplay. Skipped
+where megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+transformers = pytest.importorskip("transformers")
+
+from miles_host.cli.args import resolve_run_config  # noqa: E402
+from miles_host.plugin_manager import MilesPluginManager  # noqa: E402
+from miles_host.sample import Sample, Status  # noqa: E402
+from tests.loop.conftest import write_addition_data  # noqa: E402
+
+MODELS = {
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    # a dense first layer: Megatron builds that layer without a router (moe_layer_freq)
+    "qwen3_moe_dense_first": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0]),
+}
+TOP_K = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """The trainer creates a one-rank group and Megatron's parallel state; leave none behind."""
+    import torch.distributed as dist
+
+    existed = dist.is_initialized()
+    yield
+    from megatron.core import parallel_state
+
+    if not existed and dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_trainer")
+    paths = {}
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(make()).save_pretrained(root / name)
+        paths[name] = root / name
+    return paths, write_addition_data(root / "data.jsonl", 8)
+
+
+def make_trainer(models, name, backend, *flags):
+    paths, data = models
+    manager = MilesPluginManager()
+    manager.discover()
+    argv = ["--hf-checkpoint", str(paths[name]), "--prompt-data", str(data), "--rm-type", "exact",
+            "--device", "cpu", "--train-backend", backend, "--micro-batch-size", "2", "--lr", "1e-4", *flags]
+    config, _ = resolve_run_config(argv, manager)
+    return manager.registries.train_backends.get(backend).factory(config, manager)
+
+
+def make_samples(routes: bool = False, layers: int = 2, experts: int = 4) -> list[Sample]:
+    """Two groups of two, prompts and responses of different lengths (padding matters)."""
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    samples = []
+    for index, (prompt, response) in enumerate([(3, 4), (5, 2), (2, 6), (4, 3)]):
+        tokens = torch.randint(2, 64, (prompt + response,), generator=generator).tolist()
+        routed = None
+        if routes:  # distinct random experts per token and layer, unrelated to the router's choice
+            routed = np.stack([
+                np.stack([rng.permutation(experts)[:TOP_K] for _ in range(layers)])
+                for _ in range(len(tokens) - 1)
+            ])
+        samples.append(Sample(
+            tokens=tokens, response_length=response, reward=[1.0, 0.0, 0.2, 0.9][index], loss_mask=[1] * response,
+            status=Status.COMPLETED, group_index=index // 2, index=index, rollout_log_probs=[-4.0] * response,
+            rollout_routed_experts=routed,
+        ))
+    return samples
+
+
+def log_probs(trainer, samples, phase="old_logprob"):
+    batch = trainer.pack(samples, phase)
+    with torch.no_grad():
+        return trainer.response_log_probs(trainer.model, batch)[0]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_log_probs_equal_the_native_trainers(models, name):
+    native = make_trainer(models, name, "native")
+    megatron = make_trainer(models, name, "megatron")
+    assert type(megatron).__name__ == "MegatronTrainer"
+    assert type(megatron.model.gpt).__name__ == "GPTModel"
+    samples = make_samples()
+    expected, got = log_probs(native, samples), log_probs(megatron, samples)
+    assert got.shape == expected.shape == (sum(s.response_length for s in samples),)
+    assert (got - expected).abs().max() < 1e-5
+    moe_layers = [i for i, is_moe in enumerate(megatron.model.config.moe_layers) if is_moe]
+    assert sorted(megatron.model.replay.routers) == moe_layers
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_two_steps_give_the_native_losses_and_weights(models, name):
+    """Same data, same optimizer: same losses and exported weights after two steps.
+
+    Gradients agree to float32 rounding, but AdamW divides each gradient element by
+    its running RMS: an element whose gradient is float noise (mathematically zero)
+    moves by a noise-dependent fraction of the learning rate in either backend, so
+    the weight gap scales with --lr (measured here: < 1e-6 at 1e-4; ~1e-5 for the
+    MoE model at 1e-3)."""
+    flags = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1")
+    native = make_trainer(models, name, "native", *flags)
+    megatron = make_trainer(models, name, "megatron", *flags)
+    samples = make_samples()
+    for _ in range(2):
+        want, got = native.train(samples), megatron.train(samples)
+        assert abs(want["train/loss"]) > 1e-3
+        for key in ("train/loss", "train/grad_norm", "train/pg_loss", "train/entropy_loss", "train/kl_loss"):
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    expected = dict(native.named_weights_for_rollout())
+    exported = dict(megatron.named_weights_for_rollout())
+    assert exported.keys() == expected.keys()
+    assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    # and the weights did move
+    assert any(not torch.equal(exported[k], native.ref_model.state_dict()[k]) for k in expected)
+
+
+def _routing_maps(trainer):
+    """Record the ``routing_map`` ([tokens, experts], Megatron's token order) of every MoE router call."""
+    from miles_megatron.replay import moe_routers
+
+    calls = []
+    for layer, router in moe_routers(trainer.model.gpt).items():
+        router.register_forward_hook(lambda module, args, out, layer=layer: calls.append((layer, out[1].detach())))
+    return calls
+
+
+def _expected_map(samples, position, seq_len, experts=4):
+    """The replayed experts of MoE layer ``position`` as a routing map in Megatron's
+    ``[S, B]`` order (row ``s * B + b``); rows without a route are not compared."""
+    batch = len(samples)
+    expected = torch.zeros(seq_len * batch, experts, dtype=torch.bool)
+    compared = torch.zeros(seq_len * batch, dtype=torch.bool)
+    for b, sample in enumerate(samples):
+        for s, ids in enumerate(sample.rollout_routed_experts[:, position]):
+            expected[s * batch + b, torch.from_numpy(ids.astype(np.int64))] = True
+            compared[s * batch + b] = True
+    return expected, compared
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_r3_replays_the_rollout_experts_and_the_router_still_learns(models, recompute):
+    flags = ("--plugins", "r3", *(("--recompute-granularity", "full") if recompute else ()))
+    megatron = make_trainer(models, "qwen3_moe", "megatron", *flags)
+    native = make_trainer(models, "qwen3_moe", "native", *flags)
+    samples = make_samples(routes=True)
+    # the replayed forward is the native trainer's replayed forward, and replay changes it
+    replayed = log_probs(megatron, samples, "train")
+    assert (replayed - log_probs(native, samples, "train")).abs().max() < 1e-5
+    assert (replayed - log_probs(make_trainer(models, "qwen3_moe", "megatron"), samples, "train")).abs().max() > 1e-3
+    calls = _routing_maps(megatron)
+    metrics = megatron.train(samples)
+    assert metrics["train/grad_norm"] > 0
+    # old-logprob and train passes over 2 micro-batches, 2 MoE layers each (+ the recomputed train pass)
+    assert len(calls) == (12 if recompute else 8)
+    micro_batches = {2 * max(len(s.tokens) for s in micro): micro for micro in (samples[:2], samples[2:])}
+    assert len(micro_batches) == 2  # a micro-batch is told apart by its row count ([S * B, experts])
+    for layer, routing_map in calls:
+        micro = micro_batches[routing_map.shape[0]]
+        expected, compared = _expected_map(micro, layer, max(len(s.tokens) for s in micro))
+        assert int(compared.sum()) == sum(len(s.tokens) - 1 for s in micro)
+        assert torch.equal(routing_map[compared], expected[compared]), layer
+    for layer in (0, 1):
+        weight = megatron.model.gpt.decoder.layers[layer].mlp.router.weight
+        assert weight.grad is not None and float(weight.grad.abs().sum()) > 0
+    # the same step on the native trainer (also replaying): same loss, gradient norm and weights
+    want = native.train(samples)
+    assert metrics["train/loss"] == pytest.approx(want["train/loss"], abs=1e-5)
+    assert metrics["train/grad_norm"] == pytest.approx(want["train/grad_norm"], abs=1e-5)
+    expected_weights = dict(native.named_weights_for_rollout())
+    exported = dict(megatron.named_weights_for_rollout())
+    assert max(float((exported[k] - expected_weights[k]).abs().max()) for k in expected_weights) < 1e-5
+
+
+def test_replay_ids_without_a_routing_plugin_go_through_router_replay(models):
+    """``RoutingContext.replay_expert_ids`` alone (no routing plugin) is replayed too."""
+    from miles_r3.replay import replay_ids_for_batch
+
+    megatron = make_trainer(models, "qwen3_moe", "megatron")
+    assert not megatron.model.replay.routing_hooks.active
+    samples = make_samples(routes=True)[:2]
+    calls = _routing_maps(megatron)
+    batch = megatron.pack(samples, "train")
+    batch.routing.replay_expert_ids.update(
+        replay_ids_for_batch(samples, [s.rollout_routed_experts for s in samples], [0, 1], TOP_K, torch.device("cpu"))
+    )
+    megatron.response_log_probs(megatron.model, batch)[0].sum().backward()
+    seq_len = max(len(s.tokens) for s in samples)
+    for layer, routing_map in calls:
+        expected, compared = _expected_map(samples, layer, seq_len)
+        assert torch.equal(routing_map[compared], expected[compared])
+    assert float(megatron.model.gpt.decoder.layers[0].mlp.router.weight.grad.abs().sum()) > 0
+
+
+def test_parallel_sizes_above_one_are_refused_clearly(models):
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2.*(CUDA|one trainer process)"):
+        make_trainer(models, "qwen3", "megatron", "--tensor-model-parallel-size", "2")
+
+
+def test_short_quickstart_run_with_save_and_resume(tmp_path):
+    from miles_host.cli.main import main
+    from miles_host.models import load_pretrained
+    from miles_host.quickstart_preset import QUICKSTART_DIR
+
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text("".join((QUICKSTART_DIR / "data" / "eval.jsonl").read_text().splitlines(True)[:8]))
+    common = ["--train-backend", "megatron", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+              "--eval-prompt-data", "addition", str(evaluation), "--no-progress", "--save", str(tmp_path / "ckpt")]
+    out = tmp_path / "out"
+    assert main(["run", *common, "--num-rollout", "2", "--output-dir", str(out),
+                 "--save-hf", str(tmp_path / "hf")]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["rollout_id"] in (0, 1) and "train/loss" in r]
+    assert len(steps) == 2 and all(r["train/grad_norm"] > 0 for r in steps)
+    # the megatron trainer's log-probs are the (native) engine's up to float32 rounding
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps)
+    saved = load_pretrained(tmp_path / "hf").state_dict()
+    initial = load_pretrained(QUICKSTART_DIR / "model").state_dict()
+    assert saved.keys() == initial.keys() and any(not torch.equal(saved[k], initial[k]) for k in saved)
+    resumed = tmp_path / "resumed"
+    assert main(["run", *common, "--num-rollout", "3", "--output-dir", str(resumed), "--load", str(tmp_path / "ckpt")]) == 0
+    assert [json.loads(line)["rollout_id"] for line in (resumed / "metrics.jsonl").read_text().splitlines()][0] == 2
