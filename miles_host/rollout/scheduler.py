@@ -110,8 +110,17 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         batch = ScheduledBatch(sequences=[], is_prefill=False)
         kept: list[Sequence] = []
+        manager = self.block_manager
+        block_size, ref_counts = manager.block_size, manager.ref_counts
+        plain = self.num_lookahead_tokens == 0
         while self.running and len(kept) < self.max_num_seqs:
             seq = self.running.popleft()
+            if plain:  # fast path: the new token's slot is in a block this sequence owns alone
+                index = (len(seq.token_ids) - 1) // block_size
+                table = seq.block_table
+                if index < len(table) and ref_counts[table[index]] == 1:
+                    kept.append(seq)
+                    continue
             while not self.block_manager.can_append(seq, self.num_lookahead_tokens):
                 if self.running:
                     self.preempt(self.running.pop())
