@@ -37,6 +37,7 @@ model (linear weights and total, state dict and resident) is printed as well.
 from __future__ import annotations
 
 import argparse
+import math
 import gc
 import json
 import os
@@ -182,7 +183,16 @@ def check_quantized(model: torch.nn.Module, name: str) -> str:
         if not module.use_kernel:
             raise Unusable("int4: torch's int4 kernel does not take these weights here (the packed path would "
                            "fall back to dequantize + matmul)")
-        expected = F.linear(x.float(), dequantize_packed(module.weight_packed, module.weight_scale, torch.float32))
+        from miles_int4.rollout import Int4Linear
+
+        # the packed module keeps only the kernel layout: check the kernel on a linear of the same
+        # shape against the dequantized compressed-tensors form of the same weights
+        source = torch.nn.Linear(module.in_features, module.out_features, bias=False).to(device=device, dtype=dtype)
+        reference = Int4Linear(source, module.group_size, use_kernel=False)
+        checked = Int4Linear(source, module.group_size, use_kernel=True)
+        checked.refresh(dtype)
+        expected = F.linear(x.float(), dequantize_packed(reference.weight_packed, reference.weight_scale, torch.float32))
+        module = checked
     else:
         from miles_fp8.gemm import block_scaled_mm_ref
         from miles_fp8.quant import quantize_act_ref
@@ -203,14 +213,14 @@ def check_quantized(model: torch.nn.Module, name: str) -> str:
 def weight_memory(model: torch.nn.Module, precision: str) -> dict:
     """Bytes of the rollout model's weights.
 
-    ``linear_state``: linear weights as the state dict holds them (what weight sync and
-    checkpoints move); ``linear_resident``: plus private kernel copies (the INT4 packed
-    path keeps the weights a second time in the kernel's layout); ``linear_read``: what
-    one forward reads (the kernel copy instead of the compressed buffers);
+    ``linear_state``: linear weights in the synced (compressed-tensors) form, what weight
+    sync and checkpoints move; ``linear_resident``: what the module holds in memory (its
+    tensors plus, on the INT4 packed path, the kernel-layout weights it keeps instead of
+    the compressed buffers); ``linear_read``: what one forward reads;
     ``other``: the remaining parameters (tied embedding/lm_head, norms).
     """
     classes = tuple(quantized_classes().values())
-    linear_state = linear_kernel = linear_read = 0
+    linear_state = linear_held = linear_kernel = linear_read = 0
     linear_params: set[int] = set()
     num_linears = num_quantized = 0
     for name, module in model.named_modules():
@@ -220,16 +230,20 @@ def weight_memory(model: torch.nn.Module, precision: str) -> dict:
         num_linears += 1
         num_quantized += int(is_quantized)
         own = [t for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)] if t is not None]
-        state = sum(t.numel() * t.element_size() for t in own)
+        held = sum(t.numel() * t.element_size() for t in own)
         linear_params.update(id(t) for t in own)
+        # names a module loads itself (miles-int4's packed path): synced, but held only in the kernel layout
+        sinks = module.miles_weight_sinks() if hasattr(module, "miles_weight_sinks") else {}
+        synced = sum(math.prod(sink.shape) * torch.empty((), dtype=sink.dtype).element_size() for sink in sinks.values())
         kernel = 0
-        kernel_state = getattr(module, "_kernel_state", None) if getattr(module, "use_kernel", False) else None
-        if kernel_state is not None:  # miles-int4's kernel-layout copies (PackedInt4 per weight)
-            for packs in kernel_state[1].values():
-                for pack in packs:
-                    kernel += pack.weight.numel() * pack.weight.element_size()
-                    kernel += pack.scales_and_zeros.numel() * pack.scales_and_zeros.element_size()
+        kernel_copies = getattr(module, "_kernel_copies", None) if getattr(module, "use_kernel", False) else None
+        for packs in (kernel_copies or {}).values():  # miles-int4's kernel-layout weights (PackedInt4 each)
+            for pack in packs:
+                kernel += pack.weight.numel() * pack.weight.element_size()
+                kernel += pack.scales_and_zeros.numel() * pack.scales_and_zeros.element_size()
+        state = held + synced
         linear_state += state
+        linear_held += held
         linear_kernel += kernel
         if kernel:
             bias = getattr(module, "bias", None)
@@ -239,8 +253,8 @@ def weight_memory(model: torch.nn.Module, precision: str) -> dict:
     other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in linear_params)
     return dict(
         precision=precision, num_linears=num_linears, num_quantized=num_quantized,
-        linear_state=linear_state, linear_resident=linear_state + linear_kernel, linear_read=linear_read,
-        other=other, total_state=linear_state + other, total_resident=linear_state + linear_kernel + other,
+        linear_state=linear_state, linear_resident=linear_held + linear_kernel, linear_read=linear_read,
+        other=other, total_state=linear_state + other, total_resident=linear_held + linear_kernel + other,
         step_read=linear_read + other,
     )
 

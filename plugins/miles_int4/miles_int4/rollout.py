@@ -5,29 +5,30 @@
 :class:`Int4Experts`. Their state is compressed-tensors' triple per weight,
 ``<name>_packed`` (int32, 8 nibbles each), ``<name>_scale`` (bf16) and
 ``<name>_shape`` (int64), exactly what :func:`convert_for_rollout` emits at weight
-sync, so the engine's ordinary ``update_weights`` (``copy_`` by name) loads it.
+sync, so the engine's ordinary ``update_weights`` (by name) loads it.
 
 Two GEMMs, chosen by ``--int4-rollout-gemm``:
 
 - ``dequant``: dequantize (the QAT forward's own formula) then ``F.linear``. The
   rollout logits equal the QAT training forward's bit for bit.
-- ``packed``: torch's int4 kernels (:mod:`miles_int4.kernels`) on a copy of the
-  weights in the kernel's layout, re-packed in place after every weight update
-  (CUDA-graph safe when the host calls :func:`refresh_int4_weights`; otherwise the
-  next eager forward notices the new weights through the tensors' version counters).
-  Layers whose shape the kernel does not take fall back to ``dequant``.
+- ``packed``: torch's int4 kernels (:mod:`miles_int4.kernels`) on the weights in
+  the kernel's layout only: the module claims the compressed-tensors names as weight
+  sinks and repacks what a sync sends in place (CUDA-graph safe). Layers whose shape
+  the kernel does not take fall back to ``dequant``.
 
 ``auto`` (default) is ``packed`` on CUDA unless ``--true-on-policy``, else ``dequant``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from miles_host.models.mlp import Experts, routed_forward
+from miles_host.rollout.weights import WeightSink
 from miles_int4.kernels import PackedInt4, int4_mm, kernel_supports, pack_for_kernel
 from miles_int4.quant import check_groupable, compress, dequantize_packed, pack_int32, quantize, unpack_int32
 from miles_int4.settings import int4_settings
@@ -35,49 +36,88 @@ from miles_int4.targets import is_target, target_parameters
 
 
 class _Int4Weights(torch.nn.Module):
-    """Shared state handling: compressed-tensors buffers per weight and their kernel copies."""
+    """INT4 weights held one of two ways.
+
+    ``dequant``: compressed-tensors buffers (``<name>_packed``, ``_scale``, ``_shape``),
+    updated by ``copy_`` at weight sync. ``packed``: only the int4 kernel's layout;
+    the module claims the three names as weight sinks (:mod:`miles_host.rollout.weights`),
+    stages what a sync sends and repacks it in place (addresses kept: captured CUDA
+    graphs read them), so the weights are held once.
+    """
+
+    def _setup_int4(self, device: torch.device) -> None:
+        self._device = device
+        self._staged: dict[str, dict[str, torch.Tensor]] = {}
+        self._sink_specs: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._expected_shape: dict[str, list[int]] = {}
+        self._kernel_copies: dict[str, list[PackedInt4]] = {}
+        self._act_dtype: torch.dtype | None = None
 
     def _register_int4(self, name: str, weight: torch.Tensor, group_size: int) -> None:
         q, scale = quantize(weight, group_size)
-        self.register_buffer(f"{name}_packed", pack_int32(q))
-        self.register_buffer(f"{name}_scale", scale)
-        self.register_buffer(f"{name}_shape", torch.tensor(list(weight.shape), dtype=torch.int64, device=weight.device))
+        packed = pack_int32(q)
+        shape = torch.tensor(list(weight.shape), dtype=torch.int64, device=weight.device)
+        if not self.use_kernel:
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", scale)
+            self.register_buffer(f"{name}_shape", shape)
+            return
+        self._sink_specs[name] = {
+            part: (tuple(t.shape), t.dtype) for part, t in (("packed", packed), ("scale", scale), ("shape", shape))
+        }
+        self._expected_shape[name] = list(weight.shape)
+        self._staged[name] = {"packed": packed, "scale": scale}
 
     def _dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_packed(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), dtype)
 
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f"{n}_{s}")._version for n in self.int4_names for s in ("packed", "scale"))
-
     def _kernels(self, act_dtype: torch.dtype) -> dict[str, list[PackedInt4]]:
-        if self._kernel_state is None or self._kernel_state[0] != self._versions():
+        if self._staged:
             self.refresh(act_dtype)
-        return self._kernel_state[1]
+        return self._kernel_copies
+
+    # -- weight sync (packed path) ---------------------------------------------------
+
+    def miles_weight_sinks(self) -> dict[str, WeightSink]:
+        """The compressed-tensors names this module loads itself (packed path only)."""
+        if not self.use_kernel:
+            return {}
+        sinks = {}
+        for name, parts in self._sink_specs.items():
+            for part, (shape, dtype) in parts.items():
+                sinks[f"{name}_{part}"] = WeightSink(shape, dtype, self._device, partial(self._receive, name, part))
+        return sinks
+
+    def _receive(self, name: str, part: str, tensor: torch.Tensor) -> None:
+        if part == "shape":
+            if tensor.tolist() != self._expected_shape[name]:
+                raise ValueError(f"INT4 weight {name}: synced shape {tensor.tolist()}, expected {self._expected_shape[name]}")
+            return
+        # a copy: the sender may reuse its buffer before the other half of the pair arrives
+        self._staged.setdefault(name, {})[part] = tensor.clone()
 
     @torch.no_grad()
     def refresh(self, act_dtype: torch.dtype | None = None) -> None:
-        """Re-pack the kernel copies from the compressed-tensors buffers (in place when they exist)."""
+        """Repack every staged ``(packed, scale)`` pair into the kernel copies (in place when they exist)."""
         if not self.use_kernel:
             return
-        old = self._kernel_state[1] if self._kernel_state is not None else None
-        act_dtype = act_dtype or (old[self.int4_names[0]][0].scales_and_zeros.dtype if old else torch.float32)
-        kernels: dict[str, list[PackedInt4]] = {}
-        for name in self.int4_names:
-            q = unpack_int32(getattr(self, f"{name}_packed"))
+        self._act_dtype = act_dtype or self._act_dtype or torch.float32
+        for name in [n for n, parts in self._staged.items() if {"packed", "scale"} <= parts.keys()]:
+            parts = self._staged.pop(name)
+            q = unpack_int32(parts["packed"])
             q = q.reshape(-1, *q.shape[-2:])  # [E or 1, N, K]
-            scale = getattr(self, f"{name}_scale")
-            scale = scale.reshape(-1, *scale.shape[-2:])
-            fresh = [pack_for_kernel(q[i], scale[i], act_dtype) for i in range(q.shape[0])]
-            if old is not None and old[name][0].weight.device == fresh[0].weight.device:
-                for mine, new in zip(old[name], fresh):  # keep addresses: captured CUDA graphs read these
+            scale = parts["scale"].reshape(-1, *parts["scale"].shape[-2:])
+            fresh = [pack_for_kernel(q[i], scale[i], self._act_dtype) for i in range(q.shape[0])]
+            old = self._kernel_copies.get(name)
+            if old is not None and old[0].weight.device == fresh[0].weight.device:
+                for mine, new in zip(old, fresh):  # keep addresses: captured CUDA graphs read these
                     mine.weight.copy_(new.weight)
                     mine.scales_and_zeros.copy_(new.scales_and_zeros)
-                fresh = old[name]
-            kernels[name] = fresh
-        self._kernel_state = (self._versions(), kernels)
+            else:
+                self._kernel_copies[name] = fresh
 
     def miles_weights_updated(self) -> None:
-        """Called by the host after an in-place weight update (see :func:`refresh_int4_weights`)."""
+        """Called by the host after a weight update (see :func:`refresh_int4_weights`)."""
         self.refresh()
 
 
@@ -90,10 +130,10 @@ class Int4Linear(_Int4Weights):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.group_size = group_size
+        self.use_kernel = use_kernel and kernel_supports(self.out_features, self.in_features, linear.weight.device)
+        self._setup_int4(linear.weight.device)
         self._register_int4("weight", linear.weight.detach(), group_size)
         self.bias = linear.bias
-        self.use_kernel = use_kernel and kernel_supports(self.out_features, self.in_features, linear.weight.device)
-        self._kernel_state = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
@@ -120,13 +160,13 @@ class Int4Experts(_Int4Weights):
         self.num_experts = experts.num_experts
         self.act = experts.act
         self.group_size = group_size
-        for name in self.int4_names:
-            self._register_int4(name, getattr(experts, name).detach(), group_size)
         device = experts.gate_up_proj.device
         self.use_kernel = use_kernel and all(
             kernel_supports(*getattr(experts, name).shape[1:], device) for name in self.int4_names
         )
-        self._kernel_state = None
+        self._setup_int4(device)
+        for name in self.int4_names:
+            self._register_int4(name, getattr(experts, name).detach(), group_size)
 
     def _expert_linear(self, x: torch.Tensor, name: str, expert: int, cache: dict) -> torch.Tensor:
         if self.use_kernel:

@@ -51,8 +51,9 @@ def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.
     Every name and shape is checked before anything is copied, so a bad update
     (ValueError naming the tensor) leaves the weights untouched.
     """
-    targets = dict(model.named_parameters())
-    targets.update(dict(model.named_buffers()))
+    from miles_host.rollout.weights import weight_targets
+
+    targets = weight_targets(model)  # parameters, buffers and names modules load themselves (INT4 kernels)
     tied = getattr(model, "lm_head", 0) is None
     plan = []
     for name, tensor in named:
@@ -65,7 +66,13 @@ def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.
                     f"weight {name!r} matches no parameter of the served model (neither a native name like "
                     f"{next(iter(targets))!r} nor an HF name its model family maps)"
                 )
-            destination = targets[native].data if index is None else targets[native].data[index]
+            target = targets[native]
+            if not isinstance(target, torch.Tensor):  # a module's weight sink takes whole tensors only
+                if index is not None:
+                    raise ValueError(f"weight {name!r} -> {native!r}: a slice of a weight the module loads itself")
+                destination = target
+            else:
+                destination = target.data if index is None else target.data[index]
             if tuple(destination.shape) != tuple(part.shape):
                 raise ValueError(
                     f"weight {name!r} -> {native!r} has shape {tuple(part.shape)}, the model expects {tuple(destination.shape)}"

@@ -89,8 +89,12 @@ def test_cuda_rollout_model_packed_vs_qat(tiny_checkpoints):
     with torch.no_grad():
         assert torch.equal(exact(ids), train(ids))
     # in-place refresh keeps kernel tensor addresses (what captured CUDA graphs read)
-    linear = next(m for m in modules if isinstance(m, Int4Linear))
-    address = linear._kernel_state[1]["weight"][0].weight.data_ptr()
-    linear.weight_packed.copy_(torch.roll(linear.weight_packed, 1, 0))
+    from miles_host.rollout.weights import copy_named_tensors
+    from miles_int4.quant import compress
+
+    name, linear = next((n, m) for n, m in rollout.named_modules() if isinstance(m, Int4Linear))
+    address = linear._kernel_copies["weight"][0].weight.data_ptr()
+    rolled = torch.roll(train.get_submodule(name).weight.detach(), 1, 0)
+    copy_named_tensors(rollout, compress(f"{name}.weight", rolled, 32))
     assert refresh_int4_weights(rollout) == len(modules)
-    assert linear._kernel_state[1]["weight"][0].weight.data_ptr() == address
+    assert linear._kernel_copies["weight"][0].weight.data_ptr() == address

@@ -141,14 +141,40 @@ def test_refresh_repacks_in_place_for_captured_graphs(tiny_checkpoints):
     train = INT4.prepare_train_model(load_pretrained(path), flags)
     rollout = INT4.prepare_rollout_model(load_pretrained(path), flags)
     experts = rollout.layers[1].mlp.experts
-    assert experts._kernel_state is not None  # built at prepare time, not inside a first (captured) forward
-    address = experts._kernel_state[1]["down_proj"][3].weight.data_ptr()
+    assert experts._kernel_copies and not experts._staged  # built at prepare time, not in a first (captured) forward
+    address = experts._kernel_copies["down_proj"][3].weight.data_ptr()
     _train_step(train, seed=7)
     _sync(train, rollout, flags)
     modules = [m for m in rollout.modules() if isinstance(m, (Int4Linear, Int4Experts))]
     assert refresh_int4_weights(rollout) == len(modules)
-    assert experts._kernel_state[0] == experts._versions()
-    assert experts._kernel_state[1]["down_proj"][3].weight.data_ptr() == address
+    assert not experts._staged
+    assert experts._kernel_copies["down_proj"][3].weight.data_ptr() == address
     ids, mask = _batch()
     with torch.no_grad():
         torch.testing.assert_close(rollout(ids, mask), train(ids, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rollout_holds_int4_weights_once(tiny_checkpoints):
+    """Packed path: no compressed-tensors buffers, only the kernel layout; the sync names
+    are claimed as weight sinks, so every synced name still has a destination."""
+    from miles_host.rollout.weights import weight_targets
+
+    path = tiny_checkpoints["qwen3_moe"]
+    flags = Flags(32, "all", rollout_gemm="packed")
+    train = INT4.prepare_train_model(load_pretrained(path), flags)
+    rollout = INT4.prepare_rollout_model(load_pretrained(path), flags)
+    assert not any(name.endswith(("_packed", "_scale", "_shape")) for name, _ in rollout.named_buffers())
+    synced = dict(INT4.convert_for_rollout(list(train.state_dict().items()), flags))
+    targets = weight_targets(rollout)
+    assert set(synced) == set(targets)
+    for name, tensor in synced.items():
+        assert (tuple(tensor.shape), tensor.dtype) == (tuple(targets[name].shape), targets[name].dtype), name
+    # a half-sent pair waits for its other half; a wrong shape triple is refused by name
+    linear = rollout.layers[0].attn.qkv_proj
+    packed = synced["layers.0.attn.qkv_proj.weight_packed"]
+    copy_named_tensors(rollout, [("layers.0.attn.qkv_proj.weight_packed", packed)])
+    assert set(linear._staged["weight"]) == {"packed"}
+    copy_named_tensors(rollout, [("layers.0.attn.qkv_proj.weight_scale", synced["layers.0.attn.qkv_proj.weight_scale"])])
+    assert not linear._staged
+    with pytest.raises(ValueError, match="qkv_proj|weight"):
+        copy_named_tensors(rollout, [("layers.0.attn.qkv_proj.weight_shape", torch.tensor([1, 2]))])
