@@ -127,6 +127,17 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
+class _PackedLogProbs(torch.nn.Module):
+    """``model.packed_log_probs`` as a forward (for ``torch.func.functional_call``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model.packed_log_probs(*args, **kwargs)
+
+
 class NativeTrainer:
     """Trains the policy in this process (CPU or one GPU)."""
 
@@ -154,9 +165,8 @@ class NativeTrainer:
         self.convert_for_rollout = precision.convert_for_rollout
         if config.true_on_policy and self.device.type == "cuda":
             logger.warning(
-                "--true-on-policy on CUDA: the batch-invariant path is the per-token PyTorch reference (slow), and "
-                "the trainer's fp32-master + bf16-autocast forward does not yet follow the engine's bf16 dtype flow, "
-                "so bitwise equality is only guaranteed on CPU float32 for now"
+                "--true-on-policy on CUDA: the batch-invariant path is the per-token PyTorch reference, exact but "
+                "slow (batch-invariant GPU kernels are not written yet)"
             )
         if config.train_compile and config.true_on_policy:
             # compiled kernels would not compute what the engine's eager per-token path does
@@ -231,18 +241,39 @@ class NativeTrainer:
             attention=PackedAttention(batch.cu_seqlens), routing=batch.routing,
             batch_invariant=bool(self.config.true_on_policy),
         )
-        with self._autocast():
-            log_probs_T, entropy_T = model.packed_log_probs(
-                batch.input_ids_T,
-                batch.positions_T,
-                batch.cu_seqlens,
-                batch.target_ids_T,
-                temperature=self.config.rollout_temperature or 1.0,
-                ctx=ctx,
-                return_entropy=with_entropy,
-            )
+        args = (batch.input_ids_T, batch.positions_T, batch.cu_seqlens, batch.target_ids_T)
+        kwargs = dict(temperature=self.config.rollout_temperature or 1.0, ctx=ctx, return_entropy=with_entropy)
+        engine_dtype = self._true_on_policy_dtype(model)
+        if engine_dtype is not None:
+            log_probs_T, entropy_T = self._forward_in_engine_dtype(model, engine_dtype, args, kwargs)
+        else:
+            with self._autocast():
+                log_probs_T, entropy_T = model.packed_log_probs(*args, **kwargs)
         entropy = entropy_T[batch.response_index_R] if entropy_T is not None else None
         return log_probs_T[batch.response_index_R], entropy
+
+    def _true_on_policy_dtype(self, model: torch.nn.Module) -> torch.dtype | None:
+        """``--true-on-policy`` with an engine dtype other than the master weights' (bf16
+        rollout, float32 master): the dtype the trainer's forward must compute in."""
+        if not self.config.true_on_policy:
+            return None
+        from miles_host.rollout_backend import resolve_dtype
+
+        dtype = resolve_dtype(self.config, self.device)
+        master = next(model.parameters()).dtype
+        return dtype if dtype != master else None
+
+    @staticmethod
+    def _forward_in_engine_dtype(model: torch.nn.Module, dtype: torch.dtype, args, kwargs):
+        """The engine's dtype flow: weights cast as the engine loads them (router kept in
+        float32 where the family says so), no autocast; gradients reach the master weights
+        through the casts."""
+        from miles_host.models.loading import cast_like_loaded
+
+        wrapper = _PackedLogProbs(model)
+        tensors = {f"model.{name}": tensor for name, tensor in cast_like_loaded(model, dtype).items()}
+        with torch.autocast(next(model.parameters()).device.type, enabled=False):
+            return torch.func.functional_call(wrapper, tensors, args, kwargs, tie_weights=True, strict=False)
 
     @torch.no_grad()
     def _log_probs_without_grad(self, model, samples: list[Sample], phase: str) -> list[torch.Tensor]:

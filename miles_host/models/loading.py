@@ -175,6 +175,14 @@ def _drop_absent_mtp(model: CausalLM, written: dict[str, int]) -> None:
         model.config.num_mtp_layers = 0
 
 
+def _stays_fp32(module: torch.nn.Module, attribute: str) -> bool:
+    """Tensors a model of any dtype keeps in float32: the router's weight when the
+    family routes in fp32, and the expert-choice bias."""
+    return isinstance(module, Router) and (
+        (attribute == "weight" and module.keep_fp32) or attribute == "expert_bias"
+    )
+
+
 def _cast(model: CausalLM, dtype: torch.dtype) -> None:
     model.to(dtype)
     for module in model.modules():
@@ -183,6 +191,25 @@ def _cast(model: CausalLM, dtype: torch.dtype) -> None:
                 module.weight.data = module.weight.data.float()
             if module.expert_bias is not None:
                 module.expert_bias = module.expert_bias.float()
+
+
+def cast_like_loaded(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's parameters and floating buffers as :func:`load_pretrained` would hold
+    them in ``dtype`` (float32 where :func:`_stays_fp32`), by name. The casts are
+    differentiable: a forward on them (``torch.func.functional_call``) sends gradients
+    to the original (e.g. float32 master) parameters."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for attribute, tensor in tensors:
+            if tensor is None:
+                continue
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            if not tensor.dtype.is_floating_point:
+                out[name] = tensor
+            else:
+                out[name] = tensor.float() if _stays_fp32(module, attribute) else tensor.to(dtype)
+    return out
 
 
 def load_pretrained(

@@ -71,3 +71,24 @@ def test_moe_with_routing_replay_is_exactly_on_policy(moe_policy, mixed_data, tm
     for row in rows:
         assert row[DIFF] == 0.0 and row[DIFF_MAX] == 0.0, row
         assert row.get("r3/expert_agreement", 1.0) == 1.0
+
+
+def test_bf16_engine_with_float32_master_weights_is_exactly_on_policy(moe_policy, mixed_data, tmp_path):
+    """The GPU dtype flow on CPU: the engine in bf16, the trainer's master weights in float32.
+    With the flag the trainer's forward runs on the weights cast as the engine loads them."""
+    for name, model, extra in (
+        ("dense", QUICKSTART_MODEL, ("--micro-batch-size", "5")),
+        ("moe", moe_policy, ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "40")),
+    ):
+        out = tmp_path / name
+        out.mkdir()
+        rows = grpo_rows(model, mixed_data, out, "--true-on-policy", "--dtype", "bfloat16", *extra)
+        for row in rows:
+            assert row[DIFF] == 0.0 and row[DIFF_MAX] == 0.0, (name, row)
+            assert row["train/ppo_kl"] == 0.0
+    # without the flag the bf16 engine and the float32 trainer differ (what the flag removes)
+    out = tmp_path / "dense_off"
+    out.mkdir()
+    rows = grpo_rows(QUICKSTART_MODEL, mixed_data, out, "--dtype", "bfloat16", "--micro-batch-size", "5")
+    assert all(row[DIFF] > 0.0 for row in rows)
+    print(f"\nbf16 engine, float32 trainer, no flag: abs diff mean {[r[DIFF] for r in rows]}, max {[r[DIFF_MAX] for r in rows]}")
