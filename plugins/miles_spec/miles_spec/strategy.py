@@ -171,7 +171,8 @@ class EagleStrategy:
         )
         routing = RoutingContext(phase="rollout")
         routing.extra["capture"] = want_routes
-        hidden_TH = model.forward_hidden(input_ids_T, positions_T, ForwardContext(attention=attention, routing=routing))
+        context = ForwardContext(attention=attention, routing=routing, fused_kernels=self.engine.runner.fused_kernels)
+        hidden_TH = model.forward_hidden(input_ids_T, positions_T, context)
         logits_BJV = model.compute_logits(hidden_TH).view(len(seqs), k + 1, -1)
         target_probs_BJV, target_logprobs_BJV = distributions(logits_BJV, rows, banned_BJV)
         verdict = accept(target_probs_BJV, target_logprobs_BJV, draft_probs_BKV, drafts_BK, rows.generators)
