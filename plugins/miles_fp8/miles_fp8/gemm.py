@@ -56,7 +56,20 @@ def _check_operands(a_q, a_scale, b_q, b_scale) -> None:
 
 
 def _scaled_mm_cublas(a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
-    """cuBLAS 1x128 x 128x128 block scaling (the layout PyTorch's own tests use)."""
+    """cuBLAS 1x128 x 128x128 block scaling (the layout PyTorch's own tests use).
+
+    cuBLAS wants the token count a multiple of 4 (callers elsewhere zero-pad it too):
+    rows are padded with zeros (scale 1) and cut from the output.
+    """
+    rows = a_q.shape[0]
+    pad_rows = -rows % 4
+    if pad_rows:
+        a_q = torch.cat([a_q, torch.zeros(pad_rows, a_q.shape[1], dtype=a_q.dtype, device=a_q.device)])
+        a_scale = torch.cat([a_scale, torch.ones(pad_rows, a_scale.shape[1], dtype=a_scale.dtype, device=a_scale.device)])
+    return _scaled_mm_cublas_rows4(a_q, a_scale, b_q, b_scale, out_dtype)[:rows]
+
+
+def _scaled_mm_cublas_rows4(a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
     a_scale = a_scale.float().t().contiguous().t()  # 1x128 scales must be outer-dim-major
     b_q = b_q.contiguous()  # mat2 = b_q.t() must be column-major
     scaled_mm = getattr(F, "scaled_mm", None)
