@@ -42,6 +42,8 @@ class Fsdp2Trainer(DataParallelTrainer):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the mesh and FSDP's streams use the current device
         mesh = init_device_mesh(self.device.type, (world,))
         for layer in self.model.layers:
             fully_shard(layer, mesh=mesh)
