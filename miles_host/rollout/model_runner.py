@@ -20,7 +20,7 @@ from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
 from miles_host.rollout.kv_cache import PagedKVCache
-from miles_host.rollout.sampler import SamplingBatch, sample
+from miles_host.rollout.sampler import SamplingBatch, sample, seeded_uniform
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence
 
@@ -220,7 +220,8 @@ class ModelRunner:
                 index = torch.tensor([batch.sample_from[r] - first for r in sub], dtype=torch.long)
                 samplers = [batch.samplers[r] for r in sub]
                 sampling = self._sampling_batch(samplers, logits_BV.device)
-                token_B, logprob_B = sample(logits_BV.index_select(0, index.to(logits_BV.device)), sampling)
+                uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
+                token_B, logprob_B = sample(logits_BV.index_select(0, index.to(logits_BV.device)), sampling, uniforms_B)
                 # One device-to-host copy per sampling group: the only sync of the step.
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
@@ -245,6 +246,24 @@ class ModelRunner:
         host = self._routes_host[start:start + numel].view(routes_TLK.shape)
         host.copy_(routes_TLK, non_blocking=True)
         return host
+
+    @staticmethod
+    def _uniforms(samplers: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One ``U[0, 1)`` number per row: from (sampling_seed, sample index, output position)
+        for seeded requests, from torch's global CPU generator otherwise; one small copy."""
+        values: list[float] = []
+        unseeded: list[int] = []
+        for row, seq in enumerate(samplers):
+            seed = seq.params.sampling_seed
+            if seed is None:
+                unseeded.append(row)
+                values.append(0.0)
+            else:
+                values.append(seeded_uniform(seed, seq.sample_index, seq.num_output_tokens))
+        uniforms_B = torch.tensor(values, dtype=torch.float32)
+        if unseeded:
+            uniforms_B[unseeded] = torch.rand(len(unseeded))
+        return uniforms_B.to(device, non_blocking=True)
 
     def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
         """The rows' sampling settings; reused while the same requests decode together."""

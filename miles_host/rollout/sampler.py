@@ -3,11 +3,14 @@
 The returned logprob of a token is ``log_softmax(logits / temperature)`` at that
 token (``log_softmax(logits)`` when greedy), taken before top-k / top-p / min-p
 truncation: exactly what the trainer recomputes from the same logits.
-Sampling uses the exponential race (``argmax(log p - log E)``, ``E ~ Exp(1)``
-per vocabulary entry), equivalent to drawing from the truncated, renormalised
-distribution, with no ``.item()`` and no ``multinomial``. Noise is drawn in
-vocabulary order from the request's own generator when it has a
-``sampling_seed``, so its tokens do not depend on the rest of the batch.
+A token is drawn by inverting the CDF of the truncated, renormalised distribution
+at one uniform number per row (no ``.item()``, no ``multinomial``). A request
+with a ``sampling_seed`` gets its uniform from a counter-based hash of (seed,
+sample index, output position) computed on the host (:func:`seeded_uniform`),
+so its tokens depend neither on the rest of the batch nor on how many steps ran
+before, and the whole batch needs one small host-to-device copy instead of one
+random-number kernel per seeded row.
+:func:`exponential_noise` (the exponential race) stays for speculative decoding.
 
 Tensor legend: B = rows (sequences being sampled), V = vocabulary.
 """
@@ -106,8 +109,39 @@ def exponential_noise(
     return noise_BV
 
 
-def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (token ids ``[B]``, their logprobs ``[B]``) for one step, on device."""
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, stream: int, position: int) -> float:
+    """A uniform number in ``[0, 1)`` (a multiple of 2**-24, exact in float32) determined by
+    ``(seed, stream, position)`` alone (splitmix64 of the three, platform independent)."""
+    x = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ (stream & _MASK64)) ^ (position & _MASK64))
+    return (x >> 40) * 2.0**-24
+
+
+def row_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """``U[0, 1)`` ``[B]`` from each row's generator (the global one where None)."""
+    uniforms_B = torch.rand(len(generators), device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms_B[row] = torch.rand(1, device=device, generator=generator)[0]
+    return uniforms_B
+
+
+def sample(
+    logits_BV: torch.Tensor, batch: SamplingBatch, uniforms_B: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (token ids ``[B]``, their logprobs ``[B]``) for one step, on device.
+
+    ``uniforms_B``: the rows' ``U[0, 1)`` numbers (default: from ``batch.generators``).
+    """
     logits_BV = logits_BV.float()
     choice_BV = logits_BV
     if any(batch.banned):
@@ -122,14 +156,20 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
     scaled_BV = logits_BV if batch.all_unit_temperature else logits_BV / batch.temperature_B[:, None]
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
     keep_BV = truncation_mask(logprobs_BV, batch.top_k_B, batch.top_p_B, batch.min_p_B)
-    noise_BV = exponential_noise(tuple(logits_BV.shape), batch.generators, logits_BV.device)
-    race_BV = logprobs_BV - noise_BV.log()
+    probs_BV = logprobs_BV.exp()
     if keep_BV is not None:
-        race_BV = race_BV.masked_fill(~keep_BV, float("-inf"))
+        probs_BV = probs_BV.masked_fill(~keep_BV, 0.0)
     for row, token_ids in enumerate(batch.banned):
         if token_ids:
-            race_BV[row, token_ids] = float("-inf")
-    tokens_B = race_BV.argmax(dim=-1)
+            probs_BV[row, token_ids] = 0.0
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    if uniforms_B is None:
+        uniforms_B = row_uniforms(batch.generators, logits_BV.device)
+    target_B1 = uniforms_B.to(cdf_BV.dtype)[:, None] * cdf_BV[:, -1:]
+    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    # a target rounded up to the total (probability ~1e-7): the most likely kept token
+    vocab = logits_BV.shape[-1]
+    tokens_B = torch.where(tokens_B < vocab, tokens_B, probs_BV.argmax(dim=-1))
     if batch.any_greedy:
         tokens_B = torch.where(batch.greedy_B, choice_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

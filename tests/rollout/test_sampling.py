@@ -98,3 +98,44 @@ def test_invalid_sampling_params_are_value_errors():
                 {"n": 0}, {"max_new_tokens": -1}, {"stop": [""]}, {"temprature": 1.0}]:
         with pytest.raises(ValueError, match="sampling"):
             SamplingParams.from_any(bad)
+
+
+def test_seeded_uniform_is_splitmix64_and_uniform():
+    from miles_host.rollout.sampler import _splitmix64, seeded_uniform
+
+    # splitmix64's published first output from state 0 (Vigna's reference implementation)
+    assert _splitmix64(0) == 0xE220A8397B1DCDAF
+    values = torch.tensor([seeded_uniform(s, i, p) for s in range(20) for i in range(5) for p in range(200)],
+                          dtype=torch.float64)
+    assert values.min() >= 0.0 and values.max() < 1.0
+    assert torch.equal(values * 2**24, (values * 2**24).round())  # exact in float32
+    counts = torch.histc(values, bins=20, min=0.0, max=1.0)
+    assert chi_square_p_value(counts, torch.full((20,), 1 / 20, dtype=torch.float64)) > 1e-3
+    assert seeded_uniform(7, 0, 3) == seeded_uniform(7, 0, 3) != seeded_uniform(7, 1, 3) != seeded_uniform(7, 0, 4)
+
+
+@pytest.mark.parametrize("case", CASES[1:3])
+def test_seeded_uniforms_sample_the_truncated_softmax(case):
+    """The engine's per-request uniforms (seed, sample index, position) drive the same inverse-CDF draw."""
+    from miles_host.rollout.sampler import seeded_uniform
+
+    torch.manual_seed(0)
+    logits_V = torch.randn(64) * 0.8
+    rows = 20000
+    params = [SamplingParams(**case)] * rows
+    batch = SamplingBatch.build(params, [None] * rows, [[]] * rows, torch.device("cpu"))
+    uniforms = torch.tensor([seeded_uniform(1000 + r, 0, r % 7) for r in range(rows)], dtype=torch.float32)
+    tokens, _ = sample(logits_V.expand(rows, -1).contiguous(), batch, uniforms)
+    counts = torch.bincount(tokens, minlength=64)
+    assert chi_square_p_value(counts, reference_distribution(logits_V, **case)) > 1e-3
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_any_batch(qwen3_dense):
+    _, path = qwen3_dense
+    seeded = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}
+    other = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
+    alone = make_engine(path).generate([[4, 8, 15]], seeded)[0]["output_ids"]
+    crowd = make_engine(path, max_num_seqs=3).generate(
+        [[1, 2], [4, 8, 15], [9, 9, 9, 9], [3]], [other, seeded, other, other]
+    )[1]["output_ids"]
+    assert alone == crowd
