@@ -198,9 +198,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=str, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     models = ["tiny"] if args.tiny else args.models
-    rows = [bench(kind, args) for kind in models]
-    for row in rows:
-        print(json.dumps(row))
+    rows = []
+    for kind in models:  # print each model's row when it is done: a time limit keeps what finished
+        rows.append(bench(kind, args))
+        print(json.dumps(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
