@@ -125,6 +125,11 @@ class AlgorithmArgs:
     entropy_coef: float = flag(0.0, "entropy bonus weight", type=float, group="algorithm")
     calculate_per_token_loss: bool = flag(False, "token-level loss aggregation (default: per-sequence mean)", group="algorithm")
     use_rollout_logprobs: bool = flag(False, "use the rollout's logprobs as the old policy", group="algorithm")
+    old_logprob_pass: str = flag(
+        "auto", "recompute the old policy's log-probs before training: always, or auto (skipped when the rollout "
+        "is one optimizer step and nothing needs them first: the old policy is then the current one)",
+        type=str, choices=["auto", "always"], group="algorithm",
+    )
     use_tis: bool = flag(False, "truncated importance sampling", group="correction")
     tis_clip: float = flag(2.0, "TIS upper clip", type=float, aliases=["--tis-threshold"], group="correction")
     tis_clip_low: float = flag(0.0, "TIS lower clip", type=float, group="correction")

@@ -322,16 +322,18 @@ class NativeTrainer:
         samples = [s for s in samples if trainable(s)]
         if not samples:
             return {"train/skipped_no_samples": 1.0}
+        steps = self.config.num_steps_per_rollout or 1
+        global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
         self.model.eval()
-        old = self._log_probs_without_grad(self.model, samples, "old_logprob")
+        old = None  # None: the training forward's own log-probs, detached, are the old policy's
+        if self._needs_old_logprob_pass(len(samples) <= global_size):
+            old = self._log_probs_without_grad(self.model, samples, "old_logprob")
         ref = self._log_probs_without_grad(self.ref_model, samples, "ref") if self.ref_model is not None else None
         values = self._critic_values(samples) if self.critic is not None else None
         advantages, returns = self.advantages(samples, ref, old, values)
         for i, sample in enumerate(samples):
             sample.metadata["_train_index"] = i
         self.model.train()
-        steps = self.config.num_steps_per_rollout or 1
-        global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
         metrics: dict[str, list[float]] = {}
         for start in range(0, len(samples), global_size):
             chunk = samples[start : start + global_size]
@@ -341,6 +343,16 @@ class NativeTrainer:
             for key, value in step_metrics.items():
                 metrics.setdefault(key, []).append(value)
         return self._rollout_metrics(samples, metrics)
+
+    def _needs_old_logprob_pass(self, one_optimizer_step: bool) -> bool:
+        """Whether old log-probs must be computed before training. With one optimizer step
+        per rollout the weights do not change before every sample's loss is taken, so the
+        old policy's log-probs are the training forward's own (detached; TRL does the same),
+        unless a KL-shaped reward needs them for the advantages or ``--old-logprob-pass
+        always`` (plugins that record routes in that pass, R2, set it)."""
+        if self.config.old_logprob_pass == "always" or not one_optimizer_step:
+            return True
+        return bool(self.config.kl_coef and self.ref_model is not None)
 
     def _rollout_metrics(self, samples: list[Sample], metrics: dict[str, list[float]]) -> dict[str, float]:
         """Mean of each metric over the rollout's optimizer steps (and drop the batch indices)."""
@@ -421,14 +433,15 @@ class NativeTrainer:
             advantages=cat(advantages).float(),
             loss_mask=batch.per_token((s.loss_mask for s in micro), self.device),
             response_lengths=batch.response_lengths,
-            old_log_probs=cat(old),
+            old_log_probs=cat(old) if old is not None else None,
             rollout_log_probs=batch.per_token((s.rollout_log_probs for s in micro), self.device),
             ref_log_probs=cat(ref) if ref is not None else None,
             entropy=entropy.float() if entropy is not None else None,
         )
         loss, metrics = policy_loss(loss_batch, self.config, corrections=self.corrections)
         metrics = dict(metrics)
-        mismatch = mismatch_metrics(cat(old), loss_batch.rollout_log_probs, loss_batch.loss_mask)
+        old_B = cat(old) if old is not None else log_probs.detach().float()
+        mismatch = mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask)
         metrics.update({k: float(v) for k, v in mismatch.items()})
         for term in self.loss_terms:
             outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}

@@ -177,8 +177,9 @@ def test_r3_replays_the_rollout_experts_and_the_router_still_learns(models, reco
     calls = _routing_maps(megatron)
     metrics = megatron.train(samples)
     assert metrics["train/grad_norm"] > 0
-    # old-logprob and train passes over 2 micro-batches, 2 MoE layers each (+ the recomputed train pass)
-    assert len(calls) == (12 if recompute else 8)
+    # the train pass over 2 micro-batches, 2 MoE layers each (+ the recomputed train pass); one
+    # optimizer step, so no separate old-logprob pass (--old-logprob-pass auto)
+    assert len(calls) == (8 if recompute else 4)
     micro_batches = {2 * max(len(s.tokens) for s in micro): micro for micro in (samples[:2], samples[2:])}
     assert len(micro_batches) == 2  # a micro-batch is told apart by its row count ([S * B, experts])
     for layer, routing_map in calls:
