@@ -24,7 +24,8 @@ class EngineConfig:
     prefix cache; no CUDA graphs). ``enforce_eager``: no CUDA graphs.
     ``fused_kernels``: the Triton norm/rotary/activation kernels of
     :mod:`miles_host.kernels` in every forward (default: on CUDA with triton,
-    off in batch-invariant mode).
+    off in batch-invariant mode). ``overlap_schedule``: launch each plain decode step
+    before reading the previous one's tokens (:mod:`miles_host.rollout.overlap`).
     """
 
     device: torch.device
@@ -42,6 +43,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "torch"
     fused_kernels: bool | None = None
+    overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static < 1:

@@ -162,9 +162,12 @@ class DecodeGraphs:
         host[4 * bs:4 * bs + len(pairs)] = pairs
         return len(pairs) // 2
 
-    def replay(self, seqs: list[Sequence], capture_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def replay(
+        self, seqs: list[Sequence], capture_routes: bool, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states ``[len(seqs), H]`` of one decode step, and the captured routes
-        ``[len(seqs), moe_layers, K]`` int32 (None without capture or MoE layers)."""
+        ``[len(seqs), moe_layers, K]`` int32 (None without capture or MoE layers).
+        ``ids_override``: ``(rows, token ids)`` on the device replacing those rows' input tokens."""
         size = self.padded_size(len(seqs))
         assert size is not None
         key = (size, capture_routes)
@@ -174,6 +177,9 @@ class DecodeGraphs:
         num_pairs = self._stage(seqs, size)
         used = 4 * self.max_bs + 2 * num_pairs
         self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        if ids_override is not None:  # input tokens still on the device (the previous step's samples)
+            rows, values = ids_override
+            self._field(IDS, size).index_copy_(0, rows, values)
         if num_pairs:
             pairs = self.staged[4 * self.max_bs:used].view(num_pairs, 2)
             self.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1].to(torch.int32))

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.config import EngineConfig, resolve_config
 from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_gpu
@@ -108,6 +109,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._paused = False
         self._ready_outputs: list[dict[str, Any]] = []  # finished at submission, returned by step()
+        self._pending: overlap.PendingDecode | None = None  # a launched, unread decode step
         self._driver: asyncio.Task | None = None
         self._rid_counter = itertools.count()
         if self.device.type == "cuda":
@@ -267,17 +269,22 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while some request still has samples to generate (or outputs to hand back)."""
-        return bool(self._ready_outputs) or self.scheduler.has_work()
+        return bool(self._ready_outputs) or self._pending is not None or self.scheduler.has_work()
 
     def step(self) -> list[dict[str, Any]]:
-        """Run one scheduler step; return the outputs of samples that finished in it."""
+        """Run one scheduler step; return the outputs of samples that finished in it
+        (with ``overlap_schedule``: in the step before, read while this one runs)."""
         finished: list[dict[str, Any]] = self._ready_outputs
         self._ready_outputs = []
         if self._paused or not self.scheduler.has_work():
-            return finished
+            return finished + self._drain()
         batch = self.scheduler.schedule()
         if batch is None:
-            return finished
+            return finished + self._drain()
+        if self._overlaps(batch):
+            previous, self._pending = self._pending, overlap.launch(self.runner, batch, self._pending, self.device)
+            return finished + (self._collect(previous) if previous is not None else [])
+        finished += self._drain()
         for seq in batch.failed:
             finished.append(self._finish(seq, {
                 "type": "abort",
@@ -316,6 +323,39 @@ class Engine:
                 finished.append(self._finish(seq, reason))
         return finished
 
+    # ------------------------------------------------------------------ overlapped decode
+
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` is a plain decode step that may run overlapped."""
+        return (
+            self.config.overlap_schedule and not batch.is_prefill and not batch.failed and bool(batch.sequences)
+            and self.strategy is None and not self.config.batch_invariant
+            and not any(s.want_routed_experts for s in batch.sequences)
+        )
+
+    def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:
+        """Read a launched step's tokens, fill its placeholders, finish what stopped."""
+        result = self.runner.finish_decode(pending.tokens_B, pending.logprobs_B)
+        finished = []
+        for seq, position, token, logprob in zip(pending.batch.sequences, pending.positions,
+                                                 result.token_ids, result.logprobs):
+            if seq.status == SequenceStatus.FINISHED:
+                continue  # stopped at an earlier step; this row's work is discarded
+            overlap.resolve(seq, position, token, logprob)
+            if seq.status == SequenceStatus.RUNNING:  # (a preempted one holds no cache now)
+                seq.num_cached_tokens = position  # the launched step writes this token's K/V
+                self.block_manager.register_full_blocks(seq, position)
+            reason = self._finish_reason(seq, position)
+            if reason is not None:
+                overlap.truncate_after(seq, position)
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _drain(self) -> list[dict[str, Any]]:
+        """Read the launched step, if any (before anything that needs final token ids)."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending) if pending is not None else []
+
     def _strategy_step(self, batch: ScheduledBatch, want_routes: bool) -> list[dict[str, Any]]:
         """A decode step of the decoding strategy: possibly several tokens per sequence."""
         if batch.pending_copies:
@@ -350,26 +390,30 @@ class Engine:
             if seq is not parent and seq.want_routed_experts:
                 seq.routed_expert_chunks = list(parent.routed_expert_chunks)
 
-    def _finish_reason(self, seq: Sequence) -> dict[str, Any] | None:
+    def _finish_reason(self, seq: Sequence, position: int | None = None) -> dict[str, Any] | None:
+        """Why ``seq`` stops after its token at ``position`` (default: its last), or None."""
         params = seq.params
-        token = seq.token_ids[-1]
-        if seq.num_output_tokens >= params.min_new_tokens:
+        position = len(seq.token_ids) - 1 if position is None else position
+        token = seq.token_ids[position]
+        num_output = position + 1 - seq.num_prompt_tokens
+        if num_output >= params.min_new_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 return {"type": "stop", "matched": token}
             if params.stop:
-                matched = self._match_stop_string(seq)
+                matched = self._match_stop_string(seq, position + 1)
                 if matched is not None:
                     return {"type": "stop", "matched": matched}
-        if seq.num_output_tokens >= params.max_new_tokens:
+        if num_output >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
-        if len(seq) >= self.config.max_model_len:
-            return {"type": "length", "length": seq.num_output_tokens}
+        if position + 1 >= self.config.max_model_len:
+            return {"type": "length", "length": num_output}
         return None
 
-    def _match_stop_string(self, seq: Sequence) -> str | None:
+    def _match_stop_string(self, seq: Sequence, end: int | None = None) -> str | None:
         longest = max(len(s) for s in seq.params.stop)
+        end = len(seq.token_ids) if end is None else end
         # Only the tail can contain a new match; a token is at least one character.
-        tail = self.tokenizer.decode(seq.output_ids[-(longest + 1):])
+        tail = self.tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, end - longest - 1):end])
         for stop in seq.params.stop:
             if stop in tail:
                 return stop
@@ -396,6 +440,7 @@ class Engine:
         Each aborted sample keeps the tokens and logprobs generated so far and has
         ``finish_reason == {"type": "abort", "message": "aborted"}``.
         """
+        self._ready_outputs.extend(self._drain())
         rids = list(self._requests) if rid is None else ([rid] if rid in self._requests else [])
         outputs = []
         for r in rids:
@@ -407,6 +452,7 @@ class Engine:
     def progress(self, rid: str, return_logprob: bool = True) -> list[dict[str, Any]]:
         """Partial outputs (``finish_reason`` None) of request ``rid``'s unfinished
         samples, for streaming; empty when the request is unknown or done."""
+        self._ready_outputs.extend(self._drain())
         request = self._requests.get(rid)
         if request is None:
             return []
@@ -443,6 +489,7 @@ class Engine:
         prefix cache is flushed (its K/V came from the old weights); sequences in
         flight keep their cache and continue with the new weights, as in SGLang.
         """
+        self._ready_outputs.extend(self._drain())  # the launched step used the old weights
         copy_named_tensors(self.model, named_tensors)
         if self.strategy is not None:
             self.strategy.on_weights_updated()
@@ -482,6 +529,7 @@ class Engine:
                 slots.append(self._rejected(r, prompt, params, error))
         while any(isinstance(s, _Request) and not s.done for s in slots):
             self.step()
+        self._ready_outputs.extend(self._drain())  # a launched step of finished rows (overlap)
         mine = {s.rid for s in slots if isinstance(s, _Request)}
         self._ready_outputs = [o for o in self._ready_outputs if o["meta_info"]["id"] not in mine]
         return [o for s in slots for o in (s.outputs if isinstance(s, _Request) else s)]
@@ -539,7 +587,7 @@ class Engine:
             raise
 
     async def _drive(self) -> None:
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() or self._pending is not None:
             if self._paused:
                 await asyncio.sleep(0.005)
                 continue

@@ -20,7 +20,7 @@ from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
 from miles_host.rollout.kv_cache import PagedKVCache
-from miles_host.rollout.sampler import SamplingBatch, sample, seeded_uniform
+from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample, seeded_uniform
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence
 
@@ -69,7 +69,7 @@ def paged_metadata(
 
     def to_dev(values, dtype):
         tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-        return tensor.to(device, dtype, non_blocking=True)
+        return host_to_device(tensor.to(dtype), device)
 
     meta = AttentionMetadata(
         slot_mapping_T=to_dev(slots, torch.long),
@@ -144,7 +144,7 @@ class ModelRunner:
             [seq.block_table for seq in seqs], [len(seq) for seq in seqs], num_new, self.block_size,
             self.device, is_decode, self.attention_backend, self._head_counts,
         )
-        return torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True), positions, meta
+        return host_to_device(torch.tensor(input_ids, dtype=torch.long), self.device), positions, meta
 
     def _head_counts(self) -> tuple[int, int]:
         layout = self.kv_cache.layout[0]
@@ -154,7 +154,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     def _forward(
-        self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext
+        self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext,
+        ids_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
         """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens,
         the hidden states of every forwarded token ``[T, hidden]`` and, when routes are
@@ -162,9 +163,11 @@ class ModelRunner:
         capture = bool(routing.extra.get("capture"))
         if is_decode and self.graphs is not None and not self.batch_invariant:
             if self.graphs.padded_size(len(seqs)) is not None:
-                hidden_BH, routes_TLK = self.graphs.replay(seqs, capture_routes=capture)
+                hidden_BH, routes_TLK = self.graphs.replay(seqs, capture_routes=capture, ids_override=ids_override)
                 return hidden_BH, list(range(len(seqs) + 1)), hidden_BH, routes_TLK
         input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
+        if ids_override is not None:  # decode: one token per sequence, rows are token indices
+            input_ids.index_copy_(0, *ids_override)
         if not is_decode:
             self.prefill_forwards += 1
         if self.batch_invariant:
@@ -177,7 +180,7 @@ class ModelRunner:
         if is_decode:
             return hidden_TH, meta.cu_seqlens_q_host, hidden_TH, routes_TLK
         last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
-        return hidden_TH[last_T.to(hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH, routes_TLK
+        return hidden_TH[host_to_device(last_T, hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH, routes_TLK
 
     @torch.inference_mode()
     def run(
@@ -217,11 +220,16 @@ class ModelRunner:
             for sub in sub_groups:
                 if not sub:
                     continue
-                index = torch.tensor([batch.sample_from[r] - first for r in sub], dtype=torch.long)
+                rows_of = [batch.sample_from[r] - first for r in sub]
+                index = torch.tensor(rows_of, dtype=torch.long)
                 samplers = [batch.samplers[r] for r in sub]
                 sampling = self._sampling_batch(samplers, logits_BV.device)
                 uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
-                token_B, logprob_B = sample(logits_BV.index_select(0, index.to(logits_BV.device)), sampling, uniforms_B)
+                if rows_of == list(range(logits_BV.shape[0])):  # every row once, in order (decode)
+                    rows_BV = logits_BV
+                else:
+                    rows_BV = logits_BV.index_select(0, host_to_device(index, logits_BV.device))
+                token_B, logprob_B = sample(rows_BV, sampling, uniforms_B)
                 # One device-to-host copy per sampling group: the only sync of the step.
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
@@ -229,6 +237,29 @@ class ModelRunner:
                 if self.batch_invariant:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
         return StepResult(tokens, logprobs), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, batch: ScheduledBatch, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and sample a plain decode batch (one sampler per sequence) without waiting:
+        returns the device tensors ``(token ids [B], logprobs [B])`` (:meth:`finish_decode`)."""
+        if batch.pending_copies:
+            self.kv_cache.copy_blocks(batch.pending_copies)
+        seqs = batch.sequences
+        routing = RoutingContext(phase="rollout")
+        hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
+        logits_BV = self.model.compute_logits(hidden_BH)
+        sampling = self._sampling_batch(seqs, logits_BV.device)
+        uniforms_B = None if sampling.all_greedy else self._uniforms(seqs, logits_BV.device)
+        return sample(logits_BV, sampling, uniforms_B)
+
+    @staticmethod
+    def finish_decode(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> StepResult:
+        """Wait for a launched decode step; one device-to-host copy."""
+        values = torch.cat([tokens_B.double(), logprobs_B.double()]).tolist()
+        n = tokens_B.shape[0]
+        return StepResult([int(t) for t in values[:n]], values[n:])
 
     def _routes_to_host(self, routes_TLK: torch.Tensor) -> torch.Tensor:
         """Start an asynchronous copy of the routes into a reused pinned buffer.
@@ -263,7 +294,7 @@ class ModelRunner:
         uniforms_B = torch.tensor(values, dtype=torch.float32)
         if unseeded:
             uniforms_B[unseeded] = torch.rand(len(unseeded))
-        return uniforms_B.to(device, non_blocking=True)
+        return host_to_device(uniforms_B, device)
 
     def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
         """The rows' sampling settings; reused while the same requests decode together."""

@@ -24,6 +24,15 @@ import torch
 from miles_host.rollout.sampling_params import SamplingParams
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without waiting for the GPU: from pageable
+    memory a CUDA copy first waits for the stream's queued work, from pinned memory
+    (PyTorch's caching host allocator) it does not."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings of one step, already on the logits' device."""
@@ -48,7 +57,7 @@ class SamplingBatch:
         device: torch.device,
     ) -> "SamplingBatch":
         def to_device(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return host_to_device(torch.tensor(values, dtype=dtype), device)
 
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         return cls(

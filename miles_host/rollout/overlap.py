@@ -1,0 +1,72 @@
+"""Overlapped decode (``overlap_schedule``): the host schedules and launches step N+1
+before it reads step N's sampled tokens, so its bookkeeping runs while the GPU works.
+
+At launch every sequence of the step gets a placeholder token (and logprob), so
+lengths, block allocation, positions and the seeded sampling position are exact; the
+next step takes those sequences' input tokens straight from the previous step's
+sampled tensor on the device. When the results arrive the placeholders are filled
+in and finishes are checked at the filled position. A sequence that stopped (EOS,
+stop token or string) at step N was already launched in step N+1: that row's work is
+wasted and its placeholder dropped, which is the price of the overlap (one extra
+token of compute per stopping sequence). Only plain decode steps overlap; prefill,
+speculative decoding, route capture and batch-invariant mode run as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_host.rollout.sampler import host_to_device
+from miles_host.rollout.scheduler import ScheduledBatch
+from miles_host.rollout.sequence import Sequence
+
+PLACEHOLDER = -1
+
+
+@dataclass
+class PendingDecode:
+    """A launched decode step whose results have not been read."""
+
+    batch: ScheduledBatch
+    tokens_B: torch.Tensor
+    logprobs_B: torch.Tensor
+    positions: list[int] = field(default_factory=list)  # index of each sequence's placeholder
+
+
+def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device: torch.device) -> PendingDecode:
+    """Launch ``batch``; rows whose last token is ``previous``'s pending sample read it on the device."""
+    ids_override = None
+    if previous is not None:
+        source = {id(seq): j for j, seq in enumerate(previous.batch.sequences)}
+        rows, src = [], []
+        for row, seq in enumerate(batch.sequences):
+            j = source.get(id(seq))
+            if j is not None and seq.token_ids[-1] == PLACEHOLDER:
+                rows.append(row)
+                src.append(j)
+        if rows:  # pinned copies: a pageable one would wait for the step in flight
+            src_index = host_to_device(torch.tensor(src, dtype=torch.long), device)
+            ids_override = (host_to_device(torch.tensor(rows, dtype=torch.long), device),
+                            previous.tokens_B.index_select(0, src_index))
+    tokens_B, logprobs_B = runner.launch_decode(batch, ids_override)
+    pending = PendingDecode(batch, tokens_B, logprobs_B)
+    for seq in batch.sequences:
+        pending.positions.append(len(seq.token_ids))
+        seq.token_ids.append(PLACEHOLDER)
+        seq.output_logprobs.append(math.nan)
+    return pending
+
+
+def resolve(seq: Sequence, position: int, token: int, logprob: float) -> None:
+    """Fill the placeholder at ``position`` with the sampled token and its logprob."""
+    seq.token_ids[position] = token
+    seq.output_logprobs[position - seq.num_prompt_tokens] = logprob
+
+
+def truncate_after(seq: Sequence, position: int) -> None:
+    """Drop the placeholders of steps launched after the one that finished ``seq``."""
+    del seq.token_ids[position + 1:]
+    del seq.output_logprobs[position + 1 - seq.num_prompt_tokens:]
