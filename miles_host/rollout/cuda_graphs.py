@@ -60,7 +60,11 @@ class DecodeGraphs:
         bs = self.max_bs
         # [4 * max_bs] fixed fields, then up to max_bs * max_blocks (flat index, block) pairs
         capacity = 4 * bs + 2 * bs * self.max_blocks
-        self.host = torch.zeros(capacity, dtype=torch.long, pin_memory=True)
+        # two pinned staging vectors, used in turn: with overlapped decode the next step is
+        # staged while the previous step's copy may still be queued
+        self.hosts = [torch.zeros(capacity, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._turn = 0
+        self.host = self.hosts[0]
         self.host_np = self.host.numpy()
         self.staged = torch.zeros(capacity, dtype=torch.long, device=device)
         self.context_lens = torch.ones(bs, dtype=torch.int32, device=device)
@@ -174,6 +178,9 @@ class DecodeGraphs:
         if key not in self.graphs:
             self._row_tables = [None] * self.max_bs  # capture runs the forward: forget cached rows
             self._capture(size, capture_routes)
+        self._turn ^= 1
+        self.host = self.hosts[self._turn]
+        self.host_np = self.host.numpy()
         num_pairs = self._stage(seqs, size)
         used = 4 * self.max_bs + 2 * num_pairs
         self.staged[:used].copy_(self.host[:used], non_blocking=True)
