@@ -278,11 +278,22 @@ class NativeTrainer:
     @torch.no_grad()
     def _log_probs_without_grad(self, model, samples: list[Sample], phase: str) -> list[torch.Tensor]:
         out = []
-        for micro in micro_batches(samples, self.config):
+        for micro in self._forward_micro_batches(model, samples):
+            if micro is None:
+                self._placeholder_pass(phase)
+                continue
             batch = self.pack(micro, phase)
             log_probs, _ = self.response_log_probs(model, batch)
             out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return out
+
+    def _forward_micro_batches(self, model, samples: list[Sample]) -> list:
+        """The micro-batches of a pass of ``model`` over ``samples``. A sharded trainer pads
+        them with ``None`` (a pass that only joins the collectives) to the longest rank's."""
+        return micro_batches(samples, self.config) if samples else []
+
+    def _placeholder_pass(self, phase: str) -> None:
+        raise NotImplementedError  # only sharded trainers pad their micro-batches
 
     # -- one rollout's training ------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 
 from miles_host.distributed.balance import split_by_tokens
 from miles_host.distributed.comm import allreduce_sum_
-from miles_host.trainer import NativeTrainer, micro_batches, trainable
+from miles_host.trainer import NativeTrainer, trainable
 
 
 class DataParallelTrainer(NativeTrainer):
@@ -164,22 +164,14 @@ class DataParallelTrainer(NativeTrainer):
         allreduce_sum_(self.group, flat)
         return [t.float().to(self.device) for t in torch.split(flat, lengths)]
 
-    def _local_micro_batches(self, local) -> list:
-        """This rank's micro-batches of an optimizer step. A sharded trainer pads the
-        list with ``None`` (a pass that only joins the collectives) to the longest rank's."""
-        return micro_batches(local, self.config) if local else []
-
-    def _placeholder_pass(self, phase: str) -> None:
-        raise NotImplementedError  # only sharded trainers pad their micro-batches
-
     def _optimizer_step_dp(self, local, step_samples, old, ref, advantages, source: int = 0) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         per_token = self.config.calculate_per_token_loss
         total_tokens = sum(sum(s.loss_mask) for s in step_samples) or 1
         sums: dict[str, float] = {}
         loss_sum = 0.0
-        for micro in self._local_micro_batches(local):
-            if micro is None:  # a sharded model's placeholder pass (see _local_micro_batches)
+        for micro in self._forward_micro_batches(self.model, local):
+            if micro is None:  # a sharded model's placeholder pass (see _forward_micro_batches)
                 self._placeholder_pass("train")
                 continue
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)

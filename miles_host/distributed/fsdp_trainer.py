@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.distributed.dp_trainer import DataParallelTrainer
-from miles_host.trainer import micro_batches, trainable
+from miles_host.trainer import trainable
 
 
 class Fsdp2Trainer(DataParallelTrainer):
@@ -73,8 +73,9 @@ class Fsdp2Trainer(DataParallelTrainer):
     def _padded(self, micros: list) -> list:
         return micros + [None] * (self._max_over_ranks(len(micros)) - len(micros))
 
-    def _local_micro_batches(self, local) -> list:
-        return self._padded(super()._local_micro_batches(local))
+    def _forward_micro_batches(self, model, samples) -> list:
+        micros = super()._forward_micro_batches(model, samples)
+        return self._padded(micros) if model is self.model else micros  # the reference model is not sharded
 
     def _placeholder_pass(self, phase: str) -> None:
         batch = self.pack([self._dummy_sample], phase)
@@ -84,20 +85,6 @@ class Fsdp2Trainer(DataParallelTrainer):
         else:
             with torch.no_grad():
                 self.response_log_probs(self.model, batch)
-
-    @torch.no_grad()
-    def _log_probs_without_grad(self, model, samples, phase: str) -> list[torch.Tensor]:
-        if model is not self.model:  # the reference model is not sharded
-            return super()._log_probs_without_grad(model, samples, phase)
-        out: list[torch.Tensor] = []
-        for micro in self._padded(micro_batches(samples, self.config) if samples else []):
-            if micro is None:
-                self._placeholder_pass(phase)
-                continue
-            batch = self.pack(micro, phase)
-            log_probs, _ = self.response_log_probs(model, batch)
-            out.extend(torch.split(log_probs.float(), batch.response_lengths))
-        return out
 
     def _train(self, samples):
         # every rank holds all the step's samples: the first trainable one serves placeholders

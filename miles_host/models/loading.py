@@ -186,11 +186,10 @@ def _stays_fp32(module: torch.nn.Module, attribute: str) -> bool:
 def _cast(model: CausalLM, dtype: torch.dtype) -> None:
     model.to(dtype)
     for module in model.modules():
-        if isinstance(module, Router):
-            if module.keep_fp32:
-                module.weight.data = module.weight.data.float()
-            if module.expert_bias is not None:
-                module.expert_bias = module.expert_bias.float()
+        if _stays_fp32(module, "weight"):
+            module.weight.data = module.weight.data.float()
+        if _stays_fp32(module, "expert_bias") and module.expert_bias is not None:
+            module.expert_bias = module.expert_bias.float()
 
 
 def cast_like_loaded(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ from miles_host.rollout.outputs import rejected_output, sequence_output
 from miles_host.rollout.sampling_params import SamplingParams
 from miles_host.rollout.scheduler import ScheduledBatch, Scheduler
 from miles_host.rollout.sequence import Sequence, SequenceStatus
+from miles_host.rollout.stopping import finish_reason
 from miles_host.rollout.strategy import DecodingStrategy
 from miles_host.rollout.weights import copy_named_tensors
 
@@ -334,22 +335,10 @@ class Engine:
         )
 
     def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:
-        """Read a launched step's tokens, fill its placeholders, finish what stopped."""
+        """Read a launched step's tokens; finish the sequences that stopped."""
         result = self.runner.finish_decode(pending.tokens_B, pending.logprobs_B)
-        finished = []
-        for seq, position, token, logprob in zip(pending.batch.sequences, pending.positions,
-                                                 result.token_ids, result.logprobs):
-            if seq.status == SequenceStatus.FINISHED:
-                continue  # stopped at an earlier step; this row's work is discarded
-            overlap.resolve(seq, position, token, logprob)
-            if seq.status == SequenceStatus.RUNNING:  # (a preempted one holds no cache now)
-                seq.num_cached_tokens = position  # the launched step writes this token's K/V
-                self.block_manager.register_full_blocks(seq, position)
-            reason = self._finish_reason(seq, position)
-            if reason is not None:
-                overlap.truncate_after(seq, position)
-                finished.append(self._finish(seq, reason))
-        return finished
+        stopped = overlap.resolve_step(pending, result, self.block_manager, self._finish_reason)
+        return [self._finish(seq, reason) for seq, reason in stopped]
 
     def _drain(self) -> list[dict[str, Any]]:
         """Read the launched step, if any (before anything that needs final token ids)."""
@@ -391,33 +380,7 @@ class Engine:
                 seq.routed_expert_chunks = list(parent.routed_expert_chunks)
 
     def _finish_reason(self, seq: Sequence, position: int | None = None) -> dict[str, Any] | None:
-        """Why ``seq`` stops after its token at ``position`` (default: its last), or None."""
-        params = seq.params
-        position = len(seq.token_ids) - 1 if position is None else position
-        token = seq.token_ids[position]
-        num_output = position + 1 - seq.num_prompt_tokens
-        if num_output >= params.min_new_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return {"type": "stop", "matched": token}
-            if params.stop:
-                matched = self._match_stop_string(seq, position + 1)
-                if matched is not None:
-                    return {"type": "stop", "matched": matched}
-        if num_output >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
-        if position + 1 >= self.config.max_model_len:
-            return {"type": "length", "length": num_output}
-        return None
-
-    def _match_stop_string(self, seq: Sequence, end: int | None = None) -> str | None:
-        longest = max(len(s) for s in seq.params.stop)
-        end = len(seq.token_ids) if end is None else end
-        # Only the tail can contain a new match; a token is at least one character.
-        tail = self.tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, end - longest - 1):end])
-        for stop in seq.params.stop:
-            if stop in tail:
-                return stop
-        return None
+        return finish_reason(seq, self.eos_token_ids, self.config.max_model_len, self.tokenizer, position)
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> dict[str, Any]:
         seq.finish_reason = reason

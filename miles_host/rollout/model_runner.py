@@ -223,13 +223,11 @@ class ModelRunner:
                 rows_of = [batch.sample_from[r] - first for r in sub]
                 index = torch.tensor(rows_of, dtype=torch.long)
                 samplers = [batch.samplers[r] for r in sub]
-                sampling = self._sampling_batch(samplers, logits_BV.device)
-                uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
                 if rows_of == list(range(logits_BV.shape[0])):  # every row once, in order (decode)
                     rows_BV = logits_BV
                 else:
                     rows_BV = logits_BV.index_select(0, host_to_device(index, logits_BV.device))
-                token_B, logprob_B = sample(rows_BV, sampling, uniforms_B)
+                token_B, logprob_B = self._sample(rows_BV, samplers)
                 # One device-to-host copy per sampling group: the only sync of the step.
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
@@ -249,9 +247,12 @@ class ModelRunner:
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
         hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
-        logits_BV = self.model.compute_logits(hidden_BH)
-        sampling = self._sampling_batch(seqs, logits_BV.device)
-        uniforms_B = None if sampling.all_greedy else self._uniforms(seqs, logits_BV.device)
+        return self._sample(self.model.compute_logits(hidden_BH), seqs)
+
+    def _sample(self, logits_BV: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its logprob (device tensors), sampled with its sequence's settings."""
+        sampling = self._sampling_batch(samplers, logits_BV.device)
+        uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
         return sample(logits_BV, sampling, uniforms_B)
 
     @staticmethod

@@ -21,7 +21,7 @@ import torch
 
 from miles_host.rollout.sampler import host_to_device
 from miles_host.rollout.scheduler import ScheduledBatch
-from miles_host.rollout.sequence import Sequence
+from miles_host.rollout.sequence import Sequence, SequenceStatus
 
 PLACEHOLDER = -1
 
@@ -60,13 +60,22 @@ def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device
     return pending
 
 
-def resolve(seq: Sequence, position: int, token: int, logprob: float) -> None:
-    """Fill the placeholder at ``position`` with the sampled token and its logprob."""
-    seq.token_ids[position] = token
-    seq.output_logprobs[position - seq.num_prompt_tokens] = logprob
-
-
-def truncate_after(seq: Sequence, position: int) -> None:
-    """Drop the placeholders of steps launched after the one that finished ``seq``."""
-    del seq.token_ids[position + 1:]
-    del seq.output_logprobs[position + 1 - seq.num_prompt_tokens:]
+def resolve_step(pending: PendingDecode, result, block_manager, finish_reason) -> list[tuple[Sequence, dict]]:
+    """Fill ``pending``'s placeholders with ``result`` (a read :class:`StepResult`); return the
+    ``(sequence, finish reason)`` pairs that stopped, their later placeholders dropped."""
+    stopped = []
+    for seq, position, token, logprob in zip(pending.batch.sequences, pending.positions,
+                                             result.token_ids, result.logprobs):
+        if seq.status == SequenceStatus.FINISHED:
+            continue  # stopped at an earlier step; this row's work is discarded
+        seq.token_ids[position] = token
+        seq.output_logprobs[position - seq.num_prompt_tokens] = logprob
+        if seq.status == SequenceStatus.RUNNING:  # (a preempted one holds no cache now)
+            seq.num_cached_tokens = position  # the launched step writes this token's K/V
+            block_manager.register_full_blocks(seq, position)
+        reason = finish_reason(seq, position)
+        if reason is not None:
+            del seq.token_ids[position + 1:]
+            del seq.output_logprobs[position + 1 - seq.num_prompt_tokens:]
+            stopped.append((seq, reason))
+    return stopped

@@ -10,6 +10,7 @@ import torch
 from miles_host import hookspecs
 from miles_host.routing import RoutingHooks
 from tests.rollout.conftest import PROMPTS, engine_logprobs, load
+from tests.rollout.test_requests import CapturePlugin
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,13 +39,6 @@ def test_graph_decode_equals_eager_decode(qwen3_dense):
     for a, b in zip(got, expected):
         assert a["output_ids"] == b["output_ids"]
         assert (engine_logprobs(a) - engine_logprobs(b)).abs().max() <= 1e-5
-
-
-class CapturePlugin:
-    @hookspecs.hookimpl
-    def miles_experts_selected(self, layer_index, expert_ids, routing_context):
-        if routing_context.phase == "rollout" and routing_context.extra.get("capture"):
-            routing_context.captured[layer_index] = expert_ids.clone()
 
 
 def test_moe_decode_in_graphs_returns_the_routes_of_a_packed_forward(qwen3_moe):
