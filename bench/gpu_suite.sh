@@ -3,7 +3,7 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_overlap grpo quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+# Steps: tests rollout rollout_overlap grpo grpo_profile quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -23,6 +23,7 @@ for step in "${steps[@]}"; do
     rollout) run rollout 240 python3 bench/rollout.py --repeats 2 ;;
     rollout_overlap) run rollout_overlap 200 python3 bench/rollout.py --repeats 2 --skip-hf --overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
+    grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;

@@ -88,6 +88,8 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         metrics = run.step(rollout_id)
         steps.append(metrics)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith("perf/")}))
+    if args.profile:
+        profile_step(run, args.steps)
     steady = steps[1:] or steps
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
     return {
@@ -100,6 +102,25 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "response_len": med("rollout/response_len_mean"),
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan"),
     }
+
+
+def profile_step(run, rollout_id: int) -> None:
+    """One more step under the host profiler and the CUDA profiler: where the time goes."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    host = cProfile.Profile()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as trace:
+        host.enable()
+        metrics = run.step(rollout_id)
+        host.disable()
+    print("profiled step:", json.dumps({k: round(v, 4) for k, v in metrics.items() if k.startswith("perf/")}))
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(trace.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
 
 
 def bench_trl(model_dir: Path, data: Path, args) -> dict:
@@ -148,6 +169,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
     args = parser.parse_args()
     if args.tiny:
