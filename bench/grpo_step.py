@@ -72,6 +72,7 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
+        *(["--sglang-disable-overlap-schedule"] if args.disable_overlap else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--disable-overlap", action="store_true", help="miles: no overlapped decode scheduling")
     parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
     args = parser.parse_args()

@@ -36,7 +36,11 @@ def token_log_probs(
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
+    # backward runs under the forward's autocast state: its recomputed logits and its two
+    # GEMMs per chunk take the forward's precision (bf16 under bf16 autocast), not the fp32
+    # of the master weights (fp32 GEMMs over the vocabulary were most of a GRPO train step)
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden_TH, weight_VH, target_ids_T, temperature, softcap, chunk_size, return_entropy):
         num_tokens = hidden_TH.shape[0]
         log_probs_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
@@ -54,6 +58,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return log_probs_T, entropy_T
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_log_probs_T, grad_entropy_T):
         hidden_TH, weight_VH, target_ids_T, entropy_T = ctx.saved_tensors
         temperature, softcap, chunk_size, return_entropy = ctx.settings

@@ -20,7 +20,7 @@ from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
 from miles_host.rollout.kv_cache import PagedKVCache
-from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample, seeded_uniform
+from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample, seeded_uniforms
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence
 
@@ -283,18 +283,19 @@ class ModelRunner:
     def _uniforms(samplers: list[Sequence], device: torch.device) -> torch.Tensor:
         """One ``U[0, 1)`` number per row: from (sampling_seed, sample index, output position)
         for seeded requests, from torch's global CPU generator otherwise; one small copy."""
-        values: list[float] = []
-        unseeded: list[int] = []
-        for row, seq in enumerate(samplers):
-            seed = seq.params.sampling_seed
-            if seed is None:
-                unseeded.append(row)
-                values.append(0.0)
-            else:
-                values.append(seeded_uniform(seed, seq.sample_index, seq.num_output_tokens))
-        uniforms_B = torch.tensor(values, dtype=torch.float32)
-        if unseeded:
-            uniforms_B[unseeded] = torch.rand(len(unseeded))
+        seeded = [row for row, seq in enumerate(samplers) if seq.params.sampling_seed is not None]
+        chosen = [samplers[row] for row in seeded]
+        values_S = torch.from_numpy(seeded_uniforms(
+            [seq.params.sampling_seed for seq in chosen], [seq.sample_index for seq in chosen],
+            [seq.num_output_tokens for seq in chosen],
+        ))
+        if len(seeded) == len(samplers):
+            uniforms_B = values_S
+        else:
+            uniforms_B = torch.zeros(len(samplers))
+            uniforms_B[[row for row, seq in enumerate(samplers) if seq.params.sampling_seed is None]] = torch.rand(
+                len(samplers) - len(seeded))
+            uniforms_B[seeded] = values_S
         return host_to_device(uniforms_B, device)
 
     def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:

@@ -71,3 +71,29 @@ def test_gradient_checkpointing_gives_same_gradients(checkpoints):
         grads.append(torch.autograd.grad(log_probs_T.sum(), list(model.parameters())))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_under_bf16_autocast_matches_float64_and_runs_bf16_gemms():
+    """fp32 masters under bf16 autocast (the trainer on GPU): the backward's GEMMs run in bf16
+    like the forward's, and the gradients agree with the float64 formula within bf16 error."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda", requires_grad=True)
+    weight = (torch.randn(5000, 256, device="cuda") * 0.05).requires_grad_(True)
+    targets = torch.randint(0, 5000, (3000,), device="cuda")
+    coef = torch.linspace(-1, 1, 3000, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp, _ = chunked_log_probs(hidden, weight, targets, chunk_size=1024)
+        loss = (lp * coef).sum()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
+        torch.cuda.synchronize()
+    gemms = [e.key for e in trace.key_averages() if "gemm" in e.key.lower() or "nvjet" in e.key.lower()]
+    assert gemms and not any("f32f32" in key for key in gemms), gemms
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    ref_lp, _ = token_log_probs(h64 @ w64.T, targets)
+    ref_h, ref_w = torch.autograd.grad((ref_lp.double() * coef.double()).sum(), (h64, w64))
+    assert grad_hidden.dtype == hidden.dtype and grad_weight.dtype == weight.dtype
+    for got, ref in ((grad_hidden, ref_h), (grad_weight, ref_w)):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-2

@@ -139,3 +139,12 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_any_batch(qwen3_de
         [[1, 2], [4, 8, 15], [9, 9, 9, 9], [3]], [other, seeded, other, other]
     )[1]["output_ids"]
     assert alone == crowd
+
+
+def test_vectorised_seeded_uniforms_equal_the_scalar_formula():
+    from miles_host.rollout.sampler import seeded_uniform, seeded_uniforms
+
+    cases = [(s, i, p) for s in (0, 1, 7, 2**63 + 5, 2**64 - 1, -3) for i in (0, 1, 15) for p in (0, 1, 511, 10**9)]
+    got = seeded_uniforms(*map(list, zip(*cases)))
+    assert got.dtype.name == "float32"
+    assert got.tolist() == [seeded_uniform(*case) for case in cases]
