@@ -240,7 +240,7 @@ def weight_memory(model: torch.nn.Module, precision: str) -> dict:
         for packs in (kernel_copies or {}).values():  # miles-int4's kernel-layout weights (PackedInt4 each)
             for pack in packs:
                 kernel += pack.weight.numel() * pack.weight.element_size()
-                kernel += pack.scales_and_zeros.numel() * pack.scales_and_zeros.element_size()
+                kernel += pack.scales.numel() * pack.scales.element_size()
         state = held + synced
         linear_state += state
         linear_held += held

@@ -13,6 +13,11 @@ activations). Backends:
 - ``triton``: :mod:`miles_fp8.triton_kernels`, for everything else on CUDA.
 
 ``MILES_FP8_GEMM=reference|triton|scaled_mm|auto`` overrides the choice.
+
+A linear's forward (:func:`quantized_linear_mm`) takes one more route: on CUDA,
+with ``auto``, up to ``MILES_FP8_SMALL_M`` token rows (default 64, 0 turns it
+off) run :mod:`miles_fp8.decode_gemm`, which quantizes the activations inside
+the GEMM (one launch per linear at decode instead of two).
 """
 
 from __future__ import annotations
@@ -124,6 +129,45 @@ def gemm_backend(a_q: torch.Tensor, b_scale: torch.Tensor, n: int) -> str:
     if choice == "scaled_mm" and not block_scaled_b:
         return "triton"  # cuBLAS has no 1x128 x 1x128 path we use; the wgrad GEMM stays on Triton
     return choice
+
+
+def small_m_limit() -> int:
+    """Most token rows the fused small-M kernel takes (``MILES_FP8_SMALL_M``, default and cap 64)."""
+    from miles_fp8.decode_gemm import MAX_M
+
+    value = os.environ.get("MILES_FP8_SMALL_M", str(MAX_M))
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"MILES_FP8_SMALL_M={value!r}; give a token count (0 turns the small-M kernel off)") from None
+    return max(0, min(limit, MAX_M))
+
+
+def uses_small_m_kernel(x_MK: torch.Tensor, weight_scale: torch.Tensor, n: int) -> bool:
+    """Whether :func:`quantized_linear_mm` runs the fused small-M kernel for these operands."""
+    if not x_MK.is_cuda or use_reference() or os.environ.get("MILES_FP8_GEMM", "auto") != "auto":
+        return False
+    return 0 < x_MK.shape[0] <= small_m_limit() and weight_scale.shape[0] * BLOCK == n
+
+
+def quantized_linear_mm(
+    x_MK: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, power_of_two: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``Q_1x128(x) @ (weight_q * weight_scale)^T`` for a linear's forward (training and rollout alike).
+
+    Small M on CUDA: the fused kernel (:mod:`miles_fp8.decode_gemm`); otherwise
+    :func:`quantize_act` then :func:`block_scaled_mm`. Both compute the
+    reference's numbers up to the order of the fp32 sums.
+    """
+    from miles_fp8.quant import quantize_act
+
+    if uses_small_m_kernel(x_MK, weight_scale, weight_q.shape[0]):
+        from miles_fp8 import decode_gemm
+
+        return decode_gemm.fused_act_quant_mm(x_MK, weight_q, weight_scale, power_of_two, out_dtype)
+    x_q, x_s = quantize_act(x_MK, power_of_two)
+    return block_scaled_mm(x_q, x_s, weight_q, weight_scale, out_dtype=out_dtype)
 
 
 def block_scaled_mm(

@@ -9,8 +9,9 @@ Training (DeepSeek-V3 / TransformerEngine Float8BlockScaling recipe, straight-th
   copies are kept for backward); the token dim is zero-padded to 128.
 
 Rollout holds ``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (float32 128x128
-block scales), the names SGLang and vLLM load. Both sides quantize activations
-with the same function and multiply with the same :func:`block_scaled_mm`, so with
+block scales), the names SGLang and vLLM load. Both sides run their forward GEMM
+through :func:`miles_fp8.gemm.quantized_linear_mm` (at decode sizes one fused
+quantize-and-multiply kernel, else quantize then :func:`block_scaled_mm`), so with
 the weights that :func:`miles_fp8.recipe.convert_for_rollout` sends (quantized from
 the master weights by the same code) train and rollout forwards agree ("unified FP8").
 Tensor legend: M tokens, K in features, N out features.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miles_fp8.gemm import block_scaled_mm
+from miles_fp8.gemm import block_scaled_mm, quantized_linear_mm
 from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, quantize_act, quantize_weight
 
 
@@ -40,9 +41,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, weight_NK, bias_N, power_of_two):
-        x_q, x_s = quantize_act(x_MK, power_of_two)
         w_q, w_s = quantize_weight(weight_NK, power_of_two)
-        y_MN = block_scaled_mm(x_q, x_s, w_q, w_s, out_dtype=x_MK.dtype)
+        y_MN = quantized_linear_mm(x_MK, w_q, w_s, power_of_two, x_MK.dtype)
         if bias_N is not None:
             y_MN = y_MN + bias_N.to(y_MN.dtype)
         saved = [w_q, w_s]
@@ -94,8 +94,7 @@ def fp8_inference_linear(
 ) -> torch.Tensor:
     """Rollout-side forward with pre-quantized weights; the same arithmetic as :func:`fp8_linear`."""
     x_MK = _compute_input(x).reshape(-1, x.shape[-1])
-    x_q, x_s = quantize_act(x_MK, power_of_two)
-    y_MN = block_scaled_mm(x_q, x_s, weight_q, weight_scale_inv, out_dtype=x_MK.dtype)
+    y_MN = quantized_linear_mm(x_MK, weight_q, weight_scale_inv, power_of_two, x_MK.dtype)
     if bias is not None:
         y_MN = y_MN + bias.to(y_MN.dtype)
     return y_MN.reshape(*x.shape[:-1], weight_q.shape[0])

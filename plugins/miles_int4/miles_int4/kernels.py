@@ -1,24 +1,33 @@
-"""Weight-only INT4 GEMMs: torch's tinygemm int4 kernels on CPU and CUDA, and their reference.
+"""Weight-only INT4 GEMMs and the weight layouts they read.
 
-torch's kernels store asymmetric groups, ``w = (u - 8) * scale + zero`` with
-``u`` the unsigned nibble. Our symmetric ``q`` maps onto them exactly with
-``u = q + 8`` and ``zero = 0``. Layouts (torch 2.13):
+Three layouts of the same ``(q int8 [N, K], scale bf16 [N, K/gs])`` (:mod:`miles_int4.quant`):
 
-- CPU: ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], 1) -> uint8 [N, K/2]``,
-  ``_weight_int4pack_mm_for_cpu(x [M, K], packed, group_size, sz [K/gs, N, 2])``;
-  needs ``N % 16 == 0``; float32 or bf16 activations.
-- CUDA (sm80+): ``_convert_weight_to_int4pack(u uint8 [N, K/2] (even column in the
-  high nibble), inner_k_tiles) -> int32 tiles``, ``_weight_int4pack_mm(x bf16 [M, K],
-  packed, group_size, sz bf16 [K/gs, N, 2])``; needs ``N % 8 == 0`` and
-  ``K % (16 * inner_k_tiles) == 0``.
+- ``halves`` (CUDA, the rollout's layout): uint8 ``[N, K/2]``; within each group
+  of ``gs`` input columns, byte ``j`` holds column ``j`` in its low nibble and
+  column ``j + gs/2`` in its high nibble, both as ``q + 8``; ``scales`` is the
+  bf16 ``[N, K/gs]`` scale itself. Read by :mod:`miles_int4.decode_gemm` (a Triton
+  kernel for up to ``MILES_INT4_SMALL_M`` = 64 token rows: decode) and, for more
+  rows (prefill), dequantized with the QAT formula then multiplied by ``F.linear``.
+  Same bytes as the compressed-tensors form: 0.5 byte per weight + the scales.
+- ``cpu``: torch's CPU kernel, ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], 1)
+  -> uint8 [N, K/2]`` and ``_weight_int4pack_mm_for_cpu(x, packed, gs, sz [K/gs, N, 2])``
+  (needs ``N % 16 == 0``).
+- ``tinygemm`` (CUDA, kept for comparison): torch's ``_weight_int4pack_mm`` on
+  ``_convert_weight_to_int4pack(uint8 [N, K/2], inner_k_tiles)`` tiles
+  (needs ``N % 8 == 0``, ``K % (16 * inner_k_tiles) == 0``, sm80+).
 
-The kernels accumulate in their own order, so they match :func:`reference_mm`
-(dequantize, then matmul) to rounding, not bit for bit; the bit-exact rollout
-path is the dequantize path (``--int4-rollout-gemm dequant``).
+torch's kernels store asymmetric groups, ``w = (u - 8) * scale + zero``; our
+symmetric ``q`` maps onto them exactly with ``u = q + 8`` and ``zero = 0``.
+The kernels add up products in their own order, so they match :func:`reference_mm`
+(dequantize, then matmul) to rounding, not bit for bit; the bit-exact rollout path
+is the dequantize path (``--int4-rollout-gemm dequant``). The ``halves`` kernel
+dequantizes each weight exactly as the QAT forward does (``bf16(fp32(q) * fp32(scale))``)
+and sums in fp32, so it differs from :func:`reference_mm` only in the order of the sums.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,27 +35,43 @@ import torch.nn.functional as F
 
 from miles_int4.quant import QMIN, dequantize
 
+LAYOUTS = ("halves", "cpu", "tinygemm")
+#: most token rows of the Triton small-M kernel (``MILES_INT4_SMALL_M`` may lower it; 0 turns it off)
+SMALL_M_MAX = 64
+
 
 @dataclass
 class PackedInt4:
-    """One weight in a kernel's layout: ``weight``, ``scales_and_zeros``, and the kernel's parameters."""
+    """One weight in a kernel's layout (see the module doc): ``weight``, ``scales`` and the layout's parameters.
+
+    ``scales``: the bf16 group scales ``[N, K/gs]`` (``halves``) or torch's
+    ``scales_and_zeros [K/gs, N, 2]`` (``cpu``, ``tinygemm``).
+    """
 
     weight: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    scales: torch.Tensor
     group_size: int
     out_features: int
-    device_type: str
+    layout: str
 
 
-def kernel_supports(out_features: int, in_features: int, device: torch.device) -> bool:
-    """Whether torch's int4 kernel of ``device`` takes an ``[N, K]`` weight."""
-    if device.type == "cpu":
-        return out_features % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-    if device.type == "cuda":
-        return out_features % 8 == 0 and _inner_k_tiles(in_features) is not None and torch.cuda.get_device_capability(
-            device
-        ) >= (8, 0)
-    return False
+def default_layout(device: torch.device) -> str:
+    """``cpu`` on CPU, ``halves`` on CUDA."""
+    return "cpu" if device.type == "cpu" else "halves"
+
+
+def kernel_supports(out_features: int, in_features: int, device: torch.device, layout: str | None = None) -> bool:
+    """Whether ``layout`` (default: the device's) takes an ``[N, K]`` weight on ``device``."""
+    layout = layout or default_layout(device)
+    if layout == "cpu":
+        return device.type == "cpu" and out_features % 16 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    if layout == "tinygemm":
+        return out_features % 8 == 0 and _inner_k_tiles(in_features) is not None
+    from miles_host.kernels import triton_importable
+
+    return triton_importable()
 
 
 def _inner_k_tiles(in_features: int) -> int | None:
@@ -61,32 +86,75 @@ def _scales_and_zeros(scale_NG: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return torch.stack([scale_GN, torch.zeros_like(scale_GN)], dim=-1).contiguous()
 
 
-def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch.dtype) -> PackedInt4:
-    """``(q int8 [N, K], scale [N, G])`` -> the layout of torch's int4 kernel on ``q``'s device."""
+def pack_halves(q_NK: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int8 ``q [N, K]`` -> uint8 ``[N, K/2]`` in the ``halves`` layout (see the module doc)."""
+    n, k = q_NK.shape
+    unsigned = (q_NK.to(torch.int16) - QMIN).view(n, k // group_size, 2, group_size // 2)
+    return (unsigned[:, :, 0] | (unsigned[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2)
+
+
+def unpack_halves(packed_NH: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`pack_halves`: uint8 ``[N, K/2]`` -> int8 ``q [N, K]``."""
+    n, half_k = packed_NH.shape
+    nibbles = packed_NH.view(n, -1, 1, group_size // 2).to(torch.int16)
+    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2) + QMIN
+    return q.reshape(n, 2 * half_k).to(torch.int8)
+
+
+def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch.dtype,
+                    layout: str | None = None) -> PackedInt4:
+    """``(q int8 [N, K], scale [N, G])`` -> ``layout`` (default: the device's) on ``q``'s device."""
+    layout = layout or default_layout(q_NK.device)
     out_features, in_features = q_NK.shape
     group_size = in_features // scale_NG.shape[-1]
+    if layout == "halves":
+        return PackedInt4(pack_halves(q_NK, group_size), scale_NG.contiguous(), group_size, out_features, layout)
     unsigned = q_NK.to(torch.int32) - QMIN
-    if q_NK.device.type == "cpu":
+    if layout == "cpu":
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
-        return PackedInt4(weight, _scales_and_zeros(scale_NG, act_dtype), group_size, out_features, "cpu")
+        return PackedInt4(weight, _scales_and_zeros(scale_NG, act_dtype), group_size, out_features, layout)
+    if layout != "tinygemm":
+        raise ValueError(f"int4 layout {layout!r}; use one of {LAYOUTS}")
     tiles = _inner_k_tiles(in_features)
     assert tiles is not None, f"K={in_features} has no inner_k_tiles"
     pairs = ((unsigned[:, ::2] << 4) | unsigned[:, 1::2]).to(torch.uint8).contiguous()
     weight = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
-    return PackedInt4(weight, _scales_and_zeros(scale_NG, torch.bfloat16), group_size, out_features, "cuda")
+    return PackedInt4(weight, _scales_and_zeros(scale_NG, torch.bfloat16), group_size, out_features, layout)
+
+
+def small_m_limit() -> int:
+    """Most token rows the Triton small-M kernel takes (``MILES_INT4_SMALL_M``, default and cap 64)."""
+    value = os.environ.get("MILES_INT4_SMALL_M", str(SMALL_M_MAX))
+    try:
+        return max(0, min(int(value), SMALL_M_MAX))
+    except ValueError:
+        raise ValueError(f"MILES_INT4_SMALL_M={value!r}; give a token count (0 turns the small-M kernel off)") from None
+
+
+def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
+    """Whether a ``halves`` weight is multiplied by the Triton kernel for this input (else dequantize + matmul)."""
+    return x_MK.is_cuda and x_MK.dtype in (torch.bfloat16, torch.float16) and 0 < x_MK.shape[0] <= small_m_limit()
 
 
 def int4_mm(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
-    """``x [..., K] @ w.T`` with ``w`` in torch's int4 layout; output in ``x``'s dtype."""
+    """``x [..., K] @ w.T`` with ``w`` in one of the layouts; output in ``x``'s dtype."""
     x_2d = x_MK.reshape(-1, x_MK.shape[-1])
-    if packed.device_type == "cpu":
-        sz = packed.scales_and_zeros
+    if packed.layout == "halves":
+        if uses_small_m_kernel(x_2d):
+            from miles_int4 import decode_gemm
+
+            y = decode_gemm.int4_small_m_mm(x_2d, packed.weight, packed.scales, packed.group_size)
+        else:
+            q = unpack_halves(packed.weight, packed.group_size)
+            y = F.linear(x_2d, dequantize(q, packed.scales, x_2d.dtype))
+    elif packed.layout == "cpu":
+        sz = packed.scales
         if sz.dtype != x_2d.dtype:
             sz = sz.to(x_2d.dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x_2d.contiguous(), packed.weight, packed.group_size, sz)
     else:
         y = torch.ops.aten._weight_int4pack_mm(
-            x_2d.to(torch.bfloat16).contiguous(), packed.weight, packed.group_size, packed.scales_and_zeros
+            x_2d.to(torch.bfloat16).contiguous(), packed.weight, packed.group_size, packed.scales
         ).to(x_2d.dtype)
     return y.reshape(*x_MK.shape[:-1], packed.out_features)
 

@@ -11,10 +11,12 @@ Two GEMMs, chosen by ``--int4-rollout-gemm``:
 
 - ``dequant``: dequantize (the QAT forward's own formula) then ``F.linear``. The
   rollout logits equal the QAT training forward's bit for bit.
-- ``packed``: torch's int4 kernels (:mod:`miles_int4.kernels`) on the weights in
-  the kernel's layout only: the module claims the compressed-tensors names as weight
-  sinks and repacks what a sync sends in place (CUDA-graph safe). Layers whose shape
-  the kernel does not take fall back to ``dequant``.
+- ``packed``: INT4 GEMM kernels (:mod:`miles_int4.kernels`) on the weights in the
+  kernel's layout only: on CUDA the ``halves`` layout, multiplied by the Triton
+  small-M kernel at decode (:mod:`miles_int4.decode_gemm`) and dequantized for
+  ``F.linear`` at prefill; on CPU torch's int4 kernel. The module claims the
+  compressed-tensors names as weight sinks and repacks what a sync sends in place
+  (CUDA-graph safe). Layers whose shape the kernel does not take fall back to ``dequant``.
 
 ``auto`` (default) is ``packed`` on CUDA unless ``--true-on-policy``, else ``dequant``.
 """
@@ -112,7 +114,7 @@ class _Int4Weights(torch.nn.Module):
             if old is not None and old[0].weight.device == fresh[0].weight.device:
                 for mine, new in zip(old, fresh):  # keep addresses: captured CUDA graphs read these
                     mine.weight.copy_(new.weight)
-                    mine.scales_and_zeros.copy_(new.scales_and_zeros)
+                    mine.scales.copy_(new.scales)
             else:
                 self._kernel_copies[name] = fresh
 

@@ -1,4 +1,5 @@
-"""torch's packed INT4 GEMM (CPU here, CUDA on the GPU machine) against its float reference."""
+"""The packed INT4 GEMMs (torch's CPU kernel here; on the GPU machine the Triton ``halves`` kernel
+and torch's tinygemm) against their float reference."""
 
 from __future__ import annotations
 
@@ -44,13 +45,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("layout", ["halves", "tinygemm"])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_cuda_int4_mm_matches_float_reference(group_size, rows):
+@pytest.mark.parametrize("rows", [1, 16, 64, 65])
+def test_cuda_int4_mm_matches_float_reference(group_size, rows, layout):
     q, scale = _weights(1024, 2048, group_size, device="cuda")
     x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
-    assert kernel_supports(1024, 2048, torch.device("cuda"))
-    got = int4_mm(x, pack_for_kernel(q, scale, torch.bfloat16))
+    assert kernel_supports(1024, 2048, torch.device("cuda"), layout)
+    got = int4_mm(x, pack_for_kernel(q, scale, torch.bfloat16, layout))
     expected = reference_mm(x.float(), q, scale)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 

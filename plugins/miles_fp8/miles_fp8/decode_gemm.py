@@ -1,0 +1,212 @@
+"""Decode-shape FP8 linear in one kernel: 1x128 activation quantization fused into the block-scaled GEMM.
+
+``y = dequant(Q_1x128(x)) @ dequant(w_q, w_scale)^T`` for ``x [M, K]`` with M <= 64
+(decode steps), ``w_q`` float8_e4m3fn ``[N, K]``, ``w_scale`` float32 ``[N/128, K/128]``:
+the same numbers as :func:`miles_fp8.quant.quantize_act_ref` followed by
+:func:`miles_fp8.gemm.block_scaled_mm_ref`, up to the order of the fp32 sums.
+
+Design (the weight is streamed once from HBM; everything else is small):
+
+- grid ``(N / BLOCK_N, SPLIT_K)``: a program owns ``BLOCK_N`` weight rows and a
+  run of 128-wide K-blocks; SPLIT_K comes from :func:`miles_host.kernels.split_k.plan_split_k`
+  so that an H200's 132 SMs get about two programs each, and the partial tiles
+  are reduced by the last program of each tile (deterministic split order);
+- per K-block: load the ``[BLOCK_N, 128]`` FP8 weight tile (128 contiguous bytes
+  per row), load the ``[BLOCK_M, 128]`` activation tile and quantize it on the
+  spot (amax per row, ``scale = max(amax, eps) / 448`` with IEEE division, the
+  power-of-two option, ``x / scale`` clamped to +-448 and rounded to the nearest
+  E4M3 value: the reference's numbers exactly); both operands go to float16
+  (every E4M3 value is exact there) for a tensor-core ``dot`` with fp32
+  accumulation, then ``acc += dot * w_scale[n] * x_scale[m]`` (each 128-deep
+  block promoted to fp32 with its two scales, as the reference's dequantized
+  product sums them);
+- the weight is the MMA's M side (``dot(w [BLOCK_N, 128], x^T [128, BLOCK_M])``)
+  so M = 1..16 tokens pad only to 16;
+- no autotuning: :func:`small_m_config` is a fixed table by M, so a CUDA graph
+  captures the same launch every time.
+
+Tensor legend: M tokens, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from miles_host.kernels import split_k
+from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
+from miles_fp8.quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from miles_fp8.triton_kernels import _round_up_pow2
+
+#: largest token count the fused kernel takes; more tokens use quantize + block_scaled_mm
+MAX_M = 64
+_AMAX_EPS = tl.constexpr(AMAX_EPS)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+#: smallest normal E4M3 magnitude (2^-6); below it the grid step is 2^-9
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Tile shape of one launch (``block_m`` >= M, a power of two >= 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: multiply in FP8 on the tensor cores (no float16 conversion; Hopper's FP8 MMA sums a
+    #: 128-deep block at reduced precision, so not the reference's fp32 sums); benchmarks only
+    fp8_mma: bool = False
+
+
+def small_m_config(m: int) -> SmallMConfig:
+    """The fixed tile table: wider N tiles as M grows, so the in-kernel quantization of the
+    ``[BLOCK_M, 128]`` activation tile stays cheap next to the ``[BLOCK_N, 128]`` weight tile."""
+    if m <= 16:
+        return SmallMConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
+    if m <= 32:
+        return SmallMConfig(block_m=32, block_n=128, num_warps=8, num_stages=3)
+    return SmallMConfig(block_m=64, block_n=128, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """Nearest-even E4M3 value of float32 ``q`` (|q| <= 448), as float32, by exact arithmetic.
+
+    Normal range: keep 3 mantissa bits (integer round-half-even on the bits);
+    subnormal range (|q| < 2^-6): the nearest multiple of 2^-9. Integer-exact,
+    so the interpreter and the GPU give torch's ``.to(float8_e4m3fn)`` bit for bit.
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    magnitude = tl.abs(q)
+    steps = magnitude * 512.0  # exact: a power of two
+    whole = steps.to(tl.int32)  # truncation = floor (non-negative)
+    frac = steps - whole.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    subnormal = (whole + up.to(tl.int32)).to(tl.float32) * 0.001953125
+    subnormal = tl.where(q < 0, -subnormal, subnormal)
+    return tl.where(magnitude < _E4M3_MIN_NORMAL, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows(x, POW2: tl.constexpr):
+    """1x128 quantization of float32 ``x [R, 128]``: (values on the E4M3 grid as float32, scales [R])."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _FP8_MAX)
+    if POW2:
+        scale = _round_up_pow2(scale)
+    q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return _round_to_e4m3(q), scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K_BLOCKS, POW2: tl.constexpr):
+    """The GEMM's in-kernel quantization alone (for tests): one 1x128 group per program."""
+    row = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + row * stride_xm + cols[None, :]).to(tl.float32)
+    q, scale = _quantize_rows(x, POW2)
+    tl.store(q_ptr + row * K_BLOCKS * 128 + cols[None, :], q)
+    tl.store(s_ptr + row * K_BLOCKS + kb + tl.arange(0, 1), scale)
+
+
+@triton.jit
+def _fp8_small_m_kernel(
+    x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr,
+    M, N, stride_xm, stride_wn, stride_wsn, stride_ym,
+    BLOCKS_PER_SPLIT: tl.constexpr, POW2: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE: tl.constexpr,
+    FP8_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, GROUP)
+    mask_m = offs_m < M
+    # N is a multiple of 128 and BLOCK_N divides 128: weight rows need no mask
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    ws_ptrs = ws_ptr + (offs_n // GROUP).to(tl.int64) * stride_wsn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(BLOCKS_PER_SPLIT):
+        kb = pid_k * BLOCKS_PER_SPLIT + step
+        w = tl.load(w_ptrs + kb * GROUP)
+        x = tl.load(x_ptrs + kb * GROUP, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        q, x_scale = _quantize_rows(x, POW2)
+        w_scale = tl.load(ws_ptrs + kb)
+        if FP8_MMA:
+            block = tl.dot(w, tl.trans(q.to(tl.float8e4nv)))
+        else:
+            block = tl.dot(w.to(tl.float16), tl.trans(q.to(tl.float16)))
+        acc += block * w_scale[:, None] * x_scale[None, :]
+    y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+    part_offs = offs_m[None, :] * N + offs_n[:, None]
+    split_k_epilogue(acc, y_ptr, part_ptr, sem_ptr, y_offs, part_offs, mask_m[None, :], pid_n, pid_k, M * N,
+                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
+
+
+def _check(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+    m, k = x.shape
+    n = w_q.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"fp8 small-M GEMM: {m} rows > {MAX_M}; use quantize_act + block_scaled_mm")
+    if w_q.dtype != FP8_DTYPE or w_q.shape[1] != k or k % BLOCK or n % BLOCK:
+        raise ValueError(f"fp8 small-M GEMM: weight {tuple(w_q.shape)} {w_q.dtype} for x {tuple(x.shape)}: "
+                         f"needs float8_e4m3fn [N, K] with N, K multiples of {BLOCK}")
+    if tuple(w_scale.shape) != (n // BLOCK, k // BLOCK):
+        raise ValueError(f"fp8 small-M GEMM: w_scale {tuple(w_scale.shape)} should be {(n // BLOCK, k // BLOCK)}")
+
+
+def fused_act_quant_mm(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, power_of_two: bool = False,
+    out_dtype: torch.dtype | None = None, config: SmallMConfig | None = None, split: int | None = None,
+) -> torch.Tensor:
+    """``Q_1x128(x) @ (w_q * w_scale)^T`` for ``x [M, K]``, M <= 64, in one Triton launch (see the module doc).
+
+    ``out_dtype`` defaults to ``x.dtype``; ``config`` and ``split`` override the
+    fixed table (benchmarks). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
+    """
+    _check(x, w_q, w_scale)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w_q = w_q if w_q.stride(-1) == 1 else w_q.contiguous()
+    m, k = x.shape
+    n = w_q.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or small_m_config(m)
+    assert BLOCK % cfg.block_n == 0 and cfg.block_m >= m, cfg
+    n_tiles, k_blocks = n // cfg.block_n, k // BLOCK
+    if split is None:
+        sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 132
+        plan = split_k.plan_split_k(m, n_tiles, k_blocks, k, sms)
+    else:
+        plan = split_k.fixed_split(n_tiles, k_blocks, split)
+    partials, counters, in_kernel = split_k.workspace(plan, m, n, x.device, out)
+    _fp8_small_m_kernel[(plan.n_tiles, plan.split_k)](
+        x, w_q, w_scale, out, partials, counters,
+        m, n, x.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
+        BLOCKS_PER_SPLIT=plan.blocks_per_split, POW2=power_of_two, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel, EMULATE=emulate_rounding(),
+        FP8_MMA=cfg.fp8_mma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP=BLOCK,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not in_kernel:
+        out.copy_(partials.sum(dim=0))
+    return out
+
+
+def quantize_rows(x: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-GEMM activation quantization alone: ``(q as float32 on the E4M3 grid, scale [M, K/128])``."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, k // BLOCK), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m, k // BLOCK)](x, q, scale, x.stride(0), k // BLOCK, POW2=power_of_two, num_warps=1)
+    return q, scale

@@ -1,0 +1,132 @@
+"""The ``halves`` INT4 layout and its small-M Triton GEMM (:mod:`miles_int4.decode_gemm`) against references.
+
+CPU: the layout here; the kernel in ``interpreted_decode_gemm.py``, run under Triton's
+interpreter in a subprocess (:func:`test_cpu_kernel_under_the_triton_interpreter`).
+GPU (marked ``gpu``): ``python -m pytest tests/plugins/int4/test_decode_gemm.py -m gpu -v``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_host.kernels import split_k
+from miles_int4.kernels import int4_mm, pack_for_kernel, pack_halves, reference_mm, unpack_halves
+from miles_int4.quant import dequantize, quantize
+from tests.plugins.triton_interpret import run_interpreted
+
+#: (name, N, K) of a Qwen3-1.7B decoder layer's linears
+SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
+
+
+def _weights(n, k, group_size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, scale = quantize(torch.randn(n, k, generator=generator) * 0.05, group_size)
+    return q, scale, pack_halves(q, group_size)
+
+
+def _x(m, k, dtype=torch.bfloat16, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _expected(x, q, scale):
+    """float64 product with the weight dequantized exactly as the QAT forward does (in x's dtype)."""
+    return F.linear(x.double(), dequantize(q, scale, x.dtype).double())
+
+
+def _assert_matches(got, expected, dtype):
+    scale = expected.abs().max().item()
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=1e-6 * scale)
+
+
+# ----------------------------------------------------------------------------- layout (plain PyTorch)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_halves_layout_round_trips_and_puts_each_half_in_its_nibble(group_size):
+    q, _, packed = _weights(16, 256, group_size)
+    assert packed.dtype == torch.uint8 and packed.shape == (16, 128)
+    assert torch.equal(unpack_halves(packed, group_size), q)
+    half = group_size // 2
+    byte = packed[3, half + 5].item()  # group 1, byte 5
+    assert byte & 0xF == q[3, group_size + 5].item() + 8
+    assert byte >> 4 == q[3, group_size + half + 5].item() + 8
+
+
+def test_halves_int4_mm_off_cuda_is_the_qat_dequantize_path():
+    """Without CUDA (or above 64 rows) the halves layout dequantizes exactly as the QAT forward does."""
+    q, scale, _ = _weights(96, 256, 64)
+    packed = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
+    for x in (_x(3, 256), _x(8, 256, dtype=torch.float32).view(2, 4, 256)):
+        assert torch.equal(int4_mm(x, packed), reference_mm(x, q, scale))
+
+
+def test_cpu_kernel_under_the_triton_interpreter(request):
+    """Dequantization bit for bit, GEMM vs reference, split-K reductions (see interpreted_decode_gemm.py)."""
+    run_interpreted(Path(__file__).with_name("interpreted_decode_gemm.py"), request)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 32, 64])
+@pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
+def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size):
+    from miles_int4 import decode_gemm
+
+    q, scale, packed = _weights(n, k, group_size)
+    x = _x(m, k)
+    expected = _expected(x, q, scale)
+    args = (x.cuda(), packed.cuda(), scale.cuda(), group_size)
+    _assert_matches(decode_gemm.int4_small_m_mm(*args, out_dtype=torch.float32).cpu(), expected, torch.float32)
+    got = decode_gemm.int4_small_m_mm(*args)
+    _assert_matches(got.cpu(), expected, torch.bfloat16)
+    assert torch.equal(got, decode_gemm.int4_small_m_mm(*args))  # deterministic
+    one_hot = torch.zeros(16, k, dtype=torch.bfloat16, device="cuda")
+    one_hot[torch.arange(16), torch.arange(16) * (k // 16)] = 1
+    weights = decode_gemm.int4_small_m_mm(one_hot, *args[1:])
+    assert torch.equal(weights.cpu(), dequantize(q, scale, torch.bfloat16)[:, :: k // 16].t())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("reduce", ["kernel", "torch"])
+@pytest.mark.parametrize("split", [1, 2, 4, 8, 16])
+def test_gpu_split_k_variants(split, reduce, monkeypatch):
+    from miles_int4 import decode_gemm
+
+    monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
+    q, scale, packed = _weights(2048, 6144, 128)
+    x = _x(8, 6144)
+    got = decode_gemm.int4_small_m_mm(x.cuda(), packed.cuda(), scale.cuda(), 128, out_dtype=torch.float32, split=split)
+    _assert_matches(got.cpu(), _expected(x, q, scale), torch.float32)
+    assert not any(buffer.any() for buffer in split_k._SEMAPHORES.values())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_int4_mm_in_a_cuda_graph_and_above_the_small_m_limit():
+    q, scale, _ = _weights(4096, 2048, 128)
+    packed = pack_for_kernel(q.cuda(), scale.cuda(), torch.bfloat16)
+    assert packed.layout == "halves"
+    x = _x(4, 2048).cuda()
+    int4_mm(x, packed)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_mm(x, packed)
+    for seed in range(3):
+        x.copy_(_x(4, 2048, seed=seed + 10).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, int4_mm(x, packed))
+    big = _x(100, 2048).cuda()  # prefill rows: dequantize + F.linear, the QAT forward's own ops
+    assert torch.equal(int4_mm(big, packed), reference_mm(big, q.cuda(), scale.cuda()))
