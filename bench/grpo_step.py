@@ -72,7 +72,7 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
-        *(["--sglang-disable-overlap-schedule"] if args.disable_overlap else []),
+        *(["--sglang-enable-overlap-schedule"] if args.overlap else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -159,6 +159,24 @@ def bench_trl(model_dir: Path, data: Path, args) -> dict:
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
+def run_isolated(system: str, args) -> dict | None:
+    """``--only SYSTEM`` in a subprocess; its result, or None (with the reason printed)."""
+    import subprocess
+
+    out = args.workdir / f"{system}_result.json"
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, __file__, "--only", system, "--result-json", str(out), "--workdir", str(args.workdir)]
+    for name in ("steps", "prompts", "samples", "new_tokens", "prompt_len", "max_tokens_per_gpu"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    argv += [flag for flag, on in (("--train-compile", args.train_compile), ("--overlap", args.overlap),
+                                   ("--profile", args.profile)) if on]
+    returncode = subprocess.run(argv).returncode
+    if returncode or not out.exists():
+        print(f"{system} benchmark failed (exit code {returncode})")
+        return None
+    return json.loads(out.read_text())[system]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -170,8 +188,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
-    parser.add_argument("--disable-overlap", action="store_true", help="miles: no overlapped decode scheduling")
+    parser.add_argument("--overlap", action="store_true", help="miles: overlapped decode scheduling")
     parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
+    parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
     args = parser.parse_args()
     if args.tiny:
@@ -179,13 +198,19 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir, data = build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
     results = {}
-    if args.only in (None, "miles"):
-        results["miles"] = bench_miles(model_dir, data, args)
-    if args.only in (None, "trl") and not args.tiny:
-        try:
+    if args.only is None and not args.tiny:
+        # each system in a fresh process: neither inherits the other's GPU memory or allocator state
+        for system in ("miles", "trl"):
+            result = run_isolated(system, args)
+            if result is not None:
+                results[system] = result
+    else:
+        if args.only in (None, "miles"):
+            results["miles"] = bench_miles(model_dir, data, args)
+        if args.only == "trl":
             results["trl"] = bench_trl(model_dir, data, args)
-        except Exception as error:  # noqa: BLE001 - report miles even when the baseline cannot run
-            print(f"TRL baseline failed: {type(error).__name__}: {error}")
+        if args.result_json:
+            args.result_json.write_text(json.dumps(results))
     completion_tokens = args.prompts * args.samples * args.new_tokens
     print(f"\nGRPO step, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens")
     print(f"{'system':<8} {'first s':>8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'tok/s':>9} {'peak GB':>8}")
