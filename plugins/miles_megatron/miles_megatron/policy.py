@@ -12,18 +12,35 @@ puts where the native trainer keeps its ``CausalLM``:
 - ``state_dict()`` / ``load_state_dict()``: native names and layouts
   (:mod:`miles_megatron.weights`), so weight sync, ``--save-hf`` and checkpoints see
   what the native trainer gives them.
+
+Precision follows the native trainer: float32 parameters (the masters) and, on GPU,
+the forward under the trainer's bf16 autocast. Megatron-Core is written for bf16
+*parameters* (``Float16Module``), not autocast; three places are adjusted so it
+computes what the native model computes under autocast:
+
+- residual adds keep the residual stream's dtype (float32; Megatron's
+  bias-dropout-add casts the residual to the branch output's bf16);
+- the router GEMM gets its input in the autocast dtype (its autograd Function has
+  no ``custom_bwd``: a float32 input under autocast gives bf16 logits whose
+  backward then multiplies bf16 gradients by float32 weights and fails) — see
+  :mod:`miles_megatron.replay`;
+- every decoder layer runs under the autocast state of the forward that first ran
+  it, so Megatron's activation recomputation (which re-runs layers in backward,
+  outside the trainer's autocast) recomputes what the forward computed.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from miles_megatron.layout import PaddedLayout
 from miles_megatron.replay import RouterReplayBridge
-from miles_megatron.runtime import on_cpu, quiet_imports
+from miles_megatron.runtime import on_device, quiet_imports
 from miles_megatron.weights import (
     gpt_model_kwargs,
     megatron_to_native,
@@ -32,7 +49,8 @@ from miles_megatron.weights import (
 )
 
 #: TransformerConfig settings of this backend: local (non-TE) modules, no dropout,
-#: no fused kernels, weights loaded from the checkpoint rather than initialised
+#: no fused kernels (Apex / TransformerEngine are not used), weights loaded from the
+#: checkpoint rather than initialised, the parameters float32 (masters; see module doc)
 LOCAL_SETTINGS: dict[str, Any] = dict(
     use_cpu_initialization=True,
     perform_initialization=False,
@@ -45,6 +63,19 @@ LOCAL_SETTINGS: dict[str, Any] = dict(
     masked_softmax_fusion=False,
     persist_layer_norm=False,
     gradient_accumulation_fusion=False,
+    fp16=False,
+    bf16=False,  # bf16 *parameters*; the forward's bf16 comes from the trainer's autocast
+)
+#: MoE settings: one rank, so the all-gather dispatcher (no collective at size 1, no
+#: device-to-host copies on side streams), one small GEMM per expert (SequentialMLP), no
+#: TE fused permute/router kernels, the router GEMM in its input's dtype (as the native
+#: Qwen3-MoE router), no auxiliary loss (the native trainer has none)
+MOE_SETTINGS: dict[str, Any] = dict(
+    moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+    moe_permute_fusion=False,
+    moe_router_fusion=False,
+    moe_router_load_balancing_type="none",
 )
 
 
@@ -55,7 +86,7 @@ def transformer_config(native_config: Any, recompute: bool = False):
     kwargs = megatron_transformer_config_kwargs(native_config)
     kwargs.update(LOCAL_SETTINGS)
     if native_config.moe is not None:
-        kwargs["moe_router_load_balancing_type"] = "none"  # the native trainer has no aux loss either
+        kwargs.update(MOE_SETTINGS)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with warnings.catch_warnings():
@@ -63,17 +94,75 @@ def transformer_config(native_config: Any, recompute: bool = False):
         return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(native_config: Any, recompute: bool = False) -> torch.nn.Module:
-    """An uninitialised GPTModel (local layer spec) on CPU for a native config."""
+def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu") -> torch.nn.Module:
+    """An uninitialised GPTModel (local layer spec) with its parameters on CPU for a
+    native config; ``device`` is the trainer's (where Megatron's few eager buffers go)."""
     with quiet_imports():
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = transformer_config(native_config, recompute)
-    with warnings.catch_warnings(), on_cpu():
+    with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-        return GPTModel(config, spec, **gpt_model_kwargs(native_config))
+        gpt = GPTModel(config, spec, **gpt_model_kwargs(native_config))
+    for layer in gpt.decoder.layers:
+        layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
+        router = getattr(layer.mlp, "router", None)
+        if router is not None and not router.enable_expert_bias:
+            # torch.compile'd bookkeeping run at every routing that does nothing without an
+            # expert bias: skipped (no Dynamo trace per router, no compiler needed on GPU)
+            router._apply_expert_bias = _no_expert_bias
+    return gpt
+
+
+def _no_expert_bias(routing_map, padding_mask=None) -> None:
+    return None
+
+
+def residual_bias_dropout_add(training: bool, fused: bool):
+    """Megatron's ``get_bias_dropout_add`` without the cast of the residual to the branch's
+    dtype: ``residual + dropout(x + bias)`` in the promoted dtype, so under autocast the
+    residual stream stays float32 as in the native model (identical where all is float32)."""
+
+    def add(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+        x, bias = x_with_bias
+        if bias is not None:
+            x = x + bias
+        if prob:
+            x = F.dropout(x, p=prob, training=training)
+        return residual + x
+
+    return add
+
+
+@dataclass
+class AutocastState:
+    """``torch.autocast`` arguments of the latest forward."""
+
+    device_type: str = "cpu"
+    enabled: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    def capture(self, device_type: str) -> None:
+        """Take the autocast state in force now for ``device_type``."""
+        self.device_type = device_type
+        self.enabled = torch.is_autocast_enabled(device_type)
+        self.dtype = torch.get_autocast_dtype(device_type)
+
+    def context(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
+def pin_autocast(layer: torch.nn.Module, state: AutocastState) -> None:
+    """Run ``layer`` under ``state`` (see module doc: recomputation in backward)."""
+    forward = layer.forward
+
+    def forward_under_autocast(*args, **kwargs):
+        with state.context():
+            return forward(*args, **kwargs)
+
+    layer.forward = forward_under_autocast
 
 
 def load_native_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor], native_config: Any) -> None:
@@ -96,6 +185,10 @@ class MegatronPolicy(torch.nn.Module):
         self.gradient_checkpointing = False
         top_k = native_config.moe.top_k if native_config.moe is not None else 0
         self.replay = RouterReplayBridge(gpt, routing_hooks, top_k)
+        #: autocast of the last forward, re-entered by each layer (recomputation in backward)
+        self.autocast_state = AutocastState()
+        for layer in gpt.decoder.layers:
+            pin_autocast(layer, self.autocast_state)
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False):
@@ -104,11 +197,14 @@ class MegatronPolicy(torch.nn.Module):
         from miles_host.models import load_pretrained
 
         native = load_pretrained(path, dtype=torch.float32, device="cpu")
-        gpt = build_gpt_model(native.config, recompute)
+        gpt = build_gpt_model(native.config, recompute, device)
         load_native_state(gpt, native.state_dict(), native.config)
         config = native.config
         del native
-        return cls(gpt.to(device), config, routing_hooks)
+        gpt.to(device)
+        # a plain attribute, not a buffer (Megatron moves it lazily to torch.cuda.current_device())
+        gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
+        return cls(gpt, config, routing_hooks)
 
     # -- what the trainer and the loop read ----------------------------------------
 
@@ -141,9 +237,10 @@ class MegatronPolicy(torch.nn.Module):
         device = input_ids_T.device
         layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device)
         self.replay.set_forward(routing, layout)
+        self.autocast_state.capture(device.type)
         ids_SB = layout.to_sb(input_ids_T)
         positions_SB = layout.to_sb(positions_T)
-        with on_cpu():
+        with on_device(device):
             x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
             freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
             rotary_SB1D = freqs_PD[positions_SB]

@@ -16,6 +16,13 @@ then gathers the router's scores at those ids, so the router keeps its gradient.
 Dense layers have no router and are never touched. The context stays set until the
 next forward, so a recomputation in backward (``--recompute-granularity full``)
 replays the same ids.
+
+Under autocast (the trainer on GPU) the same pre-hook hands the router its input in
+the autocast dtype: Megatron's router GEMM (``RouterGatingLinearFunction``) is an
+autograd Function without ``custom_fwd``/``custom_bwd``, so a float32 input gives
+bf16 logits (autocast) and a backward that multiplies those bf16 gradients by the
+float32 weight outside autocast, which fails. In bf16 it is the GEMM the native
+router runs under autocast (bf16 operands, bf16 logits).
 """
 
 from __future__ import annotations
@@ -64,7 +71,12 @@ class RouterReplayBridge:
 
     def _pre_hook(self, layer_index: int):
         def hook(router, args):
-            self._route(layer_index, router, args[0])
+            hidden_SBH = args[0]
+            device_type = hidden_SBH.device.type
+            if torch.is_autocast_enabled(device_type):
+                hidden_SBH = hidden_SBH.to(torch.get_autocast_dtype(device_type))
+            self._route(layer_index, router, hidden_SBH)
+            return (hidden_SBH, *args[1:])
 
         return hook
 
@@ -81,8 +93,11 @@ class RouterReplayBridge:
             replay.clear_router_replay_action()  # Megatron's own top-k
             return
         with torch.no_grad():
-            logits_NE = F.linear(hidden_SBH.reshape(-1, hidden_SBH.shape[-1]).float(), router.weight.float())
-            scores_NE = torch.softmax(logits_NE, dim=-1)
+            # the router's GEMM (in the input's dtype, bf16 under autocast), float32 softmax: the
+            # native router's scores, and the top-k Megatron itself would take
+            weight = router.weight.to(hidden_SBH.dtype)
+            logits_NE = F.linear(hidden_SBH.reshape(-1, hidden_SBH.shape[-1]), weight)
+            scores_NE = torch.softmax(logits_NE.float(), dim=-1)
             own_NK = torch.topk(scores_NE, self.top_k, dim=-1).indices
             rows_T = layout.megatron_row_T
             own_TK = own_NK[rows_T]

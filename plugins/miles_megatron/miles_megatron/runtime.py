@@ -2,13 +2,19 @@
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
   this version can honour (1 each: one trainer process).
-- :func:`init_model_parallel`: a one-rank ``torch.distributed`` group (gloo, in-process
-  store) and Megatron's ``parallel_state`` on it, created once and reused.
-- :func:`on_cpu`: Megatron-Core 0.16 asks ``torch.cuda.current_device()`` for the
-  device of a few buffers (rotary frequencies, attention/MoE scratch) even when built
-  with ``use_cpu_initialization``, and its activation recomputation saves the CUDA
-  RNG state; on a machine without CUDA those calls are answered with ``"cpu"`` and
-  an empty state while the trainer runs Megatron code, and nowhere else.
+- :func:`init_model_parallel`: a one-rank ``torch.distributed`` group (NCCL for a CUDA
+  trainer, gloo on CPU; in-process store) and Megatron's ``parallel_state`` on it,
+  created once and reused. With one rank no collective ever runs.
+- :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
+  process's own CUDA generator).
+- :func:`on_device`: what Megatron code of the trainer runs under. On GPU, ``cuda:N``
+  as the current device (Megatron allocates its scratch buffers and rope frequencies
+  on ``torch.cuda.current_device()``). On CPU, Megatron-Core 0.16 still asks
+  ``torch.cuda.current_device()`` for a few buffers (rotary frequencies,
+  attention/MoE scratch) even when built with ``use_cpu_initialization``, and its
+  activation recomputation saves the CUDA RNG state: those calls are answered with
+  ``"cpu"`` and an empty state while the trainer runs Megatron code, and nowhere else.
+  Either way, scratch buffers Megatron cached on another device are dropped first.
 """
 
 from __future__ import annotations
@@ -54,13 +60,13 @@ def check_parallel_sizes(config: Any) -> None:
     )
 
 
-def init_model_parallel() -> None:
+def init_model_parallel(device: torch.device) -> None:
     """One-rank default group + Megatron ``parallel_state`` (TP = PP = EP = CP = 1)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     elif dist.get_world_size() != 1:
         raise ValueError(
@@ -72,15 +78,21 @@ def init_model_parallel() -> None:
     _fix_megatron_without_te()
 
 
-def seed_rng(seed: int) -> None:
-    """Megatron's RNG tracker: the CUDA one on GPU; on CPU a tracker whose forks do
-    nothing (Megatron's own inference tracker; dropout is off in this backend)."""
+def seed_rng(seed: int, device: torch.device) -> None:
+    """Megatron's RNG tracker: on GPU the CUDA one (``model_parallel_cuda_manual_seed``,
+    which also reseeds the device's default generator: its state is put back, so the
+    rollout's sampling stream does not depend on the training backend); on CPU a
+    tracker whose forks do nothing (Megatron's own inference tracker; dropout is off
+    in this backend)."""
     from megatron.core.tensor_parallel import random as megatron_random
 
-    if torch.cuda.is_available():
-        megatron_random.model_parallel_cuda_manual_seed(seed)
-    else:
+    if device.type != "cuda":
         megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        return
+    with torch.cuda.device(device):
+        state = torch.cuda.get_rng_state()
+        megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        torch.cuda.set_rng_state(state)
 
 
 def _fix_megatron_without_te() -> None:
@@ -110,13 +122,35 @@ def _cpu_stand_ins() -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def on_cpu() -> Iterator[None]:
-    """While Megatron code runs without CUDA: ``torch.cuda.current_device() -> "cpu"``
-    and no CUDA RNG state to save (re-entrant; a no-op where CUDA is available)."""
-    global _depth
-    if torch.cuda.is_available():
-        yield
+def on_device(device: torch.device) -> Iterator[None]:
+    """While Megatron code runs for a trainer on ``device`` (see module doc; re-entrant)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            _drop_foreign_scratch(torch.device("cuda", torch.cuda.current_device()))
+            yield
         return
+    with _cpu_stand_ins_held():
+        _drop_foreign_scratch(torch.device("cpu"))
+        yield
+
+
+def _drop_foreign_scratch(device: torch.device) -> None:
+    """Megatron's global scratch buffers (attention scores) are cached per name and dtype
+    whatever their device: drop those another device's trainer left (a CPU and a GPU
+    trainer in one process, or two GPUs)."""
+    from megatron.core import parallel_state
+
+    memory = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if memory is None:
+        return
+    for key in [key for key, tensor in memory.buffer.items() if tensor.device != device]:
+        del memory.buffer[key]
+
+
+@contextlib.contextmanager
+def _cpu_stand_ins_held() -> Iterator[None]:
+    global _depth
     with _lock:
         if _depth == 0:
             for owner, name, replacement in _cpu_stand_ins():

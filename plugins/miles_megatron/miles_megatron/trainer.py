@@ -7,6 +7,8 @@ old/reference log-probs, micro-batching, the policy loss of
 the LR schedule, metrics, weight export and checkpoints are the host's code; only
 the forward is Megatron's. One process, TP = PP = EP = CP = 1 (Megatron's
 ``parallel_state`` over a one-rank group); larger sizes are refused with the reason.
+On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
+precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 import torch
 
+from miles_host.rollout_backend import resolve_device
 from miles_host.trainer import NativeTrainer
-from miles_megatron.runtime import check_parallel_sizes, init_model_parallel, on_cpu, seed_rng
+from miles_megatron.runtime import check_parallel_sizes, init_model_parallel, on_device, seed_rng
 
 #: flags whose native implementation needs the native model's modules
 _NATIVE_ONLY = {
@@ -43,8 +46,9 @@ class MegatronTrainer(NativeTrainer):
 
     def __init__(self, config: Any, manager: Any):
         check_supported(config)
-        init_model_parallel()
-        seed_rng(config.seed)
+        device = resolve_device(config)
+        init_model_parallel(device)
+        seed_rng(config.seed, device)
         super().__init__(config, manager)
 
     def load_model(self, path: str, routing) -> torch.nn.Module:
@@ -54,11 +58,11 @@ class MegatronTrainer(NativeTrainer):
         return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute)
 
     def train(self, samples):
-        with on_cpu():
+        with on_device(self.device):
             return super().train(samples)
 
     def response_log_probs(self, model, batch, with_entropy: bool = False):
-        with on_cpu():
+        with on_device(self.device):
             return super().response_log_probs(model, batch, with_entropy)
 
     def state_dict(self) -> dict:

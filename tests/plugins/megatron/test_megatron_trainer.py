@@ -219,6 +219,34 @@ def test_replay_ids_without_a_routing_plugin_go_through_router_replay(models):
     assert float(megatron.model.gpt.decoder.layers[0].mlp.router.weight.grad.abs().sum()) > 0
 
 
+def test_bf16_autocast_keeps_the_native_precision_policy(models):
+    """The GPU precision policy, checked under CPU bf16 autocast: the residual stream stays
+    float32 (as in the native model; Megatron's bias-dropout-add would cast it to bf16), the
+    router GEMM gets bf16 input (its autograd Function has no custom_bwd), and a layer re-run
+    outside autocast, as activation recomputation does in backward, runs under the forward's."""
+    from miles_megatron.runtime import on_device
+
+    trainer = make_trainer(models, "qwen3_moe", "megatron")
+    policy = trainer.model
+    seen, inputs = [], {}
+    for layer in policy.gpt.decoder.layers:
+        layer.register_forward_hook(lambda m, a, out: seen.append(("residual", out[0].dtype)))
+        layer.mlp.router.register_forward_hook(lambda m, args, out: seen.append(("router", args[0].dtype)))
+        layer.self_attention.register_forward_pre_hook(
+            lambda m, a: seen.append(("autocast", torch.is_autocast_enabled("cpu"))))
+    first = policy.gpt.decoder.layers[0]
+    first.register_forward_pre_hook(lambda m, a, k: inputs.update(args=a, kwargs=k), with_kwargs=True)
+    batch = trainer.pack(make_samples(), "train")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = policy.forward_hidden(batch.input_ids_T, batch.positions_T, batch.cu_seqlens)
+    assert hidden.dtype == torch.float32
+    assert sorted(set(seen)) == [("autocast", True), ("residual", torch.float32), ("router", torch.bfloat16)]
+    seen.clear()
+    with torch.no_grad(), on_device(torch.device("cpu")):
+        first(*inputs["args"], **inputs["kwargs"])  # outside autocast, as a recomputation
+    assert ("autocast", True) in seen and ("router", torch.bfloat16) in seen
+
+
 def test_parallel_sizes_above_one_are_refused_clearly(models):
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2.*(CUDA|one trainer process)"):
         make_trainer(models, "qwen3", "megatron", "--tensor-model-parallel-size", "2")
