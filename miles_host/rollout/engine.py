@@ -336,7 +336,7 @@ class Engine:
 
     def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:
         """Read a launched step's tokens; finish the sequences that stopped."""
-        result = self.runner.finish_decode(pending.tokens_B, pending.logprobs_B)
+        result = self.runner.finish_decode(pending.readback)
         stopped = overlap.resolve_step(pending, result, self.block_manager, self._finish_reason)
         return [self._finish(seq, reason) for seq, reason in stopped]
 

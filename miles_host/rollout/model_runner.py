@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Readback:
+    """A decode step's ``[token ids..., logprobs...]`` (float64) on their way to the host."""
+
+    values: torch.Tensor
+    ready: "torch.cuda.Event | None"
+    n: int
+
+
+@dataclass
 class StepResult:
     """Sampled tokens (host lists, aligned with ``batch.samplers``) and captured routes."""
 
@@ -256,10 +265,25 @@ class ModelRunner:
         return sample(logits_BV, sampling, uniforms_B)
 
     @staticmethod
-    def finish_decode(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> StepResult:
-        """Wait for a launched decode step; one device-to-host copy."""
-        values = torch.cat([tokens_B.double(), logprobs_B.double()]).tolist()
-        n = tokens_B.shape[0]
+    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> "Readback":
+        """Start copying a launched step's results to the host (pinned, asynchronous) and mark
+        when they are there: reading them later waits for this step alone, not for the steps
+        launched after it (a plain ``tolist`` would wait for the whole stream)."""
+        values = torch.cat([tokens_B.double(), logprobs_B.double()])
+        if not values.is_cuda:
+            return Readback(values, None, tokens_B.shape[0])
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Readback(host, ready, tokens_B.shape[0])
+
+    @staticmethod
+    def finish_decode(readback: "Readback") -> StepResult:
+        """Wait for a launched decode step's results (:meth:`start_readback`)."""
+        if readback.ready is not None:
+            readback.ready.synchronize()
+        values, n = readback.values.tolist(), readback.n
         return StepResult([int(t) for t in values[:n]], values[n:])
 
     def _routes_to_host(self, routes_TLK: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ class PendingDecode:
     batch: ScheduledBatch
     tokens_B: torch.Tensor
     logprobs_B: torch.Tensor
+    readback: Any = None  # the results' copy to the host (model_runner.Readback)
     positions: list[int] = field(default_factory=list)  # index of each sequence's placeholder
 
 
@@ -52,7 +54,7 @@ def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device
             ids_override = (host_to_device(torch.tensor(rows, dtype=torch.long), device),
                             previous.tokens_B.index_select(0, src_index))
     tokens_B, logprobs_B = runner.launch_decode(batch, ids_override)
-    pending = PendingDecode(batch, tokens_B, logprobs_B)
+    pending = PendingDecode(batch, tokens_B, logprobs_B, runner.start_readback(tokens_B, logprobs_B))
     for seq in batch.sequences:
         pending.positions.append(len(seq.token_ids))
         seq.token_ids.append(PLACEHOLDER)
