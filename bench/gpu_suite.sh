@@ -3,7 +3,8 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_overlap grpo grpo_profile quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+# Steps: tests rollout rollout_overlap grpo grpo_overlap grpo_profile quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+#        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -17,12 +18,29 @@ run() {  # name, seconds, command...
   timeout "$limit" "$@" 2>&1 | grep -v "Writing model shards\|it/s\]" | tee -a "$LOG" | tail -40
   echo "=== $name rc=${PIPESTATUS[0]}" | tee -a "$LOG"
 }
+quickstart() {  # name, seconds, flags...: the quickstart preset on GPU, then its eval accuracy and timing
+  local name=$1 limit=$2
+  shift 2
+  rm -rf "$OUT/$name"
+  run "$name" "$limit" python3 -m miles_host.cli.main run --device cuda --num-rollout 10 --no-progress \
+    --output-dir "$OUT/$name" "$@"
+  [ -f "$OUT/$name/metrics.jsonl" ] && python3 bench/run_summary.py "$OUT/$name" 2>&1 | tee -a "$LOG"
+}
+two_gpu() {
+  run two_gpu_weight_sync 240 python3 bench/weight_sync.py --two-gpus --repeat 3
+  quickstart two_gpu_disaggregated 420 --train-backend fsdp --actor-num-gpus-per-node 1 --rollout-num-gpus 1 \
+    --rollout-backend process --weight-sync broadcast
+  quickstart two_gpu_colocated 420 --train-backend fsdp --actor-num-gpus-per-node 2 --colocate --rollout-backend process
+  quickstart two_gpu_colocated_offload 420 --train-backend fsdp --actor-num-gpus-per-node 2 --colocate \
+    --rollout-backend process --offload-train --offload-rollout
+}
 for step in "${steps[@]}"; do
   case $step in
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests ;;
     rollout) run rollout 240 python3 bench/rollout.py --repeats 2 ;;
     rollout_overlap) run rollout_overlap 200 python3 bench/rollout.py --repeats 2 --skip-hf --overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
+    grpo_overlap) run grpo_overlap 260 python3 bench/grpo_step.py --train-compile --overlap --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
@@ -31,6 +49,7 @@ for step in "${steps[@]}"; do
     int4_gemm) run int4_gemm 200 python3 bench/int4_gemm.py --repeats 20 ;;
     spec) run spec 300 python3 bench/spec_rollout.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
+    two_gpu) two_gpu ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
   esac
 done
