@@ -1,14 +1,23 @@
-"""Block-scaled FP8 GEMM throughput vs bf16 ``torch.matmul`` in the same run.
+"""Block-scaled FP8 GEMM vs bf16 in the same run: prefill-sized GEMMs, then decode-sized linears.
 
-    python bench/fp8_gemm.py                # on the GPU: M=8192,N=K=4096 + Qwen3-0.6B linears
+    python bench/fp8_gemm.py                # on the GPU: both parts
+    python bench/fp8_gemm.py --decode-only  # the decode part: 1.7B linears at M = 1, 8, 32
+    python bench/fp8_gemm.py --decode-only --sweep   # + every tile/split variant of the small-M kernel
     python bench/fp8_gemm.py --tiny         # CPU smoke (reference path; numbers meaningless)
     python bench/fp8_gemm.py --json out.json
 
-For every shape it times: bf16 ``torch.matmul``; the FP8 GEMM alone with each
-available backend (cuBLAS block-scaled ``_scaled_mm`` when usable, the Triton
-kernel); and the FP8 linear as a layer runs it (1x128 activation quantization +
-GEMM). TFLOP/s = 2*M*N*K / time. Bounds quoted for the H200: 1468 TFLOP/s FP8
-(tensor-wise, measured), 808 bf16 (measured); the issue's goal is FP8 >= 1.4x bf16.
+Prefill part (M=8192 and the Qwen3-0.6B linears): bf16 ``torch.matmul``; the FP8
+GEMM alone with each available backend (cuBLAS block-scaled ``_scaled_mm`` when
+usable, the Triton kernel); and the FP8 linear as a layer ran it before the fused
+kernel (1x128 activation quantization + GEMM). TFLOP/s = 2*M*N*K / time. Bounds
+quoted for the H200: 1468 TFLOP/s FP8 (tensor-wise, measured), 808 bf16 (measured).
+
+Decode part (``bench/small_m.py``: 28 weights per Qwen3-1.7B linear shape back to
+back in a CUDA graph): per-GEMM microseconds of bf16 ``F.linear``, the old FP8 path
+(``quantize_act`` + ``block_scaled_mm``, two launches; cuBLAS when usable, else
+Triton), and the fused small-M kernel (:mod:`miles_fp8.decode_gemm`, one launch),
+with its % of the HBM bound (FP8 weight + scales) and its speedup over bf16 (the
+issue's goal: >= 1.4x). Every fused output is checked against the float reference.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "miles_fp8"))
 
+from bench import small_m  # noqa: E402
 from miles_fp8 import gemm  # noqa: E402
 from miles_fp8.quant import quantize_act, quantize_weight  # noqa: E402
 
@@ -91,11 +102,111 @@ def bench_shape(name, m, n, k, device, iters, warmup) -> dict:
     return row
 
 
+# ----------------------------------------------------------------------------- decode (small M)
+
+
+def _fp8_bytes(n: int, k: int) -> int:
+    return n * k + (n // 128) * (k // 128) * 4
+
+
+def _check_fused(x, w_q, w_s) -> float:
+    from miles_fp8 import decode_gemm
+    from miles_fp8.gemm import block_scaled_mm_ref
+    from miles_fp8.quant import quantize_act_ref
+
+    expected = block_scaled_mm_ref(*quantize_act_ref(x.float()), w_q, w_s, torch.float32)
+    return small_m.relative_error(decode_gemm.fused_act_quant_mm(x, w_q, w_s), expected)
+
+
+def _old_path_us(x, weights, device, repeats) -> float:
+    """quantize_act + block_scaled_mm (auto: cuBLAS when its self-check passed, else Triton), two launches."""
+    import os
+
+    os.environ["MILES_FP8_GEMM"] = "auto"
+    try:
+        return small_m.per_gemm_us(lambda w: gemm.block_scaled_mm(*quantize_act(x), *w, torch.bfloat16),
+                                   weights, device, repeats)
+    finally:
+        os.environ.pop("MILES_FP8_GEMM", None)
+
+
+def sweep_variants(k: int) -> list[tuple]:
+    """(config, split) pairs tried by ``--sweep``: tile presets x every split the K-blocks allow."""
+    from miles_fp8.decode_gemm import SmallMConfig
+
+    presets = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (32, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4)]
+    splits = [s for s in (1, 2, 4, 8, 16) if (k // 128) % s == 0 and (k // 128) // s >= 1]
+    return [(SmallMConfig(0, bn, warps, stages), split) for bn, warps, stages in presets for split in splits]
+
+
+def sweep_shape(x, weights, device, repeats) -> tuple[float, str]:
+    """Fastest (microseconds, description) among :func:`sweep_variants` (FP8-MMA tried on the best)."""
+    from dataclasses import replace
+
+    from miles_fp8 import decode_gemm
+
+    m, k = x.shape
+    block_m = decode_gemm.small_m_config(m).block_m
+    best = (float("inf"), "", None)
+    for config, split in sweep_variants(k):
+        config = replace(config, block_m=block_m)
+        us = small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w, config=config, split=split),
+                                 weights, device, repeats)
+        if us < best[0]:
+            best = (us, f"BLOCK_N={config.block_n} warps={config.num_warps} stages={config.num_stages} split={split}",
+                    (config, split))
+    config, split = best[2]
+    mma = replace(config, fp8_mma=True)
+    us = small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w, config=mma, split=split),
+                             weights, device, repeats)
+    return best[0], best[1] + f" (with FP8 MMA: {us:.1f} us)"
+
+
+def bench_decode(device, batch_sizes, layers, repeats, sweep) -> list[dict]:
+    """Per-GEMM microseconds of bf16, the old FP8 path and the fused kernel on the 1.7B linears."""
+    import torch.nn.functional as F
+
+    from miles_fp8 import decode_gemm
+
+    shapes = small_m.SHAPES_1_7B if device.type == "cuda" else small_m.TINY_SHAPES
+    rows = []
+    print(f"\nDecode GEMMs (per GEMM, {layers} weights back to back in a CUDA graph); HBM bound at "
+          f"{small_m.HBM_BYTES_PER_S / 1e12:.2f} TB/s of the FP8 weight + scales")
+    print(f"{'linear':<13} {'M':>3} {'bf16 us':>8} {'fp8 old us':>11} {'fp8 fused us':>13} {'fused %HBM':>11} "
+          f"{'fused/bf16':>11} {'fused/old':>10} {'rel err':>8}")
+    for name, n, k in shapes:
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        weights = [quantize_weight(w) for w in dense]
+        for m in batch_sizes:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            error = _check_fused(x, *weights[0]) if device.type == "cuda" else float("nan")
+            bf16 = small_m.per_gemm_us(lambda w: F.linear(x, w), dense, device, repeats)
+            old = _old_path_us(x, weights, device, repeats)
+            fused = (small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w), weights, device, repeats)
+                     if device.type == "cuda" else float("nan"))
+            share = small_m.hbm_fraction(_fp8_bytes(n, k), fused)
+            row = dict(linear=name, M=m, N=n, K=k, bf16_us=bf16, fp8_old_us=old, fp8_fused_us=fused,
+                       fused_hbm_fraction=share, fused_over_bf16=bf16 / fused, max_rel_err=error)
+            print(f"{name:<13} {m:>3} {bf16:>8.1f} {old:>11.1f} {fused:>13.1f} {100 * share:>10.0f}% "
+                  f"{bf16 / fused:>10.2f}x {old / fused:>9.2f}x {error:>8.1e}", flush=True)
+            if sweep and device.type == "cuda":
+                row["sweep_best_us"], row["sweep_best"] = sweep_shape(x, weights, device, repeats)
+                print(f"{'':<17} sweep: {row['sweep_best_us']:.1f} us with {row['sweep_best']} "
+                      f"(table: {decode_gemm.small_m_config(m)})", flush=True)
+            rows.append(row)
+        del dense, weights
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny shapes")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode-sized (small-M) part")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="decode part: token rows M")
+    parser.add_argument("--layers", type=int, default=small_m.LAYERS_1_7B, help="decode part: weights per shape")
+    parser.add_argument("--sweep", action="store_true", help="decode part: also time every small-M kernel variant")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -104,7 +215,7 @@ def main(argv=None) -> int:
         from miles_fp8.device import check_fp8_device
 
         check_fp8_device(device)
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    shapes = [] if args.decode_only else (TINY_SHAPES if args.tiny else SHAPES)
     iters = args.iters or (3 if args.tiny else 50)
     rows = [bench_shape(*shape, device, iters, warmup=1 if args.tiny else 10) for shape in shapes]
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: reference path)"
@@ -113,8 +224,10 @@ def main(argv=None) -> int:
         fp8 = "  ".join(f"{key[4:-7]} {value:8.2f}" for key, value in row.items() if key.startswith("fp8_") and key.endswith("_tflops"))
         print(f"  {row['shape']:<18} M={row['M']:<5} N={row['N']:<5} K={row['K']:<5} bf16 {row['bf16_tflops']:8.2f}  {fp8}"
               f"  fp8/bf16 {row['fp8_over_bf16']:.2f}x")
+    batch_sizes = [1, 4] if args.tiny else [int(b) for b in args.batch_sizes.split(",")]
+    decode = bench_decode(device, batch_sizes, 2 if args.tiny else args.layers, iters, args.sweep)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": label, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"device": label, "rows": rows, "decode": decode}, indent=2) + "\n")
     return 0
 
 

@@ -1,17 +1,21 @@
-"""Weight-only INT4 GEMM vs bf16 matmul at decode shapes (miles-int4).
+"""Weight-only INT4 GEMMs vs bf16 matmul at decode shapes (miles-int4).
 
-    python bench/int4_gemm.py                # H200: the linears of Qwen3-0.6B, M = 1..64
-    python bench/int4_gemm.py --model 1.7b   # Qwen3-1.7B shapes
-    python bench/int4_gemm.py --tiny         # CPU smoke run of the same code paths
+    python bench/int4_gemm.py                      # H200: Qwen3-1.7B linears, M = 1, 8, 32
+    python bench/int4_gemm.py --model 0.6b --batch-sizes 1,2,4,8,16,32,64
+    python bench/int4_gemm.py --sweep              # + every tile/split variant of the Triton kernel
+    python bench/int4_gemm.py --tiny               # CPU smoke run of the same code paths
 
-One decode step's linears of every layer (qkv, o, gate_up, down; no lm_head),
-each layer with its own weights so nothing stays in L2, run back to back inside
-one CUDA graph (launch overhead out of the picture) for each batch size M:
-bf16 ``F.linear``, torch's int4 kernel (``_weight_int4pack_mm``, the rollout's
-``packed`` path) and the ``dequant`` path (unpack + dequantize + ``F.linear``,
-bit-identical to the QAT forward). The HBM bound is the weight bytes read once
-at 4.24 TB/s (bf16: 2 bytes/param; INT4: 0.5 byte/param + a bf16 scale per group).
-Before timing, every int4 output is checked against its float reference.
+For each linear shape of one decoder layer (qkv, o, gate_up, down; no lm_head) and
+each token count M, ``--layers`` weights (one per decoder layer, so nothing stays in
+L2) are multiplied back to back inside one CUDA graph (``bench/small_m.py``); the
+per-GEMM time is the replay time over the layer count. Columns: bf16 ``F.linear``;
+``tinygemm`` (torch's ``_weight_int4pack_mm``, the rollout's packed path before the
+Triton kernel); ``dequant`` (unpack + dequantize + ``F.linear``, bit-identical to the
+QAT forward; the rollout's path above 64 rows); ``triton`` (:mod:`miles_int4.decode_gemm`
+on the ``halves`` layout, the rollout's packed path at M <= 64). The HBM bound is the
+INT4 bytes read once at 4.24 TB/s (0.5 byte/param + a bf16 scale per group); the
+issue's goal is INT4 >= 1.5x bf16 at batch 1. Before timing, every INT4 output is
+checked against its float reference. A last table sums the four linears (one layer).
 """
 
 from __future__ import annotations
@@ -19,20 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "miles_int4"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "plugins", "miles_int4"))
 
-from miles_int4.kernels import int4_mm, pack_for_kernel, reference_mm  # noqa: E402
+from bench import small_m  # noqa: E402
+from miles_int4.kernels import int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
-
-HBM_BYTES_PER_S = 4.24e12
 
 #: hidden, intermediate, q heads, kv heads, head dim, layers
 MODELS = {
@@ -40,6 +42,7 @@ MODELS = {
     "1.7b": (2048, 6144, 16, 8, 128, 28),
     "tiny": (128, 256, 4, 2, 32, 2),
 }
+PATHS = ("bf16", "tinygemm", "dequant", "triton")
 
 
 def layer_shapes(model: str) -> list[tuple[str, int, int]]:
@@ -53,129 +56,130 @@ def layer_shapes(model: str) -> list[tuple[str, int, int]]:
     ]
 
 
-def build_weights(model: str, group_size: int, device: torch.device, layers: int):
-    """Per layer and linear: bf16 weight, packed-kernel weight, compressed-tensors buffers."""
+def build_weights(n: int, k: int, group_size: int, device: torch.device, layers: int) -> list[dict]:
+    """Per layer: bf16 weight, q/scale, and each path's layout (missing where the device has no such kernel)."""
+    act = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = []
     for _ in range(layers):
-        for name, n, k in layer_shapes(model):
-            w = torch.randn(n, k, device=device) * 0.02
-            q, scale = quantize(w, group_size)
-            act = torch.bfloat16 if device.type == "cuda" else torch.float32
-            out.append({
-                "name": name, "bf16": w.to(act), "q": q, "scale": scale,
-                "kernel": pack_for_kernel(q, scale, act), "packed": pack_int32(q),
-            })
+        w = torch.randn(n, k, device=device) * 0.02
+        q, scale = quantize(w, group_size)
+        entry = {"bf16": w.to(act), "q": q, "scale": scale, "packed": pack_int32(q)}
+        if device.type == "cuda":
+            entry["triton"] = pack_for_kernel(q, scale, act, layout="halves")
+            if kernel_supports(n, k, device, "tinygemm"):
+                entry["tinygemm"] = pack_for_kernel(q, scale, act, layout="tinygemm")
+        else:
+            entry["tinygemm"] = pack_for_kernel(q, scale, act, layout="cpu")  # torch's CPU kernel
+        out.append(entry)
     return out
 
 
-def weight_bytes(weights, group_size: int) -> tuple[int, int]:
-    params = sum(w["q"].numel() for w in weights)
-    return 2 * params, params // 2 + params // group_size * 2
+def int4_bytes(n: int, k: int, group_size: int) -> int:
+    return n * k // 2 + n * (k // group_size) * 2
 
 
-def check(weights, x_by_k: dict[int, torch.Tensor]) -> float:
-    """Largest relative error of the int4 kernel against dequantize + matmul in float64."""
-    worst = 0.0
-    for w in weights[:4]:
-        x = x_by_k[w["q"].shape[1]]
-        expected = reference_mm(x.double(), w["q"], w["scale"])
-        got = int4_mm(x, w["kernel"]).double()
-        worst = max(worst, float((got - expected).abs().max() / expected.abs().max()))
-    return worst
+def gemm_fns(x: torch.Tensor) -> dict:
+    """path -> ``gemm(entry)``."""
+    return {
+        "bf16": lambda w: F.linear(x, w["bf16"]),
+        "tinygemm": lambda w: int4_mm(x, w["tinygemm"]),
+        "dequant": lambda w: F.linear(x, dequantize_packed(w["packed"], w["scale"], x.dtype)),
+        "triton": lambda w: int4_mm(x, w["triton"]),
+    }
 
 
-def step_fns(weights, x_by_k):
-    def bf16():
-        for w in weights:
-            F.linear(x_by_k[w["q"].shape[1]], w["bf16"])
-
-    def packed():
-        for w in weights:
-            int4_mm(x_by_k[w["q"].shape[1]], w["kernel"])
-
-    def dequant():
-        for w in weights:
-            x = x_by_k[w["q"].shape[1]]
-            F.linear(x, dequantize_packed(w["packed"], w["scale"], x.dtype))
-
-    return {"bf16": bf16, "int4 packed": packed, "int4 dequant": dequant}
+def check(weights: list[dict], x: torch.Tensor) -> float:
+    """Largest relative error of the INT4 paths against dequantize + matmul in float64."""
+    expected = reference_mm(x.double(), weights[0]["q"], weights[0]["scale"])
+    fns = gemm_fns(x)
+    return max(small_m.relative_error(fns[path](weights[0]), expected)
+               for path in ("tinygemm", "dequant", "triton") if path in weights[0])
 
 
-def time_fn(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds per call (CUDA: replay of a CUDA graph of one call)."""
-    fn()
-    if device.type != "cuda":
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: int) -> tuple[float, str]:
+    """Fastest (microseconds, description) of the Triton kernel over tile presets x splits."""
+    from miles_int4 import decode_gemm
+
+    m, k = x.shape
+    pack = weights[0]["triton"]
+    groups = k // pack.group_size
+    block_m = decode_gemm.small_m_config(m).block_m
+    best = (float("inf"), "")
+    for block_n, warps, stages in [(64, 4, 3), (64, 4, 4), (64, 4, 6), (32, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4)]:
+        config = decode_gemm.SmallMConfig(block_m, block_n, warps, stages)
+        for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:
+            us = small_m.per_gemm_us(
+                lambda w: decode_gemm.int4_small_m_mm(x, w["triton"].weight, w["triton"].scales, pack.group_size,
+                                                      config=config, split=split),
+                weights, device, repeats)
+            if us < best[0]:
+                best = (us, f"BLOCK_N={block_n} warps={warps} stages={stages} split={split}")
+    return best
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="0.6b", choices=[m for m in MODELS if m != "tiny"])
+    parser.add_argument("--model", default="1.7b", choices=[m for m in MODELS if m != "tiny"])
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--layers", type=int, default=None, help="weights per shape (default: the model's layers)")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true", help="also time every tile/split variant of the Triton kernel")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny shapes")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
-        device, model, layers, repeats, group_size = torch.device("cpu"), "tiny", 2, 3, 32
-        batch_sizes = [1, 4]
+        device, model, layers, repeats, group_size, batch_sizes = torch.device("cpu"), "tiny", 2, 3, 32, [1, 4]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (use --tiny for a CPU smoke run)")
-        device, model, layers, repeats, group_size = torch.device("cuda"), args.model, MODELS[args.model][-1], args.repeats, args.group_size
+        device, model, repeats, group_size = torch.device("cuda"), args.model, args.repeats, args.group_size
+        layers = args.layers or MODELS[model][-1]
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.manual_seed(0)
-    weights = build_weights(model, group_size, device, layers)
-    bf16_bytes, int4_bytes = weight_bytes(weights, group_size)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name}: {model} linears x {layers} layers, {bf16_bytes / 1e6:.1f} MB bf16 / {int4_bytes / 1e6:.1f} MB int4 "
-          f"(group {group_size}); HBM bound at {HBM_BYTES_PER_S / 1e12:.2f} TB/s: "
-          f"bf16 {bf16_bytes / HBM_BYTES_PER_S * 1e6:.1f} us, int4 {int4_bytes / HBM_BYTES_PER_S * 1e6:.1f} us")
-    print(f"{'M':>4} {'bf16 us':>9} {'int4 packed us':>15} {'int4 dequant us':>16} {'packed speedup':>15} "
-          f"{'packed % of HBM':>16} {'max rel err':>12}")
-    results = []
     act = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for m in batch_sizes:
-        x_by_k = {k: torch.randn(m, k, device=device, dtype=act) for k in {w["q"].shape[1] for w in weights}}
-        error = check(weights, x_by_k)
-        times = {label: time_fn(fn, device, repeats) for label, fn in step_fns(weights, x_by_k).items()}
-        bound = int4_bytes / HBM_BYTES_PER_S
-        row = {"M": m, **{f"{k} s": v for k, v in times.items()}, "max_rel_err": error,
-               "speedup": times["bf16"] / times["int4 packed"], "hbm_fraction": bound / times["int4 packed"]}
-        results.append(row)
-        print(f"{m:>4} {times['bf16'] * 1e6:>9.1f} {times['int4 packed'] * 1e6:>15.1f} {times['int4 dequant'] * 1e6:>16.1f} "
-              f"{row['speedup']:>14.2f}x {100 * row['hbm_fraction']:>15.0f}% {error:>12.1e}")
-        if error > 2e-2:
-            raise SystemExit(f"int4 kernel disagrees with its float reference at M={m}: {error:.2e}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: no Triton kernel)"
+    print(f"{name}: {model} linears, {layers} weights per shape, INT4 group {group_size}; per-GEMM microseconds "
+          f"(CUDA graph of {layers} GEMMs); HBM bound of the INT4 bytes at {small_m.HBM_BYTES_PER_S / 1e12:.2f} TB/s")
+    print(f"{'linear':<13} {'M':>3} {'bf16':>7} {'tinygemm':>9} {'dequant':>8} {'triton':>7} {'triton %HBM':>12} "
+          f"{'triton/bf16':>12} {'triton/tinygemm':>16} {'rel err':>8}")
+    rows = []
+    totals: dict[int, dict[str, float]] = {m: {path: 0.0 for path in PATHS} for m in batch_sizes}
+    bytes_per_layer = 0
+    for shape, n, k in layer_shapes(model):
+        weights = build_weights(n, k, group_size, device, layers)
+        bytes_per_layer += int4_bytes(n, k, group_size)
+        for m in batch_sizes:
+            x = torch.randn(m, k, device=device, dtype=act)
+            error = check(weights, x)
+            if error > 2e-2:
+                raise SystemExit(f"an int4 path disagrees with its float reference at {shape} M={m}: {error:.2e}")
+            fns = gemm_fns(x)
+            times = {path: (small_m.per_gemm_us(fns[path], weights, device, repeats) if path in weights[0] or
+                            path in ("bf16", "dequant") else float("nan")) for path in PATHS}
+            share = small_m.hbm_fraction(int4_bytes(n, k, group_size), times["triton"])
+            row = dict(linear=shape, M=m, N=n, K=k, **{f"{p}_us": t for p, t in times.items()},
+                       triton_hbm_fraction=share, max_rel_err=error)
+            for path in PATHS:
+                totals[m][path] += times[path]
+            print(f"{shape:<13} {m:>3} {times['bf16']:>7.1f} {times['tinygemm']:>9.1f} {times['dequant']:>8.1f} "
+                  f"{times['triton']:>7.1f} {100 * share:>11.0f}% {times['bf16'] / times['triton']:>11.2f}x "
+                  f"{times['tinygemm'] / times['triton']:>15.2f}x {error:>8.1e}", flush=True)
+            if args.sweep and device.type == "cuda":
+                row["sweep_best_us"], row["sweep_best"] = sweep(x, weights, device, repeats)
+                print(f"{'':<17} sweep: {row['sweep_best_us']:.1f} us with {row['sweep_best']}", flush=True)
+            rows.append(row)
+        del weights
+    print("\nOne layer (the four linears):")
+    for m, total in totals.items():
+        share = small_m.hbm_fraction(bytes_per_layer, total["triton"])
+        print(f"  M={m:<3} bf16 {total['bf16']:.1f} us, tinygemm {total['tinygemm']:.1f}, dequant {total['dequant']:.1f}, "
+              f"triton {total['triton']:.1f} ({100 * share:.0f}% of HBM; {total['bf16'] / total['triton']:.2f}x bf16, "
+              f"{total['tinygemm'] / total['triton']:.2f}x tinygemm)")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"device": name, "model": model, "group_size": group_size, "bf16_bytes": bf16_bytes,
-                       "int4_bytes": int4_bytes, "rows": results}, handle, indent=2)
+            json.dump({"device": name, "model": model, "group_size": group_size, "layers": layers, "rows": rows,
+                       "per_layer": totals}, handle, indent=2)
     return 0
 
 

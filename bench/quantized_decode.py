@@ -12,9 +12,16 @@ recipes the plugins register, exactly as a run's rollout backend does it
 
 - ``bf16``: the host's built-in recipe (dense linears in the model dtype);
 - ``int4``: miles-int4 with ``--int4-target all --int4-rollout-gemm packed``
-  (every linear but the head as INT4, group 128, torch's ``_weight_int4pack_mm``);
-- ``fp8``: miles-fp8 (``Fp8InferenceLinear``: FP8 E4M3 weights in 128x128 blocks,
-  activations quantized 1x128 per step).
+  (every linear but the head as INT4, group 128): on CUDA the ``halves`` layout,
+  multiplied at decode by the Triton small-M kernel (``miles_int4.decode_gemm``);
+- ``fp8``: miles-fp8 (``Fp8InferenceLinear``: FP8 E4M3 weights in 128x128 blocks);
+  at decode each linear is one fused kernel that quantizes the activations 1x128
+  inside the GEMM (``miles_fp8.decode_gemm``).
+
+The paths they replaced can run in the same table: ``int4:tinygemm`` (torch's
+``_weight_int4pack_mm``, ``MILES_INT4_CUDA_LAYOUT=tinygemm``) and ``fp8:unfused``
+(a quantize kernel + ``block_scaled_mm`` per linear, ``MILES_FP8_SMALL_M=0``), e.g.
+``--precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused``.
 
 Before an engine is built, one quantized linear of the prepared model is checked
 against the plugin's own float reference; a precision whose plugin cannot be
@@ -76,6 +83,33 @@ def tiny_shape(hidden: int) -> dict:
 
 class Unusable(Exception):
     """A precision that cannot run here; the message says why."""
+
+
+#: precision variants: the environment that selects the path each one measures
+VARIANTS = {
+    "int4:tinygemm": {"MILES_INT4_CUDA_LAYOUT": "tinygemm"},
+    "fp8:unfused": {"MILES_FP8_SMALL_M": "0"},
+}
+
+
+class variant_env:
+    """Set a variant's environment variables for the duration of its engine (restored after)."""
+
+    def __init__(self, label: str):
+        self.values = VARIANTS.get(label, {})
+        self.saved: dict = {}
+
+    def __enter__(self):
+        for key, value in self.values.items():
+            self.saved[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def __exit__(self, *exc):
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # ---------------------------------------------------------------------- checkpoint
@@ -292,17 +326,23 @@ def decode_bound_tok_s(batch: int, prompt_len: int, new_tokens: int, step_bytes:
     return batch * len(steps) / seconds
 
 
-def bench_precision(name, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
-    """Build the engine for one precision, check it, time every batch; free it before returning."""
+def bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
+    """Build the engine for one precision (``name`` or ``name:variant``), check it, time every batch; free it."""
+    with variant_env(label):
+        return _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs)
+
+
+def _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
     from miles_host.rollout import Engine
 
+    name = label.partition(":")[0]
     prepare = rollout_preparer(name, precision_flags(name, args))
     info: dict = {}
 
     def prepare_and_measure(model):
         model = prepare(model)
         free_memory(device)
-        info["memory"] = weight_memory(model, name)
+        info["memory"] = weight_memory(model, label)
         info["cuda_allocated"] = torch.cuda.memory_allocated() - info["baseline"] if device == "cuda" else None
         info["check"] = check_quantized(model, name)
         return model
@@ -314,7 +354,7 @@ def bench_precision(name, args, folder, dtype, device, prompts_by_batch, engine_
     try:
         build_s = time.perf_counter() - start
         memory = info["memory"]
-        print(f"[{name}] engine built in {build_s:.1f} s: {memory['num_quantized']}/{memory['num_linears']} linears "
+        print(f"[{label}] engine built in {build_s:.1f} s: {memory['num_quantized']}/{memory['num_linears']} linears "
               f"quantized, check vs plugin reference: max rel err {info['check']}; attention="
               f"{engine.config.attention_backend}, cuda_graphs={bool(engine.runner.graphs)}, KV cache "
               f"{engine.num_kv_cache_tokens} tokens ({engine.kv_cache.num_bytes / 2**30:.2f} GiB), "
@@ -328,10 +368,10 @@ def bench_precision(name, args, folder, dtype, device, prompts_by_batch, engine_
             decode = batch * (args.new_tokens - 1) / (t_full - t_prefill) if t_full > t_prefill else float("nan")
             bound = decode_bound_tok_s(batch, args.prompt_len, args.new_tokens, memory["step_read"],
                                        engine.kv_bytes_per_token)
-            rows.append(dict(precision=name, batch=batch, full_s=t_full, prefill_s=t_prefill, wall_tok_s=wall,
+            rows.append(dict(precision=label, batch=batch, full_s=t_full, prefill_s=t_prefill, wall_tok_s=wall,
                              decode_tok_s=decode, bound_tok_s=bound, linear_read=memory["linear_read"],
                              step_read=memory["step_read"]))
-            print(f"[{name}] batch {batch:>2}: {t_full:.3f} s ({wall:,.0f} tok/s), prefill+1 {t_prefill:.3f} s, "
+            print(f"[{label}] batch {batch:>2}: {t_full:.3f} s ({wall:,.0f} tok/s), prefill+1 {t_prefill:.3f} s, "
                   f"decode {decode:,.0f} tok/s, bound {bound:,.0f} tok/s", flush=True)
         return dict(rows=rows, memory=memory, cuda_allocated=info["cuda_allocated"], build_s=build_s)
     finally:
@@ -401,7 +441,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model (float32)")
     parser.add_argument("--tiny-hidden", type=int, default=64, choices=[64, 128],
                         help="hidden size of --tiny (128 gives FP8 128-divisible dims)")
-    parser.add_argument("--precisions", default="bf16,int4,fp8")
+    parser.add_argument("--precisions", default="bf16,int4,fp8",
+                        help=f"comma list of bf16, int4, fp8 and the variants {', '.join(VARIANTS)}")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (--tiny: 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (--tiny: 32)")
@@ -429,6 +470,9 @@ def main(argv=None) -> int:
         raise SystemExit("--new-tokens must be >= 2 (the decode figure subtracts a max_new_tokens=1 run)")
     batches = [int(b) for b in args.batches.split(",")]
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = [p for p in precisions if p not in ("bf16", "int4", "fp8", *VARIANTS)]
+    if unknown:
+        raise SystemExit(f"unknown precisions {unknown}; use bf16, int4, fp8, {', '.join(VARIANTS)}")
     if max(batches) > args.max_num_seqs:
         raise SystemExit(f"batch {max(batches)} > --max-num-seqs {args.max_num_seqs}")
 

@@ -56,8 +56,13 @@ class PackedInt4:
 
 
 def default_layout(device: torch.device) -> str:
-    """``cpu`` on CPU, ``halves`` on CUDA."""
-    return "cpu" if device.type == "cpu" else "halves"
+    """``cpu`` on CPU; on CUDA ``halves``, or ``tinygemm`` under ``MILES_INT4_CUDA_LAYOUT=tinygemm`` (comparisons)."""
+    if device.type == "cpu":
+        return "cpu"
+    layout = os.environ.get("MILES_INT4_CUDA_LAYOUT", "halves")
+    if layout not in ("halves", "tinygemm"):
+        raise ValueError(f"MILES_INT4_CUDA_LAYOUT={layout!r}; use halves (default) or tinygemm")
+    return layout
 
 
 def kernel_supports(out_features: int, in_features: int, device: torch.device, layout: str | None = None) -> bool:
