@@ -3,6 +3,7 @@
 
     python scripts/make_quickstart_model.py            # writes miles_host/quickstart/{model,data}
     python scripts/make_quickstart_model.py --out /tmp/qs --no-eval
+    python scripts/make_quickstart_model.py --out /tmp/qs --hidden 128 --device cuda   # bigger, on a GPU
 
 Steps (all seeded, one CPU thread, about 90 s):
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -63,6 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--n-eval", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: same bits everywhere)")
     parser.add_argument("--no-eval", action="store_true", help="skip the base-model metrics")
+    parser.add_argument("--device", default="cpu", help="where SFT and the base metrics run (cpu, cuda, cuda:1)")
     return parser.parse_args(argv)
 
 
@@ -118,6 +121,7 @@ def sft_batch(tokenizer, pairs, forget_prob: float, rng: random.Random):
 
 
 def sft(model, tokenizer, args) -> None:
+    device = next(model.parameters()).device
     pool = task.split_pairs()["train"]
     rng = random.Random(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -128,7 +132,7 @@ def sft(model, tokenizer, args) -> None:
     start = time.time()
     for step in range(args.steps):
         ids, lab = sft_batch(tokenizer, rng.choices(pool, k=args.batch_size), args.forget_prob, rng)
-        loss = model(input_ids=ids, labels=lab).loss
+        loss = model(input_ids=ids.to(device), labels=lab.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -143,7 +147,7 @@ def sft(model, tokenizer, args) -> None:
 def sample_responses(model, tokenizer, prompts: list[str], n: int, greedy: bool, seed: int) -> list[list[str]]:
     """``n`` responses per prompt (all prompts have the same length: no padding)."""
     torch.manual_seed(seed)
-    ids = torch.tensor([encode(tokenizer, prompt) for prompt in prompts])
+    ids = torch.tensor([encode(tokenizer, prompt) for prompt in prompts], device=next(model.parameters()).device)
     ids = ids.repeat_interleave(n, dim=0)
     kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     out = model.generate(
@@ -181,9 +185,15 @@ def base_metrics(model, tokenizer, records: list[dict], n: int = 8, seed: int = 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA GPU here; use --device cpu")
+        # deterministic cuBLAS needs a fixed workspace, set before the first cuBLAS call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    # on a GPU some attention backward kernels have no deterministic variant: warn there, don't fail
+    torch.use_deterministic_algorithms(True, warn_only=torch.device(args.device).type != "cpu")
     try:
         return build(args)
     finally:  # leave the process as we found it (tests call main())
@@ -209,6 +219,7 @@ def build(args) -> dict:
     task.write_jsonl(evals, data_dir / "eval.jsonl")
 
     model = make_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, args.hidden, args.layers)
+    model.to(args.device)
     print(f"params: {sum(p.numel() for p in model.parameters()):,}", flush=True)
     sft(model, tokenizer, args)
     model.save_pretrained(model_dir, safe_serialization=True)
