@@ -22,6 +22,7 @@ import torch
 from miles_host.checkpoint import load_checkpoint, save_checkpoint
 from miles_host.data import PromptDataset
 from miles_host.evaluation import evaluate
+from miles_host.phases import Phases
 from miles_host.progress import Progress
 from miles_host.reward import RewardScorer
 from miles_host.rollout_manager import RolloutManager
@@ -53,9 +54,8 @@ def check_supported(config: Any, registries: Any) -> None:
         check_placement(config)  # trainer / engine processes (miles_host.distributed)
     else:
         check_single_process(config)
-    for flag in ("colocate", "offload_train", "offload_rollout", "sequence_parallel"):  # not yet, any mode
-        if getattr(config, flag):
-            raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
+    if config.sequence_parallel:
+        raise ValueError("--sequence-parallel is not supported yet in this version")
     if config.recompute_granularity == "selective":
         raise ValueError("--recompute-granularity selective is not supported yet; use full (every decoder layer)")
     for flag in ("recompute_method", "recompute_num_layers", "tool_key"):
@@ -141,6 +141,7 @@ class Run:
         self.backend = registries.rollout_backends.get(config.rollout_backend).factory(config, manager)
         self.trainer = registries.train_backends.get(config.train_backend).factory(config, manager)
         self.transport = registries.weight_sync_transports.get(config.weight_sync).factory(config)
+        self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*
         self.scorer = RewardScorer(config, registries.reward_functions)
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
         if max_prompt is not None:
@@ -233,6 +234,7 @@ class Run:
         samples = [s for group in groups for s in group]
         if config.dump_rollouts:
             self.dump(rollout_id, samples)
+        self.phases.to_train()
         train_start = time.perf_counter()
         self.training_started = True
         train_metrics = self.trainer.train(samples)
@@ -244,7 +246,7 @@ class Run:
                 f"{self.trainer.consecutive_nan_steps} optimizer steps in a row had a NaN/Inf loss or gradient; "
                 "stopping (checkpoint written if --save). Lower --lr or check the data and rewards."
             )
-        sync_time = self.sync_weights()
+        sync_time = self.phases.to_rollout(self.sync_weights)
         scored = [s for s in samples if s.status is not Status.FAILED]
         rewards = [self.scorer.scalar(s.reward) for s in scored]
         metrics: dict[str, Any] = {
@@ -264,6 +266,8 @@ class Run:
             "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
             "perf/train_tok_per_s": train_tokens / train_time if train_time > 0 else 0.0,
         }
+        if self.phases.plan.active:
+            metrics["perf/phase_switch_time_s"] = self.phases.pop_switch_time()
         if config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
@@ -290,7 +294,9 @@ class Run:
         config = self.config
         if config.load:
             self.resume()
-        self.sync_weights(bump=False)  # the engine samples with exactly the trainer's weights from step one
+        # the engine samples with exactly the trainer's weights from step one
+        self.phases.to_rollout(lambda: self.sync_weights(bump=False))
+        self.phases.pop_switch_time()
         if self.state.rollout_id == 0 and config.eval_prompt_data:
             start_metrics = {"rollout_id": -1, **self.run_eval(0)}
             self.log(start_metrics, -1)

@@ -101,3 +101,11 @@ class EmbeddedRolloutBackend:
     def update_weights(self, named_tensors, weight_version: Any = None) -> Any:
         """Load new weights in place; returns the new version."""
         return self.engine.update_weights(named_tensors, weight_version=weight_version)
+
+    def release_memory_occupation(self, tags=None) -> None:
+        """Free the idle engine's KV cache (and weights: tag ``weights``) for the trainer (``--colocate``)."""
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags=None) -> None:
+        """Take the released memory back before generating."""
+        self.engine.resume_memory_occupation(tags)

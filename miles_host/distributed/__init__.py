@@ -10,6 +10,10 @@ Layout (one node, no Ray)::
                                        weights by broadcast over a second group
                                        {trainer rank 0, engines} or by shared handles (IPC)
 
+``--colocate``: engine j shares a trainer's GPU and the phases take turns on it
+(:mod:`miles_host.phases`: engines release their KV cache while training, trainers
+offload with ``--offload-train``).
+
 Entry point: :func:`miles_host.distributed.launcher.run_distributed`.
 """
 

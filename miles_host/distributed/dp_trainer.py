@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from miles_host.distributed.balance import split_by_tokens
+from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.trainer import NativeTrainer, trainable
 
@@ -91,9 +92,24 @@ class DataParallelTrainer(NativeTrainer):
         allreduce_sum_(self.group, tensor)
         return tensor.tolist()
 
+    # -- phases (--offload-train, --colocate) --------------------------------------
+
+    def offload_train_state(self) -> None:
+        """Parameters, gradients and optimizer state to CPU for the rollout phase."""
+        offload.offload_train_state(self)
+
+    def onload_train_state(self) -> None:
+        """Back on this rank's device before training."""
+        offload.onload_train_state(self)
+
+    def empty_device_cache(self) -> None:
+        """Hand the allocator's free blocks back to the device (a colocated engine resumes)."""
+        offload.empty_device_cache(self.device)
+
     # -- training ---------------------------------------------------------------
 
     def _train(self, samples):
+        self.onload_train_state()  # no-op unless offloaded
         if self.world == 1:
             return super()._train(samples)
         return self._train_dp(samples)

@@ -19,11 +19,13 @@ every rank).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.distributed.dp_trainer import DataParallelTrainer
 from miles_host.trainer import trainable
@@ -43,6 +45,8 @@ class Fsdp2Trainer(DataParallelTrainer):
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         if self.device.type == "cuda":
+            if self.device.index is None:  # rank 0 in the driver may have been given plain "cuda"
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # the mesh and FSDP's streams use the current device
         mesh = init_device_mesh(self.device.type, (world,))
         for layer in self.model.layers:
@@ -111,11 +115,32 @@ class Fsdp2Trainer(DataParallelTrainer):
         named = list(self.full_state_dict().items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
+    # -- phases (--offload-train) ---------------------------------------------------
+
+    def offload_train_state(self) -> None:
+        """The shards, their gradients and optimizer state to CPU, and rank 0's gathered weights."""
+        super().offload_train_state()
+        if self._full_state is not None:
+            self._full_state = {name: offload.to_host(t) for name, t in self._full_state.items()}
+            offload.settle(self.device)
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """The sharded state on the device for a collective (NCCL needs device tensors)."""
+        offloaded = getattr(self, "train_state_offloaded", False)
+        self.onload_train_state()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.offload_train_state()
+
     def state_dict(self) -> dict:
         """A collective: every rank calls it; rank 0's result is the checkpoint."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        with self._resident():
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
         return {
             "model": self._full_state,
             "optimizer": optimizer,
@@ -133,11 +158,12 @@ class Fsdp2Trainer(DataParallelTrainer):
         )
 
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        with self._resident():
+            set_model_state_dict(self.model, state["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+            self._gather_full_state()
         self.scheduler.load_state_dict(state["scheduler"])
         self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
-        self._gather_full_state()
 
     def close(self) -> None:
         """Leave the trainers' default process group."""

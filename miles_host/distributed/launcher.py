@@ -7,6 +7,12 @@ is a process), ``--rollout-num-gpus M`` rollout engines of
 this process unchanged: it sees a :class:`TrainerGroup` as its trainer and a
 :class:`RolloutRouter` as its rollout backend.
 
+Placement on GPUs: disaggregated, trainer ``i`` on ``cuda:i`` and engine ``j`` on
+``cuda:<trainers + j>``. ``--colocate``: engine ``j`` shares a trainer's GPU (one engine
+per trainer GPU unless ``--rollout-num-gpus`` divides their number), the phases take
+turns on it (:mod:`miles_host.phases`) and weights go by CUDA IPC. On CPU a "GPU" is a
+process either way.
+
 Faults: every wait on a worker checks that the process lives and gives up after
 ``--worker-timeout`` seconds; the run then writes a checkpoint of the last
 completed rollout (``--save``), stops every worker and exits with code 3 and a
@@ -40,8 +46,21 @@ def num_trainers(config: Any) -> int:
 
 
 def num_engines(config: Any) -> int:
-    gpus = config.rollout_num_gpus or 0
+    """Rollout engines: ``--rollout-num-gpus`` / per engine; colocated, one per trainer GPU by default."""
+    gpus = config.rollout_num_gpus or (num_trainers(config) if config.colocate else 0)
     return max(1, gpus // max(1, config.rollout_num_gpus_per_engine)) if gpus else 0
+
+
+def on_gpus(config: Any) -> bool:
+    return torch.cuda.is_available() and str(config.device) != "cpu"
+
+
+def engine_gpu(config: Any, index: int) -> int:
+    """The GPU of rollout engine ``index``: after the trainers' (disaggregated), or shared
+    with trainer ``index * trainers / engines`` (``--colocate``, engines spread evenly)."""
+    if config.colocate:
+        return index * (num_trainers(config) // max(1, num_engines(config)))
+    return num_trainers(config) + index
 
 
 def wants_distributed(config: Any) -> bool:
@@ -69,15 +88,33 @@ def check_placement(config: Any) -> None:
             f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
             "tensor parallelism; use 1 (one engine per GPU) or the sglang backend"
         )
-    if config.colocate or config.offload_train or config.offload_rollout:
-        raise ValueError("--colocate / --offload-train / --offload-rollout are not supported by the process launcher yet")
-    if torch.cuda.is_available() and str(config.device) != "cpu":
-        need = num_trainers(config) + num_engines(config)
+    if config.colocate:
+        check_colocation(config)
+    if on_gpus(config):
+        trainers, engines = num_trainers(config), num_engines(config)
+        need = trainers if config.colocate else trainers + engines  # shared GPUs count once
         if need > torch.cuda.device_count():
-            raise ValueError(
-                f"{num_trainers(config)} trainer(s) + {num_engines(config)} engine(s) need {need} GPUs, "
-                f"this node has {torch.cuda.device_count()}"
-            )
+            what = f"{trainers} trainer(s) sharing their GPUs with {engines} engine(s)" if config.colocate else (
+                f"{trainers} trainer(s) + {engines} engine(s)")
+            raise ValueError(f"{what} need {need} GPUs, this node has {torch.cuda.device_count()}")
+
+
+def check_colocation(config: Any) -> None:
+    """``--colocate``: every engine shares a trainer's GPU, and the engines spread evenly."""
+    if uses_ray(config):
+        raise ValueError("--colocate with --use-ray / several nodes is not supported yet; colocate on one node without Ray")
+    trainers, gpus = num_trainers(config), config.rollout_num_gpus
+    if gpus and (gpus > trainers or trainers % gpus):
+        raise ValueError(
+            f"--colocate puts the rollout engines on the trainers' GPUs: --rollout-num-gpus {gpus} cannot share "
+            f"the {trainers} trainer GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node) evenly; use {trainers} "
+            "(one engine per trainer GPU, the default with --colocate) or a number that divides it"
+        )
+    if on_gpus(config) and config.weight_sync == "broadcast":
+        raise ValueError(
+            "--colocate --weight-sync broadcast: NCCL cannot broadcast between two processes on one GPU; "
+            "use --weight-sync cuda_ipc (the default with --colocate) or disk"
+        )
 
 
 def _threads(config: Any) -> int:
@@ -182,9 +219,8 @@ def make_rollout(config: Any, manager: Any):
     try:
         for index in range(count):
             engine_config = copy.copy(config)
-            if torch.cuda.is_available() and str(config.device) != "cpu":
-                # disaggregated: engines on the GPUs after the trainers'
-                engine_config.device = f"cuda:{num_trainers(config) + index}"
+            if on_gpus(config):
+                engine_config.device = f"cuda:{engine_gpu(config, index)}"
             handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s,
                                   config, num_trainers(config) - 1 + index))
     except BaseException:
@@ -214,13 +250,14 @@ def _stop_workers(run: Any = None) -> None:
 
 
 def prepare(config: Any) -> None:
-    """The process defaults: engines in processes, data-parallel trainers, broadcast sync."""
+    """The process defaults: engines in processes, data-parallel trainers, broadcast sync
+    (CUDA IPC when colocated on GPUs: trainer rank 0 and engine 0 share a device)."""
     if config.rollout_backend == "embedded":
         config.rollout_backend = "process"
     if config.train_backend == "native":
         config.train_backend = "native_dp"
     if config.weight_sync == "inprocess":
-        config.weight_sync = "broadcast"
+        config.weight_sync = "cuda_ipc" if config.colocate and on_gpus(config) else "broadcast"
 
 
 def make_run(config: Any, manager: Any):

@@ -71,6 +71,15 @@ class RolloutProcess:
     def ping(self):
         return os.getpid()
 
+    def release_memory_occupation(self, tags):
+        """Free the idle engine's memory for a colocated trainer (``torch.cuda.empty_cache`` included)."""
+        self.engine.release_memory_occupation(tags)
+        return sorted(self.engine.released_tags)
+
+    def resume_memory_occupation(self, tags):
+        self.engine.resume_memory_occupation(tags)
+        return sorted(self.engine.released_tags)
+
     # -- weights ------------------------------------------------------------------
 
     def _load(self, buckets, weight_version):
@@ -260,6 +269,14 @@ class RolloutRouter:
         """Serialised once, loaded by every engine."""
         self._version = self._all("load_serialized", serialize(named_tensors), weight_version)[0]
         return self._version
+
+    def release_memory_occupation(self, tags=None) -> list:
+        """Every engine frees its memory (``tags``: ``kv_cache``, ``weights``; default both);
+        the tags now released, per engine."""
+        return self._all("release_memory_occupation", None if tags is None else list(tags))
+
+    def resume_memory_occupation(self, tags=None) -> list:
+        return self._all("resume_memory_occupation", None if tags is None else list(tags))
 
     def update_weights_shared(self, named_tensors, weight_version=None):
         self._version = self._all("load_shared", list(named_tensors), weight_version)[0]

@@ -59,6 +59,18 @@ class _TrainerTarget:
         self.trainer.state_dict()
         return True
 
+    def offload_train_state(self):
+        self.trainer.offload_train_state()
+        return True
+
+    def onload_train_state(self):
+        self.trainer.onload_train_state()
+        return True
+
+    def empty_device_cache(self):
+        self.trainer.empty_device_cache()
+        return True
+
     def ping(self):
         return os.getpid()
 
@@ -131,6 +143,25 @@ class TrainerGroup:
         self.local.load_state_dict(state)
         for handle in self.handles:
             handle.recv("'load_state_dict'")
+
+    # -- phases (--offload-train, --colocate): every rank at once ---------------------
+
+    def _on_every_rank(self, method: str) -> None:
+        for handle in self.handles:
+            handle.send(method)
+        getattr(self.local, method)()
+        for handle in self.handles:
+            handle.recv(f"'{method}'")
+
+    def offload_train_state(self) -> None:
+        """Parameters, gradients and optimizer state of every rank to CPU."""
+        self._on_every_rank("offload_train_state")
+
+    def onload_train_state(self) -> None:
+        self._on_every_rank("onload_train_state")
+
+    def empty_device_cache(self) -> None:
+        self._on_every_rank("empty_device_cache")
 
     def stop(self) -> None:
         for handle in self.handles:

@@ -33,6 +33,7 @@ from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.config import EngineConfig, resolve_config
 from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_gpu
+from miles_host.rollout.memory import MemoryOccupation
 from miles_host.rollout.model_runner import ModelRunner
 from miles_host.rollout.outputs import rejected_output, sequence_output
 from miles_host.rollout.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ class _Request:
         return all(o is not None for o in self.outputs)
 
 
-class Engine:
+class Engine(MemoryOccupation):
     """In-process rollout engine over a :class:`miles_host.models.CausalLM`.
 
     See :class:`~miles_host.rollout.config.EngineConfig` for the knobs
@@ -213,6 +214,7 @@ class Engine:
         return self._add(rid, input_ids, sampling_params, return_logprob, return_routed_experts).rid
 
     def _add(self, rid, input_ids, sampling_params, return_logprob, return_routed_experts) -> _Request:
+        self.check_resident()  # released memory (release_memory_occupation): a RuntimeError
         params = SamplingParams.from_any(dict(sampling_params) if isinstance(sampling_params, Mapping) else sampling_params)
         rid = str(rid) if rid is not None else f"req-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
         self._validate(rid, input_ids, params)

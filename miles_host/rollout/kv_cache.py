@@ -35,14 +35,31 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.k_NSHD = [
-            torch.zeros(num_blocks, block_size, heads, k_dim, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.k_NSHD: list[torch.Tensor] = []
+        self.v_NSHD: list[torch.Tensor] = []
+        self.allocated = False
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)allocate zeroed K/V tensors of the configured size (after :meth:`release`).
+
+        The lists are filled in place: holders of ``k_NSHD`` / ``v_NSHD`` see the new tensors."""
+        self.k_NSHD[:] = [
+            torch.zeros(self.num_blocks, self.block_size, heads, k_dim, dtype=self.dtype, device=self.device)
             for heads, k_dim, _, _ in self.layout
         ]
-        self.v_NSHD = [
-            torch.zeros(num_blocks, block_size, heads, v_dim, dtype=dtype, device=device)
+        self.v_NSHD[:] = [
+            torch.zeros(self.num_blocks, self.block_size, heads, v_dim, dtype=self.dtype, device=self.device)
             for heads, _, v_dim, _ in self.layout
         ]
+        self.allocated = True
+
+    def release(self) -> None:
+        """Drop the K/V tensors (the lists are emptied in place); :meth:`allocate` brings them back."""
+        self.k_NSHD.clear()
+        self.v_NSHD.clear()
+        self.allocated = False
 
     @property
     def num_bytes(self) -> int:

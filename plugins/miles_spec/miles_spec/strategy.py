@@ -30,12 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_host import offload
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import PagedAttention
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.model_runner import paged_metadata
 from miles_host.rollout.strategy import DecodeTokens
 
+from miles_spec.draft import ModelDraft
 from miles_spec.sampling import RowSettings, accept, distributions, sample_from
 
 #: live strategies, for the per-step metrics (``miles_step_end``)
@@ -87,6 +89,21 @@ class EagleStrategy:
             self.draft_weights_cpu = {
                 name: tensor.detach().to("cpu", copy=True) for name, tensor in _draft_named_parameters(self.draft)
             }
+
+    def release_memory_occupation(self, tags) -> None:
+        """The engine frees its memory (``--colocate``): the draft's KV cache goes with
+        ``kv_cache``, a separate draft model's weights with ``weights`` (an MTP head is
+        part of the policy and moves with it)."""
+        if "kv_cache" in tags:
+            self.draft_cache.release()
+        if "weights" in tags and isinstance(self.draft, ModelDraft):
+            offload.move_modules([self.draft.model], "cpu")
+
+    def resume_memory_occupation(self, tags) -> None:
+        if "weights" in tags and isinstance(self.draft, ModelDraft):
+            offload.move_modules([self.draft.model], self.engine.device)
+        if "kv_cache" in tags:
+            self.draft_cache.allocate()
 
     def on_prefill(self, batch, group, hidden_TH, cu_seqlens) -> None:
         """Every sampler of a prefilled sequence gets the prefill's hidden states as pending entries."""
