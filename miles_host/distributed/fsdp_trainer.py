@@ -120,7 +120,7 @@ class Fsdp2Trainer(DataParallelTrainer):
     def offload_train_state(self) -> None:
         """The shards, their gradients and optimizer state to CPU, and rank 0's gathered weights."""
         super().offload_train_state()
-        if self._full_state is not None:
+        if self._full_state is not None and any(t.device.type != "cpu" for t in self._full_state.values()):
             self._full_state = {name: offload.to_host(t) for name, t in self._full_state.items()}
             offload.settle(self.device)
 
