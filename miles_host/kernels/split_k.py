@@ -31,8 +31,8 @@ import torch
 SEMAPHORE_CAPACITY = 1 << 14
 #: splits tried (powers of two); more than 16 partials of one tile cost more than they hide
 SPLITS = (1, 2, 4, 8, 16)
-#: a split gets at least this many K-blocks (a shorter loop has nothing to pipeline)
-MIN_BLOCKS_PER_SPLIT = 2
+#: a split gets at least this many K-blocks
+MIN_BLOCKS_PER_SPLIT = 1
 
 _SEMAPHORES: dict[tuple[int, int], torch.Tensor] = {}
 #: replaced buffers stay alive: a captured CUDA graph may still point at them
@@ -74,7 +74,8 @@ def plan_split_k(m: int, n_tiles: int, k_blocks: int, row_bytes: int, sms: int) 
     back, mostly from L2); splits are capped so that this stays under the weight
     bytes, and each split keeps :data:`MIN_BLOCKS_PER_SPLIT` blocks.
     Splits divide ``k_blocks`` (every program runs the same static loop).
-    Among the allowed splits the best :func:`_score` wins, the smaller on a tie.
+    Among the allowed splits the best :func:`_score` wins; a larger split must beat
+    the best so far by 5% (more partials for a marginal gain are not worth it).
     """
     cap = max(1, row_bytes // (8 * max(m, 1)))
     best, best_score = 1, _score(n_tiles, sms)
@@ -84,7 +85,7 @@ def plan_split_k(m: int, n_tiles: int, k_blocks: int, row_bytes: int, sms: int) 
         if k_blocks % split:
             continue
         score = _score(n_tiles * split, sms)
-        if score > best_score + 1e-9:
+        if score > best_score * 1.05:
             best, best_score = split, score
     return SplitKPlan(n_tiles, best, k_blocks // best)
 

@@ -16,10 +16,10 @@ Design (the packed weight, 0.5 byte per weight, is streamed once from HBM):
   columns ``0 .. gs/2-1`` of the group and the high nibbles the rest, so the two
   halves dequantize without any shuffle and multiply the activation columns of
   their half: two tensor-core ``dot`` s into one fp32 accumulator;
-- dequantization without an int-to-float conversion: ``0x4B000000 | nibble`` is
-  the float ``2^23 + nibble``, minus ``2^23 + 8`` gives ``q`` exactly; ``q * scale``
-  in fp32 is exact (4-bit by 8-bit mantissas) and rounds once to bf16, as the QAT
-  forward rounds it;
+- dequantization without an int-to-float conversion (:func:`_dequantize`): the nibble
+  OR-ed into the mantissa of a power of two, minus that power of two plus 8, is ``q``
+  exactly; ``q * scale`` rounds once to bf16 (packed bf16x2 multiplies on the GPU), as
+  the QAT forward rounds it;
 - the weight is the MMA's M side (``dot(w [BLOCK_N, gs/2], x^T [gs/2, BLOCK_M])``),
   so 1..16 tokens pad only to 16; a fixed tile table by M, no autotuning (the
   same launch in every captured CUDA graph).
@@ -63,9 +63,21 @@ def small_m_config(m: int) -> SmallMConfig:
 
 @triton.jit
 def _dequantize(nibble, scale, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """int32 nibbles ``[R, C]`` (``q + 8``) and float32 scales ``[R]`` -> ``DTYPE(fp32(q) * scale)``."""
-    q = (nibble | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
-    return cast_rne(q * scale[:, None], DTYPE, EMULATE)
+    """int16 nibbles ``[R, C]`` (``q + 8``), bf16 scales ``[R]`` -> ``DTYPE(fp32(q) * fp32(scale))``.
+
+    bf16 on the GPU: ``0x4300 | nibble`` is the bf16 ``128 + nibble``, minus 136 gives
+    ``q`` exactly, and the bf16 product ``q * scale`` rounds the exact product once to
+    nearest even (PTX ``mul.bf16x2``: two weights per instruction), the QAT formula's
+    number. Otherwise (float16, or the interpreter, whose bf16 arithmetic is integer
+    arithmetic on the raw bits) the same in float32: ``0x4B000000 | nibble`` is
+    ``2^23 + nibble``, the product is exact, one rounding to ``DTYPE``.
+    """
+    if EMULATE or DTYPE != tl.bfloat16:
+        q = (nibble.to(tl.int32) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        return cast_rne(q * scale.to(tl.float32)[:, None], DTYPE, EMULATE)
+    else:
+        q = (nibble | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+        return q * scale[:, None]
 
 
 @triton.jit
@@ -91,11 +103,11 @@ def _int4_small_m_kernel(
     for step in range(GROUPS_PER_SPLIT):
         group = pid_k * GROUPS_PER_SPLIT + step
         if EVEN_N:
-            packed = tl.load(w_ptrs + group * HALF).to(tl.int32)
-            scale = tl.load(s_ptrs + group).to(tl.float32)
+            packed = tl.load(w_ptrs + group * HALF).to(tl.int16)
+            scale = tl.load(s_ptrs + group)
         else:
-            packed = tl.load(w_ptrs + group * HALF, mask=mask_n[:, None], other=0).to(tl.int32)
-            scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0).to(tl.float32)
+            packed = tl.load(w_ptrs + group * HALF, mask=mask_n[:, None], other=0).to(tl.int16)
+            scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0)
         x_low = tl.load(x_ptrs + group * GROUP, mask=mask_m[:, None], other=0.0)
         x_high = tl.load(x_ptrs + group * GROUP + HALF, mask=mask_m[:, None], other=0.0)
         acc = dot(_dequantize(packed & 0xF, scale, dtype, EMULATE), tl.trans(x_low), acc, EMULATE)
