@@ -17,6 +17,7 @@ from miles_fp8.gemm import block_scaled_mm_ref
 from miles_fp8.quant import quantize_act_ref, quantize_weight_ref
 from miles_host.kernels import split_k
 from tests.plugins.triton_interpret import run_interpreted
+from tests.plugins.triton_sm90 import compile_sm90
 
 #: (name, N, K) of a Qwen3-1.7B decoder layer's linears
 SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
@@ -49,6 +50,26 @@ def _assert_matches(got, expected, out_dtype):
 def test_cpu_kernels_under_the_triton_interpreter(request):
     """Quantization bit for bit, GEMM vs reference, split-K reductions (see interpreted_decode_gemm.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_decode_gemm.py"), request)
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_gpu_branches_compile_for_sm90(m):
+    """The GPU-only code (FMA division, cvt.rn.satfinite, FP8->fp16, wgmma, the split-K semaphore) builds."""
+    from miles_fp8 import decode_gemm
+
+    config = decode_gemm.small_m_config(m)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                 "sem_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                 "stride_wsn": "i32", "stride_ym": "i32"}
+    constexprs = dict(BLOCKS_PER_SPLIT=2, POW2=m == 1, SPLIT_K=8, REDUCE_IN_KERNEL=True, EMULATE=False, FP8_MMA=False,
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=128)
+    ptx = compile_sm90(decode_gemm._fp8_small_m_kernel, signature, constexprs, config.num_warps, config.num_stages)
+    for instruction in ("cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "fma.rn.f32", "wgmma.mma_async",
+                        "cp.async", "atom.global.gpu.acq_rel.add", "ld.global.cg"):
+        assert instruction in ptx, instruction
+    ptx = compile_sm90(decode_gemm._fp8_small_m_kernel, signature, {**constexprs, "SPLIT_K": 1, "FP8_MMA": True},
+                       config.num_warps, config.num_stages)
+    assert "atom." not in ptx and "e4m3.e4m3" in ptx  # no semaphore without a split; FP8 wgmma
 
 
 def test_config_table_and_split_plans():

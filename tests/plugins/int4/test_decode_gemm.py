@@ -17,6 +17,7 @@ from miles_host.kernels import split_k
 from miles_int4.kernels import int4_mm, pack_for_kernel, pack_halves, reference_mm, unpack_halves
 from miles_int4.quant import dequantize, quantize
 from tests.plugins.triton_interpret import run_interpreted
+from tests.plugins.triton_sm90 import compile_sm90
 
 #: (name, N, K) of a Qwen3-1.7B decoder layer's linears
 SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
@@ -68,6 +69,24 @@ def test_halves_int4_mm_off_cuda_is_the_qat_dequantize_path():
 def test_cpu_kernel_under_the_triton_interpreter(request):
     """Dequantization bit for bit, GEMM vs reference, split-K reductions (see interpreted_decode_gemm.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_decode_gemm.py"), request)
+
+
+@pytest.mark.parametrize("activation", ["bf16", "fp16"])
+def test_gpu_branches_compile_for_sm90(activation):
+    """The GPU-only code (packed bf16 dequantization, wgmma, the split-K semaphore) builds for an H100/H200."""
+    from miles_int4 import decode_gemm
+
+    config = decode_gemm.small_m_config(8)
+    signature = {"x_ptr": f"*{activation}", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
+                 "part_ptr": "*fp32", "sem_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
+                 "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=128, HALF=64)
+    ptx = compile_sm90(decode_gemm._int4_small_m_kernel, signature, constexprs, config.num_warps, config.num_stages)
+    for instruction in ("wgmma.mma_async", "cp.async", "atom.global.gpu.acq_rel.add"):
+        assert instruction in ptx, instruction
+    # bf16: two weights per multiply; fp16 activations dequantize in fp32 (one rounding)
+    assert ("mul.bf16x2" in ptx or "mul.rn.bf16x2" in ptx) == (activation == "bf16")
 
 
 # ----------------------------------------------------------------------------- GPU
