@@ -4,6 +4,8 @@
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests rollout rollout_overlap grpo grpo_overlap grpo_profile quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+#        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
+#        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,13 @@ for step in "${steps[@]}"; do
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
     int4_gemm) run int4_gemm 200 python3 bench/int4_gemm.py --repeats 20 ;;
     spec) run spec 300 python3 bench/spec_rollout.py ;;
+    small_m) run small_m 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/fp8/test_decode_gemm.py \
+      tests/plugins/int4/test_decode_gemm.py tests/plugins/int4/test_kernels.py tests/plugins/fp8/test_gpu.py ;;
+    quantized_ab) run quantized_ab 540 python3 bench/quantized_decode.py --repeats 2 \
+      --precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused ;;
+    fp8_sweep) run fp8_sweep 580 python3 bench/fp8_gemm.py --decode-only --sweep --iters 10 ;;
+    int4_sweep) run int4_sweep 580 python3 bench/int4_gemm.py --sweep --repeats 10 ;;
+    quickstart_gpu) run quickstart_gpu 300 python3 bench/quickstart_gpu.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
     two_gpu) two_gpu ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
