@@ -5,6 +5,8 @@ oracle of its GPU test (``tests/models/test_fused_kernels.py``). The fused
 kernels reproduce the eager modules' bf16 rounding steps, so they differ
 from the eager forward only in the order of the RMS reduction.
 They carry no autograd: the trainer keeps the eager (or compiled) modules.
+:mod:`~miles_host.kernels.split_k` plans and reduces the split-K launches of the
+quantization plugins' small-M (decode) GEMMs.
 """
 
 from __future__ import annotations

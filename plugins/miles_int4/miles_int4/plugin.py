@@ -34,7 +34,8 @@ def miles_add_arguments(parser):
     )
     group.add_argument(
         "--int4-rollout-gemm", default="auto", choices=list(ROLLOUT_GEMMS),
-        help="rollout INT4 GEMM: packed (torch int4 kernels), dequant (bit-identical to the QAT forward), "
+        help="rollout INT4 GEMM: packed (weights held in a kernel layout only; CUDA: a Triton kernel at decode, "
+        "dequantize + matmul at prefill; CPU: torch's int4 kernel), dequant (bit-identical to the QAT forward), "
         "auto (packed on CUDA unless --true-on-policy)",
     )
 
