@@ -165,6 +165,8 @@ def rollout_main(config: Any, index: int, conn, num_threads: int) -> None:
 
     torch.set_num_threads(num_threads)
     seed_everything(config.seed)
+    if str(config.device).startswith("cuda:") and torch.cuda.is_available():
+        torch.cuda.set_device(torch.device(config.device))  # Triton launches on the current device
     try:
         worker = RolloutProcess(config, index)
     except Exception:  # noqa: BLE001
