@@ -8,6 +8,7 @@ decode shapes, inside a CUDA graph, and through the linears.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,15 @@ def _activations(m, k, dtype=torch.float32, seed=0):
     return (torch.randn(m, k, generator=generator) * spread).to(dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _weight(n, k, power_of_two, seed):
+    """A quantized random weight (cached: the GPU tests reuse the 1.7B shapes across many cases)."""
+    return quantize_weight_ref(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, power_of_two)
+
+
 def _operands(m, n, k, dtype=torch.bfloat16, power_of_two=False, seed=0):
     x = _activations(m, k, dtype, seed)
-    w_q, w_s = quantize_weight_ref(torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)) * 0.05,
-                                   power_of_two)
+    w_q, w_s = _weight(n, k, power_of_two, seed + 1)
     expected = block_scaled_mm_ref(*quantize_act_ref(x, power_of_two), w_q, w_s, torch.float32)
     return x, w_q, w_s, expected
 

@@ -7,6 +7,7 @@ GPU (marked ``gpu``): ``python -m pytest tests/plugins/int4/test_decode_gemm.py 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ from tests.plugins.triton_sm90 import compile_sm90
 SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
 
 
+@functools.lru_cache(maxsize=16)
 def _weights(n, k, group_size, seed=0):
+    """``(q, scale, halves bytes)`` of a random weight (cached: the GPU tests reuse the 1.7B shapes)."""
     generator = torch.Generator().manual_seed(seed)
     q, scale = quantize(torch.randn(n, k, generator=generator) * 0.05, group_size)
     return q, scale, pack_halves(q, group_size)
