@@ -64,11 +64,22 @@ def leave_default_group() -> None:
     _OWNS_DEFAULT_GROUP = False
 
 
+def _on_group_device(group, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a collective of ``group`` can take: NCCL moves CUDA tensors only, so a host
+    tensor (metric sums, counts) goes through the current GPU."""
+    if tensor.is_cuda or group.name().lower() != "nccl":
+        return tensor
+    return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+
+
 def allreduce_sum_(group, tensor: torch.Tensor) -> torch.Tensor:
     """In-place sum over ``group``."""
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.SUM
-    group.allreduce([tensor], options).wait()
+    work = _on_group_device(group, tensor)
+    group.allreduce([work], options).wait()
+    if work is not tensor:
+        tensor.copy_(work)
     return tensor
 
 
@@ -76,7 +87,10 @@ def broadcast_(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
     """In-place broadcast from ``root`` over ``group``."""
     options = dist.BroadcastOptions()
     options.rootRank = root
-    group.broadcast([tensor], options).wait()
+    work = _on_group_device(group, tensor)
+    group.broadcast([work], options).wait()
+    if work is not tensor:
+        tensor.copy_(work)
     return tensor
 
 

@@ -86,6 +86,8 @@ def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_thread
     try:
         config = copy.copy(config)
         config.device = device_for_rank(config, rank)
+        if str(config.device).startswith("cuda:"):
+            torch.cuda.set_device(torch.device(config.device))  # NCCL and Triton use the current device
         manager = rebuild_manager(config)
         trainer_class = trainer_class_for(config)
         group = new_group("127.0.0.1", port, rank, world, group_backend(config), timeout_s,
