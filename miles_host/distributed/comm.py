@@ -23,7 +23,7 @@ from miles_host.distributed.errors import WorkerFailed
 def free_port() -> int:
     """A TCP port that was free a moment ago on this host."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))  # free on every interface (the store may be reached from other nodes)
         return sock.getsockname()[1]
 
 

@@ -18,7 +18,9 @@ Faults: every wait on a worker checks that the process lives and gives up after
 completed rollout (``--save``), stops every worker and exits with code 3 and a
 message naming the worker.
 
-Ray (``--actor-num-nodes > 1``): not yet; see :func:`check_placement`.
+Several nodes (``--actor-num-nodes > 1``, through Ray): workers are placed with a SPREAD
+placement group; process groups meet at :func:`rendezvous_address` (the driver's address
+that other nodes reach).
 """
 
 from __future__ import annotations
@@ -127,6 +129,16 @@ def _threads(config: Any) -> int:
 _LIVE: list[WorkerHandle] = []
 
 
+def rendezvous_address(config: Any) -> str:
+    """Where process groups meet (the driver's TCP store): an address of this host that
+    workers on other nodes reach when the run spans nodes, loopback otherwise."""
+    if int(config.actor_num_nodes) > 1:
+        from miles_host.distributed.ray_workers import driver_address
+
+        return driver_address()
+    return "127.0.0.1"
+
+
 def uses_ray(config: Any) -> bool:
     """Workers as Ray actors: ``--use-ray`` or more than one node."""
     return bool(getattr(config, "use_ray", False)) or config.actor_num_nodes > 1
@@ -162,16 +174,16 @@ def make_trainer(config: Any, manager: Any):
     world, timeout_s = num_trainers(config), worker_timeout(config)
     if world == 1 and not trainer_class.collective_state_dict:
         return trainer_class(config, manager)
-    port = free_port()
+    address, port = rendezvous_address(config), free_port()
     handles = []
     try:
         for rank in range(1, world):
-            # trainer_main(config, rank, world, port, conn, num_threads, timeout_s): conn goes last via _spawn
-            handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, port, _threads(config), timeout_s),
+            # trainer_main(config, rank, world, (address, port), conn, num_threads, timeout_s): conn goes last via _spawn
+            handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, (address, port), _threads(config), timeout_s),
                                   timeout_s, config, rank - 1))
         from miles_host.distributed.comm import new_group
 
-        group = new_group("127.0.0.1", port, 0, world, group_backend(config), timeout_s,
+        group = new_group(address, port, 0, world, group_backend(config), timeout_s,
                           as_default=trainer_class.collective_state_dict)
         local = trainer_class(config, manager, group, 0, world)
     except BaseException:
@@ -196,10 +208,10 @@ def _await_startup(handles: list) -> None:
         raise
 
 
-def _trainer_entry(config, rank, world, port, num_threads, timeout_s, conn):
+def _trainer_entry(config, rank, world, store_address, num_threads, timeout_s, conn):
     from miles_host.distributed.trainer_group import trainer_main
 
-    trainer_main(config, rank, world, port, conn, num_threads, timeout_s)
+    trainer_main(config, rank, world, store_address, conn, num_threads, timeout_s)
 
 
 def _rollout_entry(config, index, num_threads, conn):

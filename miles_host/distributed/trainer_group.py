@@ -75,7 +75,9 @@ class _TrainerTarget:
         return os.getpid()
 
 
-def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_threads: int, timeout_s: float) -> None:
+def trainer_main(
+    config: Any, rank: int, world: int, store_address: tuple[str, int], conn, num_threads: int, timeout_s: float
+) -> None:
     """Entry point of trainer rank ``rank`` (> 0)."""
     import copy
 
@@ -90,7 +92,8 @@ def trainer_main(config: Any, rank: int, world: int, port: int, conn, num_thread
             torch.cuda.set_device(torch.device(config.device))  # NCCL and Triton use the current device
         manager = rebuild_manager(config)
         trainer_class = trainer_class_for(config)
-        group = new_group("127.0.0.1", port, rank, world, group_backend(config), timeout_s,
+        address, port = store_address
+        group = new_group(address, port, rank, world, group_backend(config), timeout_s,
                           as_default=trainer_class.collective_state_dict)
         trainer = trainer_class(config, manager, group, rank, world)
     except Exception:  # noqa: BLE001

@@ -66,10 +66,12 @@ class BroadcastTransport:
     def _ensure_group(self, router) -> None:
         if self.group is not None:
             return
-        port, world = free_port(), len(router.clients) + 1
+        from miles_host.distributed.launcher import rendezvous_address
+
+        address, port, world = rendezvous_address(self.config), free_port(), len(router.clients) + 1
         for rank, client in enumerate(router.clients, start=1):
-            client.handle.send("init_weight_group", "127.0.0.1", port, rank, world, self.backend_name, self.timeout_s)
-        self.group = new_group("127.0.0.1", port, 0, world, self.backend_name, self.timeout_s)
+            client.handle.send("init_weight_group", address, port, rank, world, self.backend_name, self.timeout_s)
+        self.group = new_group(address, port, 0, world, self.backend_name, self.timeout_s)
         for client in router.clients:
             client.handle.recv("'init_weight_group'")
 

@@ -137,3 +137,14 @@ def test_resumed_multi_trainer_run_continues_like_an_uninterrupted_run(tiny_task
     assert want.keys() == have.keys()
     for key in want:
         assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
+
+
+def test_process_groups_meet_at_an_address_other_nodes_reach(monkeypatch):
+    """One node: loopback. Several nodes: the driver's address (what Ray reports for this node)."""
+    from types import SimpleNamespace
+
+    from miles_host.distributed import launcher, ray_workers
+
+    monkeypatch.setattr(ray_workers, "driver_address", lambda: "10.1.2.3")
+    assert launcher.rendezvous_address(SimpleNamespace(actor_num_nodes=1)) == "127.0.0.1"
+    assert launcher.rendezvous_address(SimpleNamespace(actor_num_nodes=2)) == "10.1.2.3"
