@@ -3,7 +3,7 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_overlap grpo grpo_overlap grpo_profile quantized r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+# Steps: tests rollout rollout_overlap grpo grpo_overlap grpo_profile quantized quantized_overlap r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
@@ -45,6 +45,7 @@ for step in "${steps[@]}"; do
     grpo_overlap) run grpo_overlap 260 python3 bench/grpo_step.py --train-compile --overlap --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
+    quantized_overlap) run quantized_overlap 300 python3 bench/quantized_decode.py --repeats 2 --overlap ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
