@@ -132,7 +132,7 @@ def _old_path_us(x, weights, device, repeats) -> float:
 
 def sweep_variants(k: int) -> list[tuple]:
     """(config, split) pairs tried by ``--sweep``: tile presets x every split the K-blocks allow."""
-    from miles_fp8.decode_gemm import SmallMConfig
+    from miles_host.kernels.split_k import SmallMConfig
 
     presets = [(64, 4, 3), (64, 4, 4), (64, 4, 6), (32, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4)]
     splits = [s for s in (1, 2, 4, 8, 16) if (k // 128) % s == 0 and (k // 128) // s >= 1]

@@ -98,6 +98,7 @@ def check(weights: list[dict], x: torch.Tensor) -> float:
 
 def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: int) -> tuple[float, str]:
     """Fastest (microseconds, description) of the Triton kernel over tile presets x splits."""
+    from miles_host.kernels.split_k import SmallMConfig
     from miles_int4 import decode_gemm
 
     m, k = x.shape
@@ -106,7 +107,7 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
     block_m = decode_gemm.small_m_config(m).block_m
     best = (float("inf"), "")
     for block_n, warps, stages in [(64, 4, 3), (64, 4, 4), (64, 4, 6), (32, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4)]:
-        config = decode_gemm.SmallMConfig(block_m, block_n, warps, stages)
+        config = SmallMConfig(block_m, block_n, warps, stages)
         for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:
             us = small_m.per_gemm_us(
                 lambda w: decode_gemm.int4_small_m_mm(x, w["triton"].weight, w["triton"].scales, pack.group_size,

@@ -40,6 +40,24 @@ _RETIRED: list[torch.Tensor] = []
 
 
 @dataclass(frozen=True)
+class SmallMConfig:
+    """Tile shape of one small-M launch (``block_m`` >= M, a power of two >= 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: FP8 only: multiply in FP8 on the tensor cores (no float16 conversion; Hopper's FP8 MMA
+    #: sums a 128-deep block at reduced precision, so not the reference's fp32 sums); benchmarks only
+    fp8_mma: bool = False
+
+
+def block_m_for(m: int) -> int:
+    """The token tile of an ``m``-token small-M launch: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@dataclass(frozen=True)
 class SplitKPlan:
     """How one small-M GEMM is cut: ``n_tiles`` x ``split_k`` programs of ``blocks_per_split`` K-blocks."""
 

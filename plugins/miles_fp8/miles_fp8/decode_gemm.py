@@ -31,13 +31,13 @@ Tensor legend: M tokens, N out features, K in features.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from miles_host.kernels import split_k
+from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
 from miles_fp8.quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 from miles_fp8.triton_kernels import _round_up_pow2
@@ -50,26 +50,12 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
 
-@dataclass(frozen=True)
-class SmallMConfig:
-    """Tile shape of one launch (``block_m`` >= M, a power of two >= 16)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    #: multiply in FP8 on the tensor cores (no float16 conversion; Hopper's FP8 MMA sums a
-    #: 128-deep block at reduced precision, so not the reference's fp32 sums); benchmarks only
-    fp8_mma: bool = False
-
-
 def small_m_config(m: int) -> SmallMConfig:
     """The fixed tile table. 128 weight rows per program and 8 warps at every M: the
     in-kernel quantization of the ``[BLOCK_M, 128]`` activation tile is shared by more
     weight rows (about 260 instructions per thread and K-block at M <= 16, 390 at 32,
     650 at 64, on sm_90: below the SMs' issue rate for HBM speed up to M = 32)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return SmallMConfig(block_m=block_m, block_n=128, num_warps=8, num_stages=3)
+    return SmallMConfig(block_m=split_k.block_m_for(m), block_n=128, num_warps=8, num_stages=3)
 
 
 @triton.jit

@@ -29,13 +29,13 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from miles_host.kernels import split_k
+from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import cast_rne, dot, emulate_rounding, split_k_epilogue
 
 MAX_M = 64
@@ -45,20 +45,9 @@ _MAGIC_BITS = tl.constexpr(0x4B000000)
 _MAGIC_OFFSET = tl.constexpr(8388616.0)
 
 
-@dataclass(frozen=True)
-class SmallMConfig:
-    """Tile shape of one launch (``block_m`` >= M, a power of two >= 16)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
 def small_m_config(m: int) -> SmallMConfig:
     """The fixed tile table (dequantization costs the same whatever M, so N tiles stay 64 wide)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return SmallMConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
+    return SmallMConfig(block_m=split_k.block_m_for(m), block_n=64, num_warps=4, num_stages=4)
 
 
 @triton.jit
