@@ -186,9 +186,13 @@ class LossTerm(Record):
 
 @dataclass(frozen=True)
 class TrainBackend(Record):
-    """A training backend: ``factory(config, plugin_manager) -> trainer``."""
+    """A training backend: ``factory(config, plugin_manager) -> trainer``.
+    ``trainer_class``: optional ``() -> class``, the class each rank of the host's
+    trainer group builds as ``cls(config, manager, group, rank, world)``
+    (:mod:`miles_host.distributed.trainer_group`)."""
 
     factory: Callable[..., Any] | None = None
+    trainer_class: Callable[[], type] | None = None
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def make_trainer(config: Any, manager: Any):
     replicated or FSDP2-sharded."""
     from miles_host.distributed.trainer_group import TrainerGroup, group_backend, trainer_class_for
 
-    trainer_class = trainer_class_for(config)
+    trainer_class = trainer_class_for(config, manager)
     world, timeout_s = num_trainers(config), worker_timeout(config)
     if world == 1 and not trainer_class.collective_state_dict:
         return trainer_class(config, manager)

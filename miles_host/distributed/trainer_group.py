@@ -26,8 +26,13 @@ def device_for_rank(config: Any, rank: int) -> str:
     return config.device
 
 
-def trainer_class_for(config: Any):
-    """The trainer class of ``--train-backend``: FSDP2-sharded (``fsdp``) or replicated."""
+def trainer_class_for(config: Any, manager: Any = None):
+    """The trainer class of ``--train-backend``: a plugin backend's ``trainer_class``,
+    FSDP2-sharded (``fsdp``) or replicated."""
+    if manager is not None:
+        record = manager.registries.train_backends.get(config.train_backend)
+        if getattr(record, "trainer_class", None) is not None:
+            return record.trainer_class()
     if config.train_backend == "fsdp":
         from miles_host.distributed.fsdp_trainer import Fsdp2Trainer
 
@@ -91,7 +96,7 @@ def trainer_main(
         if str(config.device).startswith("cuda:"):
             torch.cuda.set_device(torch.device(config.device))  # NCCL and Triton use the current device
         manager = rebuild_manager(config)
-        trainer_class = trainer_class_for(config)
+        trainer_class = trainer_class_for(config, manager)
         address, port = store_address
         group = new_group(address, port, rank, world, group_backend(config), timeout_s,
                           as_default=trainer_class.collective_state_dict)

@@ -5,8 +5,9 @@ trainer (:mod:`miles_megatron.trainer`) runs the native trainer's RL step on a
 Megatron-Core ``GPTModel`` (local layer spec, no TransformerEngine) built from the
 family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
-Runs on CPU or one GPU with TP = PP = EP = CP = 1; larger sizes, MTP and FP8 are
-refused with the reason. Needs megatron-core (``pip install megatron-core``).
+Runs in one process (CPU or one GPU) at TP = EP = 1, or as TP * EP trainer processes
+(TP or EP above 1, gloo on CPU, NCCL on GPU; :mod:`miles_megatron.parallel`); PP,
+CP, TP with EP together, MTP and FP8 are refused with the reason. Needs megatron-core (``pip install megatron-core``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,25 @@ def megatron_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _megatron_trainer(config, manager):
+def _trainer_class():
     ok, why = megatron_available()
     if not ok:
         raise ValueError(f"--train-backend megatron: {why}")
     from miles_megatron.trainer import MegatronTrainer
 
-    return MegatronTrainer(config, manager)
+    return MegatronTrainer
+
+
+def _megatron_trainer(config, manager):
+    """One process at TP = EP = 1; else the host's trainer group of TP * EP ranks."""
+    from miles_megatron.runtime import model_parallel_world
+
+    trainer_class = _trainer_class()
+    if model_parallel_world(config) == 1:
+        return trainer_class(config, manager)
+    from miles_host.distributed.launcher import make_trainer
+
+    return make_trainer(config, manager)
 
 
 def miles_activate(args):
@@ -44,21 +57,35 @@ def miles_activate(args):
 
 
 def miles_configure(config):
-    """Refuse placements the one-process backend cannot honour before any work."""
+    """Refuse placements the backend cannot honour before any work: one trainer process
+    per TP x EP rank (``--actor-num-gpus-per-node TP*EP``, data-parallel size 1)."""
     if config.train_backend != "megatron":
         return
-    from miles_host.distributed.launcher import wants_distributed
+    from miles_host.distributed.launcher import num_trainers, uses_ray, wants_distributed
 
-    from miles_megatron.runtime import check_parallel_sizes
+    from miles_megatron.runtime import check_parallel_sizes, model_parallel_world
 
     check_parallel_sizes(config)
+    world = model_parallel_world(config)
+    if world > 1:
+        if num_trainers(config) != world or uses_ray(config):
+            raise ValueError(
+                f"--train-backend megatron with TP {config.tensor_model_parallel_size} x EP "
+                f"{config.expert_model_parallel_size} runs {world} trainer processes on one node (data-parallel "
+                f"size 1): pass --actor-num-gpus-per-node {world} (got {num_trainers(config)} trainer(s)"
+                f"{', --use-ray' if uses_ray(config) else ''})"
+            )
+        return
     if wants_distributed(config):
         raise ValueError(
-            "--train-backend megatron runs its trainer in this process for now: multi-process placement "
-            "(--use-ray, several trainers or engines, --rollout-backend process) is not wired to it yet"
+            "--train-backend megatron runs its trainer in this process at TP = EP = 1: multi-process placement "
+            "(--use-ray, several trainers or engines, --rollout-backend process) is wired only for TP/EP > 1"
         )
 
 
 def miles_register_train_backends():
     """The ``megatron`` training backend."""
-    return [TrainBackend("megatron", "Megatron-Core GPTModel (local spec; TP/PP/EP = 1 for now)", factory=_megatron_trainer)]
+    return [TrainBackend(
+        "megatron", "Megatron-Core GPTModel (local spec; TP or EP over processes, PP = 1)",
+        factory=_megatron_trainer, trainer_class=_trainer_class,
+    )]

@@ -11,7 +11,9 @@ puts where the native trainer keeps its ``CausalLM``:
   layers from it; ``save_pretrained`` writes the HF config from it).
 - ``state_dict()`` / ``load_state_dict()``: native names and layouts
   (:mod:`miles_megatron.weights`), so weight sync, ``--save-hf`` and checkpoints see
-  what the native trainer gives them.
+  what the native trainer gives them. Under TP/EP (:mod:`miles_megatron.parallel`)
+  the model is this rank's shard: ``load_state_dict`` takes the full weights and keeps
+  the shard, ``state_dict`` is a collective that gathers the full weights.
 
 Precision follows the native trainer: float32 parameters (the masters) and, on GPU,
 the forward under the trainer's bf16 autocast. Megatron-Core is written for bf16
@@ -101,11 +103,15 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from miles_megatron.parallel import current_sizes, padded_vocab
+
     config = transformer_config(native_config, recompute)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-        gpt = GPTModel(config, spec, **gpt_model_kwargs(native_config))
+        kwargs = gpt_model_kwargs(native_config)
+        kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], current_sizes().tp)  # TP splits it evenly
+        gpt = GPTModel(config, spec, **kwargs)
     for layer in gpt.decoder.layers:
         layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
         router = getattr(layer.mlp, "router", None)
@@ -166,8 +172,13 @@ def pin_autocast(layer: torch.nn.Module, state: AutocastState) -> None:
 
 
 def load_native_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor], native_config: Any) -> None:
-    """Copy native-named weights into ``gpt`` (every Megatron weight must be given)."""
+    """Copy native-named (full) weights into ``gpt``, this rank's shard of them under
+    TP/EP (:func:`~miles_megatron.parallel.shard_state`); every Megatron weight must be given."""
+    from miles_megatron.parallel import current_sizes, shard_state
+
     megatron_state = native_to_megatron(state, native_config)
+    if current_sizes().parallel:
+        megatron_state = shard_state(megatron_state, gpt, native_config.vocab_size)
     missing, unexpected = gpt.load_state_dict(megatron_state, strict=False)
     missing = [name for name in missing if not name.endswith("_extra_state")]
     if missing or unexpected:
@@ -179,8 +190,12 @@ class MegatronPolicy(torch.nn.Module):
 
     def __init__(self, gpt: torch.nn.Module, native_config: Any, routing_hooks: Any):
         super().__init__()
+        from miles_megatron.parallel import current_sizes
+
         self.gpt = gpt
         self.config = native_config
+        #: TP / EP sizes this rank's shard belongs to
+        self.sizes = current_sizes()
         #: set by the host trainer; Megatron's recomputation is fixed when the model is built
         self.gradient_checkpointing = False
         top_k = native_config.moe.top_k if native_config.moe is not None else 0
@@ -196,7 +211,14 @@ class MegatronPolicy(torch.nn.Module):
         weights and :func:`~miles_megatron.weights.native_to_megatron`."""
         from miles_host.models import load_pretrained
 
+        from miles_megatron.parallel import current_sizes
+
         native = load_pretrained(path, dtype=torch.float32, device="cpu")
+        if current_sizes().tp > 1 and native.config.moe is not None:
+            raise ValueError(
+                "--train-backend megatron: --tensor-model-parallel-size above 1 with an MoE model (expert tensor "
+                "parallelism) is not supported yet; use --expert-model-parallel-size for MoE models"
+            )
         gpt = build_gpt_model(native.config, recompute, device)
         load_native_state(gpt, native.state_dict(), native.config)
         config = native.config
@@ -214,10 +236,17 @@ class MegatronPolicy(torch.nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """``[V, H]`` output weight (the embedding when tied)."""
+        """``[V, H]`` output weight (the embedding when tied); under TP gathered from the
+        vocab-parallel shards (:func:`~miles_megatron.parallel.vocab_parallel_head`)."""
         if self.gpt.share_embeddings_and_output_weights:
-            return self.gpt.shared_embedding_or_output_weight()
-        return self.gpt.output_layer.weight
+            weight = self.gpt.shared_embedding_or_output_weight()
+        else:
+            weight = self.gpt.output_layer.weight
+        if self.sizes.tp > 1:
+            from miles_megatron.parallel import vocab_parallel_head
+
+            return vocab_parallel_head(weight, self.config.vocab_size)
+        return weight
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D102 - native names, see module doc
         state = {
@@ -225,6 +254,10 @@ class MegatronPolicy(torch.nn.Module):
             for name, tensor in self.gpt.state_dict().items()
             if not name.endswith("_extra_state")
         }
+        if self.sizes.parallel:  # a collective: every rank calls it and gets the full weights
+            from miles_megatron.parallel import gather_state
+
+            state = gather_state(state, self.gpt, self.config.vocab_size)
         return megatron_to_native(state, self.config)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):  # noqa: D102

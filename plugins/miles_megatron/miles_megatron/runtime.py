@@ -1,10 +1,10 @@
 """Megatron-Core's process state for the one-process backend.
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
-  this version can honour (1 each: one trainer process).
-- :func:`init_model_parallel`: a one-rank ``torch.distributed`` group (NCCL for a CUDA
-  trainer, gloo on CPU; in-process store) and Megatron's ``parallel_state`` on it,
-  created once and reused. With one rank no collective ever runs.
+  this version can honour (TP or EP above 1, one at a time; PP = CP = 1).
+- :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
+  a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
+  store) at sizes 1, else the ``TP * EP`` trainer ranks' group.
 - :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
   process's own CUDA generator).
 - :func:`on_device`: what Megatron code of the trainer runs under. On GPU, ``cuda:N``
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -44,38 +45,67 @@ def quiet_imports() -> Iterator[None]:
 
 
 def check_parallel_sizes(config: Any) -> None:
-    """Sizes > 1 need one process per model-parallel rank: not launched by this version."""
-    bigger = {flag: getattr(config, dest) for flag, dest in PARALLEL_FLAGS.items() if getattr(config, dest) != 1}
-    if not bigger:
-        return
-    named = ", ".join(f"{flag} {value}" for flag, value in bigger.items())
-    if not torch.cuda.is_available():
+    """What this version runs: TP or EP above 1 (one of them; one trainer process per
+    rank, data-parallel size 1); PP and CP stay 1."""
+    sizes = {flag: getattr(config, dest) for flag, dest in PARALLEL_FLAGS.items()}
+    problems = [f"{flag} {sizes[flag]}" for flag in ("--pipeline-model-parallel-size", "--context-parallel-size")
+                if sizes[flag] != 1]
+    tp, ep = sizes["--tensor-model-parallel-size"], sizes["--expert-model-parallel-size"]
+    if tp > 1 and ep > 1:
+        problems.append(f"--tensor-model-parallel-size {tp} together with --expert-model-parallel-size {ep}")
+    if problems:
         raise ValueError(
-            f"--train-backend megatron: {named} needs CUDA GPUs (one per model-parallel rank) and none is "
-            "available; on CPU only size 1 runs"
+            f"--train-backend megatron: {', '.join(problems)} is not supported yet: this version runs "
+            "tensor parallelism (TP) or expert parallelism (EP) alone, one trainer process per rank, "
+            "with pipeline and context parallel sizes 1"
         )
-    raise ValueError(
-        f"--train-backend megatron: {named}: this version runs Megatron-Core in one trainer process "
-        "(sizes 1); starting one process per model-parallel rank is not written yet"
-    )
 
 
-def init_model_parallel(device: torch.device) -> None:
-    """One-rank default group + Megatron ``parallel_state`` (TP = PP = EP = CP = 1)."""
+def model_parallel_world(config: Any) -> int:
+    """Trainer processes one model replica needs (TP * EP)."""
+    return int(config.tensor_model_parallel_size) * int(config.expert_model_parallel_size)
+
+
+def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1) -> None:
+    """Megatron ``parallel_state`` with TP = ``tp`` and EP = ``ep`` (PP = CP = 1).
+
+    Sizes 1: a one-rank default group (created here if none exists). Above 1: the
+    default group must already hold the ``tp * ep`` trainer ranks (the launcher's
+    trainer group, see :mod:`miles_megatron.launch`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    world = tp * ep
     if not dist.is_initialized():
+        if world != 1:
+            raise ValueError(
+                f"--train-backend megatron with TP {tp} x EP {ep} needs {world} trainer processes in a default "
+                "process group (started by the trainer launcher); none exists here"
+            )
         backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
+    elif dist.get_world_size() != world:
         raise ValueError(
-            f"--train-backend megatron runs in one process, but torch.distributed already has "
-            f"{dist.get_world_size()} ranks here"
+            f"--train-backend megatron with TP {tp} x EP {ep} runs {world} trainer process(es), but "
+            f"torch.distributed has {dist.get_world_size()} ranks here"
         )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    global _STATE_ON
+    default = dist.distributed_c10d._get_default_group()
+    if parallel_state.model_parallel_is_initialized() and _STATE_ON is not None and _STATE_ON() is not default:
+        # left by an earlier run whose default group is gone (the launcher destroys it)
+        parallel_state.destroy_model_parallel()
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, ep):
+            raise ValueError(f"Megatron's parallel state already has TP x EP = {have}, not {(tp, ep)}")
+    else:
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        _STATE_ON = weakref.ref(default)
     _fix_megatron_without_te()
+
+
+#: the default group Megatron's parallel state was built on (weak: it may be destroyed)
+_STATE_ON: "weakref.ref | None" = None
 
 
 def seed_rng(seed: int, device: torch.device) -> None:

@@ -5,21 +5,26 @@
 old/reference log-probs, micro-batching, the policy loss of
 :mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping,
 the LR schedule, metrics, weight export and checkpoints are the host's code; only
-the forward is Megatron's. One process, TP = PP = EP = CP = 1 (Megatron's
-``parallel_state`` over a one-rank group); larger sizes are refused with the reason.
+the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
+``parallel_state`` over a one-rank group), or ``TP * EP`` processes, one rank each
+(TP or EP above 1, data-parallel size 1: every rank trains on the whole batch;
+:mod:`miles_megatron.parallel`, started as the trainer group of
+:mod:`miles_host.distributed.launcher`); PP and CP above 1 are refused.
 On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
 precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import Any
 
 import torch
 
 from miles_host.rollout_backend import resolve_device
 from miles_host.trainer import NativeTrainer
-from miles_megatron.runtime import check_parallel_sizes, init_model_parallel, on_device, seed_rng
+from miles_megatron.runtime import PARALLEL_FLAGS, check_parallel_sizes, init_model_parallel, on_device, seed_rng
 
 #: flags whose native implementation needs the native model's modules
 _NATIVE_ONLY = {
@@ -40,16 +45,55 @@ def check_supported(config: Any) -> None:
 
 
 class MegatronTrainer(NativeTrainer):
-    """The native trainer over a Megatron-Core GPTModel (see module doc)."""
+    """The native trainer over a Megatron-Core GPTModel (see module doc).
+
+    ``(config, manager)`` in one process; ``(config, manager, group, rank, world)`` as
+    a rank of the host's trainer group (``world`` = TP * EP, the group the default one)."""
 
     backend = "megatron"
+    #: under TP/EP ``state_dict`` gathers the optimizer state: every rank must call it
+    #: (and the trainer group's process group is the default one, which Megatron needs)
+    collective_state_dict = True
 
-    def __init__(self, config: Any, manager: Any):
+    def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
+        from miles_megatron.parallel import Sizes
+
         check_supported(config)
+        self.sizes = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size))
+        if world != self.sizes.world:
+            raise ValueError(
+                f"--train-backend megatron with TP {self.sizes.tp} x EP {self.sizes.ep} needs {self.sizes.world} "
+                f"trainer processes, got {world}"
+            )
+        self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)
-        init_model_parallel(device)
+        init_model_parallel(device, self.sizes.tp, self.sizes.ep)
         seed_rng(config.seed, device)
-        super().__init__(config, manager)
+        # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
+        single = copy.copy(config)
+        for dest in PARALLEL_FLAGS.values():
+            setattr(single, dest, 1)
+        super().__init__(single, manager)
+        self.config = config
+        if self.sizes.parallel and self.critic is not None:
+            raise ValueError(
+                f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP megatron "
+                "trainer does not shard yet; use a critic-free estimator (grpo, gspo, rloo, ...)"
+            )
+        self._full_state: dict[str, torch.Tensor] | None = None
+        if self.sizes.parallel:
+            self._gather_full_state()
+
+    def close(self) -> None:
+        """Under TP/EP: leave Megatron's parallel state and the trainers' default group."""
+        if not self.sizes.parallel:
+            return
+        from megatron.core import parallel_state
+
+        from miles_host.distributed.comm import leave_default_group
+
+        parallel_state.destroy_model_parallel()
+        leave_default_group()
 
     def load_model(self, path: str, routing) -> torch.nn.Module:
         from miles_megatron.policy import MegatronPolicy
@@ -59,16 +103,73 @@ class MegatronTrainer(NativeTrainer):
 
     def train(self, samples):
         with on_device(self.device):
-            return super().train(samples)
+            metrics = super().train(samples)
+        if self.sizes.parallel:
+            self._gather_full_state()
+        return metrics
 
     def response_log_probs(self, model, batch, with_entropy: bool = False):
         with on_device(self.device):
             return super().response_log_probs(model, batch, with_entropy)
 
+    def _clip_and_step(self, out: dict[str, float], loss_sum: float) -> dict[str, float]:
+        """Under TP/EP: Megatron's gradient reductions, then the norm over the whole model."""
+        if not self.sizes.parallel:
+            return super()._clip_and_step(out, loss_sum)
+        from miles_megatron.parallel import clip_grad_norm, finalize_grads
+
+        finalize_grads(self.model.gpt, self.sizes)
+        grad_norm = clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
+        out = {key: float(value) for key, value in out.items()}  # numbers or 0-d tensors
+        loss_sum = float(loss_sum)
+        out["train/loss"] = loss_sum
+        out["train/grad_norm"] = float(grad_norm)
+        if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_nan_steps += 1
+            out["train/nan_step_skipped"] = 1.0
+            return out
+        self.consecutive_nan_steps = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        return out
+
+    # -- weights and state ------------------------------------------------------------
+
+    def _gather_full_state(self) -> None:
+        """All ranks: the full native-named weights; rank 0 keeps them."""
+        with on_device(self.device):
+            full = self.model.state_dict()
+        self._full_state = full if self.rank == 0 else None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Native-named weights (under TP/EP: gathered after the last ``train``, rank 0)."""
+        if not self.sizes.parallel:
+            return self.model.state_dict()
+        assert self._full_state is not None, "the gathered weights are kept on rank 0 only"
+        return self._full_state
+
+    def named_weights_for_rollout(self):
+        named = list(self.full_state_dict().items())
+        return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
+
     def state_dict(self) -> dict:
         """The native trainer's checkpoint (model under native names), tagged with the
-        backend: the optimizer state is indexed in Megatron's parameter order."""
-        return {**super().state_dict(), "train_backend": self.backend}
+        backend: the optimizer state is indexed in Megatron's parameter order (under
+        TP/EP gathered to full native-named moments; a collective)."""
+        if not self.sizes.parallel:
+            return {**super().state_dict(), "train_backend": self.backend}
+        from miles_megatron.optimizer_state import gather_optimizer_state
+
+        return {
+            "model": self._full_state,
+            "optimizer": gather_optimizer_state(self),
+            "scheduler": self.scheduler.state_dict(),
+            "consecutive_nan_steps": self.consecutive_nan_steps,
+            "critic": None,
+            "train_backend": self.backend,
+            "model_parallel": {"tp": self.sizes.tp, "ep": self.sizes.ep},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("train_backend", "native")
@@ -77,4 +178,19 @@ class MegatronTrainer(NativeTrainer):
                 f"--load: this checkpoint was written by --train-backend {saved}; its optimizer state does not "
                 f"map onto --train-backend {self.backend} (start from its HF weights with --hf-checkpoint instead)"
             )
-        super().load_state_dict(state)
+        layout = state.get("model_parallel")
+        if layout is None and not self.sizes.parallel:
+            return super().load_state_dict(state)
+        if layout is None or not self.sizes.parallel:
+            raise ValueError(
+                "--load: this megatron checkpoint was written with other model-parallel sizes "
+                f"({layout or 'TP = EP = 1'}); start from its HF weights with --hf-checkpoint instead"
+            )
+        from miles_megatron.optimizer_state import load_optimizer_state
+
+        with on_device(self.device):
+            self.model.load_state_dict(state["model"])
+        load_optimizer_state(self, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
+        self._gather_full_state()

@@ -247,9 +247,18 @@ def test_bf16_autocast_keeps_the_native_precision_policy(models):
     assert ("autocast", True) in seen and ("router", torch.bfloat16) in seen
 
 
-def test_parallel_sizes_above_one_are_refused_clearly(models):
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2.*(CUDA|one trainer process)"):
-        make_trainer(models, "qwen3", "megatron", "--tensor-model-parallel-size", "2")
+@pytest.mark.parametrize("flags,message", [
+    (("--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 2 is not supported"),
+    (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported"),
+    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"),
+     "--tensor-model-parallel-size 2 together with --expert-model-parallel-size 2 is not supported"),
+    # TP/EP runs one trainer process per rank: the placement must say so
+    (("--tensor-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
+    (("--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"), "--actor-num-gpus-per-node 2"),
+], ids=["pp", "cp", "tp_and_ep", "tp_one_trainer", "ep_four_trainers"])
+def test_parallel_sizes_it_does_not_run_are_refused_clearly(models, flags, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(models, "qwen3", "megatron", *flags)
 
 
 def test_short_quickstart_run_with_save_and_resume(tmp_path):

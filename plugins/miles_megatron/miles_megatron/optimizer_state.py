@@ -1,0 +1,67 @@
+"""AdamW state of a TP/EP-sharded megatron trainer in checkpoints.
+
+The moments of each parameter have its shape, so they are gathered and sharded
+exactly as the weights are (:func:`~miles_megatron.parallel.gather_state`,
+:func:`~miles_megatron.parallel.shard_state`) and stored under native names:
+``{"moments": {"exp_avg": {native name: full tensor}, "exp_avg_sq": {...}},
+"step": float, "param_groups": [...]}``. A checkpoint written with one TP/EP
+layout loads into the same sizes (the trainer checks ``model_parallel``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _named_params(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, param) for name, param in trainer.model.gpt.named_parameters() if param.requires_grad]
+
+
+def gather_optimizer_state(trainer: Any) -> dict | None:
+    """A collective of every rank; rank 0 gets the full state, the others ``None``."""
+    from miles_megatron.parallel import gather_state
+    from miles_megatron.runtime import on_device
+    from miles_megatron.weights import megatron_to_native
+
+    optimizer = trainer.optimizer
+    named = _named_params(trainer)
+    step = 0.0
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    with on_device(trainer.device):
+        for key in MOMENTS:
+            local = {}
+            for name, param in named:
+                state = optimizer.state.get(param, {})
+                if "step" in state:
+                    step = float(state["step"])
+                local[name] = state[key].detach() if key in state else torch.zeros_like(param)
+            full = gather_state(local, trainer.model.gpt, trainer.model.config.vocab_size)
+            moments[key] = megatron_to_native(full, trainer.model.config) if trainer.rank == 0 else {}
+    if trainer.rank != 0:
+        return None
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.state_dict()["param_groups"]]
+    return {"moments": moments, "step": step, "param_groups": groups}
+
+
+def load_optimizer_state(trainer: Any, saved: dict) -> None:
+    """This rank's shard of :func:`gather_optimizer_state`'s result."""
+    from miles_megatron.parallel import shard_state
+    from miles_megatron.weights import native_to_megatron
+
+    optimizer = trainer.optimizer
+    shards = {
+        key: shard_state(native_to_megatron(saved["moments"][key], trainer.model.config), trainer.model.gpt,
+                           trainer.model.config.vocab_size)
+        for key in MOMENTS
+    }
+    for name, param in _named_params(trainer):
+        state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
+        for key in MOMENTS:
+            state[key] = shards[key][name].to(device=param.device, dtype=param.dtype).clone()
+        optimizer.state[param] = state
+    for group, values in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: v for k, v in values.items() if k != "params"})

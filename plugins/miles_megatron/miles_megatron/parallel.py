@@ -1,0 +1,249 @@
+"""Tensor (TP) and expert (EP) model parallelism of the megatron backend.
+
+``TP * EP`` trainer processes (one of the two sizes 1), data-parallel size 1 in the
+host's sense: every rank sees the whole batch. Megatron's ``parallel_state`` gets
+the sizes; each rank builds its shard of the GPTModel and:
+
+- :func:`shard_state`: takes its shard of the full Megatron-named state (what
+  :func:`~miles_megatron.weights.native_to_megatron` gives), following Megatron's
+  layouts: column-parallel weights (``linear_qkv``, already interleaved per query
+  group, and ``output_layer``) and the vocab-parallel embedding by rows, row-parallel
+  weights (``linear_proj``, ``linear_fc2``) by columns, SwiGLU ``linear_fc1`` as
+  ``[gate_r; up_r]`` (each half split by rows, as Megatron's gated column-parallel
+  layout), routed experts as ``ep_rank * local + e`` (SequentialMLP numbering);
+  norms and routers are replicated; the vocabulary is padded to a multiple of TP
+  with zero rows (:func:`padded_vocab`).
+- :func:`gather_state`: the inverse, a collective of every rank (the full state on
+  each, rank 0 keeps it).
+- :func:`vocab_parallel_head`: the full ``[V, H]`` output weight, gathered with
+  Megatron's ``gather_from_tensor_model_parallel_region`` (forward all-gather,
+  backward this rank's slice): every rank computes the exact float32 log-probs and
+  entropy over the whole vocabulary with the host's ``chunked_log_probs``, so the
+  loss is the one-process loss.
+- :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for these
+  layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP;
+  with EP every rank routed the same batch into the experts, so each expert's
+  gradient is EP times the one-process gradient (divided by EP), and the replicated
+  weights' gradients are averaged over the EP ranks (they agree up to summation order).
+- :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model
+  (sharded gradients summed over the ranks, replicated ones counted once).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.ep
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
+
+
+def current_sizes() -> Sizes:
+    from megatron.core import parallel_state as ps
+
+    return Sizes(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+
+
+def _partition_dims(gpt: torch.nn.Module) -> dict[str, int]:
+    """``{parameter name: dim}`` of the TP-split parameters, from the module types
+    (Megatron sets ``partition_dim`` only when it initialises the weights itself):
+    column-parallel weights and biases and the vocab-parallel embedding by rows,
+    row-parallel weights by columns (their bias is replicated)."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    dims: dict[str, int] = {}
+    for module_name, module in gpt.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims.update({prefix + name: 0 for name, _ in module.named_parameters(recurse=False)})
+        elif isinstance(module, RowParallelLinear):
+            dims[prefix + "weight"] = 1
+    return dims
+
+
+#: the vocabulary rows of the model (padded to a multiple of TP, see :func:`padded_vocab`)
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary Megatron is built with: a multiple of TP (its vocab-parallel
+    layers split it evenly). The padding rows are zeros, never looked up, and cut off
+    the gathered output weight, so the log-probs are over the real vocabulary."""
+    return -(-vocab_size // tp) * tp
+
+
+def _layout(name: str, dims: Mapping[str, int], gated: bool = True) -> tuple[str, int]:
+    """``(kind, dim)``: kind ``replicated``, ``expert``, ``tp`` or ``gated`` (fc1 halves)."""
+    if _EXPERT.match(name):
+        return "expert", 0
+    if name not in dims:
+        return "replicated", 0
+    if gated and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
+        return "gated", dims[name]
+    return "tp", dims[name]
+
+
+def shard_state(full: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+    """This rank's shard of a full Megatron-named state dict (see module doc)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    dims = _partition_dims(gpt)
+    local_experts = _local_expert_count(gpt)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            prefix, index, suffix = expert.groups()
+            owner, local = divmod(int(index), local_experts)
+            if owner == ep_rank:
+                out[f"{prefix}{local}{suffix}"] = tensor
+            continue
+        kind, dim = _layout(name, dims)
+        if name in VOCAB_ROWS and tp > 1:
+            tensor = torch.cat([tensor, tensor.new_zeros(padded_vocab(vocab_size, tp) - vocab_size, *tensor.shape[1:])])
+        if kind == "replicated" or tp == 1:
+            out[name] = tensor
+        elif kind == "tp":
+            out[name] = tensor.chunk(tp, dim)[tp_rank].contiguous()
+        else:  # gated: [gate; up] -> [gate_r; up_r]
+            gate, up = tensor.chunk(2, dim)
+            out[name] = torch.cat([gate.chunk(tp, dim)[tp_rank], up.chunk(tp, dim)[tp_rank]], dim).contiguous()
+    return out
+
+
+def _local_expert_count(gpt: torch.nn.Module) -> int:
+    for layer in gpt.decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            return int(experts.num_local_experts)
+    return 1
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def gather_state(local: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The full Megatron-named state from every rank's shard (a collective: every rank
+    calls it with its own shard, in the same name order)."""
+    from megatron.core import parallel_state as ps
+
+    tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
+    tp, ep = dist.get_world_size(tp_group), dist.get_world_size(ep_group)
+    dims = _partition_dims(gpt)
+    local_experts = _local_expert_count(gpt)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(local):
+        tensor = local[name].detach()
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            prefix, index, suffix = expert.groups()
+            parts = _all_gather(tensor, ep_group) if ep > 1 else [tensor]
+            for owner, part in enumerate(parts):
+                out[f"{prefix}{owner * local_experts + int(index)}{suffix}"] = part
+            continue
+        kind, dim = _layout(name, dims)
+        if kind == "replicated" or tp == 1:
+            out[name] = tensor
+            continue
+        parts = _all_gather(tensor, tp_group)
+        if kind == "tp":
+            out[name] = torch.cat(parts, dim)
+            if name in VOCAB_ROWS:
+                out[name] = out[name][:vocab_size]
+        else:
+            halves = [part.chunk(2, dim) for part in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    return out
+
+
+def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The full ``[V, H]`` output weight from this rank's vocabulary rows, padding rows
+    cut off (autograd: the backward keeps this rank's rows of the full gradient)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(weight_VrH.t().contiguous()).t()[:vocab_size]
+
+
+def _is_sharded(name: str, dims: Mapping[str, int], sizes: Sizes) -> bool:
+    if _EXPERT.match(name):
+        return sizes.ep > 1
+    return sizes.tp > 1 and name in dims
+
+
+def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
+    """Gradient reductions of the layouts (see module doc); all ranks call it."""
+    from megatron.core import parallel_state as ps
+
+    if not sizes.parallel:
+        return
+    named = [(n, p) for n, p in gpt.named_parameters() if p.requires_grad]
+    for name, param in named:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    if sizes.tp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        for name, param in named:
+            if "q_layernorm" in name or "k_layernorm" in name:
+                dist.all_reduce(param.grad, group=group)
+    if sizes.ep > 1:
+        replicated = [p for n, p in named if not _EXPERT.match(n)]
+        flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        flat /= sizes.ep
+        offset = 0
+        for param in replicated:
+            param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        for name, param in named:
+            if _EXPERT.match(name):
+                param.grad /= sizes.ep
+
+
+def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch.Tensor:
+    """``clip_grad_norm_`` over the full model (see module doc)."""
+    named = [(n, p) for n, p in gpt.named_parameters() if p.grad is not None]
+    if not named:
+        return torch.tensor(0.0)
+    device = named[0][1].grad.device
+    dims = _partition_dims(gpt)
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for name, param in named:
+        square = torch.linalg.vector_norm(param.grad.float()) ** 2
+        if _is_sharded(name, dims, sizes):
+            sharded += square
+        else:
+            replicated += square
+    if sizes.parallel:
+        dist.all_reduce(sharded)  # the trainers' group: TP * EP ranks
+    total = torch.sqrt(sharded + replicated)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, param in named:
+        param.grad.mul_(coefficient.to(param.grad.device))
+    return total

@@ -1,0 +1,134 @@
+"""``--train-backend megatron`` with TP = 2 or EP = 2: two trainer processes (gloo, CPU,
+float32) started by the host's trainer launcher, data-parallel size 1.
+
+Two optimizer steps give the one-process (TP = EP = 1) losses, gradient norms and
+final weights; the weights gathered on rank 0 are complete under HF/native names;
+a checkpoint (gathered optimizer state) loads back into the two ranks. Skipped
+where megatron-core is not installed.
+
+On two GPUs (NCCL, bf16 autocast, so a bf16 tolerance)::
+
+    MILES_MEGATRON_TEST_DEVICE=cuda python -m pytest -q tests/plugins/megatron/test_megatron_parallel.py -k two_ranks
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytest.importorskip("transformers")
+
+from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer, models  # noqa: E402,F401
+
+FLAGS = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1",
+         "--worker-timeout", "120")
+#: ``cuda``: the TP/EP equivalence test on two GPUs (NCCL), with bf16 autocast tolerances
+DEVICE = os.environ.get("MILES_MEGATRON_TEST_DEVICE", "cpu")
+LOSS_TOL, WEIGHT_TOL = (1e-5, 1e-5) if DEVICE == "cpu" else (2e-2, 1e-3)
+KEYS = ("train/loss", "train/grad_norm", "train/pg_loss", "train/entropy_loss", "train/kl_loss")
+
+
+def _leave_groups():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def clean_groups():
+    _leave_groups()
+    yield
+    _leave_groups()
+
+
+def _one_process_run(models, name, samples):
+    single = make_trainer(models, name, "megatron", *FLAGS, "--device", DEVICE)
+    metrics = [single.train(samples) for _ in range(2)]
+    weights = dict(single.named_weights_for_rollout())
+    start = single.ref_model.state_dict()
+    _leave_groups()
+    return metrics, weights, start
+
+
+@pytest.mark.parametrize("name,flag", [("qwen3", "--tensor-model-parallel-size"),
+                                       ("qwen3_moe", "--expert-model-parallel-size")], ids=["tp2", "ep2"])
+def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, tmp_path):
+    from miles_host.distributed.trainer_group import TrainerGroup
+
+    if DEVICE != "cpu" and torch.cuda.device_count() < 2:
+        pytest.skip("MILES_MEGATRON_TEST_DEVICE=cuda needs two GPUs")
+    samples = make_samples()
+    want, expected, start = _one_process_run(models, name, samples)
+    group = make_trainer(models, name, "megatron", *FLAGS, flag, "2", "--actor-num-gpus-per-node", "2",
+                         "--device", DEVICE)
+    try:
+        assert isinstance(group, TrainerGroup) and len(group.handles) == 1
+        sizes = group.local.sizes
+        assert (sizes.tp, sizes.ep) == ((2, 1) if "tensor" in flag else (1, 2))
+        if sizes.tp == 2:  # this rank holds half of the vocabulary and of the heads
+            gpt = group.local.model.gpt
+            assert gpt.embedding.word_embeddings.weight.shape[0] == 32
+            assert gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
+        else:  # and here half of the experts
+            assert len(group.local.model.gpt.decoder.layers[0].mlp.experts.local_experts) == 2
+        for step in range(2):
+            got = group.train(samples)
+            for key in KEYS:
+                assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+        exported = dict(group.named_weights_for_rollout())
+        assert exported.keys() == expected.keys()  # every HF/native weight, full shapes
+        exported = {k: v.float().cpu() for k, v in exported.items()}
+        expected = {k: v.float().cpu() for k, v in expected.items()}
+        start = {k: v.float().cpu() for k, v in start.items()}
+        assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < WEIGHT_TOL
+        assert any(not torch.equal(exported[k], start[k]) for k in expected)  # it trained
+        # a checkpoint: full weights and moments on rank 0, loaded back into both ranks
+        state = group.state_dict()
+        moments = state["optimizer"]["moments"]["exp_avg"]
+        assert moments.keys() == expected.keys() and all(moments[k].shape == expected[k].shape for k in expected)
+        group.load_state_dict(state)
+        after = dict(group.named_weights_for_rollout())
+        assert all(torch.equal(after[k].float().cpu(), exported[k]) for k in expected)
+    finally:
+        group.stop()
+
+
+def test_tensor_parallel_moe_is_refused_clearly(models, clean_groups):
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size above 1 with an MoE model"):
+        make_trainer(models, "qwen3_moe", "megatron", "--tensor-model-parallel-size", "2",
+                     "--actor-num-gpus-per-node", "2", "--worker-timeout", "60")
+
+
+def test_miles_run_with_tensor_parallel_trainers(tmp_path, clean_groups):
+    """``miles run --train-backend megatron --tensor-model-parallel-size 2``: two trainer
+    processes through the host's launcher (engine process, broadcast weight sync),
+    --save-hf and a checkpoint from the gathered state, then a resume."""
+    from miles_host.cli.main import main
+    from miles_host.models import load_pretrained
+    from miles_host.quickstart_preset import QUICKSTART_DIR
+
+    common = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+              "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--no-progress",
+              "--save", str(tmp_path / "ckpt"), "--worker-timeout", "120"]
+    out = tmp_path / "out"
+    assert main(["run", *common, "--num-rollout", "2", "--output-dir", str(out),
+                 "--save-hf", str(tmp_path / "hf")]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2 and all(r["train/grad_norm"] > 0 for r in steps)
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in steps)
+    saved = load_pretrained(tmp_path / "hf").state_dict()
+    initial = load_pretrained(QUICKSTART_DIR / "model").state_dict()
+    assert saved.keys() == initial.keys() and any(not torch.equal(saved[k], initial[k]) for k in saved)
+    assert all(saved[k].shape == initial[k].shape for k in saved)
+    resumed = tmp_path / "resumed"
+    assert main(["run", *common, "--num-rollout", "3", "--output-dir", str(resumed), "--load", str(tmp_path / "ckpt")]) == 0
+    assert [json.loads(line)["rollout_id"] for line in (resumed / "metrics.jsonl").read_text().splitlines()][0] == 2
