@@ -138,6 +138,29 @@ class _PackedLogProbs(torch.nn.Module):
         return self.model.packed_log_probs(*args, **kwargs)
 
 
+def _as_float64(value):
+    """A metric as float64: a detached device tensor stays on the device, a number stays a number."""
+    return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor (FSDP2's grad norm) becomes its full value."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def read_floats(values: dict) -> dict[str, float]:
+    """``values`` with every tensor read to a Python float, all tensors in one host transfer."""
+    tensors = {
+        key: _local(v).detach().double().reshape(()) for key, v in values.items() if isinstance(v, torch.Tensor)
+    }
+    read = {}
+    if tensors:
+        devices = {t.device for t in tensors.values()}
+        target = next(iter(devices))
+        read = dict(zip(tensors, torch.stack([t.to(target) for t in tensors.values()]).tolist()))
+    return {key: read[key] if key in read else float(v) for key, v in values.items()}
+
+
 class NativeTrainer:
     """Trains the policy in this process (CPU or one GPU)."""
 
@@ -377,23 +400,31 @@ class NativeTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         per_token = self.config.calculate_per_token_loss
         total_tokens = sum(sum(s.loss_mask) for s in samples) or 1
-        metrics: dict[str, float] = {}
-        loss_sum = 0.0
+        # sums stay on the device (float64, the same arithmetic as Python floats): the host
+        # reads them once per step, so it keeps queueing micro-batches instead of waiting
+        metrics: dict[str, torch.Tensor | float] = {}
+        loss_sum: torch.Tensor | float = 0.0
         for micro in micro_batches(samples, self.config):
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
             share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(samples)
             (loss * share).backward()
-            loss_sum += float(loss.detach()) * share
+            loss_sum = loss_sum + _as_float64(loss) * share
             for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) * share
+                metrics[key] = metrics.get(key, 0.0) + _as_float64(value) * share
         return self._clip_and_step({f"train/{key}": value for key, value in metrics.items()}, loss_sum)
 
-    def _clip_and_step(self, out: dict[str, float], loss_sum: float) -> dict[str, float]:
-        """Clip gradients and step, or skip the step (and count it) on a NaN/Inf loss or norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
-        out["train/loss"] = loss_sum
-        out["train/grad_norm"] = float(grad_norm)
-        if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
+    def _clip_grads(self) -> torch.Tensor:
+        """Clip the gradients to ``--clip-grad``; the norm before clipping (a backend with its
+        own gradient reductions overrides this)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad)
+
+    def _clip_and_step(self, out: dict, loss_sum) -> dict[str, float]:
+        """Clip gradients and step, or skip the step (and count it) on a NaN/Inf loss or norm.
+        ``out`` and ``loss_sum`` may hold device tensors: they are read here, in one sync."""
+        grad_norm = self._clip_grads()
+        out = read_floats({**out, "train/loss": loss_sum, "train/grad_norm": grad_norm})
+        loss_sum = out["train/loss"]
+        if not (math.isfinite(loss_sum) and math.isfinite(out["train/grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
             self.consecutive_nan_steps += 1
             out["train/nan_step_skipped"] = 1.0
@@ -453,7 +484,7 @@ class NativeTrainer:
         metrics = dict(metrics)
         old_B = cat(old) if old is not None else log_probs.detach().float()
         mismatch = mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask)
-        metrics.update({k: float(v) for k, v in mismatch.items()})
+        metrics.update(mismatch)
         for term in self.loss_terms:
             outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}
             extra, term_metrics = term.fn(outputs, loss_batch, self.config)

@@ -50,15 +50,16 @@ LOG_RATIO_SAFETY_BOUND = 20.0
 
 @dataclass(frozen=True)
 class CorrectionResult:
-    """Per-token ``weights`` ``[N]`` and ``mask`` ``[N]`` (both detached) and float metrics."""
+    """Per-token ``weights`` ``[N]`` and ``mask`` ``[N]`` (both detached) and metrics (detached 0-dim
+    tensors, or floats: the trainer reads them all with one host sync per step)."""
 
     weights: torch.Tensor
     mask: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor | float] = field(default_factory=dict)
 
 
-def _fraction(condition_N: torch.Tensor, loss_mask_N: torch.Tensor) -> float:
-    return masked_mean(condition_N.to(loss_mask_N.dtype), loss_mask_N).item()
+def _fraction(condition_N: torch.Tensor, loss_mask_N: torch.Tensor) -> torch.Tensor:
+    return masked_mean(condition_N.to(loss_mask_N.dtype), loss_mask_N).detach()
 
 
 def _prepare(train_log_probs, rollout_log_probs, loss_mask, response_lengths):
@@ -90,12 +91,16 @@ def mismatch_metrics(
     - ``train_rollout_logprob_abs_diff_max``: the largest ``|train - rollout|``.
     """
     log_ratio, mask = _prepare(train_log_probs, rollout_log_probs, loss_mask, [loss_mask.numel()])
-    kept = mask > 0
+    abs_diff = log_ratio.abs()
+    # masked-out tokens count as 0 (|d| >= 0): the max over kept tokens, 0 when none is kept
+    kept_abs_diff = torch.where(mask > 0, abs_diff, torch.zeros_like(abs_diff))
     return {
-        "train_rollout_logprob_abs_diff": masked_mean(log_ratio.abs(), mask).item(),
-        "train_rollout_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
-        "train_rollout_k1": masked_mean(-log_ratio, mask).item(),
-        "train_rollout_logprob_abs_diff_max": log_ratio.abs()[kept].max().item() if kept.any() else 0.0,
+        "train_rollout_logprob_abs_diff": masked_mean(abs_diff, mask).detach(),
+        "train_rollout_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).detach(),
+        "train_rollout_k1": masked_mean(-log_ratio, mask).detach(),
+        "train_rollout_logprob_abs_diff_max": (
+            kept_abs_diff.amax().detach() if kept_abs_diff.numel() else abs_diff.new_zeros(())
+        ),
     }
 
 
@@ -119,9 +124,9 @@ def tis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengt
     ratio = log_ratio.exp()
     weights = ratio.clamp(min=low, max=high)
     metrics = {
-        "tis_ratio_mean": masked_mean(ratio, mask).item(),
+        "tis_ratio_mean": masked_mean(ratio, mask).detach(),
         "tis_clipfrac": _fraction(weights != ratio, mask),
-        "tis_abs": masked_mean((ratio - 1).abs(), mask).item(),
+        "tis_abs": masked_mean((ratio - 1).abs(), mask).detach(),
     }
     return CorrectionResult(weights, mask, metrics)
 
@@ -133,7 +138,7 @@ def icepop_correction(train_log_probs, rollout_log_probs, loss_mask, response_le
     ratio = log_ratio.exp()
     inside = (ratio >= low) & (ratio <= high)
     metrics = {
-        "icepop_ratio_mean": masked_mean(ratio, mask).item(),
+        "icepop_ratio_mean": masked_mean(ratio, mask).detach(),
         "icepop_mask_fraction": _fraction(~inside, mask),
     }
     return CorrectionResult(ratio, mask * inside.to(mask.dtype), metrics)
@@ -224,7 +229,7 @@ def mis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengt
     level_log_ratio = level(log_ratio, mask, response_lengths)
     raw_weights = level_log_ratio.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND).exp()
     weights, new_mask, metrics = mode(raw_weights, mask, lower, upper)
-    metrics = {"mis_ratio_mean": masked_mean(raw_weights, mask).item(), **metrics}
+    metrics = {"mis_ratio_mean": masked_mean(raw_weights, mask).detach(), **metrics}
     veto_threshold = getattr(config, "mis_veto_threshold", None)
     if veto_threshold is not None:
         keep = veto_mask(log_ratio, mask, response_lengths, veto_threshold)

@@ -242,47 +242,48 @@ def _corrected_pg_losses(batch, pg_losses, corrections, config, metrics) -> torc
 
 def policy_loss(
     batch: PolicyLossBatch, config, corrections: Sequence[CorrectionFn] | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy loss of one micro-batch: ``pg - entropy_coef * entropy + kl_loss_coef * kl``.
 
     ``corrections`` defaults to the built-ins switched on in ``config``
     (:func:`~miles_host.algorithms.corrections.enabled_corrections`); the host passes
-    the registry's enabled ones. Returns the scalar loss and float metrics.
+    the registry's enabled ones. Returns the scalar loss and its metrics as detached 0-dim
+    tensors (no host sync here: the trainer reads a whole step's metrics at once).
     """
     reduce = aggregation_for(config)
     normalizer = getattr(config, "loss_normalizer", None)
     mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
     old_log_probs = old_log_probs_for(batch, config)
     terms = policy_loss_for(config)(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor | float] = {}
     corrections = enabled_corrections(config) if corrections is None else list(corrections)
     pg_losses = _corrected_pg_losses(batch, terms.losses, corrections, config, metrics)
 
     pg_loss = reduce(pg_losses, mask, lengths, normalizer)
     loss = pg_loss
-    metrics["pg_loss"] = reduce(pg_losses.detach(), mask, lengths).item()
-    metrics["pg_clipfrac"] = reduce(terms.clipfrac, mask, lengths).item()
-    metrics["ppo_kl"] = reduce(terms.ppo_kl.detach(), mask, lengths).item()
+    metrics["pg_loss"] = reduce(pg_losses.detach(), mask, lengths).detach()
+    metrics["pg_clipfrac"] = reduce(terms.clipfrac, mask, lengths).detach()
+    metrics["ppo_kl"] = reduce(terms.ppo_kl.detach(), mask, lengths).detach()
     for name, values in terms.extra.items():
-        metrics[name] = reduce(values, mask, lengths).item()
+        metrics[name] = reduce(values, mask, lengths).detach()
 
     entropy_coef = getattr(config, "entropy_coef", 0.0)
     if entropy_coef != 0 and batch.entropy is None:
         raise ValueError("entropy_coef != 0 needs batch.entropy")
     if batch.entropy is not None:
         loss = loss - entropy_coef * reduce(batch.entropy, mask, lengths, normalizer)
-        metrics["entropy_loss"] = reduce(batch.entropy.detach(), mask, lengths).item()
+        metrics["entropy_loss"] = reduce(batch.entropy.detach(), mask, lengths).detach()
 
     if getattr(config, "use_kl_loss", False):
         kl = kl_loss_per_token(batch, old_log_probs, config)
         loss = loss + getattr(config, "kl_loss_coef", 0.0) * reduce(kl, mask, lengths, normalizer)
-        metrics["kl_loss"] = reduce(kl.detach(), mask, lengths).item()
+        metrics["kl_loss"] = reduce(kl.detach(), mask, lengths).detach()
 
-    metrics["loss"] = loss.item() if normalizer is None else _micro_batch_loss(metrics, config)
+    metrics["loss"] = loss.detach() if normalizer is None else _micro_batch_loss(metrics, config)
     return loss, metrics
 
 
-def _micro_batch_loss(metrics: dict[str, float], config) -> float:
+def _micro_batch_loss(metrics: dict, config):
     # with a fixed normalizer the returned loss is a share of the step's loss; report
     # the micro-batch mean instead so that logged losses do not depend on batching.
     loss = metrics["pg_loss"] - getattr(config, "entropy_coef", 0.0) * metrics.get("entropy_loss", 0.0)

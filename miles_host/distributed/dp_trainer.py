@@ -23,7 +23,7 @@ import torch
 from miles_host.distributed.balance import split_by_tokens
 from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
-from miles_host.trainer import NativeTrainer, trainable
+from miles_host.trainer import NativeTrainer, read_floats, trainable
 
 
 class DataParallelTrainer(NativeTrainer):
@@ -193,9 +193,10 @@ class DataParallelTrainer(NativeTrainer):
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
             share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(step_samples)
             (loss * (share * self.loss_scale)).backward()
-            loss_sum += float(loss.detach()) * share
-            for key, value in micro_metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * share
+            micro_floats = read_floats({**micro_metrics, "__loss__": loss})  # one host sync per micro-batch
+            loss_sum += micro_floats.pop("__loss__") * share
+            for key, value in micro_floats.items():
+                sums[key] = sums.get(key, 0.0) + value * share
         self._allreduce_grads()
         keys = self._agree_on_keys(sorted(sums), source)
         reduced = self._allreduce_floats([loss_sum, *[sums.get(k, 0.0) for k in keys]])

@@ -17,7 +17,6 @@ precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.polic
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -112,23 +111,14 @@ class MegatronTrainer(NativeTrainer):
         with on_device(self.device):
             return super().response_log_probs(model, batch, with_entropy)
 
-    def _clip_and_step(self, out: dict[str, float], loss_sum: float) -> dict[str, float]:
+    def _clip_grads(self) -> torch.Tensor:
         """Under TP/EP: Megatron's gradient reductions, then the norm over the whole model."""
         if not self.sizes.parallel:
-            return super()._clip_and_step(out, loss_sum)
+            return super()._clip_grads()
         from miles_megatron.parallel import clip_grad_norm, finalize_grads
 
         finalize_grads(self.model.gpt, self.sizes)
-        grad_norm = clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
-        out = {key: float(value) for key, value in out.items()}  # numbers or 0-d tensors
-        loss_sum = float(loss_sum)
-        out["train/loss"] = loss_sum
-        out["train/grad_norm"] = float(grad_norm)
-        if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.consecutive_nan_steps += 1
-            out["train/nan_step_skipped"] = 1.0
-            return out
+        return clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
         self.consecutive_nan_steps = 0
         self.optimizer.step()
         self.scheduler.step()

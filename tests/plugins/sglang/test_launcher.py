@@ -40,6 +40,9 @@ def test_miles_serve_command_carries_determinism_and_key():
 
 
 def test_a_server_that_dies_at_start_is_a_clear_error(tmp_path):
-    config = _config(hf_checkpoint=str(tmp_path / "no_such_model"), rollout_num_gpus=1, rollout_num_gpus_per_engine=1)
+    # the server process needs seconds to import torch before it fails: a loaded CI machine
+    # took more than the default 5 s, which turned the exit into a start timeout
+    config = _config(hf_checkpoint=str(tmp_path / "no_such_model"), rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
+                     sglang_server_start_timeout=120.0)
     with pytest.raises(RuntimeError, match="exited with code"):
         launch_servers(config)
