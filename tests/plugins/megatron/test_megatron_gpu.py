@@ -51,17 +51,8 @@ TOL_MEAN, TOL_MAX, TOL_VS_NATIVE_BF16 = 1e-2, 5e-2, 2.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """The megatron trainer creates a one-rank NCCL group and Megatron's parallel state; leave none behind."""
-    import torch.distributed as dist
-
-    existed = dist.is_initialized()
-    yield
-    from megatron.core import parallel_state
-
-    if not existed and dist.is_initialized():
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def _one_rank_group(one_rank_group):
+    """(see conftest: no process group left behind)"""
 
 
 def build_moe_model(directory):

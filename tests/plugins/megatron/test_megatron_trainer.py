@@ -40,17 +40,8 @@ TOP_K = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """The trainer creates a one-rank group and Megatron's parallel state; leave none behind."""
-    import torch.distributed as dist
-
-    existed = dist.is_initialized()
-    yield
-    from megatron.core import parallel_state
-
-    if not existed and dist.is_initialized():
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def _one_rank_group(one_rank_group):
+    """(see conftest: no process group left behind)"""
 
 
 @pytest.fixture(scope="module")
