@@ -119,10 +119,6 @@ class MegatronTrainer(NativeTrainer):
 
         finalize_grads(self.model.gpt, self.sizes)
         return clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
-        self.consecutive_nan_steps = 0
-        self.optimizer.step()
-        self.scheduler.step()
-        return out
 
     # -- weights and state ------------------------------------------------------------
 

@@ -98,3 +98,19 @@ def quantize64(x: torch.Tensor, block_rows: int, block_cols: int = 128, power_of
     expanded = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
     q, _ = nearest_e4m3(x / expanded)
     return q, scale, expanded
+
+
+def synced_linear_pair(in_features: int = 1024, out_features: int = 2048):
+    """On the GPU: an ``Fp8Linear`` (float32 master) and the ``Fp8InferenceLinear`` holding its
+    weights as weight sync converts them (``convert_for_rollout``), and those converted tensors."""
+    from miles_fp8.linear import Fp8InferenceLinear, Fp8Linear
+    from miles_fp8.recipe import convert_for_rollout
+
+    torch.manual_seed(0)
+    train = Fp8Linear.from_linear(torch.nn.Linear(in_features, out_features).cuda(), name="t")
+    rollout = Fp8InferenceLinear.from_linear(torch.nn.Linear(in_features, out_features).cuda().bfloat16(), name="r")
+    named = dict(convert_for_rollout([("t.weight", train.weight.detach()), ("t.bias", train.bias.detach())], fp8_config()))
+    rollout.weight.copy_(named["t.weight"])
+    rollout.weight_scale_inv.copy_(named["t.weight_scale_inv"])
+    rollout.bias.copy_(named["t.bias"])
+    return train, rollout, named

@@ -171,18 +171,10 @@ def test_gpu_fused_gemm_in_a_cuda_graph():
 def test_gpu_linears_use_the_fused_kernel_and_stay_unified(m):
     """Fp8Linear (train, bf16 autocast) and Fp8InferenceLinear (rollout) agree bitwise at decode and prefill sizes."""
     from miles_fp8 import gemm
-    from miles_fp8.linear import Fp8InferenceLinear, Fp8Linear
-    from miles_fp8.recipe import convert_for_rollout
 
-    from .conftest import fp8_config
+    from .conftest import synced_linear_pair
 
-    torch.manual_seed(0)
-    train = Fp8Linear.from_linear(torch.nn.Linear(1024, 2048).cuda(), name="t")
-    rollout = Fp8InferenceLinear.from_linear(torch.nn.Linear(1024, 2048).cuda().bfloat16(), name="r")
-    named = dict(convert_for_rollout([("t.weight", train.weight.detach()), ("t.bias", train.bias.detach())], fp8_config()))
-    rollout.weight.copy_(named["t.weight"])
-    rollout.weight_scale_inv.copy_(named["t.weight_scale_inv"])
-    rollout.bias.copy_(named["t.bias"])
+    train, rollout, named = synced_linear_pair()
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     assert gemm.uses_small_m_kernel(x, rollout.weight_scale_inv, 2048) == (m <= 64)
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():

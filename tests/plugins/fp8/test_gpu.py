@@ -151,17 +151,9 @@ def test_fp8_linear_on_gpu_matches_cpu_emulation():
 
 def test_unified_layer_on_gpu_train_under_autocast_equals_rollout_bf16():
     """Per layer: Fp8Linear (fp32 master, bf16 autocast) and Fp8InferenceLinear (synced weights) agree bitwise."""
-    from miles_fp8.linear import Fp8InferenceLinear, Fp8Linear
-    from miles_fp8.recipe import convert_for_rollout
-    from .conftest import fp8_config
+    from .conftest import synced_linear_pair
 
-    torch.manual_seed(0)
-    train = Fp8Linear.from_linear(torch.nn.Linear(1024, 2048).cuda(), name="t")
-    rollout = Fp8InferenceLinear.from_linear(torch.nn.Linear(1024, 2048).cuda().bfloat16(), name="r")
-    named = dict(convert_for_rollout([("t.weight", train.weight.detach()), ("t.bias", train.bias.detach())], fp8_config()))
-    rollout.weight.copy_(named["t.weight"])
-    rollout.weight_scale_inv.copy_(named["t.weight_scale_inv"])
-    rollout.bias.copy_(named["t.bias"])
+    train, rollout, named = synced_linear_pair()
     x = torch.randn(77, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
         y_train = train(x)
