@@ -45,8 +45,6 @@ class Fsdp2Trainer(DataParallelTrainer):
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         if self.device.type == "cuda":
-            if self.device.index is None:  # rank 0 in the driver may have been given plain "cuda"
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # the mesh and FSDP's streams use the current device
         mesh = init_device_mesh(self.device.type, (world,))
         for layer in self.model.layers:

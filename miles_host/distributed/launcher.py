@@ -26,6 +26,7 @@ that other nodes reach).
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from typing import Any
 
@@ -168,12 +169,14 @@ def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None,
 def make_trainer(config: Any, manager: Any):
     """``--train-backend native_dp`` / ``fsdp``: N data-parallel trainers (``--actor-num-gpus-per-node``),
     replicated or FSDP2-sharded."""
-    from miles_host.distributed.trainer_group import TrainerGroup, group_backend, trainer_class_for
+    from miles_host.distributed.trainer_group import TrainerGroup, device_for_rank, group_backend, trainer_class_for
 
     trainer_class = trainer_class_for(config, manager)
     world, timeout_s = num_trainers(config), worker_timeout(config)
     if world == 1 and not trainer_class.collective_state_dict:
         return trainer_class(config, manager)
+    rank0_config = copy.copy(config)
+    rank0_config.device = device_for_rank(config, 0)  # "cuda" -> "cuda:0", as the other ranks get theirs
     address, port = rendezvous_address(config), free_port()
     handles = []
     try:
@@ -185,7 +188,7 @@ def make_trainer(config: Any, manager: Any):
 
         group = new_group(address, port, 0, world, group_backend(config), timeout_s,
                           as_default=trainer_class.collective_state_dict)
-        local = trainer_class(config, manager, group, 0, world)
+        local = trainer_class(rank0_config, manager, group, 0, world)
     except BaseException:
         _stop_all(handles)
         raise
@@ -222,8 +225,6 @@ def _rollout_entry(config, index, num_threads, conn):
 
 def make_rollout(config: Any, manager: Any):
     """``--rollout-backend process``: engines in their own processes behind a router."""
-    import copy
-
     from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter
 
     count, timeout_s = max(1, num_engines(config)), worker_timeout(config)

@@ -265,7 +265,7 @@ class ModelRunner:
         return sample(logits_BV, sampling, uniforms_B)
 
     @staticmethod
-    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> "Readback":
+    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> Readback:
         """Start copying a launched step's results to the host (pinned, asynchronous) and mark
         when they are there: reading them later waits for this step alone, not for the steps
         launched after it (a plain ``tolist`` would wait for the whole stream)."""
@@ -279,7 +279,7 @@ class ModelRunner:
         return Readback(host, ready, tokens_B.shape[0])
 
     @staticmethod
-    def finish_decode(readback: "Readback") -> StepResult:
+    def finish_decode(readback: Readback) -> StepResult:
         """Wait for a launched decode step's results (:meth:`start_readback`)."""
         if readback.ready is not None:
             readback.ready.synchronize()
@@ -313,13 +313,12 @@ class ModelRunner:
             [seq.params.sampling_seed for seq in chosen], [seq.sample_index for seq in chosen],
             [seq.num_output_tokens for seq in chosen],
         ))
-        if len(seeded) == len(samplers):
-            uniforms_B = values_S
-        else:
-            uniforms_B = torch.zeros(len(samplers))
-            uniforms_B[[row for row, seq in enumerate(samplers) if seq.params.sampling_seed is None]] = torch.rand(
-                len(samplers) - len(seeded))
-            uniforms_B[seeded] = values_S
+        if len(seeded) == len(samplers):  # the RL case: every sample carries a seed
+            return host_to_device(values_S, device)
+        unseeded = [row for row, seq in enumerate(samplers) if seq.params.sampling_seed is None]
+        uniforms_B = torch.empty(len(samplers))
+        uniforms_B[unseeded] = torch.rand(len(unseeded))
+        uniforms_B[seeded] = values_S
         return host_to_device(uniforms_B, device)
 
     def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
