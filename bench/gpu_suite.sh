@@ -3,7 +3,7 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_overlap grpo grpo_overlap grpo_profile quantized quantized_overlap r3 weight_sync fp8_gemm int4_gemm spec true_on_policy
+# Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 LOG="$OUT/gpu_suite.log"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests rollout rollout_overlap grpo quantized r3 weight_sync)
+[ ${#steps[@]} -eq 0 ] && steps=(tests rollout rollout_plain grpo quantized r3 weight_sync)
 run() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
@@ -40,12 +40,12 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests ;;
     rollout) run rollout 240 python3 bench/rollout.py --repeats 2 ;;
-    rollout_overlap) run rollout_overlap 200 python3 bench/rollout.py --repeats 2 --skip-hf --overlap ;;
+    rollout_plain) run rollout_plain 200 python3 bench/rollout.py --repeats 2 --skip-hf --no-overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
-    grpo_overlap) run grpo_overlap 260 python3 bench/grpo_step.py --train-compile --overlap --steps 2 ;;
+    grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
-    quantized_overlap) run quantized_overlap 300 python3 bench/quantized_decode.py --repeats 2 --overlap ;;
+    quantized_plain) run quantized_plain 300 python3 bench/quantized_decode.py --repeats 2 --no-overlap ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
@@ -59,6 +59,9 @@ for step in "${steps[@]}"; do
     int4_sweep) run int4_sweep 580 python3 bench/int4_gemm.py --sweep --repeats 10 ;;
     quickstart_gpu) run quickstart_gpu 300 python3 bench/quickstart_gpu.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
+    true_on_policy_moe) run true_on_policy_moe 300 python3 bench/true_on_policy.py --steps 2 --model moe ;;
+    true_on_policy_tests) run true_on_policy_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
+      tests/kernels tests/true_on_policy/test_gpu_exact.py ;;
     two_gpu) two_gpu ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
   esac

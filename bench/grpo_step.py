@@ -72,7 +72,7 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
-        *(["--sglang-enable-overlap-schedule"] if args.overlap else []),
+        *(["--sglang-disable-overlap-schedule"] if args.no_overlap else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -168,7 +168,7 @@ def run_isolated(system: str, args) -> dict | None:
     argv = [sys.executable, __file__, "--only", system, "--result-json", str(out), "--workdir", str(args.workdir)]
     for name in ("steps", "prompts", "samples", "new_tokens", "prompt_len", "max_tokens_per_gpu"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    argv += [flag for flag, on in (("--train-compile", args.train_compile), ("--overlap", args.overlap),
+    argv += [flag for flag, on in (("--train-compile", args.train_compile), ("--no-overlap", args.no_overlap),
                                    ("--profile", args.profile)) if on]
     returncode = subprocess.run(argv).returncode
     if returncode or not out.exists():
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
-    parser.add_argument("--overlap", action="store_true", help="miles: overlapped decode scheduling")
+    parser.add_argument("--no-overlap", action="store_true", help="miles: read each decode step before launching the next")
     parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))

@@ -452,7 +452,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mem-fraction-static", type=float, default=0.5)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--overlap", action="store_true", help="overlapped decode (host work hidden behind the GPU)")
+    parser.add_argument("--no-overlap", action="store_true", help="read each decode step before launching the next")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"batch {max(batches)} > --max-num-seqs {args.max_num_seqs}")
 
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, mem_fraction_static=args.mem_fraction_static,
-                         enable_prefix_caching=False, enforce_eager=args.enforce_eager, overlap_schedule=args.overlap)
+                         enable_prefix_caching=False, enforce_eager=args.enforce_eager, overlap_schedule=False if args.no_overlap else None)
     if device == "cpu":
         engine_kwargs["kv_cache_tokens"] = max(batches) * (args.prompt_len + args.new_tokens) + 1024
 

@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile case (a) on the host and stop")
-    parser.add_argument("--overlap", action="store_true", help="engine overlap_schedule (launch before reading)")
+    parser.add_argument("--no-overlap", action="store_true", help="engine overlap_schedule off (read each step before launching the next)")
     args = parser.parse_args()
 
     from miles_host.rollout import Engine
@@ -151,7 +151,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         hf_model = build_checkpoint(shape, dtype, device, folder)
-        engine_kwargs = dict(max_num_seqs=256, enforce_eager=args.enforce_eager, overlap_schedule=args.overlap)
+        engine_kwargs = dict(max_num_seqs=256, enforce_eager=args.enforce_eager, overlap_schedule=False if args.no_overlap else None)
         if args.tiny:
             engine_kwargs["kv_cache_tokens"] = 64 * 1024
         else:

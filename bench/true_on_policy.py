@@ -12,9 +12,9 @@ with the flag, at most 1.3x slower.
     python bench/true_on_policy.py --tiny              # CPU float32 smoke run (numbers meaningless)
     python bench/true_on_policy.py --json out.json
 
-The batch-invariant path is today the per-token plain-PyTorch construction
-(``miles_host/models/batch_invariant.py``): exact on CPU float32, far slower than
-1.3x on a GPU; the Triton kernels are the follow-up this bench is for.
+On CUDA the flag runs the batch-invariant kernels (``miles_host/models/invariant_gpu.py``);
+on CPU the per-token construction (``miles_host/models/batch_invariant.py``). On the GPU
+each mode runs in its own process (one engine's memory never shadows the other's).
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ def run_mode(model_dir: Path, data: Path, args, true_on_policy: bool) -> dict:
     }
 
 
+def run_isolated(mode: str) -> dict:
+    """This script with ``--only MODE`` in a subprocess; its result."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", mode, "--json", str(out)], check=True)
+        return json.loads(out.read_text())[mode]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU float32 smoke run with a tiny model")
@@ -130,8 +141,10 @@ def main() -> None:
             AutoModelForCausalLM.from_pretrained(model_dir).float().save_pretrained(model_dir)
     results = {}
     for mode in ("default", "true_on_policy"):
-        if args.only in (None, mode):
+        if args.only == mode or (args.only is None and args.tiny):
             results[mode] = run_mode(model_dir, data, args, mode == "true_on_policy")
+        elif args.only is None:
+            results[mode] = run_isolated(mode)
     print(f"\n{args.model} model, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens"
           f"{' (tiny, CPU)' if args.tiny else ''}")
     print(f"{'mode':<15} {'rollout tok/s':>13} {'train tok/s':>12} {'step s':>8} {'abs diff mean':>14} {'abs diff max':>13}")

@@ -76,7 +76,7 @@ class RolloutArgs:
     mask_offpolicy_in_partial_rollout: bool = flag(False, "mask tokens produced by an older policy in continued samples", group="rollout")
     custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools)", type=str, group="rollout")
     sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
-    sglang_enable_overlap_schedule: bool = flag(False, "launch decode step N+1 before step N's tokens are read (opt-in: slower than plain CUDA-graph decode on the H200 so far, bench/RESULTS.md)", group="rollout")
+    sglang_disable_overlap_schedule: bool = flag(False, "read each decode step's tokens before launching the next (SGLang's --disable-overlap-schedule; by default on CUDA step N+1 is launched before step N's tokens are read)", group="rollout")
     rollout_max_num_seqs: int | None = flag(None, "max concurrent sequences in the embedded engine", type=optional_int, group="rollout")
     rollout_return_routed_experts: bool = flag(False, "ask the engine for the MoE experts of every token (set by routing-replay plugins)", group="rollout")
     true_on_policy: bool = flag(False, "batch-invariant kernels: rollout and training logprobs bitwise equal", aliases=["--true-on-policy-mode"], group="rollout")

@@ -44,7 +44,7 @@ class EmbeddedRolloutBackend:
         device = resolve_device(config)
         engine_kwargs: dict[str, Any] = {
             "batch_invariant": bool(config.true_on_policy),
-            "overlap_schedule": bool(config.sglang_enable_overlap_schedule),
+            "overlap_schedule": False if config.sglang_disable_overlap_schedule else None,
         }
         if config.sglang_mem_fraction_static is not None:
             engine_kwargs["mem_fraction_static"] = config.sglang_mem_fraction_static

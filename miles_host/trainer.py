@@ -186,13 +186,8 @@ class NativeTrainer:
         if precision.prepare_train_model is not None:
             self.model = precision.prepare_train_model(self.model, config) or self.model
         self.convert_for_rollout = precision.convert_for_rollout
-        if config.true_on_policy and self.device.type == "cuda":
-            logger.warning(
-                "--true-on-policy on CUDA: the batch-invariant path is the per-token PyTorch reference, exact but "
-                "slow (batch-invariant GPU kernels are not written yet)"
-            )
         if config.train_compile and config.true_on_policy:
-            # compiled kernels would not compute what the engine's eager per-token path does
+            # compiled kernels would not compute what the engine's batch-invariant kernels do
             logger.warning("--train-compile is ignored with --true-on-policy (batch-invariant eager path)")
         elif config.train_compile:
             compile_decoder_layers(self.model)
@@ -344,7 +339,7 @@ class NativeTrainer:
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns ``train/*`` metrics."""
-        if self.config.true_on_policy:
+        if self.config.true_on_policy and self.device.type != "cuda":
             # the per-token graph's backward too: tiny ops, one CPU thread is faster
             from miles_host.models.batch_invariant import single_threaded
 

@@ -23,20 +23,17 @@ wherever it is computed:
 Inputs of every kernel are fresh allocations (``clone`` / ``stack`` /
 ``index_select``), so the memory alignment a kernel sees cannot differ either.
 The mode is slow (a Python loop over tokens and layers): it is the CPU float32
-construction and the plain-PyTorch reference of the GPU kernels to come.
+construction and the plain-PyTorch reference of the GPU path.
 Gradients flow through the same per-token ops (the log-prob head recomputes
 its backward with the fast chunked formula: only forward values must match).
 
-GPU (follow-up, same contract, same tests marked ``gpu``): Python loops over
-tokens cannot run a 0.6B model at speed, so each op above becomes a batch-invariant
-kernel whose per-row reduction order is fixed by the row's own data: a persistent
-Triton matmul with fixed BLOCK_K and no split-K (also the MoE grouped GEMM), one
-program per row for RMSNorm / log-softmax / temperature, attention with a fixed
-split over key blocks from position 0 (same for decode, prefill and training), and
-the per-token top-k combine in sorted expert order. Functions here stay the
-oracle. The trainer must also run the engine's dtype flow (bf16 weights and
-activations, not fp32 masters under autocast), and its backward can use the fast
-kernels (a per-layer autograd Function: invariant forward, fast-recompute VJP).
+GPU: :mod:`miles_host.models.invariant_gpu` gives the same guarantee for the
+whole batch at once with batch-invariant kernels (fixed-tile matmul without
+split-K, one program per row for norms and log-softmax, attention with key
+blocks from position 0 for decode, prefill and training alike, an ordered MoE
+combine); the trainer runs the engine's dtype flow (bf16 weights and
+activations, not fp32 masters under autocast), and backward passes use the fast
+kernels (only forward values must match).
 
 Tensor legend: T tokens, H hidden, N heads (Nq query, Nkv key/value), D head dim,
 L context length of one query, V vocabulary.
@@ -268,21 +265,35 @@ def log_softmax_row(
     return torch.log_softmax(logits_1V / float(temperature), dim=-1)
 
 
+def _cpu_rows(hidden_TH, weight_VH, target_ids_T, temperature, softcap, return_entropy):
+    num_tokens = hidden_TH.shape[0]
+    log_probs_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
+    entropy_T = hidden_TH.new_empty(num_tokens if return_entropy else 0, dtype=torch.float32)
+    targets = target_ids_T.tolist()
+    with single_threaded():
+        for t in range(num_tokens):
+            row_1V = log_softmax_row(hidden_TH[t : t + 1], weight_VH, temperature, softcap)
+            log_probs_T[t] = row_1V[0, targets[t]]
+            if return_entropy:
+                entropy_T[t] = -(row_1V.exp() * row_1V).sum()
+    return log_probs_T, entropy_T
+
+
 class _TokenLogProbs(torch.autograd.Function):
-    """Forward: :func:`log_softmax_row` per token. Backward: the fast chunked formula."""
+    """Forward: :func:`log_softmax_row` per token on CPU, the engine's invariant GPU
+    formula on CUDA (:func:`miles_host.models.invariant_gpu.row_log_probs`).
+    Backward: the fast chunked formula."""
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, target_ids_T, temperature, softcap, return_entropy):
-        num_tokens = hidden_TH.shape[0]
-        log_probs_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
-        entropy_T = hidden_TH.new_empty(num_tokens if return_entropy else 0, dtype=torch.float32)
-        targets = target_ids_T.tolist()
-        with single_threaded():
-            for t in range(num_tokens):
-                row_1V = log_softmax_row(hidden_TH[t : t + 1], weight_VH, temperature, softcap)
-                log_probs_T[t] = row_1V[0, targets[t]]
-                if return_entropy:
-                    entropy_T[t] = -(row_1V.exp() * row_1V).sum()
+        if hidden_TH.is_cuda:  # the engine's GPU formula (models.invariant_gpu)
+            from miles_host.models.invariant_gpu import row_log_probs
+
+            log_probs_T, entropy_T = row_log_probs(
+                hidden_TH, weight_VH, target_ids_T, temperature, softcap, return_entropy
+            )
+        else:
+            log_probs_T, entropy_T = _cpu_rows(hidden_TH, weight_VH, target_ids_T, temperature, softcap, return_entropy)
         ctx.save_for_backward(hidden_TH, weight_VH, target_ids_T)
         ctx.settings = (temperature, softcap, return_entropy)
         return log_probs_T, entropy_T

@@ -13,6 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
+def compute_logits(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
+    """``[T, V]`` logits in the hidden states' dtype, final soft-capping applied in that dtype
+    (what the engine samples from)."""
+    logits_TV = F.linear(hidden_TH, weight_VH)
+    if logit_softcap is not None:
+        logits_TV = torch.tanh(logits_TV / logit_softcap) * logit_softcap
+    return logits_TV
+
+
 def _chunk_logits(hidden_CH, weight_VH, temperature, softcap):
     """Float32 logits of one chunk, as ``compute_logits`` + temperature would give."""
     logits_CV = F.linear(hidden_CH, weight_VH).float()

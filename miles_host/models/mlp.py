@@ -123,8 +123,11 @@ def routed_forward(
     expert's tokens, and combine with the gate weights. Precision plugins reuse it
     with their own per-expert MLP (FP8, INT4), so the routing stays one code path."""
     num_tokens, top_k = ids_TK.shape
+    ordered = _invariant_active()
     if x_TH.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp)
+        return _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp, ordered)
+    if ordered:
+        return _ordered_combine(x_TH, ids_TK, weights_TK, num_experts, expert_mlp)
     flat_ids = ids_TK.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
@@ -144,16 +147,60 @@ def routed_forward(
     return y_TH.to(x_TH.dtype)
 
 
-def _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp) -> torch.Tensor:
+def _dense_over_experts(x_TH, ids_TK, weights_TK, num_experts, expert_mlp, ordered=False) -> torch.Tensor:
     """The CUDA-graph form of :func:`routed_forward` (no host sync, static shapes): every
     expert runs on every token and its output is weighted by the token's gate weight
     for it (zero when not chosen). Each expert's weights are read once, as a decode
-    step reads them anyway; the extra FLOPs are cheap at decode batch sizes."""
+    step reads them anyway; the extra FLOPs are cheap at decode batch sizes.
+    ``ordered``: the products of :func:`_ordered_combine` (a token's unchosen experts
+    add exact zeros, so both forms give the same bits)."""
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
     for expert in range(num_experts):
         gate_T = (weights_TK * (ids_TK == expert)).sum(dim=-1)
-        y_TH += (expert_mlp(x_TH, expert) * gate_T[:, None].to(x_TH.dtype)).float()
+        if ordered:
+            y_TH += expert_mlp(x_TH, expert).float() * gate_T[:, None].float()
+        else:
+            y_TH += (expert_mlp(x_TH, expert) * gate_T[:, None].to(x_TH.dtype)).float()
     return y_TH.to(x_TH.dtype)
+
+
+def _ordered_combine(x_TH, ids_TK, weights_TK, num_experts, expert_mlp) -> torch.Tensor:
+    """Batch-invariant :func:`routed_forward`: each token's expert outputs times their gate
+    weights (float32 products) summed in float32 in ascending expert order, one expert
+    at a time (a token appears at most once per expert, so no two adds race)."""
+    top_k = ids_TK.shape[1]
+    flat_ids = ids_TK.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    x_sorted = x_TH[token_of]
+    w_sorted = weights_TK.reshape(-1)[order].float()
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        y_TH.index_add_(0, token_of[rows], expert_mlp(x_sorted[rows], expert).float() * w_sorted[rows, None])
+        start += count
+    return y_TH.to(x_TH.dtype)
+
+
+def _invariant_active() -> bool:
+    """Whether the batch-invariant kernels are on (``--true-on-policy`` on CUDA)."""
+    from miles_host.kernels.invariant_ops import is_active
+
+    return is_active()
+
+
+def _row_sum(x_TK: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, keepdim=True)``; column by column in order in batch-invariant mode."""
+    if not _invariant_active():
+        return x_TK.sum(dim=-1, keepdim=True)
+    total = x_TK[:, :1]
+    for k in range(1, x_TK.shape[1]):
+        total = total + x_TK[:, k : k + 1]
+    return total
 
 
 class MoE(torch.nn.Module):
@@ -186,7 +233,7 @@ class MoE(torch.nn.Module):
         )
         weights_TK = scores_TE.gather(1, ids_TK)
         if self.moe.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + self.moe.norm_eps)
+            weights_TK = weights_TK / (_row_sum(weights_TK) + self.moe.norm_eps)
         if self.moe.routed_scaling_factor != 1.0:
             weights_TK = weights_TK * self.moe.routed_scaling_factor
         if not self.moe.router_fp32:

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from miles_host.models import batch_invariant
+from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
-from miles_host.models.logprobs import chunked_log_probs
+from miles_host.models.logprobs import chunked_log_probs, compute_logits
 from miles_host.models.mlp import MoE, GatedMLP
 from miles_host.models.norm import RMSNorm
 from miles_host.models.rope import RotaryEmbedding
@@ -157,9 +157,12 @@ class CausalLM(torch.nn.Module):
     def forward_hidden(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of the flattened batch.
 
-        ``ctx.batch_invariant``: one token at a time (:mod:`miles_host.models.batch_invariant`).
+        ``ctx.batch_invariant``: on CPU one token at a time (:mod:`miles_host.models.batch_invariant`),
+        on CUDA the whole batch with batch-invariant kernels (:mod:`miles_host.models.invariant_gpu`).
         """
         if ctx.batch_invariant:
+            if input_ids_T.is_cuda:
+                return invariant_gpu.forward_hidden(self, input_ids_T, positions_T, ctx)
             return batch_invariant.forward_hidden(self, input_ids_T, positions_T, ctx)
         x_TH = self.embed(input_ids_T)
         tables = self._rope_tables(positions_T, x_TH.dtype)
@@ -185,11 +188,7 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """``[T, V]`` logits in the model dtype (final soft-capping applied)."""
-        logits_TV = F.linear(hidden_TH, self.lm_head_weight)
-        cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits_TV = torch.tanh(logits_TV / cap) * cap
-        return logits_TV
+        return compute_logits(hidden_TH, self.lm_head_weight, self.config.final_logit_softcap)
 
     def packed_log_probs(
         self,

@@ -105,7 +105,9 @@ def _flash_attn_varlen():
 class PagedAttention:
     """The :class:`~miles_host.models.context.AttentionContext` of one engine step.
 
-    ``backend``: ``"torch"`` (reference), ``"triton"`` or ``"flash_attn"``.
+    ``backend``: ``"torch"`` (reference), ``"triton"``, ``"flash_attn"``, or
+    ``"triton_invariant"`` (the Triton kernel with one tile shape for every step:
+    batch-invariant, ``--true-on-policy`` on CUDA).
     """
 
     def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata, backend: str = "torch"):
@@ -132,12 +134,13 @@ class PagedAttention:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
-        if self.backend == "triton":
+        if self.backend in ("triton", "triton_invariant"):
             from miles_host.rollout.triton_attention import paged_attention_triton
 
             return paged_attention_triton(
                 q_THD, k_cache, v_cache, meta,
                 scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                invariant=self.backend == "triton_invariant",
             )
         if self.backend == "flash_attn":
             flash_attn_varlen_func = _flash_attn_varlen()

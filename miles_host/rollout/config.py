@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("torch", "triton", "flash_attn", "triton_invariant")
 
 
 @dataclass
@@ -20,12 +20,14 @@ class EngineConfig:
     optionally capped by ``max_kv_cache_tokens``). ``max_num_seqs``: sequences per
     step. ``max_num_batched_tokens``: prefill tokens per step (one longer prompt
     still runs alone). ``batch_invariant``: results of a request independent of
-    the batch (each sequence is forwarded and sampled alone; no cross-request
-    prefix cache; no CUDA graphs). ``enforce_eager``: no CUDA graphs.
+    the batch (on CPU each sequence is forwarded and sampled alone, token by token;
+    on CUDA batches run batch-invariant kernels with the ``triton_invariant``
+    attention backend; no cross-request prefix cache). ``enforce_eager``: no CUDA graphs.
     ``fused_kernels``: the Triton norm/rotary/activation kernels of
     :mod:`miles_host.kernels` in every forward (default: on CUDA with triton,
     off in batch-invariant mode). ``overlap_schedule``: launch each plain decode step
-    before reading the previous one's tokens (:mod:`miles_host.rollout.overlap`).
+    before reading the previous one's tokens (:mod:`miles_host.rollout.overlap`;
+    default: on CUDA, as SGLang's overlap scheduler).
     """
 
     device: torch.device
@@ -43,7 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "torch"
     fused_kernels: bool | None = None
-    overlap_schedule: bool = False
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static < 1:
@@ -57,10 +59,17 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend != "torch" and self.device.type != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs a CUDA device; use 'torch' on CPU")
+        if self.batch_invariant and self.device.type == "cuda" and self.attention_backend != "triton_invariant":
+            raise ValueError(
+                f"batch_invariant on CUDA needs attention_backend='triton_invariant' (got {self.attention_backend!r}): "
+                "the other kernels pick their reduction order from the batch; leave attention_backend unset"
+            )
         if self.attention_backend == "flash_attn" and self.block_size % 256:
             raise ValueError("flash-attn's paged kernel needs block_size to be a multiple of 256")
         from miles_host.kernels import fused_kernels_usable
 
+        if self.overlap_schedule is None:
+            self.overlap_schedule = self.device.type == "cuda"
         if self.fused_kernels is None:
             self.fused_kernels = fused_kernels_usable(self.device) and not self.batch_invariant
         elif self.fused_kernels and not fused_kernels_usable(self.device):
@@ -68,7 +77,7 @@ class EngineConfig:
 
     @property
     def use_cuda_graph(self) -> bool:
-        return self.device.type == "cuda" and not self.enforce_eager and not self.batch_invariant
+        return self.device.type == "cuda" and not self.enforce_eager
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -118,6 +127,8 @@ def resolve_config(
     if max_model_len is None:
         max_model_len = int(hf.get("max_position_embeddings") or 4096)
     kv_cache_dtype = kv_cache_dtype or parameter.dtype
+    if attention_backend is None and rest.get("batch_invariant") and device.type == "cuda":
+        attention_backend = "triton_invariant"
     backend = attention_backend or default_attention_backend(device, kv_cache_dtype)
     if block_size is None:
         block_size = 256 if backend == "flash_attn" else 16

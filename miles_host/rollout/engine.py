@@ -332,7 +332,7 @@ class Engine(MemoryOccupation):
         """Whether ``batch`` is a plain decode step that may run overlapped."""
         return (
             self.config.overlap_schedule and not batch.is_prefill and not batch.failed and bool(batch.sequences)
-            and self.strategy is None and not self.config.batch_invariant
+            and self.strategy is None and not self.runner.token_by_token
             and not any(s.want_routed_experts for s in batch.sequences)
         )
 

@@ -1,8 +1,10 @@
 """Runs one scheduled batch through the model: inputs, forward, logits, sampling.
 
-Decode batches on CUDA replay the CUDA graphs of :mod:`.cuda_graphs`. In batch-invariant mode every
-sequence is forwarded and sampled on its own, so nothing about a request's
-numerics depends on its neighbours.
+Decode batches on CUDA replay the CUDA graphs of :mod:`.cuda_graphs`. In batch-invariant mode
+nothing about a request's numerics depends on its neighbours: on CPU every sequence is
+forwarded and sampled on its own, token by token (:mod:`miles_host.models.batch_invariant`);
+on CUDA batches run batch-invariant kernels (:mod:`miles_host.models.invariant_gpu`), graphs
+included, and each sampled token's logprob is computed by the trainer's formula.
 
 Tensor legend: T = tokens of the step, B = sequences, M = blocks per sequence,
 V = vocabulary, L = MoE layers, K = experts per token.
@@ -91,11 +93,11 @@ def paged_metadata(
         cu_seqlens_q_host=cu_seqlens,
         context_lens_host=context_lens,
     )
-    if attention_backend == "triton":
+    if attention_backend in ("triton", "triton_invariant"):
         from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
 
-        heads = head_counts()
-        meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, tokens_per_tile(*heads, is_decode), device)
+        per_tile = tokens_per_tile(*head_counts(), is_decode, invariant=attention_backend == "triton_invariant")
+        meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, per_tile, device)
     return to_dev(positions, torch.long), meta
 
 
@@ -121,6 +123,8 @@ class ModelRunner:
         self.device = device
         self.attention_backend = attention_backend
         self.batch_invariant = batch_invariant
+        #: the CPU construction: one sequence, one token at a time
+        self.token_by_token = batch_invariant and device.type != "cuda"
         self.fused_kernels = fused_kernels and not batch_invariant
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
@@ -170,7 +174,7 @@ class ModelRunner:
         the hidden states of every forwarded token ``[T, hidden]`` and, when routes are
         captured, their expert ids ``[T, moe_layers, K]`` int32 on the device."""
         capture = bool(routing.extra.get("capture"))
-        if is_decode and self.graphs is not None and not self.batch_invariant:
+        if is_decode and self.graphs is not None and not self.token_by_token:
             if self.graphs.padded_size(len(seqs)) is not None:
                 hidden_BH, routes_TLK = self.graphs.replay(seqs, capture_routes=capture, ids_override=ids_override)
                 return hidden_BH, list(range(len(seqs) + 1)), hidden_BH, routes_TLK
@@ -179,11 +183,14 @@ class ModelRunner:
             input_ids.index_copy_(0, *ids_override)
         if not is_decode:
             self.prefill_forwards += 1
-        if self.batch_invariant:
+        if self.token_by_token:
             hidden_TH = self._invariant_forward(seqs, num_new, input_ids, positions, routing)
         else:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
-            context = ForwardContext(attention=attention, routing=routing, fused_kernels=self.fused_kernels)
+            context = ForwardContext(
+                attention=attention, routing=routing, fused_kernels=self.fused_kernels,
+                batch_invariant=self.batch_invariant,
+            )
             hidden_TH = self.model.forward_hidden(input_ids, positions, context)
         routes_TLK = stack_routes(routing.captured) if capture else None
         if is_decode:
@@ -206,7 +213,7 @@ class ModelRunner:
             self.kv_cache.copy_blocks(batch.pending_copies)
         seqs = batch.sequences
         num_new = [len(s) - s.num_cached_tokens for s in seqs] if batch.is_prefill else [1] * len(seqs)
-        groups = [[i] for i in range(len(seqs))] if self.batch_invariant else [list(range(len(seqs)))]
+        groups = [[i] for i in range(len(seqs))] if self.token_by_token else [list(range(len(seqs)))]
         tokens: list[int] = [0] * len(batch.samplers)
         logprobs: list[float] = [0.0] * len(batch.samplers)
         routes: list[tuple[list[int], list[int], torch.Tensor]] = []
@@ -222,10 +229,10 @@ class ModelRunner:
             if routes_TLK is not None:
                 # copied while the step's sampling runs; read after the step's one sync
                 routes.append((group, cu_seqlens, self._routes_to_host(routes_TLK)))
-            logits_BV = self.model.compute_logits(hidden_BH)
+            logits_BV = self._logits(hidden_BH)
             first = group[0]
             rows = [r for r, source in enumerate(batch.sample_from) if first <= source <= group[-1]]
-            sub_groups = [[r] for r in rows] if self.batch_invariant else [rows]
+            sub_groups = [[r] for r in rows] if self.token_by_token else [rows]
             for sub in sub_groups:
                 if not sub:
                     continue
@@ -241,7 +248,7 @@ class ModelRunner:
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
                     logprobs[r] = lp
-                if self.batch_invariant:
+                if self.token_by_token:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
         return StepResult(tokens, logprobs), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
 
@@ -256,13 +263,27 @@ class ModelRunner:
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
         hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
-        return self._sample(self.model.compute_logits(hidden_BH), seqs)
+        return self._sample(self._logits(hidden_BH), seqs)
 
     def _sample(self, logits_BV: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its logprob (device tensors), sampled with its sequence's settings."""
         sampling = self._sampling_batch(samplers, logits_BV.device)
         uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
-        return sample(logits_BV, sampling, uniforms_B)
+        token_B, logprob_B = sample(logits_BV, sampling, uniforms_B)
+        if self.batch_invariant and not self.token_by_token:
+            from miles_host.models.invariant_gpu import sampled_log_probs
+
+            logprob_B = sampled_log_probs(logits_BV, token_B, [seq.params.temperature for seq in samplers])
+        return token_B, logprob_B
+
+    def _logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
+        """The logits sampled from (on CUDA in batch-invariant mode: by the invariant kernels)."""
+        if not self.batch_invariant or self.token_by_token:
+            return self.model.compute_logits(hidden_BH)
+        from miles_host.kernels.invariant_ops import batch_invariant_aten
+
+        with batch_invariant_aten():
+            return self.model.compute_logits(hidden_BH)
 
     @staticmethod
     def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> Readback:

@@ -118,10 +118,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def tokens_per_tile(num_q_heads: int, num_kv_heads: int, is_decode: bool) -> int:
-    """Query tokens one program covers (rows = tokens x padded group size)."""
+def tokens_per_tile(num_q_heads: int, num_kv_heads: int, is_decode: bool, invariant: bool = False) -> int:
+    """Query tokens one program covers (rows = tokens x padded group size). ``invariant``:
+    the prefill tile for decode too, so a token's rows see the same kernel either way."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
-    rows = DECODE_ROWS if is_decode else PREFILL_ROWS
+    rows = DECODE_ROWS if is_decode and not invariant else PREFILL_ROWS
     return max(1, rows // group_pad)
 
 
@@ -147,21 +148,29 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`~miles_host.rollout.attention.paged_attention_reference`.
 
     ``meta.tile_seq``/``meta.tile_q_start`` must come from :func:`build_tiles` with
     :func:`tokens_per_tile` tokens per tile (the model runner builds them).
+
+    ``invariant`` (``--true-on-policy``): one tile shape (``PREFILL_ROWS`` rows x
+    ``KEYS_PER_ITERATION`` keys, 4 warps) whatever the step or page size, so a query's
+    result depends only on its own context: its key blocks start at position 0 (or
+    at a multiple of the block below its window), blocks past its own position add
+    exact zeros, and keys are never split across programs.
     """
     num_tokens, num_q_heads, head_dim = q_THD.shape
     _, page, num_kv_heads, _ = k_cache_NSHD.shape
     head_dim_v = v_cache_NSHD.shape[-1]
     group = num_q_heads // num_kv_heads
-    block_m = tokens_per_tile(num_q_heads, num_kv_heads, meta.is_decode)
+    block_m = tokens_per_tile(num_q_heads, num_kv_heads, meta.is_decode, invariant)
     out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=q_THD.dtype, device=q_THD.device)
     q_THD = q_THD.contiguous()
     grid = (meta.tile_seq.shape[0], num_kv_heads)
-    block_n = max(KEYS_PER_ITERATION, page)  # a whole number of pages (powers of two)
+    # a whole number of pages (powers of two); fixed in invariant mode (any page size works)
+    block_n = KEYS_PER_ITERATION if invariant else max(KEYS_PER_ITERATION, page)
     _paged_attention_kernel[grid](
         q_THD, k_cache_NSHD, v_cache_NSHD, out,
         meta.block_tables_BM, meta.context_lens_B, meta.cu_seqlens_q, meta.tile_seq, meta.tile_q_start,

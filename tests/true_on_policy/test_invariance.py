@@ -14,11 +14,13 @@ from tests.true_on_policy.conftest import QUICKSTART_MODEL, native_model
 
 
 def packed(model, sequences, *, invariant=True, temperature=1.0, grad=False, entropy=False):
-    """Per-sequence next-token log-probs ``[len - 1]`` of the sequences packed in one forward."""
-    ids = torch.tensor([t for s in sequences for t in s])
-    positions = torch.cat([torch.arange(len(s)) for s in sequences])
-    cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
-    targets = torch.cat([torch.tensor(s[1:] + [0]) for s in sequences])
+    """Per-sequence next-token log-probs ``[len - 1]`` of the sequences packed in one forward
+    (on the model's device)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([t for s in sequences for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s)) for s in sequences]).to(device)
+    cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32).to(device)
+    targets = torch.cat([torch.tensor(s[1:] + [0]) for s in sequences]).to(device)
     ctx = ForwardContext(attention=PackedAttention(cu), batch_invariant=invariant)
     with torch.set_grad_enabled(grad):
         log_probs, ent = model.packed_log_probs(
@@ -29,11 +31,11 @@ def packed(model, sequences, *, invariant=True, temperature=1.0, grad=False, ent
     return (out, log_probs, ent) if grad else out
 
 
-def engine_results(model_or_path, prompts, params, **kwargs):
+def engine_results(model_or_path, prompts, params, dtype=torch.float32, device="cpu", **kwargs):
     if isinstance(model_or_path, torch.nn.Module):
         engine = Engine(model_or_path, batch_invariant=True, **kwargs)
     else:
-        engine = Engine.from_pretrained(str(model_or_path), dtype=torch.float32, device="cpu", batch_invariant=True, **kwargs)
+        engine = Engine.from_pretrained(str(model_or_path), dtype=dtype, device=device, batch_invariant=True, **kwargs)
     results = engine.generate(prompts, params)
     return [(r["output_ids"], [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]) for r in results]
 
@@ -140,24 +142,3 @@ def test_gradients_match_the_fast_path():
     assert grads[0].keys() == grads[1].keys()
     for key in grads[0]:
         torch.testing.assert_close(grads[0][key], grads[1][key], rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_engine_equals_trainer_forward():
-    """GPU follow-up target: bf16 engine vs the trainer's bf16 forward, bitwise (per-token reference path)."""
-    path = str(QUICKSTART_MODEL)
-    engine = Engine.from_pretrained(path, dtype=torch.bfloat16, device="cuda", batch_invariant=True)
-    results = engine.generate(PROMPTS, {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 2})
-    model = load_pretrained(path, dtype=torch.bfloat16, device="cuda")
-    sequences = [p + r["output_ids"] for p, r in zip(PROMPTS, results)]
-    ids = torch.tensor([t for s in sequences for t in s], device="cuda")
-    positions = torch.cat([torch.arange(len(s)) for s in sequences]).cuda()
-    cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32).cuda()
-    targets = torch.cat([torch.tensor(s[1:] + [0]) for s in sequences]).cuda()
-    with torch.no_grad():
-        log_probs, _ = model.packed_log_probs(
-            ids, positions, cu, targets, ctx=ForwardContext(PackedAttention(cu), batch_invariant=True)
-        )
-    for part, prompt, r in zip(torch.split(log_probs, [len(s) for s in sequences]), PROMPTS, results):
-        assert part[len(prompt) - 1 : -1].tolist() == [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]
