@@ -4,7 +4,9 @@ Each kernel has a plain-PyTorch reference that runs anywhere and is the
 oracle of its GPU test (``tests/models/test_fused_kernels.py``). The fused
 kernels reproduce the eager modules' bf16 rounding steps, so they differ
 from the eager forward only in the order of the RMS reduction.
-They carry no autograd: the trainer keeps the eager (or compiled) modules.
+In a graph that needs gradients their backward is the reference's
+(:mod:`~miles_host.kernels.eager_backward`): the batch-invariant trainer runs them;
+the default trainer keeps the eager (or compiled) modules.
 :mod:`~miles_host.kernels.split_k` plans and reduces the split-K launches of the
 quantization plugins' small-M (decode) GEMMs.
 """

@@ -16,9 +16,11 @@ def silu_and_mul_reference(gate_up_T2I: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up_T2I: torch.Tensor) -> torch.Tensor:
-    """Fused on CUDA for a 2-D row-contiguous input; the reference otherwise."""
+    """Fused on CUDA for a 2-D row-contiguous input; the reference otherwise.
+    Differentiable (the reference's gradient, :mod:`~miles_host.kernels.eager_backward`)."""
     if not gate_up_T2I.is_cuda or gate_up_T2I.dim() != 2 or gate_up_T2I.stride(-1) != 1:
         return silu_and_mul_reference(gate_up_T2I)
     from miles_host.kernels import _activation_triton
+    from miles_host.kernels.eager_backward import fused_with_eager_backward
 
-    return _activation_triton.silu_and_mul(gate_up_T2I)
+    return fused_with_eager_backward(_activation_triton.silu_and_mul, silu_and_mul_reference, gate_up_T2I)

@@ -27,9 +27,22 @@ def rmsnorm_reference(
 def rmsnorm(
     x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float, unit_offset: bool, residual_TH: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused on CUDA when the weight has the activation dtype; the reference otherwise."""
+    """Fused on CUDA when the weight has the activation dtype; the reference otherwise.
+    Differentiable (the reference's gradient, :mod:`~miles_host.kernels.eager_backward`)."""
     if not x_TH.is_cuda or weight_H.dtype != x_TH.dtype or x_TH.stride(-1) != 1 or x_TH.dim() != 2:
         return rmsnorm_reference(x_TH, weight_H, eps, unit_offset, residual_TH)
+    from miles_host.kernels.eager_backward import fused_with_eager_backward
+
+    return fused_with_eager_backward(
+        _fused, _reference, x_TH, weight_H, residual_TH, eps=eps, unit_offset=unit_offset
+    )
+
+
+def _fused(x_TH, weight_H, residual_TH, *, eps, unit_offset):
     from miles_host.kernels import _rmsnorm_triton
 
     return _rmsnorm_triton.rmsnorm(x_TH, weight_H, eps, unit_offset, residual_TH)
+
+
+def _reference(x_TH, weight_H, residual_TH, *, eps, unit_offset):
+    return rmsnorm_reference(x_TH, weight_H, eps, unit_offset, residual_TH)

@@ -35,16 +35,32 @@ def qk_norm_rope(
     q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR, sin_TR, *,
     q_weight=None, k_weight=None, eps=1e-6, unit_offset=False, interleaved=False,
 ):
-    """Fused on CUDA (weights, tables and activations of one dtype); the reference otherwise."""
+    """Fused on CUDA (weights, tables and activations of one dtype); the reference otherwise.
+    Differentiable (the reference's gradient, :mod:`~miles_host.kernels.eager_backward`)."""
     dtypes_match = all(t is None or t.dtype == q_TC.dtype for t in (k_TC, cos_TR, sin_TR, q_weight, k_weight))
     if not q_TC.is_cuda or not dtypes_match or q_TC.stride(-1) != 1 or k_TC.stride(-1) != 1:
         return qk_norm_rope_reference(
             q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR, sin_TR,
             q_weight=q_weight, k_weight=k_weight, eps=eps, unit_offset=unit_offset, interleaved=interleaved,
         )
+    from miles_host.kernels.eager_backward import fused_with_eager_backward
+
+    return fused_with_eager_backward(
+        _fused, _reference, q_TC, k_TC, cos_TR.contiguous(), sin_TR.contiguous(), q_weight, k_weight,
+        heads=(num_q_heads, num_kv_heads, head_dim), eps=eps, unit_offset=unit_offset, interleaved=interleaved,
+    )
+
+
+def _fused(q_TC, k_TC, cos_TR, sin_TR, q_weight, k_weight, *, heads, eps, unit_offset, interleaved):
     from miles_host.kernels import _rotary_triton
 
     return _rotary_triton.qk_norm_rope(
-        q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR.contiguous(), sin_TR.contiguous(),
-        q_weight, k_weight, eps, unit_offset, interleaved,
+        q_TC, k_TC, *heads, cos_TR, sin_TR, q_weight, k_weight, eps, unit_offset, interleaved
+    )
+
+
+def _reference(q_TC, k_TC, cos_TR, sin_TR, q_weight, k_weight, *, heads, eps, unit_offset, interleaved):
+    return qk_norm_rope_reference(
+        q_TC, k_TC, *heads, cos_TR, sin_TR,
+        q_weight=q_weight, k_weight=k_weight, eps=eps, unit_offset=unit_offset, interleaved=interleaved,
     )

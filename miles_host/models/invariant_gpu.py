@@ -23,6 +23,10 @@ vs training):
   (:func:`~miles_host.kernels.invariant_reduce.invariant_log_probs`), for the
   engine's sampled tokens and for the trainer's targets.
 
+- the fused norm / q-k-norm + rotary / SiLU-mul kernels (one program per row, launch
+  shape from the row length) on both sides: the trainer's forward runs them too, with
+  the eager modules' gradient (:mod:`miles_host.kernels.eager_backward`).
+
 Elementwise ops are per-element and therefore invariant already. Only forward
 values must match the engine: backward passes use the fast kernels (attention
 recomputed by :class:`~miles_host.models.attention.PackedAttention`, the log-prob
@@ -47,10 +51,12 @@ INVARIANT_ATTENTION_BACKEND = "triton_invariant"
 
 def forward_hidden(model, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     """``CausalLM.forward_hidden`` of the whole batch with batch-invariant kernels."""
+    from miles_host.kernels import fused_kernels_usable
     from miles_host.kernels.invariant_ops import batch_invariant_aten
 
     inner = dataclasses.replace(
-        ctx, attention=invariant_attention(ctx.attention), batch_invariant=False, fused_kernels=False
+        ctx, attention=invariant_attention(ctx.attention), batch_invariant=False,
+        fused_kernels=fused_kernels_usable(input_ids_T.device),
     )
     with batch_invariant_aten():
         return model.forward_hidden(input_ids_T, positions_T, inner)

@@ -24,8 +24,8 @@ class EngineConfig:
     on CUDA batches run batch-invariant kernels with the ``triton_invariant``
     attention backend; no cross-request prefix cache). ``enforce_eager``: no CUDA graphs.
     ``fused_kernels``: the Triton norm/rotary/activation kernels of
-    :mod:`miles_host.kernels` in every forward (default: on CUDA with triton,
-    off in batch-invariant mode). ``overlap_schedule``: launch each plain decode step
+    :mod:`miles_host.kernels` in every forward (default: on CUDA with triton; the
+    batch-invariant forward always uses them where usable, trainer included). ``overlap_schedule``: launch each plain decode step
     before reading the previous one's tokens (:mod:`miles_host.rollout.overlap`;
     default: on CUDA, as SGLang's overlap scheduler).
     """
@@ -71,7 +71,7 @@ class EngineConfig:
         if self.overlap_schedule is None:
             self.overlap_schedule = self.device.type == "cuda"
         if self.fused_kernels is None:
-            self.fused_kernels = fused_kernels_usable(self.device) and not self.batch_invariant
+            self.fused_kernels = fused_kernels_usable(self.device)
         elif self.fused_kernels and not fused_kernels_usable(self.device):
             raise ValueError("fused_kernels=True needs a CUDA device and triton; leave it unset to choose automatically")
 

@@ -125,7 +125,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         #: the CPU construction: one sequence, one token at a time
         self.token_by_token = batch_invariant and device.type != "cuda"
-        self.fused_kernels = fused_kernels and not batch_invariant
+        self.fused_kernels = fused_kernels and not self.token_by_token
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         #: the captured decode graphs (None: decode runs eagerly)

@@ -120,9 +120,10 @@ def _next_pow2(x: int) -> int:
 
 def tokens_per_tile(num_q_heads: int, num_kv_heads: int, is_decode: bool, invariant: bool = False) -> int:
     """Query tokens one program covers (rows = tokens x padded group size). ``invariant``:
-    the prefill tile for decode too, so a token's rows see the same kernel either way."""
+    the decode tile for prefill and training too, so a token's rows see the same kernel
+    whatever the step (the decode tile: decode is where rollout time goes)."""
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
-    rows = DECODE_ROWS if is_decode and not invariant else PREFILL_ROWS
+    rows = DECODE_ROWS if is_decode or invariant else PREFILL_ROWS
     return max(1, rows // group_pad)
 
 
@@ -155,7 +156,7 @@ def paged_attention_triton(
     ``meta.tile_seq``/``meta.tile_q_start`` must come from :func:`build_tiles` with
     :func:`tokens_per_tile` tokens per tile (the model runner builds them).
 
-    ``invariant`` (``--true-on-policy``): one tile shape (``PREFILL_ROWS`` rows x
+    ``invariant`` (``--true-on-policy``): one tile shape (``DECODE_ROWS`` rows x
     ``KEYS_PER_ITERATION`` keys, 4 warps) whatever the step or page size, so a query's
     result depends only on its own context: its key blocks start at position 0 (or
     at a multiple of the block below its window), blocks past its own position add
