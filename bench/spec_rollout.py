@@ -8,12 +8,19 @@ head for ``--train-steps`` steps on the policy's own outputs (the online MTP
 loss of miles-spec); (3) speculative rollout at equal sampling settings ->
 tok/s, acceptance rate and mean accepted length. A random policy is peaky
 (weights scaled) so its outputs are learnable, like a trained model's.
+
+Both rollouts use the same prompts, seed and sampling settings. On the GPU plain
+decode and the speculative steps run in CUDA graphs (``--spec-eager``: the
+speculative steps eagerly, the reference path). One JSON object on stdout; the
+phases' times on stderr as they end.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import tempfile
 import time
 
@@ -43,6 +50,13 @@ def build_policy(tiny: bool, directory: str, device: str, dtype: torch.dtype):
     return lambda: load_pretrained(directory, dtype=dtype, device=device)
 
 
+def phase(name: str, start: float) -> float:
+    """Log a phase's time on stderr; return now."""
+    now = time.perf_counter()
+    print(f"[spec_rollout] {name}: {now - start:.1f} s", file=sys.stderr, flush=True)
+    return now
+
+
 def rollout(engine, prompts, params) -> tuple[float, list[dict]]:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -54,12 +68,9 @@ def rollout(engine, prompts, params) -> tuple[float, list[dict]]:
 
 
 def train_draft(load, engine, prompts, outputs, steps: int, lr: float) -> list[float]:
-    from miles_host.models import PackedAttention
-    from miles_host.models.context import ForwardContext
+    """Train a fresh MTP head (on a float32 copy of the policy) on the rollouts; sync it to ``engine``."""
     from miles_host.sample import Sample
-    from miles_host.trainer import PackedBatch
     from miles_spec.draft import attach_mtp
-    from miles_spec.training import mtp_loss
 
     trainer_model = load().float()
     attach_mtp(trainer_model)
@@ -67,23 +78,35 @@ def train_draft(load, engine, prompts, outputs, steps: int, lr: float) -> list[f
     optimizer = torch.optim.AdamW(trainer_model.mtp.parameters(), lr=lr)
     samples = [Sample(prompt="", tokens=p + o["output_ids"], response_length=len(o["output_ids"]),
                       loss_mask=[1] * len(o["output_ids"])) for p, o in zip(prompts, outputs)]
-    config = argparse.Namespace(mtp_loss_scaling_factor=1.0)
-    losses = []
-    device = next(trainer_model.parameters()).device
-    for step in range(steps):
-        chunk = samples[(step * 16) % len(samples):][:16] or samples[:16]
-        batch = PackedBatch.from_samples(chunk, device)
-        batch.model_config = trainer_model.config
-        with torch.no_grad():
-            hidden = trainer_model.forward_hidden(batch.input_ids_T, batch.positions_T,
-                                                  ForwardContext(attention=PackedAttention(batch.cu_seqlens)))
-        loss, metrics = mtp_loss({"batch": batch, "model": trainer_model, "hidden": hidden}, None, config)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(metrics["loss"])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # the float32 trainer's GEMMs (draft training only)
+    try:
+        losses = [_train_step(trainer_model, optimizer, samples[(step * 16) % len(samples):][:16] or samples[:16])
+                  for step in range(steps)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     engine.update_weights([(k, v) for k, v in trainer_model.state_dict().items() if k.startswith("mtp.")])
     return losses
+
+
+def _train_step(trainer_model, optimizer, chunk) -> float:
+    """One MTP-loss step on ``chunk`` (the policy's hidden states without gradients)."""
+    from miles_host.models import PackedAttention
+    from miles_host.models.context import ForwardContext
+    from miles_host.trainer import PackedBatch
+    from miles_spec.training import mtp_loss
+
+    batch = PackedBatch.from_samples(chunk, next(trainer_model.parameters()).device)
+    batch.model_config = trainer_model.config
+    with torch.no_grad():
+        hidden = trainer_model.forward_hidden(batch.input_ids_T, batch.positions_T,
+                                              ForwardContext(attention=PackedAttention(batch.cu_seqlens)))
+    config = argparse.Namespace(mtp_loss_scaling_factor=1.0)
+    loss, metrics = mtp_loss({"batch": batch, "model": trainer_model, "hidden": hidden}, None, config)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return metrics["loss"]
 
 
 def engine_memory(device: str) -> dict:
@@ -93,7 +116,7 @@ def engine_memory(device: str) -> dict:
     return {"kv_cache_tokens": 65536} if device == "cpu" else {"mem_fraction_static": 0.4}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -102,39 +125,70 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--train-steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+    parser.add_argument("--spec-eager", action="store_true", help="speculative steps without CUDA graphs")
+    return parser.parse_args()
+
+
+def free_memory() -> None:
+    """Free a deleted engine's memory before the next one is sized (the engine froze its objects
+    out of the garbage collector's reach)."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def spec_engine(load, device: str, args):
     from miles_host.rollout import Engine
     from miles_spec.draft import MTPDraft, attach_mtp
     from miles_spec.strategy import EagleStrategy
 
+    def factory(engine):
+        attach_mtp(engine.model)
+        return EagleStrategy(engine, MTPDraft(engine.model), args.num_steps)
+
+    return Engine(load(), decoding_strategy=factory, enforce_eager=args.spec_eager, **engine_memory(device))
+
+
+def main() -> None:
+    from miles_host.rollout import Engine
+
+    args = parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     num_prompts = args.num_prompts or (8 if args.tiny else 256)
     max_new = args.max_new_tokens or (32 if args.tiny else 512)
     train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 200)
+    begin = clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         load = build_policy(args.tiny, directory, device, dtype)
         vocab = 128 if args.tiny else 151936
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(2, vocab, (64,), generator=generator).tolist() for _ in range(num_prompts)]
         params = {"temperature": args.temperature, "max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 0}
+        clock = phase("random policy", clock)
+        # warm-up: every prompt (both engines then find them in the prefix cache), a few steps at the
+        # timed batch size (Triton compilation, a graph variant captured on first use)
+        warm_up = {**params, "max_new_tokens": 2 * (args.num_steps + 1)}
         plain = Engine(load(), **engine_memory(device))
-        rollout(plain, prompts[:2], {**params, "max_new_tokens": 4})  # warm-up
+        rollout(plain, prompts, warm_up)
+        clock = phase("plain engine", clock)
         plain_s, outputs = rollout(plain, prompts, params)
         tokens = sum(len(o["output_ids"]) for o in outputs)
         del plain
-
-        def factory(engine):
-            attach_mtp(engine.model)
-            return EagleStrategy(engine, MTPDraft(engine.model), args.num_steps)
-
-        spec = Engine(load(), decoding_strategy=factory, **engine_memory(device))
+        free_memory()
+        clock = phase("plain rollout", clock)
+        spec = spec_engine(load, device, args)
+        clock = phase("speculative engine (CUDA graphs captured)", clock)
         losses = train_draft(load, spec, prompts, outputs, train_steps, args.lr)
-        rollout(spec, prompts[:2], {**params, "max_new_tokens": 4})
+        rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
+        clock = phase("draft training", clock)
         spec_s, spec_outputs = rollout(spec, prompts, params)
         counters = spec.strategy.pop_counters()
         spec_tokens = sum(len(o["output_ids"]) for o in spec_outputs)
+        phase("speculative rollout", clock)
+        graphs = spec.strategy.graphs
         result = {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "num_prompts": num_prompts, "max_new_tokens": max_new, "num_steps": args.num_steps,
@@ -144,6 +198,9 @@ def main() -> None:
             "speedup": (spec_tokens / spec_s) / (tokens / plain_s),
             "accept_rate": counters.accepted_tokens / max(1, counters.draft_tokens),
             "accept_len_mean": 1 + counters.accepted_tokens / max(1, counters.verify_steps),
+            "plain_s": plain_s, "spec_s": spec_s, "spec_cuda_graphs": graphs is not None,
+            "spec_graph_replays": graphs.num_replays if graphs is not None else 0,
+            "bench_s": time.perf_counter() - begin,
         }
         print(json.dumps(result, indent=2))
 

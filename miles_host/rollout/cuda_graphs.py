@@ -42,7 +42,16 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode graphs over a model and a paged KV cache (see the module doc)."""
+    """Captured decode graphs over a model and a paged KV cache (see the module doc).
+
+    Subclasses reuse the ladder, the staging and the block tables for other fixed-shape
+    steps (speculative decoding): they set :attr:`num_fields`, capture in
+    :meth:`_capture_ladder` with :meth:`_record`, and replay with :meth:`_next_host`,
+    :meth:`_stage_tables` and :meth:`_upload`.
+    """
+
+    #: int64 fields of ``max_bs`` numbers each staged before the block-table pairs
+    num_fields = 4
 
     def __init__(
         self, model: torch.nn.Module, kv_cache: PagedKVCache, *, device: torch.device, attention_backend: str,
@@ -58,8 +67,9 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         self.sizes = graph_batch_sizes(max_num_seqs)
         bs = self.max_bs
-        # [4 * max_bs] fixed fields, then up to max_bs * max_blocks (flat index, block) pairs
-        capacity = 4 * bs + 2 * bs * self.max_blocks
+        # [num_fields * max_bs] fixed fields, then up to max_bs * max_blocks (flat index, block) pairs
+        self.fields_end = self.num_fields * bs
+        capacity = self.fields_end + 2 * bs * self.max_blocks
         # two pinned staging vectors, used in turn: with overlapped decode the next step is
         # staged while the previous step's copy may still be queued
         self.hosts = [torch.zeros(capacity, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -77,6 +87,10 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         self.num_replays = 0
+        self._capture_ladder()
+
+    def _capture_ladder(self) -> None:
+        """The graphs captured up front: decode without route capture, largest size first."""
         for size in reversed(self.sizes):
             self._capture(size, capture_routes=False)
 
@@ -111,16 +125,20 @@ class DecodeGraphs:
         return hidden, stack_routes(routing.captured)
 
     def _capture(self, size: int, capture_routes: bool) -> None:
-        self.host_np[: 4 * self.max_bs] = 0
+        self.host_np[: self.fields_end] = 0
         self.host_np[CONTEXT * self.max_bs:(CONTEXT + 1) * self.max_bs] = 1
-        self.staged[: 4 * self.max_bs].copy_(self.host[: 4 * self.max_bs])
-        self._graph_body(size, capture_routes)  # warm-up: Triton compilation, allocator
+        self.staged[: self.fields_end].copy_(self.host[: self.fields_end])
+        self._record((size, capture_routes), lambda: self._graph_body(size, capture_routes))
+
+    def _record(self, key, body) -> None:
+        """Capture ``body()`` (all in the shared pool) as the graph of ``key``; its result is ``outputs[key]``."""
+        body()  # warm-up: Triton compilation, allocator
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
-            self.outputs[(size, capture_routes)] = self._graph_body(size, capture_routes)
+            self.outputs[key] = body()
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(size, capture_routes)] = graph
+        self.graphs[key] = graph
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ replay
@@ -132,19 +150,33 @@ class DecodeGraphs:
         return None
 
     def _stage(self, seqs: list[Sequence], size: int) -> int:
-        """Write the step's inputs into the pinned staging vector; return how many numbers to copy."""
+        """Write the step's inputs into the pinned staging vector; return how many block-table pairs."""
         host, bs, block_size = self.host_np, self.max_bs, self.block_size
         n = len(seqs)
         ids, positions, slots, contexts = [], [], [], []
-        pairs: list[int] = []
-        row_tables, row_written = self._row_tables, self._row_written
-        for row, seq in enumerate(seqs):
+        for seq in seqs:
             table = seq.block_table
             position = len(seq) - 1
             ids.append(seq.token_ids[-1])
             positions.append(position)
             slots.append(table[position // block_size] * block_size + position % block_size)
             contexts.append(position + 1)
+        host[IDS * bs:IDS * bs + n] = ids
+        host[POSITIONS * bs:POSITIONS * bs + n] = positions
+        host[SLOTS * bs:SLOTS * bs + n] = slots
+        host[CONTEXT * bs:CONTEXT * bs + n] = contexts
+        for field_index, fill in ((IDS, 0), (POSITIONS, 0), (SLOTS, 0), (CONTEXT, 1)):
+            host[field_index * bs + n:field_index * bs + size] = fill
+        return self._stage_tables([seq.block_table for seq in seqs], size)
+
+    def _stage_tables(self, tables: list[list[int]], size: int) -> int:
+        """Stage the block-table entries of rows ``0 .. len(tables) - 1`` that changed since
+        they were last sent (padding rows up to ``size``: block 0) as ``(flat index, block)``
+        pairs after the fixed fields; return how many pairs."""
+        pairs: list[int] = []
+        row_tables, row_written = self._row_tables, self._row_written
+        n = len(tables)
+        for row, table in enumerate(tables):
             first = 0 if row_tables[row] is not table else max(row_written[row] - 1, 0)
             base = row * self.max_blocks
             for index in range(first, len(table)):
@@ -157,14 +189,23 @@ class DecodeGraphs:
                 pairs.extend((row * self.max_blocks, 0))
                 row_tables[row] = None
                 row_written[row] = 1
-        host[IDS * bs:IDS * bs + n] = ids
-        host[POSITIONS * bs:POSITIONS * bs + n] = positions
-        host[SLOTS * bs:SLOTS * bs + n] = slots
-        host[CONTEXT * bs:CONTEXT * bs + n] = contexts
-        for field_index, fill in ((IDS, 0), (POSITIONS, 0), (SLOTS, 0), (CONTEXT, 1)):
-            host[field_index * bs + n:field_index * bs + size] = fill
-        host[4 * bs:4 * bs + len(pairs)] = pairs
+        self.host_np[self.fields_end:self.fields_end + len(pairs)] = pairs
         return len(pairs) // 2
+
+    def _next_host(self) -> None:
+        """Stage into the other pinned vector (the previous step's copy may still be queued)."""
+        self._turn ^= 1
+        self.host = self.hosts[self._turn]
+        self.host_np = self.host.numpy()
+
+    def _upload(self, num_pairs: int) -> None:
+        """Copy the staged fields and ``num_pairs`` block-table pairs to the device (one
+        ``copy_``) and write the pairs into the device block tables."""
+        used = self.fields_end + 2 * num_pairs
+        self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        if num_pairs:
+            pairs = self.staged[self.fields_end:used].view(num_pairs, 2)
+            self.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1].to(torch.int32))
 
     def replay(
         self, seqs: list[Sequence], capture_routes: bool, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -178,18 +219,11 @@ class DecodeGraphs:
         if key not in self.graphs:
             self._row_tables = [None] * self.max_bs  # capture runs the forward: forget cached rows
             self._capture(size, capture_routes)
-        self._turn ^= 1
-        self.host = self.hosts[self._turn]
-        self.host_np = self.host.numpy()
-        num_pairs = self._stage(seqs, size)
-        used = 4 * self.max_bs + 2 * num_pairs
-        self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        self._next_host()
+        self._upload(self._stage(seqs, size))
         if ids_override is not None:  # input tokens still on the device (the previous step's samples)
             rows, values = ids_override
             self._field(IDS, size).index_copy_(0, rows, values)
-        if num_pairs:
-            pairs = self.staged[4 * self.max_bs:used].view(num_pairs, 2)
-            self.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1].to(torch.int32))
         self.graphs[key].replay()
         self.num_replays += 1
         hidden, routes_TLK = self.outputs[key]

@@ -1,7 +1,8 @@
 """Draft models for speculative rollout.
 
-Two kinds, one interface (:class:`Draft`): ``forward(hidden_TH, token_ids_T,
-positions_T, attention) -> (feature_TH, logits_TV)``.
+Two kinds, one interface (:class:`Draft`): ``features(hidden_TH, token_ids_T,
+positions_T, attention) -> feature_TH`` and ``logits(feature_TH) -> logits_TV``
+(``forward`` does both).
 
 - :class:`MTPDraft`: an MTP/EAGLE head on the policy itself, the policy's
   ``mtp[0]`` :class:`~miles_host.models.model.MTPLayer`:
@@ -43,9 +44,18 @@ class Draft(Protocol):
 
     uses_hidden: bool
     offset: int
+    feature_size: int
 
     def layout(self) -> list[tuple[int, int, int, int | None]]:
         """KV layout of the draft's own attention layers."""
+        ...
+
+    def features(self, hidden_TH, token_ids_T, positions_T, attention) -> torch.Tensor:
+        """``[T, H]`` features of the draft entries (writing their K/V through ``attention``)."""
+        ...
+
+    def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
+        """``[T, V]`` draft logits of features."""
         ...
 
     def forward(self, hidden_TH, token_ids_T, positions_T, attention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +114,7 @@ class MTPDraft:
         layer = policy.mtp[0]
         rope = policy.config.rope_of(layer.layer_index)
         self.rope = policy._ropes.get(id(rope)) or RotaryEmbedding(rope)
+        self.feature_size = policy.config.hidden_size
 
     @property
     def layer(self) -> MTPLayer:
@@ -122,9 +133,12 @@ class MTPDraft:
         ctx = ForwardContext(attention=_LayerOffset(attention, layer.layer_index), routing=RoutingContext(phase="draft"))
         return DecoderLayer.forward(layer, x_TH, self.rope(positions_T, x_TH.dtype), ctx)
 
+    def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
+        return self.policy.compute_logits(self.layer.head_norm(feature_TH))
+
     def forward(self, hidden_TH, token_ids_T, positions_T, attention):
         feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
-        return feature_TH, self.policy.compute_logits(self.layer.head_norm(feature_TH))
+        return feature_TH, self.logits(feature_TH)
 
 
 class ModelDraft:
@@ -140,11 +154,19 @@ class ModelDraft:
                 f"({policy_vocab}); --sglang-speculative-draft-model-path needs the same tokenizer"
             )
         self.model = model.eval()
+        self.feature_size = model.config.hidden_size
 
     def layout(self):
         return self.model.attention_layout()
 
-    def forward(self, hidden_TH, token_ids_T, positions_T, attention):
+    def features(self, hidden_TH, token_ids_T, positions_T, attention) -> torch.Tensor:
+        """The draft model's final-norm hidden states ``[T, H']`` (``hidden_TH`` is not read)."""
         ctx = ForwardContext(attention=attention, routing=RoutingContext(phase="draft"))
-        hidden_TH = self.model.forward_hidden(token_ids_T, positions_T, ctx)
-        return hidden_TH, self.model.compute_logits(hidden_TH)
+        return self.model.forward_hidden(token_ids_T, positions_T, ctx)
+
+    def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(feature_TH)
+
+    def forward(self, hidden_TH, token_ids_T, positions_T, attention):
+        feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
+        return feature_TH, self.logits(feature_TH)

@@ -31,9 +31,9 @@ def test_accept_rule_emits_the_target_at_every_chain_position():
     p = torch.softmax(torch.randn(k + 1, vocab, generator=generator) * 1.5, -1)
     q = torch.softmax(torch.randn(k, vocab, generator=generator) * 1.5, -1)
     drafts = torch.multinomial(q, batch, replacement=True, generator=generator).T
-    torch.manual_seed(1)
+    uniforms = torch.rand(batch, k + 1, generator=generator)
     verdict = accept(p.expand(batch, -1, -1), p.log().expand(batch, -1, -1), q.expand(batch, -1, -1), drafts,
-                     [None] * batch)
+                     uniforms[:, :k], uniforms[:, k])
     for j in range(k):
         reached = verdict.num_accepted_B >= j
         tokens = verdict.tokens_BJ[reached, j].numpy()
