@@ -120,6 +120,7 @@ class DecodeGraphs:
         context = ForwardContext(
             attention=PagedAttention(self.kv_cache, self._metadata(size), self.attention_backend),
             routing=routing, fused_kernels=self.fused_kernels,
+            batch_invariant=self.attention_backend == "triton_invariant",  # --true-on-policy
         )
         hidden = self.model.forward_hidden(self._field(IDS, size), self._field(POSITIONS, size), context)
         return hidden, stack_routes(routing.captured)
