@@ -11,8 +11,6 @@ eager kernels per layer by one. Reference: :func:`qk_norm_rope_reference`.
 
 from __future__ import annotations
 
-import torch
-
 from miles_host.models.norm import rms_norm_eager
 from miles_host.models.rope import apply_rotary
 

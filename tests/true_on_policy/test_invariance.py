@@ -48,17 +48,28 @@ def policy_path(request):
     return QUICKSTART_MODEL if request.param == "dense" else request.getfixturevalue("moe_policy")
 
 
-def test_prefill_decode_and_training_give_one_logprob_per_token(policy_path):
+#: (device, dtype): the CPU float32 construction, and the batch-invariant kernels on a GPU in bf16
+TARGETS = [
+    pytest.param(("cpu", torch.float32), id="cpu"),
+    pytest.param(("cuda", torch.bfloat16), id="cuda_bf16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_prefill_decode_and_training_give_one_logprob_per_token(policy_path, target):
     """Greedy run A decodes token k; run B prefills prompt + A[:k] and produces it again;
     the trainer recomputes all of them packed with unrelated sequences: all bitwise equal."""
+    device, dtype = target
     greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    run_a = engine_results(policy_path, PROMPTS, greedy)
+    run_a = engine_results(policy_path, PROMPTS, greedy, dtype=dtype, device=device)
     prompt, (ids, logprobs) = PROMPTS[2], run_a[2]
     for k in (1, 3, 5):
-        run_b = engine_results(policy_path, [prompt + ids[:k]], {**greedy, "max_new_tokens": 1})
+        run_b = engine_results(policy_path, [prompt + ids[:k]], {**greedy, "max_new_tokens": 1}, dtype=dtype,
+                               device=device)
         assert run_b[0][0] == [ids[k]]
         assert run_b[0][1][0] == logprobs[k]  # prefill == decode, bitwise
-    trainer_model = load_pretrained(str(policy_path), dtype=torch.float32, device="cpu")
+    trainer_model = load_pretrained(str(policy_path), dtype=dtype, device=device)
     sequences = [p + ids for p, (ids, _) in zip(PROMPTS, run_a)]
     noise = [[7, 8, 9, 10, 11, 12, 13, 2, 3], [6]]
     recomputed = packed(trainer_model, [noise[0], *reversed(sequences), noise[1]])[1:-1][::-1]
@@ -110,9 +121,13 @@ NATIVE = {
 }
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(NATIVE))
-def test_native_blocks_engine_equals_trainer_in_any_packing(name):
-    model = native_model(**NATIVE[name])
+def test_native_blocks_engine_equals_trainer_in_any_packing(name, target):
+    """Sliding windows, soft-capping, sandwich norms, MLA, sigmoid grouped MoE with shared experts."""
+    device, dtype = target
+    model = native_model(**NATIVE[name]).to(device=device, dtype=dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 40, (n,), generator=generator).tolist() for n in (7, 3, 9, 1, 5)]
     together = packed(model, sequences)
@@ -121,8 +136,8 @@ def test_native_blocks_engine_equals_trainer_in_any_packing(name):
         for i, lp in zip(order, again):
             assert lp.tolist() == together[i].tolist()
     fast = packed(model, sequences, invariant=False)
-    for a, b in zip(together, fast):  # the same function as the fast path
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(together, fast):  # the same function as the fast path (within the dtype)
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
     runs = engine_results(model, sequences[:3], {"temperature": 0.9, "max_new_tokens": 4, "ignore_eos": True,
                                                 "sampling_seed": 1}, max_num_seqs=2, eos_token_ids=[])
     full = [s + ids for s, (ids, _) in zip(sequences[:3], runs)]
@@ -130,9 +145,12 @@ def test_native_blocks_engine_equals_trainer_in_any_packing(name):
         assert lp[len(s) - 1 :].tolist() == rollout_lp
 
 
-def test_gradients_match_the_fast_path():
-    model = native_model(**NATIVE["gemma_like"])
-    sequences = [[1, 5, 9, 3, 2], [7, 7, 1]]
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=TARGETS[1].marks)])
+@pytest.mark.parametrize("name", ["gemma_like", "moe_sigmoid_grouped"])
+def test_gradients_match_the_fast_path(name, device):
+    """float32: the invariant forward's gradients (eager / fast backward) are the fast path's."""
+    model = native_model(**NATIVE[name]).to(device)
+    sequences = [[1, 5, 9, 3, 2], [7, 7, 1], [3, 9, 27, 1, 1, 4]]
     grads = []
     for invariant in (True, False):
         model.zero_grad()
@@ -140,5 +158,6 @@ def test_gradients_match_the_fast_path():
         (log_probs.sum() + 0.1 * entropy.sum()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
+    rtol, atol = (1e-4, 1e-5) if device == "cpu" else (1e-3, 1e-4)
     for key in grads[0]:
-        torch.testing.assert_close(grads[0][key], grads[1][key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads[0][key], grads[1][key], rtol=rtol, atol=atol)
