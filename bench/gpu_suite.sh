@@ -6,7 +6,9 @@
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
+#        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
+#        megatron_parallel (needs 2 GPUs: Megatron TP=2 and EP=2 against TP=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -51,6 +53,9 @@ for step in "${steps[@]}"; do
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
     int4_gemm) run int4_gemm 200 python3 bench/int4_gemm.py --repeats 20 ;;
     spec) run spec 300 python3 bench/spec_rollout.py ;;
+    spec_greedy) run spec_greedy 300 python3 bench/spec_rollout.py --temperature 0 ;;
+    megatron_parallel) MILES_MEGATRON_TEST_DEVICE=cuda run megatron_parallel 300 python3 -m pytest -q -p no:cacheprovider \
+      --tb=short tests/plugins/megatron/test_megatron_parallel.py -k two_ranks ;;  # needs 2 GPUs
     small_m) run small_m 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/fp8/test_decode_gemm.py \
       tests/plugins/int4/test_decode_gemm.py tests/plugins/int4/test_kernels.py tests/plugins/fp8/test_gpu.py ;;
     quantized_ab) run quantized_ab 540 python3 bench/quantized_decode.py --repeats 2 \
