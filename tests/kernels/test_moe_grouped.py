@@ -1,0 +1,227 @@
+"""The grouped-GEMM MoE forward (:mod:`miles_host.kernels.moe_grouped`) against its float64
+reference and against ``routed_forward``.
+
+CPU: ``interpreted_moe_grouped.py`` runs the Triton path under the interpreter in a
+subprocess (tiny shapes: H=32, I=16, E=8, K=2); the routing layout, the configs,
+the CPU fallback and the opt-in switch of ``Experts.forward`` are checked here.
+GPU (marked ``gpu``): ``python -m pytest tests/kernels/test_moe_grouped.py -m gpu -v -s``
+on Qwen3-MoE shapes (H=1024, I=384, E=64, K=8): accuracy, CUDA-graph capture and
+a timing print against ``routed_forward`` and ``_dense_over_experts``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_host.kernels import moe_grouped
+from miles_host.kernels.moe_grouped import (
+    gemm_config, grouped_moe_forward, grouped_moe_forward_reference, pick_block_m, route,
+)
+from miles_host.models.config import MoEConfig
+from miles_host.models.mlp import Experts, _dense_over_experts, routed_forward
+from tests.plugins.triton_interpret import run_interpreted
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+#: (H, I, E, K) of Qwen3-30B-A3B-shaped small MoE (the GPU tests)
+QWEN3_MOE = (1024, 384, 64, 8)
+
+
+def make_experts(hidden, inter, num_experts, top_k, dtype, device="cpu", seed=0, act="silu") -> Experts:
+    """A randomly initialised ``Experts`` (weights scaled to keep activations O(1))."""
+    torch.manual_seed(seed)
+    experts = Experts(hidden, MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter), act)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape) / hidden**0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape) / inter**0.5)
+    return experts.to(device, dtype).requires_grad_(False)
+
+
+def routing_inputs(num_tokens, hidden, num_experts, top_k, dtype, device="cpu", seed=1, allowed=None):
+    """``x [T, H]``, distinct ids per token (among ``allowed`` experts if given), softmax-like weights."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = torch.arange(num_experts) if allowed is None else torch.as_tensor(allowed)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(device, dtype)
+    picks = [pool[torch.randperm(len(pool), generator=generator)[:top_k]] for _ in range(num_tokens)]
+    ids = torch.stack(picks) if picks else torch.zeros(0, top_k, dtype=torch.long)
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return x, ids.to(device), weights.to(device, dtype)
+
+
+def assert_close(got, expected, dtype, scale=None):
+    """fp32: tight; fp16 / bf16: a few roundings of the intermediates (gate_up, activation, down)."""
+    scale = scale if scale is not None else max(expected.double().abs().max().item(), 1e-6)
+    rtol, atol = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+    torch.testing.assert_close(got.double(), expected.double(), rtol=rtol, atol=atol * scale)
+
+
+def test_cpu_kernel_under_the_triton_interpreter(request):
+    """Reference / routed_forward agreement, empty experts, T=0, E=128 K=8 (see interpreted_moe_grouped.py)."""
+    run_interpreted(Path(__file__).with_name("interpreted_moe_grouped.py"), request)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (17, 8, 2, 16), (5, 128, 8, 16),
+                                                                   (300, 8, 2, 32), (0, 8, 2, 16)])
+def test_route_layout(num_tokens, num_experts, top_k, block_m):
+    """Every (token, slot) pair has its own row, in its expert's blocks; padding rows read nothing."""
+    _, ids, weights = routing_inputs(num_tokens, 4, num_experts, top_k, torch.float32, allowed=range(0, num_experts, 3))
+    routing = route(ids, weights, num_experts, block_m)
+    num_blocks = -(-(num_tokens * top_k + num_experts * (block_m - 1)) // block_m)
+    assert routing.row_token_R.shape == (num_blocks * block_m,) and routing.block_expert_B.shape == (num_blocks,)
+    rows = routing.pair_row_TK
+    assert rows.shape == (num_tokens, top_k) and len(set(rows.flatten().tolist())) == rows.numel()
+    row_expert = routing.block_expert_B.long().repeat_interleave(block_m)
+    ids_sorted, slot_order = torch.sort(ids, dim=1, stable=True)
+    assert torch.equal(routing.weights_TK, weights.gather(1, slot_order))
+    for token in range(num_tokens):
+        assert (routing.row_token_R[rows[token]] == token).all()
+        assert torch.equal(row_expert[rows[token]], ids_sorted[token])
+    assert (routing.row_token_R >= 0).sum().item() == num_tokens * top_k
+    used = routing.block_expert_B >= 0
+    assert not used[used.sum():].any()  # the used blocks come first
+    assert torch.equal(routing.block_expert_B[used], routing.block_expert_B[used].sort().values)
+
+
+def test_configs():
+    assert pick_block_m(8, 64) == 16  # decode: one token, 8 experts
+    assert pick_block_m(4096 * 8, 64) == 128
+    assert [pick_block_m(t * 8, 64) for t in (1, 64, 256, 1024, 4096)] == sorted(
+        pick_block_m(t * 8, 64) for t in (1, 64, 256, 1024, 4096))
+    config = gemm_config(16, 768, 1024, torch.bfloat16)
+    assert (config.block_m, config.block_n, config.block_k) == (16, 64, 64)
+    assert gemm_config(128, 1024, 384, torch.bfloat16).block_n == 128
+    assert gemm_config(16, 32, 16, torch.float32).block_n == 32  # tiny shapes: no wider than needed
+
+
+def test_cpu_without_the_interpreter_takes_the_reference():
+    experts = make_experts(32, 16, 8, 2, torch.bfloat16)
+    x, ids, weights = routing_inputs(5, 32, 8, 2, torch.bfloat16)
+    args = (x, ids, weights, experts.gate_up_proj, experts.down_proj)
+    assert torch.equal(grouped_moe_forward(*args), grouped_moe_forward_reference(*args))
+    assert grouped_moe_forward(x[:0], ids[:0], weights[:0], *args[3:]).shape == (0, 32)
+    with pytest.raises(ValueError, match="down"):
+        grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj[:, :, :-1])
+    with pytest.raises(ValueError, match="one dtype"):
+        grouped_moe_forward(x.float(), ids, weights, experts.gate_up_proj, experts.down_proj)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_reference_matches_routed_forward(act):
+    experts = make_experts(32, 16, 8, 2, torch.float64, act=act)
+    x, ids, weights = routing_inputs(17, 32, 8, 2, torch.float64)
+    expected = routed_forward(x, ids, weights, 8, experts.expert_mlp)
+    torch.testing.assert_close(grouped_moe_forward_reference(x, ids, weights, experts.gate_up_proj,
+                                                             experts.down_proj, act), expected)
+
+
+def test_experts_forward_is_unchanged_unless_enabled(monkeypatch):
+    """Off by default; when on, CPU tensors and autograd still take ``routed_forward``."""
+    assert moe_grouped.ENABLED == (os.environ.get("MILES_GROUPED_MOE") == "1")
+    experts = make_experts(32, 16, 8, 2, torch.float32)
+    x, ids, weights = routing_inputs(5, 32, 8, 2, torch.float32)
+    expected = routed_forward(x, ids, weights, 8, experts.expert_mlp)
+    monkeypatch.setattr(moe_grouped, "ENABLED", True)
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, weights), expected)  # CPU: not the grouped path
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _timed(fn, repeats=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 256, 4096])
+def test_gpu_qwen3_moe_shapes_match_the_reference(num_tokens):
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    x, ids, weights = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
+    args = (x, ids, weights, experts.gate_up_proj, experts.down_proj)
+    with torch.no_grad():
+        got = grouped_moe_forward(*args)
+        assert_close(got, grouped_moe_forward_reference(*args), torch.bfloat16)
+        assert_close(got, routed_forward(x, ids, weights, num_experts, experts.expert_mlp), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_other_dtypes_and_empty_experts(dtype):
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, dtype, device="cuda")
+    x, ids, weights = routing_inputs(300, hidden, num_experts, top_k, dtype, device="cuda", allowed=range(0, 64, 5))
+    args = (x, ids, weights, experts.gate_up_proj, experts.down_proj)
+    assert_close(grouped_moe_forward(*args), grouped_moe_forward_reference(*args), dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_gpu_cuda_graph_capture_and_replay(num_tokens):
+    """Captured once, replayed with new x / ids / weights copied into the static inputs: equal to eager."""
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    static = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda", seed=1)
+    weights_args = (experts.gate_up_proj, experts.down_proj)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (Triton compiles) outside the capture
+            grouped_moe_forward(*static, *weights_args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = grouped_moe_forward(*static, *weights_args)
+        for seed in (2, 3, 4):
+            fresh = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda", seed=seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, grouped_moe_forward(*fresh, *weights_args)), seed
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_experts_forward_opt_in(monkeypatch):
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    x, ids, weights = routing_inputs(64, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
+    monkeypatch.setattr(moe_grouped, "ENABLED", True)
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, weights), grouped_moe_forward(x, ids, weights, experts.gate_up_proj,
+                                                                         experts.down_proj))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_speed_report():
+    """Times against ``routed_forward`` (eager) and ``_dense_over_experts`` (printed with ``-s``)."""
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for num_tokens in (1, 64, 256, 4096):
+            x, ids, weights = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
+            fns = {
+                "grouped": lambda: grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj),
+                "routed": lambda: routed_forward(x, ids, weights, num_experts, experts.expert_mlp),
+            }
+            if num_tokens <= 256:
+                fns["dense"] = lambda: _dense_over_experts(x, ids, weights, num_experts, experts.expert_mlp)
+            times = {name: _timed(fn) * 1e6 for name, fn in fns.items()}
+            print(f"T={num_tokens}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
