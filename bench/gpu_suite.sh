@@ -7,6 +7,7 @@
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
+#        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2 and EP=2 against TP=1)
 set -uo pipefail
@@ -54,6 +55,7 @@ for step in "${steps[@]}"; do
     int4_gemm) run int4_gemm 200 python3 bench/int4_gemm.py --repeats 20 ;;
     spec) run spec 300 python3 bench/spec_rollout.py ;;
     spec_greedy) run spec_greedy 300 python3 bench/spec_rollout.py --temperature 0 ;;
+    spec_small) run spec_small 300 python3 bench/spec_rollout.py --num-prompts 16 ;;  # memory-bound batch (a rollout's tail)
     megatron_parallel) MILES_MEGATRON_TEST_DEVICE=cuda run megatron_parallel 300 python3 -m pytest -q -p no:cacheprovider \
       --tb=short tests/plugins/megatron/test_megatron_parallel.py -k two_ranks ;;  # needs 2 GPUs
     small_m) run small_m 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/fp8/test_decode_gemm.py \
