@@ -37,7 +37,7 @@ def random_reward(sample, config=None):
     return random.random()
 
 
-def build_moe_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple[Path, Path]:
+def build_moe_assets(root: Path, tiny: bool, prompts: int, prompt_len: int, layers: int) -> tuple[Path, Path]:
     """A random Qwen3-MoE, a word-level tokenizer over its vocab, and prompts."""
     from grpo_step import build_assets
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -48,7 +48,7 @@ def build_moe_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> t
         dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
         if tiny
-        else dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        else dict(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                   intermediate_size=3072, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384)
     )
     config = Qwen3MoeConfig(vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
@@ -115,6 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU float32 smoke run with a tiny model")
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
+    parser.add_argument("--moe-layers", type=int, default=8,
+                        help="decoder layers of the MoE model (64 experts, top-8; 16 did not fit a 5-minute call)")
     parser.add_argument("--only", choices=["default", "true_on_policy"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)
@@ -130,7 +132,7 @@ def main() -> None:
         args.max_tokens_per_gpu = 64
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.model == "moe":
-        model_dir, data = build_moe_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
+        model_dir, data = build_moe_assets(args.workdir, args.tiny, args.prompts, args.prompt_len, args.moe_layers)
     else:
         from grpo_step import build_assets
 
