@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from miles_host.kernels import moe_grouped
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -102,6 +103,7 @@ class Experts(torch.nn.Module):
         self.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
         self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.act = activation(act)
+        self.act_name = act
 
     def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
         """One expert's gated MLP on its tokens."""
@@ -109,6 +111,11 @@ class Experts(torch.nn.Module):
         return F.linear(self.act(gate) * up, self.down_proj[expert])
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        # opt-in (MILES_GROUPED_MOE=1): one grouped GEMM per projection, no host sync (inference, CUDA)
+        if moe_grouped.ENABLED and x_TH.is_cuda and not torch.is_grad_enabled() and not _invariant_active():
+            return moe_grouped.grouped_moe_forward(
+                x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act_name
+            )
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
 
 

@@ -12,6 +12,7 @@ a timing print against ``routed_forward`` and ``_dense_over_experts``.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -129,6 +130,32 @@ def test_experts_forward_is_unchanged_unless_enabled(monkeypatch):
     monkeypatch.setattr(moe_grouped, "ENABLED", True)
     with torch.no_grad():
         assert torch.equal(experts(x, ids, weights), expected)  # CPU: not the grouped path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_compiles_for_sm90(dtype):
+    """The GPU branches (no interpreter) build for the H200: bf16 on wgmma, fp32 on FMA (never TF32)."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_host.kernels import _moe_grouped_triton
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    signature = {"A": pointer, "RowToken": "*i64", "BlockExpert": "*i32", "W": pointer, "C": pointer, "N": "i32",
+                 "stride_am": "i32", "stride_ak": "constexpr", "stride_we": "i32", "stride_wk": "constexpr",
+                 "stride_wn": "i32", "stride_cm": "i32", "stride_cn": "constexpr"}
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    for num_tokens, gather, (n, k) in ((1, True, (2 * inter, hidden)), (4096, False, (hidden, inter))):
+        config = gemm_config(pick_block_m(num_tokens * top_k, num_experts), n, k, dtype)
+        constexprs = dict(stride_ak=1, stride_wk=1, stride_cn=1, K=k, K_BLOCKS=-(-k // config.block_k),
+                          GATHER=gather, IEEE=dtype == torch.float32, EMULATE=False, BLOCK_M=config.block_m,
+                          BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+        ptx = compile_sm90(_moe_grouped_triton._grouped_mm_kernel, signature, constexprs, config.num_warps,
+                           config.num_stages, unaligned=())
+        assert "tf32" not in ptx, config
+        if dtype == torch.bfloat16:
+            assert re.search(r"(wgmma|mma)\.\S*bf16", ptx), config
+        else:
+            assert "fma.rn.f32" in ptx, config
 
 
 # ----------------------------------------------------------------------------- GPU
