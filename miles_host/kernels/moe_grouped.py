@@ -39,13 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_host.kernels.invariant_matmul import uses_triton
+# DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
+from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 
 #: ``Experts.forward`` takes the grouped path when this is set (``MILES_GROUPED_MOE=1``)
 ENABLED = os.environ.get("MILES_GROUPED_MOE") == "1"
-
-#: activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
