@@ -183,8 +183,7 @@ class NativeTrainer:
         routing = RoutingHooks(manager.hook)
         self.model = self.load_model(config.hf_checkpoint, routing)
         precision = manager.registries.precisions.get(config.precision)
-        if precision.prepare_train_model is not None:
-            self.model = precision.prepare_train_model(self.model, config) or self.model
+        self.model = self.apply_precision(self.model, precision)
         self.convert_for_rollout = precision.convert_for_rollout
         if config.train_compile and config.true_on_policy:
             # compiled kernels would not compute what the engine's batch-invariant kernels do
@@ -250,6 +249,13 @@ class NativeTrainer:
         batch.model_config = self.model.config
         self.manager.hook.miles_train_batch_prepared(batch=batch, samples=samples, config=self.config)
         return batch
+
+    def apply_precision(self, model: torch.nn.Module, precision: Any) -> torch.nn.Module:
+        """The training model under the run's precision recipe (a backend with its own
+        modules overrides this)."""
+        if precision.prepare_train_model is None:
+            return model
+        return precision.prepare_train_model(model, self.config) or model
 
     def response_log_probs(self, model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False):
         """Log-probs ``[R]`` (and entropy) of the response tokens under ``model``."""

@@ -37,8 +37,11 @@ def check_supported(config: Any) -> None:
     """What the megatron backend cannot do yet, named (ValueError)."""
     check_parallel_sizes(config)
     problems = [what for flag, what in _NATIVE_ONLY.items() if getattr(config, flag, False)]
-    if config.precision != "bf16":
-        problems.append(f"--precision {config.precision} (FP8/INT4 training through TransformerEngine is not wired yet)")
+    if config.precision not in ("bf16", "fp8"):
+        problems.append(f"--precision {config.precision} (only bf16 and fp8 are wired for Megatron)")
+    if config.precision == "fp8" and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+        problems.append("--precision fp8 with --tensor-model-parallel-size > 1 (the FP8 GEMMs replace Megatron's "
+                        "linear compute, whose tensor-parallel gradient all-reduce is not wired)")
     if problems:
         raise ValueError(f"--train-backend megatron does not support {'; '.join(problems)}; use --train-backend native")
 
@@ -93,6 +96,14 @@ class MegatronTrainer(NativeTrainer):
 
         parallel_state.destroy_model_parallel()
         leave_default_group()
+
+    def apply_precision(self, model: torch.nn.Module, precision: Any) -> torch.nn.Module:
+        """fp8: Megatron's linears through miles-fp8's FP8 GEMMs (:mod:`miles_megatron.fp8`)."""
+        if precision.name == "fp8":
+            from miles_megatron.fp8 import apply_fp8
+
+            apply_fp8(model.gpt, model.config, self.config)
+        return model
 
     def load_model(self, path: str, routing) -> torch.nn.Module:
         from miles_megatron.policy import MegatronPolicy

@@ -1,0 +1,101 @@
+"""``--plugins fp8`` with ``--train-backend megatron``: Megatron's linears run miles-fp8's
+block-scaled FP8 GEMMs (CPU emulation here) and compute what the native FP8 trainer
+computes, so training and the FP8 rollout multiply the same quantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+transformers = pytest.importorskip("transformers")
+
+from tests.loop.conftest import write_addition_data  # noqa: E402
+from tests.plugins.megatron.test_megatron_trainer import log_probs, make_samples, make_trainer  # noqa: E402
+
+#: FP8 blocks are 128 x 128: dims that are multiples of 128 (head_dim 128: same blocks in both layouts)
+MODELS = {
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, tie_word_embeddings=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    "head_dim_64": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group(one_rank_group):
+    """(see conftest: no process group left behind)"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_fp8")
+    paths = {}
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make())
+        with torch.no_grad():  # outliers per block, so the FP8 scales differ across blocks
+            for parameter in model.parameters():
+                if parameter.dim() == 2:
+                    parameter.mul_(torch.rand(parameter.shape[0], 1) * 4)
+        model.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths, write_addition_data(root / "data.jsonl", 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_fp8_log_probs_equal_the_native_fp8_trainers(models, name):
+    native = make_trainer(models, name, "native", "--plugins", "fp8")
+    megatron = make_trainer(models, name, "megatron", "--plugins", "fp8")
+    bf16 = make_trainer(models, name, "megatron")
+    samples = make_samples()
+    expected, got, plain = log_probs(native, samples), log_probs(megatron, samples), log_probs(bf16, samples)
+    assert (got - expected).abs().max() < 1e-5
+    assert (got - plain).abs().max() > 1e-4  # the FP8 GEMMs did run
+    routed = [n for n, m in megatron.model.gpt.named_modules() if getattr(m, "_forward_impl", None) is not None
+              and getattr(m._forward_impl, "func", None) is not None]
+    assert any("linear_qkv" in n for n in routed) and not any("output_layer" in n for n in routed)
+
+
+def test_fp8_training_step_and_rollout_weights_match_the_native_fp8_trainer(models):
+    """The rollout weights (master weights quantized at sync) are the native trainer's bit for
+    bit; a step's loss is the same. Gradients agree to FP8 rounding only: the weight-gradient
+    GEMM quantizes activations and output gradients in groups of 128 tokens, and Megatron's
+    padded [S, B] token order groups other tokens than the native packed order."""
+    native = make_trainer(models, "qwen3_moe", "native", "--plugins", "fp8")
+    megatron = make_trainer(models, "qwen3_moe", "megatron", "--plugins", "fp8")
+    expected = dict(native.named_weights_for_rollout())
+    exported = dict(megatron.named_weights_for_rollout())
+    assert exported.keys() == expected.keys()
+    assert any(t.dtype == torch.float8_e4m3fn for t in exported.values())  # quantized for the FP8 engine
+    for key in expected:
+        assert torch.equal(exported[key], expected[key]), key
+    samples = make_samples()
+    want, got = native.train(samples), megatron.train(samples)
+    assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-5)
+    assert got["train/pg_loss"] == pytest.approx(want["train/pg_loss"], abs=1e-5)
+    assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=0.1)
+
+
+def test_fp8_refuses_what_it_cannot_make_unified(models):
+    with pytest.raises(ValueError, match="head_dim 64"):
+        make_trainer(models, "head_dim_64", "megatron", "--plugins", "fp8")
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.plugin_manager import MilesPluginManager
+    from miles_megatron.trainer import check_supported
+
+    manager = MilesPluginManager()
+    manager.discover()
+    paths, data = models
+    config, _ = resolve_run_config([
+        "--hf-checkpoint", str(paths["qwen3"]), "--prompt-data", str(data), "--train-backend", "megatron",
+        "--plugins", "fp8", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+    ], manager)
+    with pytest.raises(ValueError, match="fp8 with --tensor-model-parallel-size > 1"):
+        check_supported(config)
