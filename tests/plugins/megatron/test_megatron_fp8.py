@@ -99,3 +99,26 @@ def test_fp8_refuses_what_it_cannot_make_unified(models):
     ], manager)
     with pytest.raises(ValueError, match="fp8 with --tensor-model-parallel-size > 1"):
         check_supported(config)
+
+
+def test_fp8_with_two_expert_parallel_ranks_gives_the_one_process_loss(models, tmp_path):
+    """EP = 2 (gloo, two trainer processes, each rank holding half of the experts) with FP8:
+    the first step's loss is the one-process loss (the forward quantizes each token's row on
+    its own), the gradient norm agrees to FP8 rounding (token groups differ per rank)."""
+    from tests.plugins.megatron.test_megatron_parallel import _leave_groups
+
+    samples = make_samples()
+    _leave_groups()
+    single = make_trainer(models, "qwen3_moe", "megatron", "--plugins", "fp8")
+    want = single.train(samples)
+    _leave_groups()
+    group = make_trainer(models, "qwen3_moe", "megatron", "--plugins", "fp8", "--expert-model-parallel-size", "2",
+                         "--actor-num-gpus-per-node", "2")
+    try:
+        assert len(group.local.model.gpt.decoder.layers[0].mlp.experts.local_experts) == 2
+        got = group.train(samples)
+        assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-5)
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=0.1)
+    finally:
+        group.stop()
+        _leave_groups()
