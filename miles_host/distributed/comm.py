@@ -84,7 +84,11 @@ def allreduce_sum_(group, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """In-place broadcast from ``root`` over ``group``."""
+    """In-place broadcast from ``root`` over ``group``. One-byte float types (FP8 weights)
+    travel as their bytes: gloo has no FP8 types."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        broadcast_(group, tensor.view(torch.uint8), root)
+        return tensor
     options = dist.BroadcastOptions()
     options.rootRank = root
     work = _on_group_device(group, tensor)
