@@ -83,6 +83,9 @@ def _compute_input(x: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, power_of_two: bool) -> torch.Tensor:
     """``F.linear`` with FP8 forward and backward GEMMs; ``x [..., K]``, ``weight [N, K]``."""
     x_MK = _compute_input(x).reshape(-1, x.shape[-1])
+    if x_MK.shape[0] == 0:  # no rows (an expert without tokens): nothing to quantize, zero gradients
+        cast = None if bias is None else bias.to(x_MK.dtype)
+        return torch.nn.functional.linear(x_MK, weight.to(x_MK.dtype), cast).reshape(*x.shape[:-1], weight.shape[0])
     with torch.autocast(x.device.type, enabled=False):
         y_MN = _Fp8LinearFunction.apply(x_MK, weight, bias, power_of_two)
     return y_MN.reshape(*x.shape[:-1], weight.shape[0])

@@ -114,3 +114,15 @@ def test_gpu_without_fp8_is_a_clear_error():
         check_fp8_capability((8, 0), "A100")
     check_fp8_capability((8, 9), "L40S")
     check_fp8_capability((9, 0), "H200")
+
+
+def test_fp8_linear_of_no_rows_is_empty_with_zero_gradients():
+    """An expert that received no tokens (Megatron calls it with an empty input)."""
+    from miles_fp8.linear import fp8_linear
+
+    weight = torch.randn(256, 128, requires_grad=True)
+    x = torch.zeros(0, 1, 128, requires_grad=True)
+    y = fp8_linear(x, weight, None, False)
+    assert y.shape == (0, 1, 256)
+    y.sum().backward()
+    assert weight.grad is not None and not weight.grad.any() and x.grad.shape == x.shape
