@@ -5,6 +5,7 @@ other half roll out, with FP8 and R3; then the same run without FP8 and without 
     python bench/scale_run.py --gpus 8                 # nvidia-h200-x8: 4 engines + 4 trainers (EP 4), 48 layers
     python bench/scale_run.py --gpus 4 --layers 12     # nvidia-h200-x4: 2 + 2 (EP 2), fewer layers (stated)
     python bench/scale_run.py --tiny                   # CPU smoke run: 2 layers, 8 experts, gloo EP 2
+    python bench/scale_run.py --gpus 8 --variants no_r3  # one variant per call; the model is built once
 
 The task is the quickstart's (two-digit addition, exact-match reward, its character
 tokenizer) with a larger batch; the policy is random, so the figures are speed and
@@ -171,7 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
     shape = model_shape(args.tiny, args.layers)
     model = args.workdir / "model"
     start = time.perf_counter()
-    vocab = build_model(model, shape, args.tiny)
+    built = model / "shape.json"
+    if built.exists() and json.loads(built.read_text()) == shape:  # a later call (one variant per device call)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    else:
+        vocab = build_model(model, shape, args.tiny)
+        built.write_text(json.dumps(shape))
     active = active_params(shape, vocab)
     print(f"model: {shape}, {active / 1e9:.2f}B active parameters, built in {time.perf_counter() - start:.0f} s")
     results = {}
