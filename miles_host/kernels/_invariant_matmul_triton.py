@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
+from miles_host.kernels._triton_common import grouped_tile
 
 
 @triton.jit
@@ -67,14 +68,7 @@ def _invariant_mm_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, EMULATED_K_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

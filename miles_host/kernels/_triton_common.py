@@ -27,5 +27,16 @@ def round_to(x, DTYPE: tl.constexpr):
     return cast(x, DTYPE).to(tl.float32)
 
 
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` on a 1-D grid over the ``M x N`` output tiles,
+    ``GROUP_M`` row tiles walked together (each group's B columns stay in L2)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
 #: torch dtype -> Triton dtype of the activations the fused kernels take
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -23,6 +23,8 @@ except ImportError as error:  # pragma: no cover - only on a GPU machine without
     ) from error
 
 
+from miles_host.kernels._triton_common import grouped_tile  # noqa: E402 - needs triton, checked above
+
 AMAX_EPS_C = tl.constexpr(AMAX_EPS)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
@@ -118,14 +120,7 @@ def _block_scaled_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``c[M, N] = sum_kb (a[:, kb] @ b[:, kb]^T) * a_scale[:, kb] * b_scale[n // B_SCALE_ROWS, kb]``."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
