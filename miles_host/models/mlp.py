@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels import moe_grouped
+from miles_host.kernels import invariant_ops, moe_grouped
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -195,9 +195,7 @@ def _ordered_combine(x_TH, ids_TK, weights_TK, num_experts, expert_mlp) -> torch
 
 def _invariant_active() -> bool:
     """Whether the batch-invariant kernels are on (``--true-on-policy`` on CUDA)."""
-    from miles_host.kernels.invariant_ops import is_active
-
-    return is_active()
+    return invariant_ops.is_active()
 
 
 def _row_sum(x_TK: torch.Tensor) -> torch.Tensor:

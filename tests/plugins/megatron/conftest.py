@@ -18,3 +18,22 @@ def one_rank_group():
     if not existed and dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def save_models(root, makers: dict, prepare=None):
+    """Random HF checkpoints of ``{name: config factory}`` under ``root`` (seed 0; ``prepare(model)``
+    may change the weights first) and a small addition dataset: ``(paths by name, data path)``."""
+    import torch
+    import transformers
+
+    from tests.loop.conftest import write_addition_data
+
+    paths = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make())
+        if prepare is not None:
+            prepare(model)
+        model.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths, write_addition_data(root / "data.jsonl", 8)

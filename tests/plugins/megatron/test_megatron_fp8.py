@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
 
-from tests.loop.conftest import write_addition_data  # noqa: E402
+from tests.plugins.megatron.conftest import save_models  # noqa: E402
 from tests.plugins.megatron.test_megatron_trainer import log_probs, make_samples, make_trainer  # noqa: E402
 
 #: FP8 blocks are 128 x 128: dims that are multiples of 128 (head_dim 128: same blocks in both layouts)
@@ -33,20 +33,17 @@ def _one_rank_group(one_rank_group):
     """(see conftest: no process group left behind)"""
 
 
+def _outlier_rows(model):
+    """Rows scaled by up to 4x: the FP8 scales differ across blocks."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(torch.rand(parameter.shape[0], 1) * 4)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_fp8")
-    paths = {}
-    for name, make in MODELS.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(make())
-        with torch.no_grad():  # outliers per block, so the FP8 scales differ across blocks
-            for parameter in model.parameters():
-                if parameter.dim() == 2:
-                    parameter.mul_(torch.rand(parameter.shape[0], 1) * 4)
-        model.save_pretrained(root / name)
-        paths[name] = root / name
-    return paths, write_addition_data(root / "data.jsonl", 8)
+    return save_models(tmp_path_factory.mktemp("megatron_fp8"), MODELS, _outlier_rows)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])

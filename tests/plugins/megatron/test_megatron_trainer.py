@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from miles_host.cli.args import resolve_run_config  # noqa: E402
 from miles_host.plugin_manager import MilesPluginManager  # noqa: E402
 from miles_host.sample import Sample, Status  # noqa: E402
-from tests.loop.conftest import write_addition_data  # noqa: E402
+from tests.plugins.megatron.conftest import save_models  # noqa: E402
 
 MODELS = {
     "qwen3": lambda: transformers.Qwen3Config(
@@ -46,13 +46,7 @@ def _one_rank_group(one_rank_group):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_trainer")
-    paths = {}
-    for name, make in MODELS.items():
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(make()).save_pretrained(root / name)
-        paths[name] = root / name
-    return paths, write_addition_data(root / "data.jsonl", 8)
+    return save_models(tmp_path_factory.mktemp("megatron_trainer"), MODELS)
 
 
 def make_trainer(models, name, backend, *flags):
