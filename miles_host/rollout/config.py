@@ -25,9 +25,9 @@ class EngineConfig:
     attention backend; no cross-request prefix cache). ``enforce_eager``: no CUDA graphs.
     ``fused_kernels``: the Triton norm/rotary/activation kernels of
     :mod:`miles_host.kernels` in every forward (default: on CUDA with triton; the
-    batch-invariant forward always uses them where usable, trainer included). ``overlap_schedule``: launch each plain decode step
-    before reading the previous one's tokens (:mod:`miles_host.rollout.overlap`;
-    default: on CUDA, as SGLang's overlap scheduler).
+    batch-invariant forward always uses them where usable, trainer included).
+    ``overlap_schedule``: launch each plain decode step before reading the previous
+    one's tokens (:mod:`miles_host.rollout.overlap`; default: on CUDA, as SGLang's).
     """
 
     device: torch.device
