@@ -162,13 +162,14 @@ def sweep_shape(x, weights, device, repeats) -> tuple[float, str]:
     return best[0], best[1] + f" (with FP8 MMA: {us:.1f} us)"
 
 
-def bench_decode(device, batch_sizes, layers, repeats, sweep) -> list[dict]:
-    """Per-GEMM microseconds of bf16, the old FP8 path and the fused kernel on the 1.7B linears."""
+def bench_decode(device, batch_sizes, layers, repeats, sweep, model="1.7b") -> list[dict]:
+    """Per-GEMM microseconds of bf16, the old FP8 path and the fused kernel on one model's linears."""
     import torch.nn.functional as F
 
     from miles_fp8 import decode_gemm
 
-    shapes = small_m.SHAPES_1_7B if device.type == "cuda" else small_m.TINY_SHAPES
+    shapes = small_m.layer_shapes(model if device.type == "cuda" else "tiny")
+    layers = layers or small_m.num_layers(model)
     rows = []
     print(f"\nDecode GEMMs (per GEMM, {layers} weights back to back in a CUDA graph); HBM bound at "
           f"{small_m.HBM_BYTES_PER_S / 1e12:.2f} TB/s of the FP8 weight + scales")
@@ -205,7 +206,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows as JSON here")
     parser.add_argument("--decode-only", action="store_true", help="only the decode-sized (small-M) part")
     parser.add_argument("--batch-sizes", default="1,8,32", help="decode part: token rows M")
-    parser.add_argument("--layers", type=int, default=small_m.LAYERS_1_7B, help="decode part: weights per shape")
+    parser.add_argument("--layers", type=int, default=None, help="decode part: weights per shape (default: the model's layers)")
+    parser.add_argument("--model", default="1.7b", choices=[m for m in small_m.MODELS if m != "tiny"],
+                        help="decode part: whose linears (Qwen3 shapes)")
     parser.add_argument("--sweep", action="store_true", help="decode part: also time every small-M kernel variant")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
         print(f"  {row['shape']:<18} M={row['M']:<5} N={row['N']:<5} K={row['K']:<5} bf16 {row['bf16_tflops']:8.2f}  {fp8}"
               f"  fp8/bf16 {row['fp8_over_bf16']:.2f}x")
     batch_sizes = [1, 4] if args.tiny else [int(b) for b in args.batch_sizes.split(",")]
-    decode = bench_decode(device, batch_sizes, 2 if args.tiny else args.layers, iters, args.sweep)
+    decode = bench_decode(device, batch_sizes, 2 if args.tiny else args.layers, iters, args.sweep, args.model)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": label, "rows": rows, "decode": decode}, indent=2) + "\n")
     return 0

@@ -36,24 +36,7 @@ from bench import small_m  # noqa: E402
 from miles_int4.kernels import int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
 
-#: hidden, intermediate, q heads, kv heads, head dim, layers
-MODELS = {
-    "0.6b": (1024, 3072, 16, 8, 128, 28),
-    "1.7b": (2048, 6144, 16, 8, 128, 28),
-    "tiny": (128, 256, 4, 2, 32, 2),
-}
 PATHS = ("bf16", "tinygemm", "dequant", "triton")
-
-
-def layer_shapes(model: str) -> list[tuple[str, int, int]]:
-    """``(name, out_features N, in_features K)`` of one decoder layer's linears."""
-    hidden, inter, heads, kv_heads, head_dim, _ = MODELS[model]
-    return [
-        ("qkv_proj", (heads + 2 * kv_heads) * head_dim, hidden),
-        ("o_proj", hidden, heads * head_dim),
-        ("gate_up_proj", 2 * inter, hidden),
-        ("down_proj", hidden, inter),
-    ]
 
 
 def build_weights(n: int, k: int, group_size: int, device: torch.device, layers: int) -> list[dict]:
@@ -120,7 +103,7 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="1.7b", choices=[m for m in MODELS if m != "tiny"])
+    parser.add_argument("--model", default="1.7b", choices=[m for m in small_m.MODELS if m != "tiny"])
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--layers", type=int, default=None, help="weights per shape (default: the model's layers)")
@@ -135,7 +118,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (use --tiny for a CPU smoke run)")
         device, model, repeats, group_size = torch.device("cuda"), args.model, args.repeats, args.group_size
-        layers = args.layers or MODELS[model][-1]
+        layers = args.layers or small_m.num_layers(model)
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.manual_seed(0)
     act = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -147,7 +130,7 @@ def main(argv=None) -> int:
     rows = []
     totals: dict[int, dict[str, float]] = {m: {path: 0.0 for path in PATHS} for m in batch_sizes}
     bytes_per_layer = 0
-    for shape, n, k in layer_shapes(model):
+    for shape, n, k in small_m.layer_shapes(model):
         weights = build_weights(n, k, group_size, device, layers)
         bytes_per_layer += int4_bytes(n, k, group_size)
         for m in batch_sizes:

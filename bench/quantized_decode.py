@@ -1,6 +1,7 @@
 """Rollout decode throughput of the embedded engine with bf16, INT4 and FP8 weights.
 
     python bench/quantized_decode.py            # H200: Qwen3-1.7B-shaped random model, bf16
+    python bench/quantized_decode.py --model 8b # Qwen3-8B shape (hidden 4096, 36 layers, untied head)
     python bench/quantized_decode.py --tiny     # CPU smoke run of the same code paths (float32)
 
 One random-init Qwen3 checkpoint (1.7B shape: hidden 2048, intermediate 6144, 28
@@ -35,7 +36,7 @@ subtracts the wall time of the same prompts with ``max_new_tokens=1`` (prefill +
 first token) and counts the other ``new_tokens - 1`` tokens per sequence. Medians
 of ``--repeats`` timed runs after one warm-up. The HBM bound of a decode step is
 the weight bytes it reads (linears as their kernels read them, plus the tied
-embedding as lm_head and the norms) plus the KV bytes of every sequence's
+embedding as lm_head, or the untied head, and the norms) plus the KV bytes of every sequence's
 context, at 4.24 TB/s; bound tok/s = batch / mean bound step time over the
 decode steps, compared with the decode figure. The weight memory of each rollout
 model (linear weights and total, state dict and resident) is printed as well.
@@ -65,11 +66,16 @@ HBM_BYTES_PER_S = 4.24e12
 #: INT4 goal of the issue: linear weights of the rollout model >= 3.5x smaller than bf16
 INT4_GOAL = 3.5
 
-FULL = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    max_position_embeddings=40960,
-)
+def full_shape(model: str) -> dict:
+    """The Qwen3 ``model`` shape (``bench/small_m.py``'s table) as transformers config kwargs; 8B unties the head."""
+    from bench import small_m
+
+    hidden, inter, heads, kv_heads, head_dim, layers = small_m.MODELS[model]
+    return dict(
+        vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        tie_word_embeddings=model != "8b", max_position_embeddings=40960,
+    )
 
 
 def tiny_shape(hidden: int) -> dict:
@@ -289,8 +295,17 @@ def weight_memory(model: torch.nn.Module, precision: str) -> dict:
         precision=precision, num_linears=num_linears, num_quantized=num_quantized,
         linear_state=linear_state, linear_resident=linear_held + linear_kernel, linear_read=linear_read,
         other=other, total_state=linear_state + other, total_resident=linear_held + linear_kernel + other,
-        step_read=linear_read + other,
+        step_read=linear_read + other - _untied_embedding_bytes(model),
     )
+
+
+def _untied_embedding_bytes(model: torch.nn.Module) -> int:
+    """Bytes of an input embedding that is not also the LM head (a decode step gathers a few rows of it)."""
+    embedding = model.embed_tokens.weight
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if head is not None and head.data_ptr() == embedding.data_ptr():
+        return 0
+    return embedding.numel() * embedding.element_size()
 
 
 # ---------------------------------------------------------------------- timing
@@ -441,6 +456,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny model (float32)")
     parser.add_argument("--tiny-hidden", type=int, default=64, choices=[64, 128],
                         help="hidden size of --tiny (128 gives FP8 128-divisible dims)")
+    parser.add_argument("--model", default="1.7b", choices=["1.7b", "4b", "8b"],
+                        help="Qwen3 shape on the GPU (8B: untied head; hidden 4096, 36 layers)")
     parser.add_argument("--precisions", default="bf16,int4,fp8",
                         help=f"comma list of bf16, int4, fp8 and the variants {', '.join(VARIANTS)}")
     parser.add_argument("--batches", default="1,8,32")
@@ -462,7 +479,7 @@ def main(argv=None) -> int:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (use --tiny for a CPU smoke run)")
-        device, dtype, shape = "cuda", torch.bfloat16, FULL
+        device, dtype, shape = "cuda", torch.bfloat16, full_shape(args.model)
         defaults = dict(prompt_len=128, new_tokens=256, int4_group_size=128)
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -17,10 +17,30 @@ from typing import Callable
 import torch
 
 HBM_BYTES_PER_S = 4.24e12
-#: (name, N out features, K in features) of a Qwen3-1.7B decoder layer's linears (qkv and gate/up fused)
-SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
-LAYERS_1_7B = 28
-TINY_SHAPES = [("tiny qkv", 256, 128), ("tiny down", 128, 256)]
+#: Qwen3 shapes: hidden, intermediate, q heads, kv heads, head dim, layers
+MODELS = {
+    "0.6b": (1024, 3072, 16, 8, 128, 28),
+    "1.7b": (2048, 6144, 16, 8, 128, 28),
+    "4b": (2560, 9728, 32, 8, 128, 36),
+    "8b": (4096, 12288, 32, 8, 128, 36),
+    "tiny": (128, 256, 4, 2, 32, 2),
+}
+
+
+def layer_shapes(model: str) -> list[tuple[str, int, int]]:
+    """``(name, out_features N, in_features K)`` of one decoder layer's linears (qkv and gate/up fused)."""
+    hidden, inter, heads, kv_heads, head_dim, _ = MODELS[model]
+    return [
+        ("qkv_proj", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o_proj", hidden, heads * head_dim),
+        ("gate_up_proj", 2 * inter, hidden),
+        ("down_proj", hidden, inter),
+    ]
+
+
+def num_layers(model: str) -> int:
+    """Decoder layers of ``model``."""
+    return MODELS[model][-1]
 
 
 def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

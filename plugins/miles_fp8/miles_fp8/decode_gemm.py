@@ -40,14 +40,12 @@ from miles_host.kernels import split_k
 from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
 from miles_fp8.quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
-from miles_fp8.triton_kernels import _round_up_pow2
+from miles_fp8.triton_kernels import _round_to_e4m3, _round_up_pow2
 
 #: largest token count the fused kernel takes; more tokens use quantize + block_scaled_mm
 MAX_M = 64
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-#: smallest normal E4M3 magnitude (2^-6); below it the grid step is 2^-9
-_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
 
 def small_m_config(m: int) -> SmallMConfig:
@@ -56,26 +54,6 @@ def small_m_config(m: int) -> SmallMConfig:
     weight rows (about 260 instructions per thread and K-block at M <= 16, 390 at 32,
     650 at 64, on sm_90: below the SMs' issue rate for HBM speed up to M = 32)."""
     return SmallMConfig(block_m=split_k.block_m_for(m), block_n=128, num_warps=8, num_stages=3)
-
-
-@triton.jit
-def _round_to_e4m3(q):
-    """Nearest-even E4M3 value of float32 ``q`` (|q| <= 448), as float32, by exact arithmetic.
-
-    Normal range: keep 3 mantissa bits (integer round-half-even on the bits);
-    subnormal range (|q| < 2^-6): the nearest multiple of 2^-9. Integer-exact,
-    so the interpreter and the GPU give torch's ``.to(float8_e4m3fn)`` bit for bit.
-    """
-    bits = q.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    magnitude = tl.abs(q)
-    steps = magnitude * 512.0  # exact: a power of two
-    whole = steps.to(tl.int32)  # truncation = floor (non-negative)
-    frac = steps - whole.to(tl.float32)
-    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
-    subnormal = (whole + up.to(tl.int32)).to(tl.float32) * 0.001953125
-    subnormal = tl.where(q < 0, -subnormal, subnormal)
-    return tl.where(magnitude < _E4M3_MIN_NORMAL, subnormal, normal)
 
 
 @triton.jit

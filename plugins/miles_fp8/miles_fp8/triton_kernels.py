@@ -23,10 +23,16 @@ except ImportError as error:  # pragma: no cover - only on a GPU machine without
     ) from error
 
 
+from miles_host.kernels._split_k_triton import emulate_rounding  # noqa: E402 - needs triton, checked above
 from miles_host.kernels._triton_common import grouped_tile  # noqa: E402 - needs triton, checked above
 
 AMAX_EPS_C = tl.constexpr(AMAX_EPS)
+#: activation rows one quantize program takes (one 1x128 group column of each): 8 KB of bf16
+#: per program instead of 256 bytes, so a training-sized activation is a few thousand programs
+ACT_ROWS_PER_PROGRAM = 32
 FP8_MAX_C = tl.constexpr(FP8_MAX)
+#: smallest normal E4M3 magnitude (2^-6); below it the grid step is 2^-9
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
 
 @triton.jit
@@ -35,6 +41,26 @@ def _round_up_pow2(scale):
     exponent = bits & 0x7F800000
     exponent = tl.where((bits & 0x007FFFFF) != 0, exponent + 0x00800000, exponent)
     return exponent.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """Nearest-even E4M3 value of float32 ``q`` (|q| <= 448), as float32, by exact arithmetic.
+
+    Normal range: keep 3 mantissa bits (integer round-half-even on the bits);
+    subnormal range (|q| < 2^-6): the nearest multiple of 2^-9. Integer-exact,
+    so the interpreter and the GPU give torch's ``.to(float8_e4m3fn)`` bit for bit.
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    magnitude = tl.abs(q)
+    steps = magnitude * 512.0  # exact: a power of two
+    whole = steps.to(tl.int32)  # truncation = floor (non-negative)
+    frac = steps - whole.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    subnormal = (whole + up.to(tl.int32)).to(tl.float32) * 0.001953125
+    subnormal = tl.where(q < 0, -subnormal, subnormal)
+    return tl.where(magnitude < _E4M3_MIN_NORMAL, subnormal, normal)
 
 
 @triton.jit
@@ -51,15 +77,25 @@ def _quantize_tile(x, POW2: tl.constexpr):
 
 @triton.jit
 def _quantize_act_kernel(
-    x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, POW2: tl.constexpr, GROUP: tl.constexpr
+    x_ptr, q_ptr, s_ptr, rows, stride_xm, stride_qm, stride_sm,
+    POW2: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """``BLOCK_R`` rows of one 1x128 group column per program (one group per row: its own amax and scale)."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + row * stride_xm + cols[None, :]).to(tl.float32)  # [1, GROUP]
-    q, scale = _quantize_tile(x, POW2)
-    tl.store(q_ptr + row * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty))
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    mask = row < rows
+    x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_EPS_C), FP8_MAX_C)
+    if POW2:
+        scale = _round_up_pow2(scale)
+    q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    if EMULATE:  # the interpreter's float8 cast is not round-to-nearest-even on subnormals
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask[:, None])
+    tl.store(s_ptr + row * stride_sm + group, scale, mask=mask)
 
 
 @triton.jit
@@ -87,9 +123,10 @@ def quantize_act(x: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Ten
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, cols // BLOCK), dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_act_kernel[(rows, cols // BLOCK)](
-            x_2d, q, scale, x_2d.stride(0), q.stride(0), scale.stride(0), POW2=power_of_two, GROUP=BLOCK,
-            num_warps=1,
+        block_r = ACT_ROWS_PER_PROGRAM if rows >= ACT_ROWS_PER_PROGRAM else triton.next_power_of_2(rows)
+        _quantize_act_kernel[(triton.cdiv(rows, block_r), cols // BLOCK)](
+            x_2d, q, scale, rows, x_2d.stride(0), q.stride(0), scale.stride(0), POW2=power_of_two, GROUP=BLOCK,
+            BLOCK_R=block_r, EMULATE=emulate_rounding(), num_warps=4,
         )
     return q.reshape(*lead, cols), scale.reshape(*lead, cols // BLOCK)
 

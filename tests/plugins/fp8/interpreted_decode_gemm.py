@@ -95,3 +95,16 @@ def test_bad_operands_are_value_errors(kernels):
         kernels.fused_act_quant_mm(x, w_q, w_s[:, :1])
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kernels.fused_act_quant_mm(x, w_q.float(), w_s)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 77])
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_quantize_act_kernel_many_rows_per_program_is_bitwise_the_reference(rows, power_of_two):
+    """The training-path quantizer (``triton_kernels.quantize_act``, 32 rows per program, masked tail)."""
+    triton_kernels = interpreted_module("miles_fp8.triton_kernels")
+    x = _activations(rows, 256, torch.bfloat16)
+    x[0, :128] = 0  # an all-zero group
+    q, scale = triton_kernels.quantize_act(x, power_of_two)
+    q_ref, scale_ref = quantize_act_ref(x, power_of_two)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())
