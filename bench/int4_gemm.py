@@ -89,7 +89,7 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
     groups = k // pack.group_size
     block_m = decode_gemm.small_m_config(m).block_m
     best = (float("inf"), "")
-    for block_n, warps, stages in [(64, 4, 3), (64, 4, 4), (64, 4, 6), (32, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4)]:
+    for block_n, warps, stages in [(64, 4, 4), (64, 4, 8), (32, 4, 8), (128, 4, 4), (128, 4, 6), (128, 8, 6)]:
         config = SmallMConfig(block_m, block_n, warps, stages)
         for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:
             us = small_m.per_gemm_us(
