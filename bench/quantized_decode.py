@@ -21,7 +21,9 @@ recipes the plugins register, exactly as a run's rollout backend does it
 
 The paths they replaced can run in the same table: ``int4:tinygemm`` (torch's
 ``_weight_int4pack_mm``, ``MILES_INT4_CUDA_LAYOUT=tinygemm``) and ``fp8:unfused``
-(a quantize kernel + ``block_scaled_mm`` per linear, ``MILES_FP8_SMALL_M=0``), e.g.
+(a quantize kernel + ``block_scaled_mm`` per linear, ``MILES_FP8_SMALL_M=0``) and
+``fp8:fp16-products`` (the fused kernel with fp16 products and fp32 sums instead of
+FP8 tensor-core products, ``MILES_FP8_SMALL_M_MMA=0``), e.g.
 ``--precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused``.
 
 Before an engine is built, one quantized linear of the prepared model is checked
@@ -95,6 +97,7 @@ class Unusable(Exception):
 VARIANTS = {
     "int4:tinygemm": {"MILES_INT4_CUDA_LAYOUT": "tinygemm"},
     "fp8:unfused": {"MILES_FP8_SMALL_M": "0"},
+    "fp8:fp16-products": {"MILES_FP8_SMALL_M_MMA": "0"},
 }
 
 

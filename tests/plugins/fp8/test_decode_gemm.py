@@ -112,9 +112,11 @@ cuda_fp8 = pytest.mark.skipif(
 @pytest.mark.parametrize("power_of_two", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 32, 64])
 @pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
-def test_gpu_fused_gemm_on_decode_shapes(name, n, k, m, power_of_two):
+def test_gpu_fused_gemm_on_decode_shapes(name, n, k, m, power_of_two, monkeypatch):
+    """fp16 products (``MILES_FP8_SMALL_M_MMA=0``): the reference's numbers up to the order of fp32 sums."""
     from miles_fp8 import decode_gemm
 
+    monkeypatch.setenv("MILES_FP8_SMALL_M_MMA", "0")
     x, w_q, w_s, expected = _operands(m, n, k, power_of_two=power_of_two)
     x, w_q, w_s = x.cuda(), w_q.cuda(), w_s.cuda()
     got32 = decode_gemm.fused_act_quant_mm(x, w_q, w_s, power_of_two, out_dtype=torch.float32)
@@ -125,6 +127,33 @@ def test_gpu_fused_gemm_on_decode_shapes(name, n, k, m, power_of_two):
     q, scale = decode_gemm.quantize_rows(x, power_of_two)
     q_ref, scale_ref = quantize_act_ref(x.cpu(), power_of_two)
     assert torch.equal(scale.cpu(), scale_ref) and torch.equal(q.cpu(), q_ref.float())
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("m", [1, 8, 32, 64])
+@pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
+def test_gpu_default_fp8_products_on_decode_shapes(name, n, k, m):
+    """The default launch (FP8 tensor-core products): within Hopper's reduced-precision block sums of the reference."""
+    from miles_fp8 import decode_gemm
+
+    assert decode_gemm.use_fp8_mma(torch.device("cuda"))
+    x, w_q, w_s, expected = _operands(m, n, k)
+    got = decode_gemm.fused_act_quant_mm(x.cuda(), w_q.cuda(), w_s.cuda(), out_dtype=torch.float32).cpu()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert error < 5e-4, error  # FP8 quantization itself is ~3e-2 of the bf16 product
+    again = decode_gemm.fused_act_quant_mm(x.cuda(), w_q.cuda(), w_s.cuda(), out_dtype=torch.float32).cpu()
+    assert torch.equal(got, again)  # deterministic
+
+
+def test_fp8_products_switch(monkeypatch):
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_fp8 import decode_gemm
+
+    assert not decode_gemm.use_fp8_mma(torch.device("cpu"))
+    monkeypatch.setenv("MILES_FP8_SMALL_M_MMA", "yes")
+    with pytest.raises(ValueError, match="MILES_FP8_SMALL_M_MMA"):
+        decode_gemm.use_fp8_mma(torch.device("cpu"))
 
 
 @pytest.mark.gpu
