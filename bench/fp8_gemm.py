@@ -4,16 +4,18 @@
     python bench/fp8_gemm.py --decode-only  # the decode part: 1.7B linears at M = 1, 8, 32
     python bench/fp8_gemm.py --decode-only --sweep   # + every tile/split variant of the small-M kernel
     python bench/fp8_gemm.py --tiny         # CPU smoke (reference path; numbers meaningless)
+    python bench/fp8_gemm.py --train-model 8b --train-tokens 16384   # prefill part on 8B training shapes
     python bench/fp8_gemm.py --json out.json
 
-Prefill part (M=8192 and the Qwen3-0.6B linears): bf16 ``torch.matmul``; the FP8
+Prefill part (M=8192 square, and one layer's linears of ``--train-model`` at ``--train-tokens`` rows,
+default Qwen3-0.6B at 8192): bf16 ``torch.matmul``; the FP8
 GEMM alone with each available backend (cuBLAS block-scaled ``_scaled_mm`` when
 usable, the Triton kernel); and the FP8 linear as a layer ran it before the fused
 kernel (1x128 activation quantization + GEMM). TFLOP/s = 2*M*N*K / time. Bounds
 quoted for the H200: 1468 TFLOP/s FP8 (tensor-wise, measured), 808 bf16 (measured).
 
-Decode part (``bench/small_m.py``: 28 weights per Qwen3-1.7B linear shape back to
-back in a CUDA graph): per-GEMM microseconds of bf16 ``F.linear``, the old FP8 path
+Decode part (``bench/small_m.py``: one weight per decoder layer of ``--model``'s
+linear shapes, default Qwen3-1.7B, back to back in a CUDA graph): per-GEMM microseconds of bf16 ``F.linear``, the old FP8 path
 (``quantize_act`` + ``block_scaled_mm``, two launches; cuBLAS when usable, else
 Triton), and the fused small-M kernel (:mod:`miles_fp8.decode_gemm`, one launch),
 with its % of the HBM bound (FP8 weight + scales) and its speedup over bf16 (the
@@ -38,14 +40,15 @@ from miles_fp8 import gemm  # noqa: E402
 from miles_fp8.quant import quantize_act, quantize_weight  # noqa: E402
 
 FP8_BOUND, BF16_BOUND = 1468.0, 808.0
-# (name, M, N, K); Qwen3-0.6B: hidden 1024, 16 q heads / 8 kv heads of 128, intermediate 3072
-SHAPES = [
-    ("square", 8192, 4096, 4096),
-    ("0.6B qkv_proj", 8192, 4096, 1024),
-    ("0.6B o_proj", 8192, 1024, 2048),
-    ("0.6B gate_up_proj", 8192, 6144, 1024),
-    ("0.6B down_proj", 8192, 1024, 3072),
-]
+
+
+def train_shapes(model: str, tokens: int) -> list[tuple[str, int, int, int]]:
+    """(name, M, N, K): a square GEMM and one decoder layer's linears of ``model`` at ``tokens`` rows."""
+    return [("square", 8192, 4096, 4096)] + [
+        (f"{model} {name}", tokens, n, k) for name, n, k in small_m.layer_shapes(model)
+    ]
+
+
 TINY_SHAPES = [("tiny", 64, 256, 256), ("tiny qkv", 32, 512, 128)]
 
 
@@ -213,6 +216,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="1.7b", choices=[m for m in small_m.MODELS if m != "tiny"],
                         help="decode part: whose linears (Qwen3 shapes)")
     parser.add_argument("--sweep", action="store_true", help="decode part: also time every small-M kernel variant")
+    parser.add_argument("--train-model", default="0.6b", choices=[m for m in small_m.MODELS if m != "tiny"],
+                        help="prefill/training part: whose linears (e.g. 8b: hidden 4096, K up to 12288)")
+    parser.add_argument("--train-tokens", type=int, default=8192, help="prefill/training part: token rows M")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -221,7 +227,7 @@ def main(argv=None) -> int:
         from miles_fp8.device import check_fp8_device
 
         check_fp8_device(device)
-    shapes = [] if args.decode_only else (TINY_SHAPES if args.tiny else SHAPES)
+    shapes = [] if args.decode_only else (TINY_SHAPES if args.tiny else train_shapes(args.train_model, args.train_tokens))
     iters = args.iters or (3 if args.tiny else 50)
     rows = [bench_shape(*shape, device, iters, warmup=1 if args.tiny else 10) for shape in shapes]
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: reference path)"
