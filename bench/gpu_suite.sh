@@ -6,6 +6,7 @@
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
+#        quantized_8b fp8_gemm_8b int4_gemm_8b (the Qwen3-8B shape: where the decode goals are measured)
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
@@ -53,6 +54,10 @@ for step in "${steps[@]}"; do
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
+    fp8_gemm_8b) run fp8_gemm_8b 200 python3 bench/fp8_gemm.py --train-model 8b --train-tokens 16384 --model 8b ;;
+    int4_gemm_8b) run int4_gemm_8b 120 python3 bench/int4_gemm.py --model 8b --repeats 20 ;;
+    quantized_8b) run quantized_8b 330 python3 bench/quantized_decode.py --model 8b --repeats 2 \
+      --precisions bf16,int4,fp8,fp8:fp16-products ;;
     int4_gemm) run int4_gemm 200 python3 bench/int4_gemm.py --repeats 20 ;;
     spec) run spec 300 python3 bench/spec_rollout.py ;;
     spec_greedy) run spec_greedy 300 python3 bench/spec_rollout.py --temperature 0 ;;
