@@ -3,10 +3,14 @@
     python bench/spec_rollout.py            # H200: the 0.6B-shaped (Qwen3-0.6B) random model, bf16
     python bench/spec_rollout.py --tiny     # CPU smoke test (hidden 64, 2 layers)
 
-Steps: (1) plain rollout of the prompts -> tok/s; (2) train a fresh MTP draft
-head for ``--train-steps`` steps on the policy's own outputs (the online MTP
-loss of miles-spec); (3) speculative rollout at equal sampling settings ->
-tok/s, acceptance rate and mean accepted length. A random policy is peaky
+Steps: (1) plain rollout of the prompts -> tok/s; (2) online training of a fresh
+MTP draft head (the MTP loss of miles-spec), as a run does it: ``--train-rounds``
+rounds, each a speculative rollout of the prompts with a new sampling seed (fresh
+samples, as each RL step brings) followed by ``--train-steps / rounds`` draft steps
+on those samples and a draft weight sync; each round's accepted length is
+reported (the rise); (3) the timed speculative rollout with the plain rollout's
+seed (samples the draft never trained on) -> tok/s, acceptance rate and mean
+accepted length. A random policy is peaky
 (weights scaled) so its outputs are learnable, like a trained model's.
 
 Both rollouts use the same prompts, seed and sampling settings. On the GPU plain
@@ -67,26 +71,58 @@ def rollout(engine, prompts, params) -> tuple[float, list[dict]]:
     return time.perf_counter() - start, outputs
 
 
-def train_draft(load, engine, prompts, outputs, steps: int, lr: float) -> list[float]:
-    """Train a fresh MTP head (on a float32 copy of the policy) on the rollouts; sync it to ``engine``."""
-    from miles_host.sample import Sample
-    from miles_spec.draft import attach_mtp
+class DraftTrainer:
+    """A fresh MTP head trained online (AdamW state kept across rounds) on a float32 copy of the policy."""
 
-    trainer_model = load().float()
-    attach_mtp(trainer_model)
-    trainer_model.load_state_dict({k: v.float() for k, v in engine.model.state_dict().items()})
-    optimizer = torch.optim.AdamW(trainer_model.mtp.parameters(), lr=lr)
-    samples = [Sample(prompt="", tokens=p + o["output_ids"], response_length=len(o["output_ids"]),
-                      loss_mask=[1] * len(o["output_ids"])) for p, o in zip(prompts, outputs)]
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True  # the float32 trainer's GEMMs (draft training only)
-    try:
-        losses = [_train_step(trainer_model, optimizer, samples[(step * 16) % len(samples):][:16] or samples[:16])
-                  for step in range(steps)]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    engine.update_weights([(k, v) for k, v in trainer_model.state_dict().items() if k.startswith("mtp.")])
-    return losses
+    def __init__(self, load, engine, lr: float):
+        from miles_spec.draft import attach_mtp
+
+        self.model = load().float()
+        attach_mtp(self.model)
+        self.model.load_state_dict({k: v.float() for k, v in engine.model.state_dict().items()})
+        self.optimizer = torch.optim.AdamW(self.model.mtp.parameters(), lr=lr)
+
+    def train(self, prompts, outputs, steps: int) -> list[float]:
+        """``steps`` MTP-loss steps over chunks of 16 of these rollouts (cycling)."""
+        from miles_host.sample import Sample
+
+        samples = [Sample(prompt="", tokens=p + o["output_ids"], response_length=len(o["output_ids"]),
+                          loss_mask=[1] * len(o["output_ids"])) for p, o in zip(prompts, outputs)]
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True  # the float32 trainer's GEMMs (draft training only)
+        try:
+            return [_train_step(self.model, self.optimizer, samples[(step * 16) % len(samples):][:16] or samples[:16])
+                    for step in range(steps)]
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    def sync(self, engine) -> None:
+        """The draft's weights to the engine (what weight sync does for the MTP head in a run)."""
+        engine.update_weights([(k, v) for k, v in self.model.state_dict().items() if k.startswith("mtp.")])
+
+
+def train_online(load, engine, prompts, params, args, train_steps: int) -> tuple[list[float], list[float]]:
+    """Online draft training as a run does it: each round rolls out with speculation on fresh
+    samples (a new sampling seed), trains the draft on them, syncs it. Returns the draft
+    losses and each round's mean accepted length (the rise the online training buys)."""
+    trainer = DraftTrainer(load, engine, args.lr)
+    rounds = max(1, args.train_rounds)
+    losses, accept_lens = [], []
+    for index in range(rounds):
+        _, outputs = rollout(engine, prompts, {**params, "sampling_seed": 1000 + index})
+        accept_lens.append(accept_len(engine.strategy.pop_counters()))
+        steps = train_steps // rounds + (1 if index < train_steps % rounds else 0)
+        losses += trainer.train(prompts, outputs, steps)
+        trainer.sync(engine)
+        print(f"[spec_rollout] round {index}: accept length {accept_lens[-1]:.3f} before training, "
+              f"draft loss {losses[-1] if losses else float('nan'):.3f} after {steps} steps",
+              file=sys.stderr, flush=True)
+    return losses, accept_lens
+
+
+def accept_len(counters) -> float:
+    """Mean tokens a verify step keeps (accepted drafts + the policy's own token)."""
+    return 1 + counters.accepted_tokens / max(1, counters.verify_steps)
 
 
 def _train_step(trainer_model, optimizer, chunk) -> float:
@@ -125,6 +161,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--train-steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--train-rounds", type=int, default=4,
+                        help="online rounds: speculative rollout on fresh samples, then train-steps/rounds draft steps")
     parser.add_argument("--spec-eager", action="store_true", help="speculative steps without CUDA graphs")
     return parser.parse_args()
 
@@ -180,9 +218,9 @@ def main() -> None:
         clock = phase("plain rollout", clock)
         spec = spec_engine(load, device, args)
         clock = phase("speculative engine (CUDA graphs captured)", clock)
-        losses = train_draft(load, spec, prompts, outputs, train_steps, args.lr)
         rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
+        losses, round_accept_lens = train_online(load, spec, prompts, params, args, train_steps)
         clock = phase("draft training", clock)
         spec_s, spec_outputs = rollout(spec, prompts, params)
         counters = spec.strategy.pop_counters()
@@ -192,12 +230,13 @@ def main() -> None:
         result = {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "num_prompts": num_prompts, "max_new_tokens": max_new, "num_steps": args.num_steps,
-            "temperature": args.temperature, "draft_train_steps": train_steps,
+            "temperature": args.temperature, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
+            "accept_len_per_round": round_accept_lens,
             "plain_tok_per_s": tokens / plain_s, "spec_tok_per_s": spec_tokens / spec_s,
             "speedup": (spec_tokens / spec_s) / (tokens / plain_s),
             "accept_rate": counters.accepted_tokens / max(1, counters.draft_tokens),
-            "accept_len_mean": 1 + counters.accepted_tokens / max(1, counters.verify_steps),
+            "accept_len_mean": accept_len(counters),
             "plain_s": plain_s, "spec_s": spec_s, "spec_cuda_graphs": graphs is not None,
             "spec_graph_replays": graphs.num_replays if graphs is not None else 0,
             "bench_s": time.perf_counter() - begin,
