@@ -16,6 +16,11 @@ Megatron-Core conventions used (local layer spec, no TransformerEngine):
   ``kv_layernorm``.
 - SwiGLU ``linear_fc1`` is ``[gate; up]``, as miles' ``gate_up_proj``.
 - Routed experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}`` (SequentialMLP).
+- MTP (draft) layers: native ``mtp.{j}.*`` (:class:`~miles_host.models.model.MTPLayer`)
+  <-> Megatron's ``mtp.layers.{j}.*`` (``MultiTokenPredictionLayer``): ``enorm``,
+  ``hnorm``, ``eh_proj``, ``head_norm`` -> ``final_layernorm``, and the decoder layer
+  under ``transformer_layer.`` with the decoder layers' names. The embedding and output
+  head are the policy's (Megatron's MTP has no private copies: DeepSeek's are refused).
 - Post-attention / post-MLP ("sandwich") norms of Gemma and GLM-4 use the names
   Megatron-Bridge gives them (``post_self_attn_layernorm``, ``post_mlp_layernorm``);
   stock GPTModel layer specs have no such modules, so the backend needs a layer
@@ -63,8 +68,18 @@ GLOBAL_RENAMES: dict[str, str] = {
     "norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
 }
+#: MTP-layer names besides its decoder layer (native suffix -> Megatron suffix)
+MTP_RENAMES: dict[str, str] = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "final_layernorm.weight",
+}
 _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_NATIVE_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_MEGATRON_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
 def qkv_to_megatron(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -111,57 +126,76 @@ def native_to_megatron(state: Mapping[str, torch.Tensor], config: Any) -> Tensor
         if name in GLOBAL_RENAMES:
             out[GLOBAL_RENAMES[name]] = tensor
             continue
-        match = _NATIVE_LAYER.match(name)
-        if match is None:
-            raise ValueError(f"no Megatron-Core name for native weight {name!r}")
-        index, suffix = match.groups()
-        prefix = f"decoder.layers.{index}."
-        if suffix in ("attn.qkv_proj.weight", "attn.qkv_proj.bias"):
-            kind = suffix.rsplit(".", 1)[1]
-            out[f"{prefix}self_attention.linear_qkv.{kind}"] = qkv_to_megatron(
-                tensor, config.num_heads, config.num_kv_heads, config.head_dim
-            )
-        elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-            fc = "linear_fc1" if "gate_up" in suffix else "linear_fc2"
-            for expert, weight in enumerate(tensor.unbind(0)):
-                out[f"{prefix}mlp.experts.local_experts.{expert}.{fc}.weight"] = weight
-        elif suffix in renames:
-            out[prefix + renames[suffix]] = tensor
+        layer, mtp = _NATIVE_LAYER.match(name), _NATIVE_MTP.match(name)
+        if layer is not None:
+            _layer_to_megatron(name, layer.group(2), tensor, f"decoder.layers.{layer.group(1)}.", config, renames, out)
+        elif mtp is not None and mtp.group(2) in MTP_RENAMES:
+            out[f"mtp.layers.{mtp.group(1)}.{MTP_RENAMES[mtp.group(2)]}"] = tensor
+        elif mtp is not None and mtp.group(2).split(".")[0] in ("embed_tokens", "head"):
+            raise ValueError(f"native weight {name!r}: Megatron's MTP layers share the policy's embedding and "
+                             "output head (no private copies, as DeepSeek checkpoints have); use --train-backend native")
+        elif mtp is not None:
+            prefix = f"mtp.layers.{mtp.group(1)}.transformer_layer."
+            _layer_to_megatron(name, mtp.group(2), tensor, prefix, config, renames, out)
         else:
             raise ValueError(f"no Megatron-Core name for native weight {name!r}")
     return out
+
+
+def _layer_to_megatron(name: str, suffix: str, tensor: torch.Tensor, prefix: str, config: Any,
+                       renames: Mapping[str, str], out: Tensors) -> None:
+    """One decoder-layer weight (native ``suffix``) into ``out`` under Megatron's ``prefix``."""
+    if suffix in ("attn.qkv_proj.weight", "attn.qkv_proj.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        out[f"{prefix}self_attention.linear_qkv.{kind}"] = qkv_to_megatron(
+            tensor, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+    elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        fc = "linear_fc1" if "gate_up" in suffix else "linear_fc2"
+        for expert, weight in enumerate(tensor.unbind(0)):
+            out[f"{prefix}mlp.experts.local_experts.{expert}.{fc}.weight"] = weight
+    elif suffix in renames:
+        out[prefix + renames[suffix]] = tensor
+    else:
+        raise ValueError(f"no Megatron-Core name for native weight {name!r}")
 
 
 def megatron_to_native(state: Mapping[str, torch.Tensor], config: Any) -> Tensors:
     """Inverse of :func:`native_to_megatron`."""
     inverse_layer = _invert(_layer_map(config))
     inverse_global = _invert(GLOBAL_RENAMES)
+    inverse_mtp = _invert(MTP_RENAMES)
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     out: Tensors = {}
     for name, tensor in state.items():
         if name in inverse_global:
             out[inverse_global[name]] = tensor
             continue
-        match = _MEGATRON_LAYER.match(name)
-        if match is None:
+        layer, mtp = _MEGATRON_LAYER.match(name), _MEGATRON_MTP.match(name)
+        if layer is not None:
+            native_prefix, suffix = f"layers.{layer.group(1)}.", layer.group(2)
+        elif mtp is not None and mtp.group(2) in inverse_mtp:
+            out[f"mtp.{mtp.group(1)}.{inverse_mtp[mtp.group(2)]}"] = tensor
+            continue
+        elif mtp is not None and mtp.group(2).startswith("transformer_layer."):
+            native_prefix, suffix = f"mtp.{mtp.group(1)}.", mtp.group(2).removeprefix("transformer_layer.")
+        else:
             raise ValueError(f"unexpected Megatron-Core weight {name!r}")
-        index, suffix = match.groups()
-        prefix = f"layers.{index}."
-        expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", suffix)
+        expert = _MEGATRON_EXPERT.match(suffix)
         if suffix.startswith("self_attention.linear_qkv."):
             kind = suffix.rsplit(".", 1)[1]
-            out[f"{prefix}attn.qkv_proj.{kind}"] = qkv_from_megatron(
+            out[f"{native_prefix}attn.qkv_proj.{kind}"] = qkv_from_megatron(
                 tensor, config.num_heads, config.num_kv_heads, config.head_dim
             )
         elif expert is not None:
-            experts.setdefault((index, expert.group(2)), {})[int(expert.group(1))] = tensor
+            experts.setdefault((native_prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
         elif suffix in inverse_layer:
-            out[prefix + inverse_layer[suffix]] = tensor
+            out[native_prefix + inverse_layer[suffix]] = tensor
         else:
             raise ValueError(f"unexpected Megatron-Core weight {name!r}")
-    for (index, fc), by_expert in experts.items():
+    for (native_prefix, fc), by_expert in experts.items():
         native = "gate_up_proj" if fc == "linear_fc1" else "down_proj"
-        out[f"layers.{index}.mlp.experts.{native}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+        out[f"{native_prefix}mlp.experts.{native}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
 

@@ -100,3 +100,33 @@ def test_backend_without_megatron_core_says_how_to_install_it(monkeypatch):
     assert not ok and "pip install megatron-core" in why
     with pytest.raises(ValueError, match="--train-backend megatron: megatron-core is not installed.*pip install megatron-core"):
         _megatron_trainer(None, None)
+
+
+def _with_fresh_mtp_layer(model):
+    """``model`` with one MTP layer as miles-spec attaches it (no private embedding/head copies)."""
+    from miles_host.models.model import MTPLayer
+
+    layer = MTPLayer(model.config, model.config.num_layers, model.routing_hooks)
+    layer.embed_tokens = layer.head = None
+    with torch.no_grad():
+        for parameter in layer.parameters():  # experts are allocated uninitialised (NaN != NaN)
+            parameter.normal_()
+    model.mtp = torch.nn.ModuleList([layer])
+    return model
+
+
+def test_mtp_layer_round_trip_is_exact(native_model):
+    state = _with_fresh_mtp_layer(native_model).state_dict()
+    megatron = native_to_megatron(state, native_model.config)
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.input_layernorm.weight"} <= set(megatron)
+    back = megatron_to_native(megatron, native_model.config)
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_mtp_layer_with_private_embedding_is_refused(native_model):
+    state = {"mtp.0.embed_tokens.weight": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match="share the policy's embedding"):
+        native_to_megatron(state, native_model.config)
