@@ -19,6 +19,14 @@ from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
 
 
+def _linear_default_init(weight_OI: torch.Tensor) -> None:
+    """``U(-1/sqrt(in), 1/sqrt(in))`` over the last dim's fan-in: what ``torch.nn.Linear`` draws
+    (Kaiming-uniform with a = sqrt(5)); a leading expert dim is a stack of such matrices."""
+    bound = 1.0 / weight_OI.shape[-1] ** 0.5
+    with torch.no_grad():
+        weight_OI.uniform_(-bound, bound)
+
+
 def activation(name: str):
     """The elementwise activation of a gated MLP by config name."""
     if name == "silu":
@@ -68,6 +76,10 @@ class Router(torch.nn.Module):
         #: parameters the loader keeps in float32 whatever the model dtype
         self.keep_fp32 = moe.router_fp32
 
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s default initialisation (a fresh layer that no checkpoint fills)."""
+        _linear_default_init(self.weight)
+
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(scores_TE, scores_for_choice_TE)`` in float32."""
         if self.moe.router_fp32:
@@ -104,6 +116,11 @@ class Experts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.act = activation(act)
         self.act_name = act
+
+    def reset_parameters(self) -> None:
+        """Each expert's matrices as ``torch.nn.Linear`` initialises its weight (a fresh layer)."""
+        for weight in (self.gate_up_proj, self.down_proj):
+            _linear_default_init(weight)
 
     def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
         """One expert's gated MLP on its tokens."""

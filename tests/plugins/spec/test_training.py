@@ -101,3 +101,20 @@ def test_miles_run_with_the_seed_flags(tiny_task, tmp_path):
         assert 0.0 <= step["spec/accept_rate"] <= 1.0
         assert step["spec/accept_len_mean"] >= 1.0
         assert step["train/mtp/loss"] > 0
+
+
+def test_fresh_draft_of_an_moe_policy_is_initialised(moe_policy):
+    """Router and experts of a freshly attached MoE draft layer get nn.Linear's init (they are
+    allocated with torch.empty, which can hold NaN), so the first MTP loss is finite."""
+    _, path = moe_policy
+    model = load(path)
+    torch.manual_seed(0)
+    attach_mtp(model)
+    layer = model.mtp[0]
+    hidden = model.config.hidden_size
+    for name, parameter in layer.named_parameters():
+        assert torch.isfinite(parameter).all(), name
+    experts = layer.mlp.experts
+    assert experts.gate_up_proj.abs().max() <= hidden ** -0.5 and experts.gate_up_proj.std() > 0
+    assert experts.down_proj.abs().max() <= experts.down_proj.shape[-1] ** -0.5
+    assert layer.mlp.router.weight.abs().max() <= hidden ** -0.5 and layer.mlp.router.weight.std() > 0
