@@ -7,6 +7,9 @@ puts where the native trainer keeps its ``CausalLM``:
   (per-position float32 log-probs of the targets, optional entropy); the hidden
   states come from Megatron's embedding + decoder, the log-probs from the host's
   :func:`~miles_host.models.logprobs.chunked_log_probs` over Megatron's output weight.
+- ``attach_mtp_draft`` / ``mtp_draft_log_probs``: the online-trained draft of miles-spec
+  (``--enable-mtp-training``) as Megatron-Core's own ``MultiTokenPredictionLayer``
+  (:mod:`miles_megatron.mtp`), same numbers as the native draft's loss.
 - ``config``: the native :class:`~miles_host.models.ModelConfig` (R3 reads the MoE
   layers from it; ``save_pretrained`` writes the HF config from it).
 - ``state_dict()`` / ``load_state_dict()``: native names and layouts
@@ -140,6 +143,17 @@ def residual_bias_dropout_add(training: bool, fused: bool):
         return residual + x
 
     return add
+
+
+@dataclass
+class MTPInputs:
+    """What the MTP draft's loss reads from the policy's last forward (padded [S, B] layout)."""
+
+    layout: PaddedLayout
+    ids_SB: torch.Tensor
+    positions_SB: torch.Tensor
+    rotary_SB1D: torch.Tensor
+    hidden_SBH: torch.Tensor  # final-norm hidden states, detached
 
 
 @dataclass
@@ -280,7 +294,26 @@ class MegatronPolicy(torch.nn.Module):
             hidden_SBH = self.gpt.decoder(
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )
+        if getattr(self.gpt, "mtp", None) is not None:  # what the draft's loss reads (no second forward)
+            self.last_forward = MTPInputs(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH.detach())
         return layout.from_sb(hidden_SBH)
+
+    def attach_mtp_draft(self, num_layers: int = 1) -> None:
+        """Give the policy an MTP draft layer (miles-spec's ``--enable-mtp-training``)."""
+        from miles_megatron.mtp import attach_mtp_block
+
+        attach_mtp_block(self, num_layers)
+        self.last_forward = None
+
+    @property
+    def has_mtp_draft(self) -> bool:
+        return getattr(self.gpt, "mtp", None) is not None
+
+    def mtp_draft_log_probs(self, batch: Any, rows_R: torch.Tensor, targets_R: torch.Tensor) -> torch.Tensor:
+        """The draft's log-probs of ``x_{t+2}`` at packed rows ``rows_R`` of the last forward's batch."""
+        from miles_megatron.mtp import draft_log_probs
+
+        return draft_log_probs(self, batch, rows_R, targets_R)
 
     def packed_log_probs(
         self,

@@ -29,7 +29,6 @@ from miles_megatron.runtime import PARALLEL_FLAGS, check_parallel_sizes, init_mo
 _NATIVE_ONLY = {
     "true_on_policy": "--true-on-policy (the batch-invariant forward is the native model's)",
     "train_compile": "--train-compile (compiles the native decoder layers)",
-    "enable_mtp_training": "--enable-mtp-training (Megatron's MTP block is not wired yet)",
 }
 
 

@@ -42,9 +42,16 @@ class HiddenCapture:
         self.hidden_TH = output.detach()
 
 
-def prepare_train_model(model: torch.nn.Module, config: Any) -> HiddenCapture:
+def prepare_train_model(model: torch.nn.Module, config: Any) -> HiddenCapture | None:
     """Attach a fresh draft to the trainer's model if its checkpoint had none (before
-    the optimizer is built, so the draft is optimized) and keep its hidden states."""
+    the optimizer is built, so the draft is optimized) and keep its hidden states.
+
+    A training backend with its own model classes provides the draft itself through
+    ``attach_mtp_draft(num_layers)`` / ``has_mtp_draft`` / ``mtp_draft_log_probs(batch,
+    rows_R, targets_R)`` (the megatron backend: Megatron-Core's MTP layer)."""
+    if hasattr(model, "attach_mtp_draft"):
+        model.attach_mtp_draft(config.mtp_num_layers or 1)
+        return None
     attach_mtp(model, config.mtp_num_layers or 1)
     capture = HiddenCapture(model)
     _CAPTURES[id(model)] = capture
@@ -70,6 +77,9 @@ def mtp_loss(model_outputs: dict, loss_batch: Any, config: Any) -> tuple[torch.T
     """The MTP draft loss of one micro-batch (a :class:`~miles_host.records.LossTerm` fn)."""
     batch = model_outputs["batch"]
     model = model_outputs.get("model")
+    if getattr(model, "has_mtp_draft", False):  # a backend-owned draft (see prepare_train_model)
+        return _loss_of(lambda rows_R, targets_R: model.mtp_draft_log_probs(batch, rows_R, targets_R),
+                        batch, model.parameters(), config)
     hidden_TH = model_outputs.get("hidden")
     capture = _CAPTURES.get(id(model)) if model is not None else None
     if hidden_TH is None and capture is not None:
@@ -81,17 +91,25 @@ def mtp_loss(model_outputs: dict, loss_batch: Any, config: Any) -> tuple[torch.T
         )
     if hidden_TH.shape[0] != batch.input_ids_T.shape[0]:
         raise RuntimeError("MTP loss: the kept hidden states are not those of this micro-batch")
+
+    def native_log_probs(rows_R: torch.Tensor, targets_R: torch.Tensor) -> torch.Tensor:
+        draft = MTPDraft(model)
+        feature_TH = draft.features(hidden_TH.detach(), batch.target_ids_T, batch.positions_T,
+                                    PackedAttention(batch.cu_seqlens), detach_shared=True)
+        normed_RH = draft.layer.head_norm(feature_TH[rows_R])
+        log_probs_R, _ = chunked_log_probs(
+            normed_RH, model.lm_head_weight.detach(), targets_R, logit_softcap=model.config.final_logit_softcap
+        )
+        return log_probs_R
+
+    return _loss_of(native_log_probs, batch, model.mtp.parameters(), config)
+
+
+def _loss_of(log_probs_fn, batch: Any, draft_parameters, config: Any) -> tuple[torch.Tensor, dict]:
+    """Mean next-next-token cross-entropy of the draft over the trained rows, scaled."""
     rows_R, targets_R = mtp_targets(batch)
-    zero = hidden_TH.new_zeros((), dtype=torch.float32)
-    if rows_R.numel() == 0:
-        return zero + sum(p.sum() * 0 for p in model.mtp.parameters()), {"loss": 0.0}
-    draft = MTPDraft(model)
-    feature_TH = draft.features(
-        hidden_TH.detach(), batch.target_ids_T, batch.positions_T, PackedAttention(batch.cu_seqlens), detach_shared=True
-    )
-    normed_RH = draft.layer.head_norm(feature_TH[rows_R])
-    log_probs_R, _ = chunked_log_probs(
-        normed_RH, model.lm_head_weight.detach(), targets_R, logit_softcap=model.config.final_logit_softcap
-    )
-    loss = -log_probs_R.mean()
+    if rows_R.numel() == 0:  # nothing to train: a zero that still reaches the draft's parameters
+        return sum(p.sum() * 0 for p in draft_parameters) + torch.zeros((), device=batch.input_ids_T.device), \
+            {"loss": 0.0}
+    loss = -log_probs_fn(rows_R, targets_R).mean()
     return loss * config.mtp_loss_scaling_factor, {"loss": float(loss.detach()), "tokens": float(rows_R.numel())}

@@ -269,3 +269,37 @@ def test_short_quickstart_run_with_save_and_resume(tmp_path):
     resumed = tmp_path / "resumed"
     assert main(["run", *common, "--num-rollout", "3", "--output-dir", str(resumed), "--load", str(tmp_path / "ckpt")]) == 0
     assert [json.loads(line)["rollout_id"] for line in (resumed / "metrics.jsonl").read_text().splitlines()][0] == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_mtp_draft_training_on_megatrons_mtp_layer_equals_the_native_draft(models, name):
+    """``--plugins spec --enable-mtp-training``: the draft is Megatron-Core's MultiTokenPredictionLayer;
+    from the same draft weights, two steps give the native trainer's MTP loss, policy loss and
+    weights (draft included, under the native ``mtp.0.*`` names that weight sync carries)."""
+    flags = ("--plugins", "spec", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2")
+    native = make_trainer(models, name, "native", *flags)
+    megatron = make_trainer(models, name, "megatron", *flags)
+    assert type(megatron.model.gpt.mtp.layers[0]).__name__ == "MultiTokenPredictionLayer"
+    draft = {k: v for k, v in native.model.state_dict().items() if k.startswith("mtp.")}
+    assert draft and all(torch.isfinite(v).all() for v in draft.values())
+    megatron.model.load_state_dict({**megatron.model.state_dict(), **draft})
+    megatron._make_optimizer()  # fresh AdamW state over the loaded draft
+    samples = make_samples()
+    for _ in range(2):
+        want, got = native.train(samples), megatron.train(samples)
+        assert want["train/mtp/loss"] > 0
+        for key in ("train/mtp/loss", "train/loss", "train/grad_norm"):
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    expected = dict(native.named_weights_for_rollout())
+    exported = dict(megatron.named_weights_for_rollout())
+    assert exported.keys() == expected.keys() and any(k.startswith("mtp.0.") for k in exported)
+    assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    assert not torch.equal(exported["mtp.0.eh_proj.weight"], draft["mtp.0.eh_proj.weight"])  # the draft learned
+
+
+def test_mtp_draft_refused_under_expert_parallel_sizes_above_one():
+    from miles_megatron.mtp import attach_mtp_block
+
+    policy = type("Policy", (), {"sizes": type("Sizes", (), {"parallel": True})(), "gpt": None})()
+    with pytest.raises(ValueError, match="parallel size 1"):
+        attach_mtp_block(policy, 1)
