@@ -35,6 +35,7 @@ Tensor legend: M tokens, N out features, K in features.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,7 +72,12 @@ def use_fp8_mma(device: torch.device) -> bool:
                          "fp32 sums)")
     if value == "0" or device.type != "cuda" or emulate_rounding():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _has_fp8_mma(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_mma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 @triton.jit
