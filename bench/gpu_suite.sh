@@ -12,6 +12,7 @@
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2 and EP=2 against TP=1)
 #        scale_x8 / scale_x4 (issue 13/13: bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
+#        scale_x1 (the reduced one-GPU version; SCALE_VARIANT=fp8_r3|no_fp8|no_r3, one per call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -76,6 +77,8 @@ for step in "${steps[@]}"; do
     true_on_policy_tests) run true_on_policy_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
       tests/kernels tests/true_on_policy/test_gpu_exact.py ;;
     scale_x8) run scale_x8 3500 python3 bench/scale_run.py --gpus 8 --json "$OUT/scale_x8.json" ;;  # needs 8 GPUs
+    scale_x1) run scale_x1 580 python3 bench/scale_run.py --gpus 1 --layers 4 --variants "${SCALE_VARIANT:-fp8_r3}" \
+      --json "$OUT/scale_x1.json" ;;  # one H200: trainer + embedded engine in one process, 4 layers (stated)
     scale_x4) run scale_x4 3500 python3 bench/scale_run.py --gpus 4 --layers 12 --json "$OUT/scale_x4.json" ;;  # 4 GPUs
     two_gpu) two_gpu ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;

@@ -6,6 +6,7 @@ other half roll out, with FP8 and R3; then the same run without FP8 and without 
     python bench/scale_run.py --gpus 4 --layers 12     # nvidia-h200-x4: 2 + 2 (EP 2), fewer layers (stated)
     python bench/scale_run.py --tiny                   # CPU smoke run: 2 layers, 8 experts, gloo EP 2
     python bench/scale_run.py --gpus 8 --variants no_r3  # one variant per call; the model is built once
+    python bench/scale_run.py --gpus 1 --layers 4 --prompts 16 --variants fp8_r3  # one H200: one process, reduced
 
 The task is the quickstart's (two-digit addition, exact-match reward, its character
 tokenizer) with a larger batch; the policy is random, so the figures are speed and
@@ -111,7 +112,13 @@ def run_variant(name: str, plugins: str, model: Path, args, out: Path) -> Path:
     from miles_host.quickstart_preset import QUICKSTART_DIR
 
     trainers, engines = max(1, args.gpus // 2), args.engines or max(1, args.gpus // 2)
+    # one GPU: the trainer and the embedded engine in one process (in-process weight sync)
+    layout = [] if args.gpus == 1 else [
+        "--actor-num-gpus-per-node", str(trainers), "--rollout-num-gpus", str(engines),
+        "--rollout-backend", "process", "--weight-sync", "broadcast",
+    ]
     output = out / name
+    shutil.rmtree(output, ignore_errors=True)  # a re-run of a variant starts a fresh metrics.jsonl
     argv = [
         sys.executable, "-m", "miles_host.cli.main", "run", "--hf-checkpoint", str(model),
         "--prompt-data", str(QUICKSTART_DIR / "data" / "train.jsonl"), "--input-key", "input", "--label-key", "label",
@@ -120,8 +127,7 @@ def run_variant(name: str, plugins: str, model: Path, args, out: Path) -> Path:
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps), "--lr", "1e-6",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu),
         "--train-backend", "megatron", "--expert-model-parallel-size", str(trainers),
-        "--actor-num-gpus-per-node", str(trainers), "--rollout-num-gpus", str(engines),
-        "--rollout-backend", "process", "--weight-sync", "broadcast", "--plugins", plugins,
+        *layout, "--plugins", plugins,
         "--output-dir", str(output), "--no-progress", "--worker-timeout", str(args.worker_timeout),
         *(["--device", "cpu", "--dtype", "float32"] if args.tiny else ["--device", "cuda", "--dtype", "bfloat16"]),
     ]
@@ -151,7 +157,8 @@ def summarize(output: Path, peaks: dict[int, float], trainers: int, active: int)
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run")
-    parser.add_argument("--gpus", type=int, default=8, help="half train (EP over them), half roll out")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="half train (EP over them), half roll out; 1: trainer and embedded engine in one process (default 8)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; tiny 2)")
     parser.add_argument("--engines", type=int, default=None, help="engine processes (default: half the GPUs)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
@@ -166,8 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.gpus, args.engines, args.steps, args.prompts, args.samples, args.new_tokens = 4, 1, 2, 2, 4, 4
+        args.gpus = args.gpus or 4
+        args.engines, args.steps, args.prompts, args.samples, args.new_tokens = 1, 2, 2, 4, 4
         args.max_tokens_per_gpu = 256
+    args.gpus = args.gpus or 8
     args.workdir.mkdir(parents=True, exist_ok=True)
     shape = model_shape(args.tiny, args.layers)
     model = args.workdir / "model"

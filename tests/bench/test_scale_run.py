@@ -26,3 +26,14 @@ def test_tiny_scale_run_with_fp8_and_r3(tmp_path):
     assert run["steps"] == 2 and run["train_tok_per_s"] > 0 and run["weight_sync_s"] > 0
     assert run["r3_expert_agreement"] == 1.0
     assert run["train_rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_tiny_scale_run_on_one_device(tmp_path):
+    """``--gpus 1``: the megatron trainer and the embedded engine in one process (the one-H200 version)."""
+    from bench import scale_run
+
+    results = scale_run.main(["--tiny", "--gpus", "1", "--variants", "fp8_r3", "--workdir", str(tmp_path)])
+    run = results["fp8_r3"]
+    assert run["steps"] == 2 and run["train_tok_per_s"] > 0
+    assert run["r3_expert_agreement"] == 1.0
+    assert run["train_rollout_logprob_abs_diff"] < 1e-5
