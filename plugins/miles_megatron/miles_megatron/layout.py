@@ -26,11 +26,13 @@ class PaddedLayout:
     megatron_row_T: torch.Tensor
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device) -> "PaddedLayout":
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device, multiple: int = 1) -> "PaddedLayout":
+        """``multiple``: the padded sequence length is a multiple of it (sequence parallelism)."""
         bounds = cu_seqlens.to("cpu", torch.long)
         lengths = bounds[1:] - bounds[:-1]
         batch = int(lengths.numel())
         seq_len = int(lengths.max()) if batch else 0
+        seq_len = -(-seq_len // multiple) * multiple
         sequence_T = torch.repeat_interleave(torch.arange(batch), lengths)
         position_T = torch.arange(int(bounds[-1])) - bounds[:-1][sequence_T]
         return cls(seq_len, batch, (position_T * batch + sequence_T).to(device))

@@ -209,7 +209,9 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
     if sizes.tp > 1:
         group = ps.get_tensor_model_parallel_group()
         for name, param in named:
-            if "q_layernorm" in name or "k_layernorm" in name:
+            # per-head q/k norms see this rank's heads; under sequence parallelism the marked norms
+            # see this rank's positions (miles_megatron.sequence_parallel): partial gradients
+            if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                 dist.all_reduce(param.grad, group=group)
     if sizes.ep > 1:
         replicated = [p for n, p in named if not _EXPERT.match(n)]

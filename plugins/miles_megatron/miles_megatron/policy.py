@@ -84,8 +84,9 @@ MOE_SETTINGS: dict[str, Any] = dict(
 )
 
 
-def transformer_config(native_config: Any, recompute: bool = False):
-    """Megatron ``TransformerConfig`` of a native config (unsupported features refused)."""
+def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0):
+    """Megatron ``TransformerConfig`` of a native config (unsupported features refused);
+    ``sequence_parallel_tp``: the TP size when sequence parallelism is on (0: off)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = megatron_transformer_config_kwargs(native_config)
@@ -94,24 +95,33 @@ def transformer_config(native_config: Any, recompute: bool = False):
         kwargs.update(MOE_SETTINGS)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if sequence_parallel_tp:
+        kwargs.update(sequence_parallel=True, tensor_model_parallel_size=sequence_parallel_tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Apex/TE fallbacks
         return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu") -> torch.nn.Module:
+def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu",
+                    sequence_parallel: bool = False) -> torch.nn.Module:
     """An uninitialised GPTModel (local layer spec) with its parameters on CPU for a
-    native config; ``device`` is the trainer's (where Megatron's few eager buffers go)."""
+    native config; ``device`` is the trainer's (where Megatron's few eager buffers go);
+    ``sequence_parallel`` (TP > 1): Megatron's sequence parallelism, with norms that
+    allow it (:func:`miles_megatron.sequence_parallel.norms_for_sequence_parallel`)."""
     with quiet_imports():
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from miles_megatron.parallel import current_sizes, padded_vocab
 
-    config = transformer_config(native_config, recompute)
+    config = transformer_config(native_config, recompute, current_sizes().tp if sequence_parallel else 0)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        if sequence_parallel:
+            from miles_megatron.sequence_parallel import norms_for_sequence_parallel
+
+            spec = norms_for_sequence_parallel(spec)
         kwargs = gpt_model_kwargs(native_config)
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], current_sizes().tp)  # TP splits it evenly
         gpt = GPTModel(config, spec, **kwargs)
@@ -220,7 +230,8 @@ class MegatronPolicy(torch.nn.Module):
             pin_autocast(layer, self.autocast_state)
 
     @classmethod
-    def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False):
+    def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False,
+                        sequence_parallel: bool = False):
         """Build from an HF checkpoint directory, through the family adapter's native
         weights and :func:`~miles_megatron.weights.native_to_megatron`."""
         from miles_host.models import load_pretrained
@@ -233,7 +244,7 @@ class MegatronPolicy(torch.nn.Module):
                 "--train-backend megatron: --tensor-model-parallel-size above 1 with an MoE model (expert tensor "
                 "parallelism) is not supported yet; use --expert-model-parallel-size for MoE models"
             )
-        gpt = build_gpt_model(native.config, recompute, device)
+        gpt = build_gpt_model(native.config, recompute, device, sequence_parallel)
         load_native_state(gpt, native.state_dict(), native.config)
         config = native.config
         del native
@@ -282,7 +293,9 @@ class MegatronPolicy(torch.nn.Module):
     def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of packed sequences."""
         device = input_ids_T.device
-        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device)
+        sequence_parallel = self.gpt.config.sequence_parallel
+        # sequence parallelism splits the sequence dim over the TP ranks: pad it to a multiple
+        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device, multiple=self.sizes.tp if sequence_parallel else 1)
         self.replay.set_forward(routing, layout)
         self.autocast_state.capture(device.type)
         ids_SB = layout.to_sb(input_ids_T)
@@ -294,6 +307,10 @@ class MegatronPolicy(torch.nn.Module):
             hidden_SBH = self.gpt.decoder(
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )
+            if sequence_parallel:  # this rank's sequence shard -> every position (the head is gathered too)
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
         if getattr(self.gpt, "mtp", None) is not None:  # what the draft's loss reads (no second forward)
             self.last_forward = MTPInputs(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH.detach())
         return layout.from_sb(hidden_SBH)

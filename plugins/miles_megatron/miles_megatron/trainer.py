@@ -9,7 +9,8 @@ the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
 ``parallel_state`` over a one-rank group), or ``TP * EP`` processes, one rank each
 (TP or EP above 1, data-parallel size 1: every rank trains on the whole batch;
 :mod:`miles_megatron.parallel`, started as the trainer group of
-:mod:`miles_host.distributed.launcher`); PP and CP above 1 are refused.
+:mod:`miles_host.distributed.launcher`); PP and CP above 1 are refused;
+``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).
 On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
 precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
 """
@@ -17,6 +18,7 @@ precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.polic
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ import torch
 from miles_host.rollout_backend import resolve_device
 from miles_host.trainer import NativeTrainer
 from miles_megatron.runtime import PARALLEL_FLAGS, check_parallel_sizes, init_model_parallel, on_device, seed_rng
+
+logger = logging.getLogger(__name__)
 
 #: flags whose native implementation needs the native model's modules
 _NATIVE_ONLY = {
@@ -108,7 +112,12 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.policy import MegatronPolicy
 
         recompute = self.config.recompute_granularity == "full"
-        return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute)
+        sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
+        if sequence_parallel and self.sizes.tp == 1:
+            logger.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (it splits the "
+                           "sequence over the tensor-parallel ranks)")
+        return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
+                                              sequence_parallel=sequence_parallel and self.sizes.tp > 1)
 
     def train(self, samples):
         with on_device(self.device):

@@ -58,9 +58,11 @@ def _one_process_run(models, name, samples):
     return metrics, weights, start
 
 
-@pytest.mark.parametrize("name,flag", [("qwen3", "--tensor-model-parallel-size"),
-                                       ("qwen3_moe", "--expert-model-parallel-size")], ids=["tp2", "ep2"])
-def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, tmp_path):
+@pytest.mark.parametrize("name,flag,extra", [("qwen3", "--tensor-model-parallel-size", ()),
+                                             ("qwen3", "--tensor-model-parallel-size", ("--sequence-parallel",)),
+                                             ("qwen3_moe", "--expert-model-parallel-size", ())],
+                         ids=["tp2", "tp2_sp", "ep2"])
+def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, extra, tmp_path):
     from miles_host.distributed.trainer_group import TrainerGroup
 
     if DEVICE != "cpu" and torch.cuda.device_count() < 2:
@@ -68,13 +70,17 @@ def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups,
     samples = make_samples()
     want, expected, start = _one_process_run(models, name, samples)
     group = make_trainer(models, name, "megatron", *FLAGS, flag, "2", "--actor-num-gpus-per-node", "2",
-                         "--device", DEVICE)
+                         "--device", DEVICE, *extra)
     try:
         assert isinstance(group, TrainerGroup) and len(group.handles) == 1
         sizes = group.local.sizes
         assert (sizes.tp, sizes.ep) == ((2, 1) if "tensor" in flag else (1, 2))
         if sizes.tp == 2:  # this rank holds half of the vocabulary and of the heads
             gpt = group.local.model.gpt
+            assert gpt.config.sequence_parallel == bool(extra)
+            if extra:  # the norms run on this rank's positions; their gradients are reduced over TP
+                assert type(gpt.decoder.final_layernorm).__name__ == "RMSNorm"
+                assert gpt.decoder.layers[0].input_layernorm.weight.sequence_parallel
             assert gpt.embedding.word_embeddings.weight.shape[0] == 32
             assert gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
         else:  # and here half of the experts
