@@ -7,7 +7,8 @@ family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
 Runs in one process (CPU or one GPU) at TP = EP = 1, or as TP * EP trainer processes
 (TP or EP above 1, gloo on CPU, NCCL on GPU; :mod:`miles_megatron.parallel`); PP,
-CP and TP with EP together are refused with the reason. ``--plugins spec
+CP and TP with EP together are refused with the reason; ``--sequence-parallel`` runs
+with TP (:mod:`miles_megatron.sequence_parallel`). ``--plugins spec
 --enable-mtp-training`` trains the draft on Megatron-Core's MTP layer at TP = EP = 1
 (:mod:`miles_megatron.mtp`). ``--plugins fp8`` runs
 Megatron's linears through miles-fp8's block-scaled FP8 GEMMs at TP = 1
