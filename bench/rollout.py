@@ -225,8 +225,8 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
     print()
-    print(f"| case | shape | output tokens | median s | tok/s | note |")
-    print(f"| --- | --- | ---: | ---: | ---: | --- |")
+    print("| case | shape | output tokens | median s | tok/s | note |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
     for name, shape_text, tokens, seconds, rate, note in rows:
         print(f"| {name} | {shape_text} | {tokens} | {seconds:.3f} | {rate:,.0f} | {note} |")
     print()

@@ -6,8 +6,6 @@ on the request, so some are still running when the batch is full.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from miles_host.config import MilesConfig
 from miles_host.data import PromptDataset, PromptRecord
 from miles_host.reward import RewardScorer
