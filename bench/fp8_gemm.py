@@ -143,29 +143,28 @@ def sweep_variants(k: int) -> list[tuple]:
 
 
 def sweep_shape(x, weights, device, repeats) -> tuple[float, str]:
-    """Fastest (microseconds, description) among :func:`sweep_variants` (FP8-MMA tried on the best)."""
+    """Fastest (microseconds, description) among :func:`sweep_variants` with fp16 products, and the same
+    variants with FP8 tensor-core products."""
     from dataclasses import replace
 
     from miles_fp8 import decode_gemm
 
     m, k = x.shape
     block_m = decode_gemm.small_m_config(m).block_m
-    best = (float("inf"), "", None)
-    for config, split in sweep_variants(k):
-        config = replace(config, block_m=block_m)
-        us = small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w, config=config, split=split),
-                                 weights, device, repeats)
-        if us < best[0]:
-            best = (us, f"BLOCK_N={config.block_n} warps={config.num_warps} stages={config.num_stages} split={split}",
-                    (config, split))
-    best_mma = (float("inf"), "")
-    for config, split in sweep_variants(k):  # the same variants with FP8 tensor-core products
-        config = replace(config, block_m=block_m, fp8_mma=True)
-        us = small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w, config=config, split=split),
-                                 weights, device, repeats)
-        if us < best_mma[0]:
-            best_mma = (us, f"BLOCK_N={config.block_n} warps={config.num_warps} stages={config.num_stages} split={split}")
-    return best[0], best[1] + f" (FP8 MMA best: {best_mma[0]:.1f} us with {best_mma[1]})"
+
+    def fastest(fp8_mma: bool) -> tuple[float, str]:
+        best = (float("inf"), "")
+        for config, split in sweep_variants(k):
+            config = replace(config, block_m=block_m, fp8_mma=fp8_mma)
+            us = small_m.per_gemm_us(lambda w: decode_gemm.fused_act_quant_mm(x, *w, config=config, split=split),
+                                     weights, device, repeats)
+            if us < best[0]:
+                best = (us, f"BLOCK_N={config.block_n} warps={config.num_warps} stages={config.num_stages} "
+                            f"split={split}")
+        return best
+
+    (us, what), (mma_us, mma_what) = fastest(False), fastest(True)
+    return us, what + f" (FP8 MMA best: {mma_us:.1f} us with {mma_what})"
 
 
 def bench_decode(device, batch_sizes, layers, repeats, sweep, model="1.7b") -> list[dict]:

@@ -18,7 +18,7 @@ from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
 from miles_host.models.logprobs import chunked_log_probs, compute_logits
-from miles_host.models.mlp import MoE, GatedMLP
+from miles_host.models.mlp import Experts, GatedMLP, MoE, Router
 from miles_host.models.norm import RMSNorm
 from miles_host.models.rope import RotaryEmbedding
 from miles_host.models.self_attention import GQAAttention, MLAttention
@@ -104,6 +104,18 @@ class MTPLayer(DecoderLayer):
         self.head_norm = RMSNorm(config.hidden_size, eps)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def fresh(cls, config: ModelConfig, layer_index: int, routing_hooks: RoutingHooks) -> "MTPLayer":
+        """A layer no checkpoint fills (an online-trained draft): no private embedding/head
+        copies (the policy's are shared), every weight initialised (``torch.nn.Linear``'s
+        default; the MoE router and experts are otherwise allocated uninitialised)."""
+        layer = cls(config, layer_index, routing_hooks)
+        layer.embed_tokens = layer.head = None
+        for module in layer.modules():
+            if isinstance(module, (Router, Experts)):
+                module.reset_parameters()
+        return layer
 
 
 class CausalLM(torch.nn.Module):

@@ -9,9 +9,9 @@ itself), so the megatron backend runs the draft on it:
 
 - :func:`attach_mtp_block` builds a ``MultiTokenPredictionBlock`` from the policy's
   ``TransformerConfig`` with ``mtp_num_layers`` set and routing replay off for its
-  router (R3 replays the policy's layers only, as natively), initialises it with the
-  native fresh layer's initialisation (``miles_spec.draft.attach_mtp`` on a native
-  layer, mapped by :mod:`miles_megatron.weights`), and registers it as ``gpt.mtp``: its
+  router (R3 replays the policy's layers only, as natively), initialises it as the
+  native fresh draft (``MTPLayer.fresh``, mapped by :mod:`miles_megatron.weights`),
+  and registers it as ``gpt.mtp``: its
   parameters join the optimizer, ``state_dict`` exports them under the native
   ``mtp.0.*`` names, so weight sync carries the draft to the engine as natively.
 - :func:`draft_log_probs` runs the layer on the policy's last forward (kept by
@@ -41,19 +41,13 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
             "--enable-mtp-training with --train-backend megatron runs at tensor and expert parallel size 1 for "
             "now (the MTP layer is not in the TP/EP shard maps); use sizes 1 or --train-backend native"
         )
-    if getattr(policy.gpt, "mtp", None) is not None:
+    if policy.has_mtp_draft:
         return
     with quiet_imports():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
         from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-    from miles_megatron.policy import (
-        _no_expert_bias,
-        load_native_state,
-        pin_autocast,
-        residual_bias_dropout_add,
-        transformer_config,
-    )
+    from miles_megatron.policy import adjust_layer, pin_autocast, transformer_config
 
     config = transformer_config(policy.config)
     config.mtp_num_layers = num_layers
@@ -64,29 +58,26 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
         decoder_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         block = MultiTokenPredictionBlock(config, get_gpt_mtp_block_spec(config, decoder_spec, False))
     for layer in block.layers:
-        layer.transformer_layer.self_attn_bda = layer.transformer_layer.mlp_bda = residual_bias_dropout_add
-        router = getattr(layer.transformer_layer.mlp, "router", None)
-        if router is not None and not router.enable_expert_bias:
-            router._apply_expert_bias = _no_expert_bias
+        adjust_layer(layer.transformer_layer)
         pin_autocast(layer.transformer_layer, policy.autocast_state)
     policy.gpt.mtp = block.to(device)
-    mtp_state = {name: tensor for name, tensor in _fresh_native_mtp(policy.config).items()}
-    full = {**policy.state_dict(), **mtp_state}
-    load_native_state(policy.gpt, full, policy.config)
+    _load_fresh_native_draft(policy.gpt.mtp, policy.config)
 
 
-def _fresh_native_mtp(native_config: Any) -> dict[str, torch.Tensor]:
-    """``mtp.0.*`` weights of a freshly attached native draft layer (float32, CPU)."""
-    from miles_host.models.mlp import Experts, Router
+def _load_fresh_native_draft(block: torch.nn.Module, native_config: Any) -> None:
+    """The weights of a freshly attached native draft layer (``MTPLayer.fresh``), through the maps."""
     from miles_host.models.model import MTPLayer
     from miles_host.routing import NO_ROUTING_HOOKS
 
-    layer = MTPLayer(native_config, native_config.num_layers, NO_ROUTING_HOOKS)
-    layer.embed_tokens = layer.head = None
-    for module in layer.modules():
-        if isinstance(module, (Router, Experts)):
-            module.reset_parameters()
-    return {f"mtp.0.{name}": tensor.detach().float() for name, tensor in layer.state_dict().items()}
+    from miles_megatron.weights import native_to_megatron
+
+    layer = MTPLayer.fresh(native_config, native_config.num_layers, NO_ROUTING_HOOKS)
+    native = {f"mtp.0.{name}": tensor.detach().float() for name, tensor in layer.state_dict().items()}
+    state = {name.removeprefix("mtp."): tensor for name, tensor in native_to_megatron(native, native_config).items()}
+    missing, unexpected = block.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"native -> Megatron-Core MTP weights do not match: missing {missing}, unexpected {unexpected}")
 
 
 def draft_log_probs(policy: Any, batch: Any, rows_R: torch.Tensor, targets_R: torch.Tensor) -> torch.Tensor:

@@ -126,13 +126,18 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], current_sizes().tp)  # TP splits it evenly
         gpt = GPTModel(config, spec, **kwargs)
     for layer in gpt.decoder.layers:
-        layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
-        router = getattr(layer.mlp, "router", None)
-        if router is not None and not router.enable_expert_bias:
-            # torch.compile'd bookkeeping run at every routing that does nothing without an
-            # expert bias: skipped (no Dynamo trace per router, no compiler needed on GPU)
-            router._apply_expert_bias = _no_expert_bias
+        adjust_layer(layer)
     return gpt
+
+
+def adjust_layer(layer: torch.nn.Module) -> None:
+    """This backend's changes to a Megatron ``TransformerLayer`` (decoder and MTP layers alike)."""
+    layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
+    router = getattr(layer.mlp, "router", None)
+    if router is not None and not router.enable_expert_bias:
+        # torch.compile'd bookkeeping run at every routing that does nothing without an
+        # expert bias: skipped (no Dynamo trace per router, no compiler needed on GPU)
+        router._apply_expert_bias = _no_expert_bias
 
 
 def _no_expert_bias(routing_map, padding_mask=None) -> None:
@@ -311,7 +316,7 @@ class MegatronPolicy(torch.nn.Module):
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
-        if getattr(self.gpt, "mtp", None) is not None:  # what the draft's loss reads (no second forward)
+        if self.has_mtp_draft:  # what the draft's loss reads (no second forward)
             self.last_forward = MTPInputs(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH.detach())
         return layout.from_sb(hidden_SBH)
 

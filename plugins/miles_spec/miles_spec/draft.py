@@ -14,7 +14,7 @@ positions_T, attention) -> feature_TH`` and ``logits(feature_TH) -> logits_TV``
   from the checkpoint when it has MTP layers (DeepSeek-V3/GLM
   ``num_nextn_predict_layers``, through the host's ``mtp.*`` slot, exported
   back by ``save_pretrained`` for those families), else a fresh layer is
-  attached (:func:`attach_mtp`, ``torch.nn.Linear``'s default init, MoE router and experts too) and learns online with
+  attached (:func:`attach_mtp`, ``MTPLayer.fresh``: ``torch.nn.Linear``'s default init) and learns online with
   ``--enable-mtp-training``. Chain drafting feeds the layer's own output
   feature back as ``h`` for the next draft token (as SGLang does with one
   DeepSeek MTP layer), so one layer serves every draft step.
@@ -35,7 +35,6 @@ from typing import Any, Protocol
 import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
-from miles_host.models.mlp import Experts, Router
 from miles_host.models.model import CausalLM, DecoderLayer, MTPLayer
 from miles_host.models.rope import RotaryEmbedding
 
@@ -94,12 +93,7 @@ def attach_mtp(model: CausalLM, num_layers: int = 1) -> bool:
     config = model.config
     layers = []
     for j in range(num_layers):
-        layer = MTPLayer(config, config.num_layers + j, model.routing_hooks)
-        layer.embed_tokens = None  # shared with the policy
-        layer.head = None
-        for module in layer.modules():  # MoE router / experts are allocated uninitialised
-            if isinstance(module, (Router, Experts)):
-                module.reset_parameters()
+        layer = MTPLayer.fresh(config, config.num_layers + j, model.routing_hooks)
         layers.append(layer.to(device=reference.device, dtype=reference.dtype))
     model.mtp = torch.nn.ModuleList(layers)
     return True
