@@ -1,6 +1,7 @@
 """Rollout tok/s with and without speculative decoding (EAGLE/MTP draft trained online).
 
     python bench/spec_rollout.py            # H200: the 0.6B-shaped (Qwen3-0.6B) random model, bf16
+    python bench/spec_rollout.py --model 4b # a Qwen3-4B shape (bench/small_m.py's table): memory-bound steps
     python bench/spec_rollout.py --tiny     # CPU smoke test (hidden 64, 2 layers)
 
 Steps: (1) plain rollout of the prompts -> tok/s; (2) online training of a fresh
@@ -11,7 +12,13 @@ on those samples and a draft weight sync; each round's accepted length is
 reported (the rise); (3) the timed speculative rollout with the plain rollout's
 seed (samples the draft never trained on) -> tok/s, acceptance rate and mean
 accepted length. A random policy is peaky
-(weights scaled) so its outputs are learnable, like a trained model's.
+(weights scaled, the same logit statistics at every width) so its outputs are
+learnable, like a trained model's.
+
+Step costs: the mean plain decode step and speculative step (draft chain + verify
++ acceptance) in ms; their ratio is the accepted length at which speculation
+breaks even, so the speed-up at any accepted length follows. ``--profile``: the
+speculative steps' top GPU kernels (torch.profiler) of a short extra rollout, on stderr.
 
 Both rollouts use the same prompts, seed and sampling settings. On the GPU plain
 decode and the speculative steps run in CUDA graphs (``--spec-eager``: the
@@ -24,33 +31,46 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def build_policy(tiny: bool, directory: str, device: str, dtype: torch.dtype):
+
+def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype: torch.dtype):
+    """A random peaky Qwen3 saved in HF format; returns a loader of it (the engine's dtype and device).
+    Weight std ``0.04 * sqrt(1024 / hidden)``: the 0.6B shape's logit statistics at every width."""
     import transformers
 
+    from bench import small_m
     from miles_host.models import load_pretrained
 
     if tiny:
         config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                           max_position_embeddings=1024, tie_word_embeddings=False)
+        std = 0.15
     else:
-        config = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                                          head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True)
+        hidden, inter, heads, kv_heads, head_dim, layers = small_m.MODELS[model_name]
+        config = transformers.Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, head_dim=head_dim,
+                                          max_position_embeddings=40960, tie_word_embeddings=model_name != "8b")
+        std = 0.04 * (1024 / hidden) ** 0.5
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    build_device = "cpu" if tiny or model_name == "0.6b" else device  # large shapes: initialise on the GPU
+    with torch.device(build_device):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32 if tiny else dtype)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.15 if tiny else 0.04)
+                parameter.normal_(0.0, std)
     model.save_pretrained(directory)
+    del model
     return lambda: load_pretrained(directory, dtype=dtype, device=device)
 
 
@@ -155,6 +175,10 @@ def engine_memory(device: str) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
+    parser.add_argument("--model", default="0.6b", choices=["0.6b", "1.7b", "4b", "8b"],
+                        help="the policy's Qwen3 shape (bench/small_m.py)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rollouts, the speculative steps' top GPU kernels (stderr)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--num-steps", type=int, default=3, help="draft tokens per verify")
@@ -165,6 +189,26 @@ def parse_args() -> argparse.Namespace:
                         help="online rounds: speculative rollout on fresh samples, then train-steps/rounds draft steps")
     parser.add_argument("--spec-eager", action="store_true", help="speculative steps without CUDA graphs")
     return parser.parse_args()
+
+
+def profile_steps(engine, prompts, params) -> None:
+    """A short speculative rollout under torch.profiler: the top GPU kernels by total time, and the
+    GPU-busy fraction of the wall time (host gaps between steps show as the rest), on stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    wall_us = 1e6 * (time.perf_counter() - start)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"[spec_rollout] profile: {len(prompts)} prompts x {params['max_new_tokens']} tokens, wall {wall_us / 1e3:.1f} ms,"
+          f" GPU kernels {busy_us / 1e3:.1f} ms ({busy_us / wall_us:.0%})", file=sys.stderr)
+    for event in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {event.self_device_time_total / 1e3:9.2f} ms {event.count:7d} x  {event.key[:110]}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def free_memory() -> None:
@@ -199,7 +243,7 @@ def main() -> None:
     train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 200)
     begin = clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
-        load = build_policy(args.tiny, directory, device, dtype)
+        load = build_policy(args.tiny, args.model, directory, device, dtype)
         vocab = 128 if args.tiny else 151936
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(2, vocab, (64,), generator=generator).tolist() for _ in range(num_prompts)]
@@ -227,8 +271,15 @@ def main() -> None:
         spec_tokens = sum(len(o["output_ids"]) for o in spec_outputs)
         phase("speculative rollout", clock)
         graphs = spec.strategy.graphs
+        if args.profile and device == "cuda":
+            profile_steps(spec, prompts, {**params, "max_new_tokens": 64})
+        # every sequence decodes max_new tokens (ignore_eos) at once: one plain step per token,
+        # one speculative step per verify of the whole batch
+        plain_step_ms = 1e3 * plain_s / max_new
+        spec_step_ms = 1e3 * spec_s / max(1, counters.verify_steps / num_prompts)
         result = {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "model": "tiny" if args.tiny else args.model,
             "num_prompts": num_prompts, "max_new_tokens": max_new, "num_steps": args.num_steps,
             "temperature": args.temperature, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
@@ -237,6 +288,8 @@ def main() -> None:
             "speedup": (spec_tokens / spec_s) / (tokens / plain_s),
             "accept_rate": counters.accepted_tokens / max(1, counters.draft_tokens),
             "accept_len_mean": accept_len(counters),
+            "plain_step_ms": plain_step_ms, "spec_step_ms": spec_step_ms,
+            "break_even_accept_len": spec_step_ms / plain_step_ms,
             "plain_s": plain_s, "spec_s": spec_s, "spec_cuda_graphs": graphs is not None,
             "spec_graph_replays": graphs.num_replays if graphs is not None else 0,
             "bench_s": time.perf_counter() - begin,
