@@ -41,9 +41,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype: torch.dtype):
-    """A random peaky Qwen3 saved in HF format; returns a loader of it (the engine's dtype and device).
-    Weight std ``0.04 * sqrt(1024 / hidden)``: the 0.6B shape's logit statistics at every width."""
+def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype: torch.dtype,
+                 logit_std: float | None = None):
+    """A random Qwen3 saved in HF format; returns a loader of it (the engine's dtype and device).
+    Weight std ``0.04 * sqrt(1024 / hidden)``: logits of std ~1.28 at every width, nearly uniform
+    over a 151,936-token vocabulary (~11 nats). ``logit_std``: the final norm's weight scales the
+    logits to that std; a peaky policy (std 8-12: a few nats or less) samples like a trained one."""
     import transformers
 
     from bench import small_m
@@ -69,6 +72,8 @@ def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, std)
+        if logit_std is not None:
+            model.model.norm.weight.fill_(logit_std / (std * config.hidden_size ** 0.5))
     model.save_pretrained(directory)
     del model
     return lambda: load_pretrained(directory, dtype=dtype, device=device)
@@ -140,6 +145,12 @@ def train_online(load, engine, prompts, params, args, train_steps: int) -> tuple
     return losses, accept_lens
 
 
+def policy_nll(outputs: list[dict]) -> float:
+    """Mean -logprob of the sampled tokens (the policy's logprobs the engine returns)."""
+    values = [-entry[0] for o in outputs for entry in o["meta_info"].get("output_token_logprobs", [])]
+    return sum(values) / max(1, len(values))
+
+
 def accept_len(counters) -> float:
     """Mean tokens a verify step keeps (accepted drafts + the policy's own token)."""
     return 1 + counters.accepted_tokens / max(1, counters.verify_steps)
@@ -177,6 +188,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny model")
     parser.add_argument("--model", default="0.6b", choices=["0.6b", "1.7b", "4b", "8b"],
                         help="the policy's Qwen3 shape (bench/small_m.py)")
+    parser.add_argument("--logit-std", type=float, default=None,
+                        help="scale the random policy's logits to this std (peakier: a trained model's entropy)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed rollouts, the speculative steps' top GPU kernels (stderr)")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -243,7 +256,7 @@ def main() -> None:
     train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 200)
     begin = clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
-        load = build_policy(args.tiny, args.model, directory, device, dtype)
+        load = build_policy(args.tiny, args.model, directory, device, dtype, args.logit_std)
         vocab = 128 if args.tiny else 151936
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(2, vocab, (64,), generator=generator).tolist() for _ in range(num_prompts)]
@@ -281,9 +294,12 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "model": "tiny" if args.tiny else args.model,
             "num_prompts": num_prompts, "max_new_tokens": max_new, "num_steps": args.num_steps,
-            "temperature": args.temperature, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
+            "temperature": args.temperature, "logit_std": args.logit_std, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
             "accept_len_per_round": round_accept_lens,
+            # the policy's sampling entropy (mean -logprob of its sampled tokens): a trained model
+            # sampling reasoning at temperature 1 is well under 1 nat, where drafts get long accepts
+            "policy_nll_mean": policy_nll(outputs),
             "plain_tok_per_s": tokens / plain_s, "spec_tok_per_s": spec_tokens / spec_s,
             "speedup": (spec_tokens / spec_s) / (tokens / plain_s),
             "accept_rate": counters.accepted_tokens / max(1, counters.draft_tokens),

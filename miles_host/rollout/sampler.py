@@ -106,6 +106,42 @@ def truncation_mask(
     return torch.empty_like(keep_BV).scatter_(1, order_BV, keep_BV)
 
 
+#: tokens per chunk of :func:`inverse_cdf`'s two-level search
+CDF_CHUNK = 1024
+
+
+def inverse_cdf(weights_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """One token per row of the non-negative ``weights_BV`` (normalised or not), drawn by
+    inverting the row's CDF at ``uniforms_B`` (in ``[0, 1)``): the first token whose running
+    sum exceeds ``u * total``. A zero-weight token is never drawn; a target rounded up to the
+    total falls back to the heaviest token.
+
+    Two levels, so that no scan runs over a whole vocabulary row (a [16, 151,936] cumsum is one
+    thread block per row: ~0.2 ms on an H200, a tenth of a 0.6B model's decode step): chunk sums
+    of ``CDF_CHUNK`` tokens, the chunk whose running sum passes the target, then the scan of that
+    chunk only. The same draw as one scan up to float rounding of the running sums.
+    """
+    batch, vocab = weights_BV.shape
+    if vocab <= CDF_CHUNK:
+        cdf_BV = weights_BV.cumsum(dim=-1)
+        index_B = torch.searchsorted(cdf_BV, uniforms_B[:, None] * cdf_BV[:, -1:], right=True)[:, 0]
+        return torch.where(index_B < vocab, index_B, weights_BV.argmax(dim=-1))
+    pad = -vocab % CDF_CHUNK
+    chunks_BCL = torch.nn.functional.pad(weights_BV, (0, pad)).view(batch, -1, CDF_CHUNK)
+    num_chunks = chunks_BCL.shape[1]
+    chunk_cdf_BC = chunks_BCL.sum(dim=-1).cumsum(dim=-1)
+    target_B1 = uniforms_B[:, None] * chunk_cdf_BC[:, -1:]
+    chunk_B = torch.searchsorted(chunk_cdf_BC, target_B1, right=True)[:, 0]
+    inside_B = chunk_B < num_chunks
+    chunk_B = chunk_B.clamp_max(num_chunks - 1)
+    before_B1 = torch.where(chunk_B[:, None] > 0, chunk_cdf_BC.gather(1, (chunk_B[:, None] - 1).clamp_min(0)), 0.0)
+    rows_BL = chunks_BCL[torch.arange(batch, device=weights_BV.device), chunk_B]
+    offset_B = torch.searchsorted(rows_BL.cumsum(dim=-1), target_B1 - before_B1, right=True)[:, 0]
+    # the chunk's own scan may round below its sum: its heaviest token (positive: the chunk was passed)
+    offset_B = torch.where(offset_B < CDF_CHUNK, offset_B, rows_BL.argmax(dim=-1))
+    return torch.where(inside_B, chunk_B * CDF_CHUNK + offset_B, weights_BV.argmax(dim=-1))
+
+
 def exponential_noise(
     shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device
 ) -> torch.Tensor:
@@ -190,14 +226,9 @@ def sample(
     for row, token_ids in enumerate(batch.banned):
         if token_ids:
             probs_BV[row, token_ids] = 0.0
-    cdf_BV = probs_BV.cumsum(dim=-1)
     if uniforms_B is None:
         uniforms_B = row_uniforms(batch.generators, logits_BV.device)
-    target_B1 = uniforms_B.to(cdf_BV.dtype)[:, None] * cdf_BV[:, -1:]
-    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
-    # a target rounded up to the total (probability ~1e-7): the most likely kept token
-    vocab = logits_BV.shape[-1]
-    tokens_B = torch.where(tokens_B < vocab, tokens_B, probs_BV.argmax(dim=-1))
+    tokens_B = inverse_cdf(probs_BV, uniforms_B.to(probs_BV.dtype))
     if batch.any_greedy:
         tokens_B = torch.where(batch.greedy_B, choice_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

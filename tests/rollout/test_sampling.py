@@ -148,3 +148,32 @@ def test_vectorised_seeded_uniforms_equal_the_scalar_formula():
     got = seeded_uniforms(*map(list, zip(*cases)))
     assert got.dtype.name == "float32"
     assert got.tolist() == [seeded_uniform(*case) for case in cases]
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 1500, 151936])
+def test_inverse_cdf_is_the_float64_scan(vocab):
+    """The two-level inverse CDF draws the token a float64 single scan gives (targets away
+    from a boundary by more than float32 rounding), never a zero-weight token, and falls
+    back to the heaviest token when the target reaches the total."""
+    from miles_host.rollout.sampler import inverse_cdf
+
+    generator = torch.Generator().manual_seed(vocab)
+    weights_BV = torch.rand(64, vocab, generator=generator) ** 4
+    weights_BV[weights_BV < 0.3] = 0.0  # many zero-weight tokens, some whole chunks empty
+    weights_BV[:, -1] += 0.05            # (a distribution has a positive token)
+    weights_BV[1, : vocab // 2] = 0.0
+    weights_BV[2] = 0.0
+    weights_BV[2, vocab - 1] = 1.0      # only the last token
+    uniforms_B = torch.rand(64, generator=generator)
+    uniforms_B[:3] = torch.tensor([0.0, 0.5, 0.999999])
+    got_B = inverse_cdf(weights_BV, uniforms_B)
+    cdf_BV = weights_BV.double().cumsum(-1)
+    targets_B = uniforms_B.double() * cdf_BV[:, -1]
+    expected_B = (cdf_BV <= targets_B[:, None]).sum(-1)
+    gap_B = (cdf_BV - targets_B[:, None]).abs().min(-1).values / cdf_BV[:, -1]
+    clear_B = gap_B > 2e-6
+    assert clear_B.sum() > 32
+    assert torch.equal(got_B[clear_B], expected_B[clear_B])
+    assert bool((weights_BV.gather(1, got_B[:, None]) > 0).all())
+    assert got_B[2] == vocab - 1
+    assert inverse_cdf(weights_BV[:1], torch.ones(1))[0] == weights_BV[0].argmax()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from miles_host.rollout.sampler import SamplingBatch, seeded_uniforms, truncation_mask
+from miles_host.rollout.sampler import SamplingBatch, inverse_cdf, seeded_uniforms, truncation_mask
 from miles_host.rollout.sampling_params import SamplingParams
 
 
@@ -81,16 +81,6 @@ def distributions(
 def _one_hot_argmax(logits_BJV: torch.Tensor) -> torch.Tensor:
     """``[B, J, V]`` float32 one-hot of each row's argmax."""
     return torch.zeros_like(logits_BJV).scatter_(-1, logits_BJV.argmax(-1, keepdim=True), 1.0)
-
-
-def inverse_cdf(weights_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
-    """One token per row of the non-negative ``weights_BV`` (normalised or not), drawn by
-    inverting the row's CDF at ``uniforms_B`` (float32 in ``[0, 1)``). A zero-weight token is
-    never drawn; a target rounded up to the row total falls back to the heaviest token."""
-    cdf_BV = weights_BV.cumsum(dim=-1)
-    targets_B1 = uniforms_B[:, None] * cdf_BV[:, -1:]
-    index_B = torch.searchsorted(cdf_BV, targets_B1, right=True)[:, 0]
-    return torch.where(index_B < weights_BV.shape[-1], index_B, weights_BV.argmax(dim=-1))
 
 
 def step_uniforms(seqs, num_steps: int) -> np.ndarray:

@@ -25,8 +25,9 @@ import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.cuda_graphs import stack_routes
+from miles_host.rollout.sampler import inverse_cdf
 
-from miles_spec.sampling import RowSettings, accept, distributions, inverse_cdf
+from miles_spec.sampling import RowSettings, accept, distributions
 
 
 @dataclass
