@@ -66,6 +66,7 @@ for step in "${steps[@]}"; do
     spec_greedy) run spec_greedy 300 python3 bench/spec_rollout.py --temperature 0 ;;
     spec_small) run spec_small 300 python3 bench/spec_rollout.py --num-prompts 16 --profile ;;  # memory-bound batch (a rollout's tail)
     spec_4b) run spec_4b 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --profile ;;  # a memory-bound policy
+    spec_4b_greedy) run spec_4b_greedy 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --temperature 0 ;;
     spec_4b_peaky) run spec_4b_peaky 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --logit-std 10 ;;
     spec_tests) run spec_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/spec \
       tests/rollout/test_sampling.py tests/rollout/test_gpu_engine.py ;;

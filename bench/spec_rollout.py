@@ -6,11 +6,11 @@
 
 Steps: (1) plain rollout of the prompts -> tok/s; (2) online training of a fresh
 MTP draft head (the MTP loss of miles-spec), as a run does it: ``--train-rounds``
-rounds, each a speculative rollout of the prompts with a new sampling seed (fresh
-samples, as each RL step brings) followed by ``--train-steps / rounds`` draft steps
+rounds, each a speculative rollout of fresh prompts (a new random prompt set each
+round, and a new sampling seed, as each RL step brings new samples) followed by ``--train-steps / rounds`` draft steps
 on those samples and a draft weight sync; each round's accepted length is
 reported (the rise); (3) the timed speculative rollout with the plain rollout's
-seed (samples the draft never trained on) -> tok/s, acceptance rate and mean
+seed (prompts and samples the draft never trained on) -> tok/s, acceptance rate and mean
 accepted length. A random policy is peaky
 (weights scaled, the same logit statistics at every width) so its outputs are
 learnable, like a trained model's.
@@ -126,14 +126,21 @@ class DraftTrainer:
         engine.update_weights([(k, v) for k, v in self.model.state_dict().items() if k.startswith("mtp.")])
 
 
-def train_online(load, engine, prompts, params, args, train_steps: int) -> tuple[list[float], list[float]]:
+def random_prompts(count: int, vocab: int, seed: int, length: int = 64) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def train_online(load, engine, num_prompts: int, vocab: int, params, args, train_steps: int):
     """Online draft training as a run does it: each round rolls out with speculation on fresh
-    samples (a new sampling seed), trains the draft on them, syncs it. Returns the draft
-    losses and each round's mean accepted length (the rise the online training buys)."""
+    samples (new prompts, none of the timed rollout's, and a new sampling seed: at temperature 0
+    the timed outputs could otherwise be memorised), trains the draft on them, syncs it. Returns
+    the draft losses and each round's mean accepted length (the rise the online training buys)."""
     trainer = DraftTrainer(load, engine, args.lr)
     rounds = max(1, args.train_rounds)
     losses, accept_lens = [], []
     for index in range(rounds):
+        prompts = random_prompts(num_prompts, vocab, seed=1 + index)
         _, outputs = rollout(engine, prompts, {**params, "sampling_seed": 1000 + index})
         accept_lens.append(accept_len(engine.strategy.pop_counters()))
         steps = train_steps // rounds + (1 if index < train_steps % rounds else 0)
@@ -258,8 +265,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         load = build_policy(args.tiny, args.model, directory, device, dtype, args.logit_std)
         vocab = 128 if args.tiny else 151936
-        generator = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(2, vocab, (64,), generator=generator).tolist() for _ in range(num_prompts)]
+        prompts = random_prompts(num_prompts, vocab, seed=0)
         params = {"temperature": args.temperature, "max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 0}
         clock = phase("random policy", clock)
         # warm-up: every prompt (both engines then find them in the prefix cache), a few steps at the
@@ -277,7 +283,7 @@ def main() -> None:
         clock = phase("speculative engine (CUDA graphs captured)", clock)
         rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
-        losses, round_accept_lens = train_online(load, spec, prompts, params, args, train_steps)
+        losses, round_accept_lens = train_online(load, spec, num_prompts, vocab, params, args, train_steps)
         clock = phase("draft training", clock)
         spec_s, spec_outputs = rollout(spec, prompts, params)
         counters = spec.strategy.pop_counters()
