@@ -10,6 +10,7 @@
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
 #        spec_4b (the Qwen3-4B shape, 16 sequences: where a step is weight reading, not kernel launches)
 #        spec_4b_peaky (the same with logits of std 10: a trained model's entropy) spec_tests (GPU tests of miles-spec and the sampler)
+#        spec_4b_bigram (the 4B shape fine-tuned on a noisy bigram language: a policy with structure a draft can learn)
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2 and EP=2 against TP=1)
@@ -67,6 +68,7 @@ for step in "${steps[@]}"; do
     spec_small) run spec_small 300 python3 bench/spec_rollout.py --num-prompts 16 --profile ;;  # memory-bound batch (a rollout's tail)
     spec_4b) run spec_4b 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --profile ;;  # a memory-bound policy
     spec_4b_greedy) run spec_4b_greedy 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --temperature 0 ;;
+    spec_4b_bigram) run spec_4b_bigram 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --policy bigram ;;
     spec_4b_peaky) run spec_4b_peaky 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --logit-std 10 ;;
     spec_tests) run spec_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/spec \
       tests/rollout/test_sampling.py tests/rollout/test_gpu_engine.py ;;

@@ -42,11 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype: torch.dtype,
-                 logit_std: float | None = None):
+                 logit_std: float | None = None, language=None, sft_steps: int = 0):
     """A random Qwen3 saved in HF format; returns a loader of it (the engine's dtype and device).
     Weight std ``0.04 * sqrt(1024 / hidden)``: logits of std ~1.28 at every width, nearly uniform
     over a 151,936-token vocabulary (~11 nats). ``logit_std``: the final norm's weight scales the
-    logits to that std; a peaky policy (std 8-12: a few nats or less) samples like a trained one."""
+    logits to that std. ``language``: fine-tuned on it for ``sft_steps`` steps
+    (``bench/structured_policy.py``) in float32, saved in the engine's dtype."""
     import transformers
 
     from bench import small_m
@@ -67,15 +68,25 @@ def build_policy(tiny: bool, model_name: str, directory: str, device: str, dtype
     torch.manual_seed(0)
     build_device = "cpu" if tiny or model_name == "0.6b" else device  # large shapes: initialise on the GPU
     with torch.device(build_device):
-        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32 if tiny else dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = model.to(torch.float32 if tiny or language is not None else dtype)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, std)
         if logit_std is not None:
             model.model.norm.weight.fill_(logit_std / (std * config.hidden_size ** 0.5))
+    if language is not None:
+        from bench.structured_policy import fine_tune
+
+        model.to(device)
+        fine_tune(model, language, sft_steps, batch=4 if tiny else 8, length=128 if tiny else 256,
+                  lr=3e-3 if tiny else 3e-4)
+        model.to(dtype)
+        free_memory()
     model.save_pretrained(directory)
     del model
+    free_memory()
     return lambda: load_pretrained(directory, dtype=dtype, device=device)
 
 
@@ -131,7 +142,14 @@ def random_prompts(count: int, vocab: int, seed: int, length: int = 64) -> list[
     return [torch.randint(2, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
-def train_online(load, engine, num_prompts: int, vocab: int, params, args, train_steps: int):
+def prompt_maker(language, vocab: int):
+    """``(count, seed) -> prompts``: random tokens, or 64-token texts of the policy's language."""
+    if language is None:
+        return lambda count, seed: random_prompts(count, vocab, seed)
+    return lambda count, seed: language.sample(count, 64, seed)
+
+
+def train_online(load, engine, num_prompts: int, make_prompts, params, args, train_steps: int):
     """Online draft training as a run does it: each round rolls out with speculation on fresh
     samples (new prompts, none of the timed rollout's, and a new sampling seed: at temperature 0
     the timed outputs could otherwise be memorised), trains the draft on them, syncs it. Returns
@@ -140,7 +158,7 @@ def train_online(load, engine, num_prompts: int, vocab: int, params, args, train
     rounds = max(1, args.train_rounds)
     losses, accept_lens = [], []
     for index in range(rounds):
-        prompts = random_prompts(num_prompts, vocab, seed=1 + index)
+        prompts = make_prompts(num_prompts, 1 + index)
         _, outputs = rollout(engine, prompts, {**params, "sampling_seed": 1000 + index})
         accept_lens.append(accept_len(engine.strategy.pop_counters()))
         steps = train_steps // rounds + (1 if index < train_steps % rounds else 0)
@@ -197,6 +215,9 @@ def parse_args() -> argparse.Namespace:
                         help="the policy's Qwen3 shape (bench/small_m.py)")
     parser.add_argument("--logit-std", type=float, default=None,
                         help="scale the random policy's logits to this std (peakier: a trained model's entropy)")
+    parser.add_argument("--policy", choices=["random", "bigram"], default="random",
+                        help="bigram: the random policy fine-tuned on a noisy bigram language (bench/structured_policy.py)")
+    parser.add_argument("--sft-steps", type=int, default=None, help="fine-tuning steps of --policy bigram")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed rollouts, the speculative steps' top GPU kernels (stderr)")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -263,11 +284,18 @@ def main() -> None:
     train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 200)
     begin = clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
-        load = build_policy(args.tiny, args.model, directory, device, dtype, args.logit_std)
         vocab = 128 if args.tiny else 151936
-        prompts = random_prompts(num_prompts, vocab, seed=0)
+        language = None
+        if args.policy == "bigram":
+            from bench.structured_policy import BigramLanguage
+
+            language = BigramLanguage(vocab, 32 if args.tiny else 512)
+        sft_steps = args.sft_steps if args.sft_steps is not None else (150 if args.tiny else 150)
+        load = build_policy(args.tiny, args.model, directory, device, dtype, args.logit_std, language, sft_steps)
+        make_prompts = prompt_maker(language, vocab)
+        prompts = make_prompts(num_prompts, 0)
         params = {"temperature": args.temperature, "max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 0}
-        clock = phase("random policy", clock)
+        clock = phase(f"{args.policy} policy", clock)
         # warm-up: every prompt (both engines then find them in the prefix cache), a few steps at the
         # timed batch size (Triton compilation, a graph variant captured on first use)
         warm_up = {**params, "max_new_tokens": 2 * (args.num_steps + 1)}
@@ -283,7 +311,7 @@ def main() -> None:
         clock = phase("speculative engine (CUDA graphs captured)", clock)
         rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
-        losses, round_accept_lens = train_online(load, spec, num_prompts, vocab, params, args, train_steps)
+        losses, round_accept_lens = train_online(load, spec, num_prompts, make_prompts, params, args, train_steps)
         clock = phase("draft training", clock)
         spec_s, spec_outputs = rollout(spec, prompts, params)
         counters = spec.strategy.pop_counters()
@@ -300,7 +328,9 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "model": "tiny" if args.tiny else args.model,
             "num_prompts": num_prompts, "max_new_tokens": max_new, "num_steps": args.num_steps,
-            "temperature": args.temperature, "logit_std": args.logit_std, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
+            "temperature": args.temperature, "logit_std": args.logit_std, "policy": args.policy,
+            "sft_steps": sft_steps if language is not None else 0,
+            "language_entropy": language.entropy() if language is not None else None, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
             "accept_len_per_round": round_accept_lens,
             # the policy's sampling entropy (mean -logprob of its sampled tokens): a trained model
