@@ -19,7 +19,8 @@ itself), so the megatron backend runs the draft on it:
   states and embedding detached and the LM head detached, as the native loss does: the
   draft's loss trains the draft only.
 
-One rank only for now (TP = EP = 1): the MTP parameters are not in the TP/EP shard maps.
+One rank only for now (TP = EP = PP = 1): the MTP parameters are not in the TP/EP shard
+maps, nor placed on a pipeline stage.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
         raise ValueError(f"--mtp-num-layers {num_layers}: a freshly initialised draft supports 1 MTP layer")
     if policy.sizes.parallel:
         raise ValueError(
-            "--enable-mtp-training with --train-backend megatron runs at tensor and expert parallel size 1 for "
-            "now (the MTP layer is not in the TP/EP shard maps); use sizes 1 or --train-backend native"
+            "--enable-mtp-training with --train-backend megatron runs at tensor, expert and pipeline parallel "
+            "size 1 for now (the MTP layer is not in the TP/EP shard maps nor on a pipeline stage); use sizes 1 "
+            "or --train-backend native"
         )
     if policy.has_mtp_draft:
         return

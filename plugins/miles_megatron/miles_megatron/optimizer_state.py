@@ -1,11 +1,15 @@
-"""AdamW state of a TP/EP-sharded megatron trainer in checkpoints.
+"""AdamW state of a TP/EP-sharded or pipelined (PP) megatron trainer in checkpoints.
 
-The moments of each parameter have its shape, so they are gathered and sharded
-exactly as the weights are (:func:`~miles_megatron.parallel.gather_state`,
-:func:`~miles_megatron.parallel.shard_state`) and stored under native names:
+The moments of each parameter have its shape, so they are gathered and split
+exactly as the weights are (:func:`~miles_megatron.parallel.full_state`,
+:func:`~miles_megatron.parallel.rank_state`: TP/EP shards, PP stages renumbered to
+global layers) and stored under native names:
 ``{"moments": {"exp_avg": {native name: full tensor}, "exp_avg_sq": {...}},
-"step": float, "param_groups": [...]}``. A checkpoint written with one TP/EP
-layout loads into the same sizes (the trainer checks ``model_parallel``).
+"step": float, "param_groups": [...]}``. Under PP with tied embeddings the last
+stage's copy of the embedding has the same moments as the first stage's (their
+gradients are summed over both), so it is dropped on save and loaded from the
+embedding's. A checkpoint written with one layout loads into a model-parallel
+trainer (the trainer checks ``model_parallel``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ def _named_params(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
 
 def gather_optimizer_state(trainer: Any) -> dict | None:
     """A collective of every rank; rank 0 gets the full state, the others ``None``."""
-    from miles_megatron.parallel import gather_state
+    from miles_megatron.parallel import full_state
     from miles_megatron.runtime import on_device
     from miles_megatron.weights import megatron_to_native
 
@@ -39,7 +43,7 @@ def gather_optimizer_state(trainer: Any) -> dict | None:
                 if "step" in state:
                     step = float(state["step"])
                 local[name] = state[key].detach() if key in state else torch.zeros_like(param)
-            full = gather_state(local, trainer.model.gpt, trainer.model.config.vocab_size)
+            full = full_state(local, trainer.model.gpt, trainer.model.config.vocab_size)
             moments[key] = megatron_to_native(full, trainer.model.config) if trainer.rank == 0 else {}
     if trainer.rank != 0:
         return None
@@ -48,14 +52,14 @@ def gather_optimizer_state(trainer: Any) -> dict | None:
 
 
 def load_optimizer_state(trainer: Any, saved: dict) -> None:
-    """This rank's shard of :func:`gather_optimizer_state`'s result."""
-    from miles_megatron.parallel import shard_state
+    """This rank's part of :func:`gather_optimizer_state`'s result."""
+    from miles_megatron.parallel import rank_state
     from miles_megatron.weights import native_to_megatron
 
     optimizer = trainer.optimizer
     shards = {
-        key: shard_state(native_to_megatron(saved["moments"][key], trainer.model.config), trainer.model.gpt,
-                           trainer.model.config.vocab_size)
+        key: rank_state(native_to_megatron(saved["moments"][key], trainer.model.config), trainer.model.gpt,
+                        trainer.model.config.vocab_size)
         for key in MOMENTS
     }
     for name, param in _named_params(trainer):

@@ -1,8 +1,10 @@
 """Tensor (TP) and expert (EP) model parallelism of the megatron backend.
 
 ``TP * EP`` trainer processes (one of the two sizes 1), data-parallel size 1 in the
-host's sense: every rank sees the whole batch. Megatron's ``parallel_state`` gets
-the sizes; each rank builds its shard of the GPTModel and:
+host's sense: every rank sees the whole batch (pipeline parallelism, the third size,
+is :mod:`miles_megatron.pipeline`; :func:`rank_state` / :func:`full_state` combine the
+stage and shard maps). Megatron's ``parallel_state`` gets the sizes; each rank builds
+its shard of the GPTModel and:
 
 - :func:`shard_state`: takes its shard of the full Megatron-named state (what
   :func:`~miles_megatron.weights.native_to_megatron` gives), following Megatron's
@@ -26,7 +28,8 @@ the sizes; each rank builds its shard of the GPTModel and:
   gradient is EP times the one-process gradient (divided by EP), and the replicated
   weights' gradients are averaged over the EP ranks (they agree up to summation order).
 - :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model
-  (sharded gradients summed over the ranks, replicated ones counted once).
+  (sharded gradients summed over the ranks, replicated ones counted once per pipeline
+  stage, the last stage's copy of a tied embedding not at all).
 """
 
 from __future__ import annotations
@@ -43,12 +46,15 @@ _EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 
 @dataclass(frozen=True)
 class Sizes:
+    """Model-parallel sizes of the trainer group (its world is ``tp * ep * pp`` ranks)."""
+
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.ep
+        return self.tp * self.ep * self.pp
 
     @property
     def parallel(self) -> bool:
@@ -58,7 +64,8 @@ class Sizes:
 def current_sizes() -> Sizes:
     from megatron.core import parallel_state as ps
 
-    return Sizes(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+    return Sizes(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                 ps.get_pipeline_model_parallel_world_size())
 
 
 def _partition_dims(gpt: torch.nn.Module) -> dict[str, int]:
@@ -182,6 +189,24 @@ def gather_state(local: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_
     return out
 
 
+def rank_state(full: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+    """This rank's part of a full Megatron-named state: its pipeline stage's layers
+    (:func:`~miles_megatron.pipeline.stage_state`), then its TP/EP shard of them."""
+    from miles_megatron.pipeline import stage_state
+
+    if current_sizes().pp > 1:
+        full = stage_state(full, gpt)
+    return shard_state(full, gpt, vocab_size)
+
+
+def full_state(local: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`rank_state` (a collective of every rank; each gets the full state)."""
+    from miles_megatron.pipeline import gather_stages
+
+    state = gather_state(local, gpt, vocab_size)
+    return gather_stages(state, gpt) if current_sizes().pp > 1 else state
+
+
 def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The full ``[V, H]`` output weight from this rank's vocabulary rows, padding rows
     cut off (autograd: the backward keeps this rank's rows of the full gradient)."""
@@ -213,6 +238,10 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
             # see this rank's positions (miles_megatron.sequence_parallel): partial gradients
             if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                 dist.all_reduce(param.grad, group=group)
+    if sizes.pp > 1:
+        from miles_megatron.pipeline import reduce_tied_embedding_grads
+
+        reduce_tied_embedding_grads(gpt)
     if sizes.ep > 1:
         replicated = [p for n, p in named if not _EXPERT.match(n)]
         flat = torch.cat([p.grad.reshape(-1) for p in replicated])
@@ -228,22 +257,29 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
 
 
 def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch.Tensor:
-    """``clip_grad_norm_`` over the full model (see module doc)."""
+    """``clip_grad_norm_`` over the full model (see module doc); all ranks call it."""
+    from megatron.core import parallel_state as ps
+
+    from miles_megatron.pipeline import tied_output_copy
+
     named = [(n, p) for n, p in gpt.named_parameters() if p.grad is not None]
-    if not named:
-        return torch.tensor(0.0)
-    device = named[0][1].grad.device
+    device = named[0][1].grad.device if named else torch.device("cpu")
     dims = _partition_dims(gpt)
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
+    tied_copy = tied_output_copy(gpt) if sizes.pp > 1 else None
     for name, param in named:
+        if param is tied_copy:  # the first stage's embedding counts it
+            continue
         square = torch.linalg.vector_norm(param.grad.float()) ** 2
         if _is_sharded(name, dims, sizes):
             sharded += square
         else:
             replicated += square
     if sizes.parallel:
-        dist.all_reduce(sharded)  # the trainers' group: TP * EP ranks
+        dist.all_reduce(sharded)  # the trainers' group: TP * EP * PP ranks
+    if sizes.pp > 1:  # each stage's own weights, counted once per stage
+        dist.all_reduce(replicated, group=ps.get_pipeline_model_parallel_group())
     total = torch.sqrt(sharded + replicated)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, param in named:

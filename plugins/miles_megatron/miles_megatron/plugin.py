@@ -5,9 +5,10 @@ trainer (:mod:`miles_megatron.trainer`) runs the native trainer's RL step on a
 Megatron-Core ``GPTModel`` (local layer spec, no TransformerEngine) built from the
 family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
-Runs in one process (CPU or one GPU) at TP = EP = 1, or as TP * EP trainer processes
-(TP or EP above 1, gloo on CPU, NCCL on GPU; :mod:`miles_megatron.parallel`); PP,
-CP and TP with EP together are refused with the reason; ``--sequence-parallel`` runs
+Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * EP * PP trainer
+processes (TP, EP or PP above 1, one at a time; gloo on CPU, NCCL on GPU;
+:mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP and combinations
+of TP, EP and PP are refused with the reason; ``--sequence-parallel`` runs
 with TP (:mod:`miles_megatron.sequence_parallel`). ``--plugins spec
 --enable-mtp-training`` trains the draft on Megatron-Core's MTP layer at TP = EP = 1
 (:mod:`miles_megatron.mtp`). ``--plugins fp8`` runs
@@ -45,7 +46,7 @@ def _trainer_class():
 
 
 def _megatron_trainer(config, manager):
-    """One process at TP = EP = 1; else the host's trainer group of TP * EP ranks."""
+    """One process at TP = EP = PP = 1; else the host's trainer group of TP * EP * PP ranks."""
     from miles_megatron.runtime import model_parallel_world
 
     trainer_class = _trainer_class()
@@ -63,7 +64,7 @@ def miles_activate(args):
 
 def miles_configure(config):
     """Refuse placements the backend cannot honour before any work: one trainer process
-    per TP x EP rank (``--actor-num-gpus-per-node TP*EP``, data-parallel size 1)."""
+    per TP x EP x PP rank (``--actor-num-gpus-per-node TP*EP*PP``, data-parallel size 1)."""
     if config.train_backend != "megatron":
         return
     from miles_host.distributed.launcher import num_trainers, uses_ray, wants_distributed
@@ -76,21 +77,23 @@ def miles_configure(config):
         if num_trainers(config) != world or uses_ray(config):
             raise ValueError(
                 f"--train-backend megatron with TP {config.tensor_model_parallel_size} x EP "
-                f"{config.expert_model_parallel_size} runs {world} trainer processes on one node (data-parallel "
-                f"size 1): pass --actor-num-gpus-per-node {world} (got {num_trainers(config)} trainer(s)"
+                f"{config.expert_model_parallel_size} x PP {config.pipeline_model_parallel_size} runs {world} trainer "
+                f"processes on one node (data-parallel size 1): pass --actor-num-gpus-per-node {world} "
+                f"(got {num_trainers(config)} trainer(s)"
                 f"{', --use-ray' if uses_ray(config) else ''})"
             )
         return
     if wants_distributed(config):
         raise ValueError(
-            "--train-backend megatron runs its trainer in this process at TP = EP = 1: multi-process placement "
-            "(--use-ray, several trainers or engines, --rollout-backend process) is wired only for TP/EP > 1"
+            "--train-backend megatron runs its trainer in this process at TP = EP = PP = 1: multi-process "
+            "placement (--use-ray, several trainers or engines, --rollout-backend process) is wired only for "
+            "TP/EP/PP > 1"
         )
 
 
 def miles_register_train_backends():
     """The ``megatron`` training backend."""
     return [TrainBackend(
-        "megatron", "Megatron-Core GPTModel (local spec; TP or EP over processes, PP = 1)",
+        "megatron", "Megatron-Core GPTModel (local spec; TP, EP or PP over processes)",
         factory=_megatron_trainer, trainer_class=_trainer_class,
     )]

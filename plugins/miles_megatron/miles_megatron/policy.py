@@ -7,6 +7,8 @@ puts where the native trainer keeps its ``CausalLM``:
   (per-position float32 log-probs of the targets, optional entropy); the hidden
   states come from Megatron's embedding + decoder, the log-probs from the host's
   :func:`~miles_host.models.logprobs.chunked_log_probs` over Megatron's output weight.
+  Under PP the stages run it together (:mod:`miles_megatron.pipeline`): every stage
+  returns the last stage's values.
 - ``attach_mtp_draft`` / ``mtp_draft_log_probs``: the online-trained draft of miles-spec
   (``--enable-mtp-training``) as Megatron-Core's own ``MultiTokenPredictionLayer``
   (:mod:`miles_megatron.mtp`), same numbers as the native draft's loss.
@@ -15,8 +17,9 @@ puts where the native trainer keeps its ``CausalLM``:
 - ``state_dict()`` / ``load_state_dict()``: native names and layouts
   (:mod:`miles_megatron.weights`), so weight sync, ``--save-hf`` and checkpoints see
   what the native trainer gives them. Under TP/EP (:mod:`miles_megatron.parallel`)
-  the model is this rank's shard: ``load_state_dict`` takes the full weights and keeps
-  the shard, ``state_dict`` is a collective that gathers the full weights.
+  the model is this rank's shard, under PP its pipeline stage's layers
+  (:mod:`miles_megatron.pipeline`): ``load_state_dict`` takes the full weights and keeps
+  this rank's part, ``state_dict`` is a collective that gathers the full weights.
 
 Precision follows the native trainer: float32 parameters (the masters) and, on GPU,
 the forward under the trainer's bf16 autocast. Megatron-Core is written for bf16
@@ -36,6 +39,7 @@ computes what the native model computes under autocast:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -84,9 +88,10 @@ MOE_SETTINGS: dict[str, Any] = dict(
 )
 
 
-def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0):
+def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0, pp: int = 1):
     """Megatron ``TransformerConfig`` of a native config (unsupported features refused);
-    ``sequence_parallel_tp``: the TP size when sequence parallelism is on (0: off)."""
+    ``sequence_parallel_tp``: the TP size when sequence parallelism is on (0: off);
+    ``pp``: the pipeline size (each stage builds its slice of the layers)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = megatron_transformer_config_kwargs(native_config)
@@ -97,6 +102,12 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if sequence_parallel_tp:
         kwargs.update(sequence_parallel=True, tensor_model_parallel_size=sequence_parallel_tp)
+    if pp > 1:
+        from miles_megatron.pipeline import check_layers
+
+        check_layers(native_config.num_layers, pp)
+        # the stages exchange the float32 residual stream
+        kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=LOCAL_SETTINGS["params_dtype"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Apex/TE fallbacks
         return TransformerConfig(**kwargs)
@@ -114,20 +125,37 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
 
     from miles_megatron.parallel import current_sizes, padded_vocab
 
-    config = transformer_config(native_config, recompute, current_sizes().tp if sequence_parallel else 0)
+    sizes = current_sizes()
+    config = transformer_config(native_config, recompute, sizes.tp if sequence_parallel else 0, sizes.pp)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # this stage's layers
         if sequence_parallel:
             from miles_megatron.sequence_parallel import norms_for_sequence_parallel
 
             spec = norms_for_sequence_parallel(spec)
         kwargs = gpt_model_kwargs(native_config)
-        kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], current_sizes().tp)  # TP splits it evenly
+        kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], sizes.tp)  # TP splits it evenly
+        if sizes.pp > 1:
+            kwargs.update(_stage_kwargs())
         gpt = GPTModel(config, spec, **kwargs)
     for layer in gpt.decoder.layers:
         adjust_layer(layer)
     return gpt
+
+
+def _stage_kwargs() -> dict[str, Any]:
+    """GPTModel arguments of this pipeline stage: embedding on the first, final norm and
+    output layer on the last; no embedding group, so Megatron does not all-reduce the
+    tied copy at construction (it moves it with ``.cuda()``, which fails on CPU): the
+    copy is loaded with the weights (:func:`miles_megatron.pipeline.stage_state`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.embd = None
+    return dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                pg_collection=groups)
 
 
 def adjust_layer(layer: torch.nn.Module) -> None:
@@ -161,14 +189,16 @@ def residual_bias_dropout_add(training: bool, fused: bool):
 
 
 @dataclass
-class MTPInputs:
-    """What the MTP draft's loss reads from the policy's last forward (padded [S, B] layout)."""
+class DecoderPass:
+    """One forward through this rank's decoder layers (padded [S, B] layout); the MTP
+    draft's loss reads the policy's last one (``hidden_SBH`` then detached)."""
 
     layout: PaddedLayout
     ids_SB: torch.Tensor
     positions_SB: torch.Tensor
     rotary_SB1D: torch.Tensor
-    hidden_SBH: torch.Tensor  # final-norm hidden states, detached
+    #: this rank's output: the final-norm hidden states (under PP, the last stage's only)
+    hidden_SBH: torch.Tensor
 
 
 @dataclass
@@ -201,13 +231,13 @@ def pin_autocast(layer: torch.nn.Module, state: AutocastState) -> None:
 
 
 def load_native_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor], native_config: Any) -> None:
-    """Copy native-named (full) weights into ``gpt``, this rank's shard of them under
-    TP/EP (:func:`~miles_megatron.parallel.shard_state`); every Megatron weight must be given."""
-    from miles_megatron.parallel import current_sizes, shard_state
+    """Copy native-named (full) weights into ``gpt``, this rank's part of them under
+    TP/EP/PP (:func:`~miles_megatron.parallel.rank_state`); every Megatron weight must be given."""
+    from miles_megatron.parallel import current_sizes, rank_state
 
     megatron_state = native_to_megatron(state, native_config)
     if current_sizes().parallel:
-        megatron_state = shard_state(megatron_state, gpt, native_config.vocab_size)
+        megatron_state = rank_state(megatron_state, gpt, native_config.vocab_size)
     missing, unexpected = gpt.load_state_dict(megatron_state, strict=False)
     missing = [name for name in missing if not name.endswith("_extra_state")]
     if missing or unexpected:
@@ -223,7 +253,7 @@ class MegatronPolicy(torch.nn.Module):
 
         self.gpt = gpt
         self.config = native_config
-        #: TP / EP sizes this rank's shard belongs to
+        #: TP / EP / PP sizes this rank's part belongs to
         self.sizes = current_sizes()
         #: set by the host trainer; Megatron's recomputation is fixed when the model is built
         self.gradient_checkpointing = False
@@ -285,9 +315,9 @@ class MegatronPolicy(torch.nn.Module):
             if not name.endswith("_extra_state")
         }
         if self.sizes.parallel:  # a collective: every rank calls it and gets the full weights
-            from miles_megatron.parallel import gather_state
+            from miles_megatron.parallel import full_state
 
-            state = gather_state(state, self.gpt, self.config.vocab_size)
+            state = full_state(state, self.gpt, self.config.vocab_size)
         return megatron_to_native(state, self.config)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):  # noqa: D102
@@ -295,8 +325,9 @@ class MegatronPolicy(torch.nn.Module):
 
     # -- forward ----------------------------------------------------------------------
 
-    def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
-        """Final-norm hidden states ``[T, H]`` of packed sequences."""
+    def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None, stage_input=None) -> DecoderPass:
+        """This rank's layers on packed sequences: the embedding, or under PP on a later stage
+        ``stage_input(layout)`` (the previous stage's output), then the decoder layers."""
         device = input_ids_T.device
         sequence_parallel = self.gpt.config.sequence_parallel
         # sequence parallelism splits the sequence dim over the TP ranks: pad it to a multiple
@@ -306,19 +337,32 @@ class MegatronPolicy(torch.nn.Module):
         ids_SB = layout.to_sb(input_ids_T)
         positions_SB = layout.to_sb(positions_T)
         with on_device(device):
-            x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
+            if stage_input is None:
+                x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
+            else:
+                x_SBH = stage_input(layout)
+                self.gpt.decoder.set_input_tensor(x_SBH)  # where Megatron's non-first stage reads its input
             freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
             rotary_SB1D = freqs_PD[positions_SB]
             hidden_SBH = self.gpt.decoder(
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )
+            self.gpt.decoder.set_input_tensor(None)
             if sequence_parallel:  # this rank's sequence shard -> every position (the head is gathered too)
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+        return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH)
+
+    def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
+        """Final-norm hidden states ``[T, H]`` of packed sequences (not under PP, where they
+        exist on the last stage only: :meth:`packed_log_probs` runs the pipeline)."""
+        if self.sizes.pp > 1:
+            raise RuntimeError("forward_hidden runs the whole model; under pipeline parallelism use packed_log_probs")
+        run = self.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing)
         if self.has_mtp_draft:  # what the draft's loss reads (no second forward)
-            self.last_forward = MTPInputs(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH.detach())
-        return layout.from_sb(hidden_SBH)
+            self.last_forward = dataclasses.replace(run, hidden_SBH=run.hidden_SBH.detach())
+        return run.layout.from_sb(run.hidden_SBH)
 
     def attach_mtp_draft(self, num_layers: int = 1) -> None:
         """Give the policy an MTP draft layer (miles-spec's ``--enable-mtp-training``)."""
@@ -354,6 +398,11 @@ class MegatronPolicy(torch.nn.Module):
         if ctx is not None and ctx.batch_invariant:
             raise ValueError("--true-on-policy (batch-invariant forward) is not supported by --train-backend megatron")
         routing = ctx.routing if ctx is not None else None
+        if self.sizes.pp > 1:
+            from miles_megatron.pipeline import pipelined_log_probs
+
+            return pipelined_log_probs(self, input_ids_T, positions_T, cu_seqlens, target_ids_T, routing,
+                                       temperature, chunk_size, return_entropy)
         hidden_TH = self.forward_hidden(input_ids_T, positions_T, cu_seqlens, routing)
         return chunked_log_probs(
             hidden_TH, self.lm_head_weight, target_ids_T,

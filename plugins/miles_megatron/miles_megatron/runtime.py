@@ -1,10 +1,10 @@
 """Megatron-Core's process state for the one-process backend.
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
-  this version can honour (TP or EP above 1, one at a time; PP = CP = 1).
+  this version can honour (TP, EP or PP above 1, one at a time; CP = 1).
 - :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
   a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
-  store) at sizes 1, else the ``TP * EP`` trainer ranks' group.
+  store) at sizes 1, else the ``TP * EP * PP`` trainer ranks' group.
 - :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
   process's own CUDA generator).
 - :func:`on_device`: what Megatron code of the trainer runs under. On GPU, ``cuda:N``
@@ -45,48 +45,51 @@ def quiet_imports() -> Iterator[None]:
 
 
 def check_parallel_sizes(config: Any) -> None:
-    """What this version runs: TP or EP above 1 (one of them; one trainer process per
-    rank, data-parallel size 1); PP and CP stay 1."""
+    """What this version runs: TP, EP or PP above 1 (one of them; one trainer process per
+    rank, data-parallel size 1); CP stays 1."""
     sizes = {flag: getattr(config, dest) for flag, dest in PARALLEL_FLAGS.items()}
-    problems = [f"{flag} {sizes[flag]}" for flag in ("--pipeline-model-parallel-size", "--context-parallel-size")
-                if sizes[flag] != 1]
-    tp, ep = sizes["--tensor-model-parallel-size"], sizes["--expert-model-parallel-size"]
-    if tp > 1 and ep > 1:
-        problems.append(f"--tensor-model-parallel-size {tp} together with --expert-model-parallel-size {ep}")
+    cp = sizes["--context-parallel-size"]
+    problems = [f"--context-parallel-size {cp}"] if cp != 1 else []
+    above_one = [f"{flag} {sizes[flag]}" for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                                                      "--pipeline-model-parallel-size") if sizes[flag] > 1]
+    if len(above_one) > 1:
+        problems.append(" together with ".join(above_one))
     if problems:
         raise ValueError(
             f"--train-backend megatron: {', '.join(problems)} is not supported yet: this version runs "
-            "tensor parallelism (TP) or expert parallelism (EP) alone, one trainer process per rank, "
-            "with pipeline and context parallel sizes 1"
+            "tensor (TP), expert (EP) or pipeline (PP) parallelism alone, one trainer process per rank, "
+            "with context parallel size 1"
         )
 
 
 def model_parallel_world(config: Any) -> int:
-    """Trainer processes one model replica needs (TP * EP)."""
-    return int(config.tensor_model_parallel_size) * int(config.expert_model_parallel_size)
+    """Trainer processes one model replica needs (TP * EP * PP)."""
+    return (int(config.tensor_model_parallel_size) * int(config.expert_model_parallel_size)
+            * int(config.pipeline_model_parallel_size))
 
 
-def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1) -> None:
-    """Megatron ``parallel_state`` with TP = ``tp`` and EP = ``ep`` (PP = CP = 1).
+def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+    """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
-    default group must already hold the ``tp * ep`` trainer ranks (the launcher's
-    trainer group, see :mod:`miles_megatron.launch`)."""
+    default group must already hold the ``tp * ep * pp`` trainer ranks (the launcher's
+    trainer group, see :mod:`miles_host.distributed.launcher`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    world = tp * ep
+    world = tp * ep * pp
+    what = f"TP {tp} x EP {ep} x PP {pp}"
     if not dist.is_initialized():
         if world != 1:
             raise ValueError(
-                f"--train-backend megatron with TP {tp} x EP {ep} needs {world} trainer processes in a default "
+                f"--train-backend megatron with {what} needs {world} trainer processes in a default "
                 "process group (started by the trainer launcher); none exists here"
             )
         backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     elif dist.get_world_size() != world:
         raise ValueError(
-            f"--train-backend megatron with TP {tp} x EP {ep} runs {world} trainer process(es), but "
+            f"--train-backend megatron with {what} runs {world} trainer process(es), but "
             f"torch.distributed has {dist.get_world_size()} ranks here"
         )
     global _STATE_ON
@@ -95,11 +98,13 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1) -> None:
         # left by an earlier run whose default group is gone (the launcher destroys it)
         parallel_state.destroy_model_parallel()
     if parallel_state.model_parallel_is_initialized():
-        have = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_model_parallel_world_size())
-        if have != (tp, ep):
-            raise ValueError(f"Megatron's parallel state already has TP x EP = {have}, not {(tp, ep)}")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, ep, pp):
+            raise ValueError(f"Megatron's parallel state already has TP x EP x PP = {have}, not {(tp, ep, pp)}")
     else:
-        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         _STATE_ON = weakref.ref(default)
     _fix_megatron_without_te()
 

@@ -6,10 +6,10 @@ old/reference log-probs, micro-batching, the policy loss of
 :mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping,
 the LR schedule, metrics, weight export and checkpoints are the host's code; only
 the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
-``parallel_state`` over a one-rank group), or ``TP * EP`` processes, one rank each
-(TP or EP above 1, data-parallel size 1: every rank trains on the whole batch;
-:mod:`miles_megatron.parallel`, started as the trainer group of
-:mod:`miles_host.distributed.launcher`); PP and CP above 1 are refused;
+``parallel_state`` over a one-rank group), or ``TP * EP * PP`` processes, one rank each
+(TP, EP or PP above 1, one at a time; data-parallel size 1: every rank trains on the
+whole batch; :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`, started as
+the trainer group of :mod:`miles_host.distributed.launcher`); CP above 1 is refused;
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).
 On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
 precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
@@ -53,10 +53,10 @@ class MegatronTrainer(NativeTrainer):
     """The native trainer over a Megatron-Core GPTModel (see module doc).
 
     ``(config, manager)`` in one process; ``(config, manager, group, rank, world)`` as
-    a rank of the host's trainer group (``world`` = TP * EP, the group the default one)."""
+    a rank of the host's trainer group (``world`` = TP * EP * PP, the group the default one)."""
 
     backend = "megatron"
-    #: under TP/EP ``state_dict`` gathers the optimizer state: every rank must call it
+    #: under TP/EP/PP ``state_dict`` gathers the optimizer state: every rank must call it
     #: (and the trainer group's process group is the default one, which Megatron needs)
     collective_state_dict = True
 
@@ -64,15 +64,16 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.parallel import Sizes
 
         check_supported(config)
-        self.sizes = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size))
+        self.sizes = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
+                           int(config.pipeline_model_parallel_size))
         if world != self.sizes.world:
             raise ValueError(
-                f"--train-backend megatron with TP {self.sizes.tp} x EP {self.sizes.ep} needs {self.sizes.world} "
-                f"trainer processes, got {world}"
+                f"--train-backend megatron with TP {self.sizes.tp} x EP {self.sizes.ep} x PP {self.sizes.pp} needs "
+                f"{self.sizes.world} trainer processes, got {world}"
             )
         self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)
-        init_model_parallel(device, self.sizes.tp, self.sizes.ep)
+        init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp)
         seed_rng(config.seed, device)
         # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
         single = copy.copy(config)
@@ -82,7 +83,7 @@ class MegatronTrainer(NativeTrainer):
         self.config = config
         if self.sizes.parallel and self.critic is not None:
             raise ValueError(
-                f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP megatron "
+                f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
                 "trainer does not shard yet; use a critic-free estimator (grpo, gspo, rloo, ...)"
             )
         self._full_state: dict[str, torch.Tensor] | None = None
@@ -90,7 +91,7 @@ class MegatronTrainer(NativeTrainer):
             self._gather_full_state()
 
     def close(self) -> None:
-        """Under TP/EP: leave Megatron's parallel state and the trainers' default group."""
+        """Under TP/EP/PP: leave Megatron's parallel state and the trainers' default group."""
         if not self.sizes.parallel:
             return
         from megatron.core import parallel_state
@@ -131,7 +132,7 @@ class MegatronTrainer(NativeTrainer):
             return super().response_log_probs(model, batch, with_entropy)
 
     def _clip_grads(self) -> torch.Tensor:
-        """Under TP/EP: Megatron's gradient reductions, then the norm over the whole model."""
+        """Under TP/EP/PP: Megatron's gradient reductions, then the norm over the whole model."""
         if not self.sizes.parallel:
             return super()._clip_grads()
         from miles_megatron.parallel import clip_grad_norm, finalize_grads
@@ -148,7 +149,7 @@ class MegatronTrainer(NativeTrainer):
         self._full_state = full if self.rank == 0 else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Native-named weights (under TP/EP: gathered after the last ``train``, rank 0)."""
+        """Native-named weights (under TP/EP/PP: gathered after the last ``train``, rank 0)."""
         if not self.sizes.parallel:
             return self.model.state_dict()
         assert self._full_state is not None, "the gathered weights are kept on rank 0 only"
@@ -161,7 +162,7 @@ class MegatronTrainer(NativeTrainer):
     def state_dict(self) -> dict:
         """The native trainer's checkpoint (model under native names), tagged with the
         backend: the optimizer state is indexed in Megatron's parameter order (under
-        TP/EP gathered to full native-named moments; a collective)."""
+        TP/EP/PP gathered to full native-named moments; a collective)."""
         if not self.sizes.parallel:
             return {**super().state_dict(), "train_backend": self.backend}
         from miles_megatron.optimizer_state import gather_optimizer_state
@@ -173,7 +174,7 @@ class MegatronTrainer(NativeTrainer):
             "consecutive_nan_steps": self.consecutive_nan_steps,
             "critic": None,
             "train_backend": self.backend,
-            "model_parallel": {"tp": self.sizes.tp, "ep": self.sizes.ep},
+            "model_parallel": {"tp": self.sizes.tp, "ep": self.sizes.ep, "pp": self.sizes.pp},
         }
 
     def load_state_dict(self, state: dict) -> None:

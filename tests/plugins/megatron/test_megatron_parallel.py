@@ -1,10 +1,12 @@
-"""``--train-backend megatron`` with TP = 2 or EP = 2: two trainer processes (gloo, CPU,
-float32) started by the host's trainer launcher, data-parallel size 1.
+"""``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2: two trainer processes (gloo,
+CPU, float32) started by the host's trainer launcher, data-parallel size 1.
 
-Two optimizer steps give the one-process (TP = EP = 1) losses, gradient norms and
+Two optimizer steps give the one-process (TP = EP = PP = 1) losses, gradient norms and
 final weights; the weights gathered on rank 0 are complete under HF/native names;
-a checkpoint (gathered optimizer state) loads back into the two ranks. Skipped
-where megatron-core is not installed.
+a checkpoint (gathered optimizer state) loads back into the two ranks. PP runs a tied
+dense model (the embedding's copy on the last stage, gradients summed over both) and an
+untied MoE model with R3 replay and recomputation (global layer ids on each stage).
+Skipped where megatron-core is not installed.
 
 On two GPUs (NCCL, bf16 autocast, so a bf16 tolerance)::
 
@@ -49,8 +51,8 @@ def clean_groups():
     _leave_groups()
 
 
-def _one_process_run(models, name, samples):
-    single = make_trainer(models, name, "megatron", *FLAGS, "--device", DEVICE)
+def _one_process_run(models, name, samples, *flags):
+    single = make_trainer(models, name, "megatron", *FLAGS, "--device", DEVICE, *flags)
     metrics = [single.train(samples) for _ in range(2)]
     weights = dict(single.named_weights_for_rollout())
     start = single.ref_model.state_dict()
@@ -58,26 +60,41 @@ def _one_process_run(models, name, samples):
     return metrics, weights, start
 
 
-@pytest.mark.parametrize("name,flag,extra", [("qwen3", "--tensor-model-parallel-size", ()),
-                                             ("qwen3", "--tensor-model-parallel-size", ("--sequence-parallel",)),
-                                             ("qwen3_moe", "--expert-model-parallel-size", ())],
-                         ids=["tp2", "tp2_sp", "ep2"])
-def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, extra, tmp_path):
+SIZES = {"--tensor-model-parallel-size": (2, 1, 1), "--expert-model-parallel-size": (1, 2, 1),
+         "--pipeline-model-parallel-size": (1, 1, 2)}
+
+
+#: (model, size flag, flags of the two-rank run only, flags of both runs)
+@pytest.mark.parametrize("name,flag,extra,shared", [
+    ("qwen3", "--tensor-model-parallel-size", (), ()),
+    ("qwen3", "--tensor-model-parallel-size", ("--sequence-parallel",), ()),
+    ("qwen3_moe", "--expert-model-parallel-size", (), ()),
+    ("qwen3", "--pipeline-model-parallel-size", (), ()),
+    # (recomputation re-runs each stage's layers in backward, replaying the same experts)
+    ("qwen3_moe", "--pipeline-model-parallel-size", ("--recompute-granularity", "full"), ("--plugins", "r3")),
+], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute"])
+def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, extra, shared, tmp_path):
     from miles_host.distributed.trainer_group import TrainerGroup
 
     if DEVICE != "cpu" and torch.cuda.device_count() < 2:
         pytest.skip("MILES_MEGATRON_TEST_DEVICE=cuda needs two GPUs")
-    samples = make_samples()
-    want, expected, start = _one_process_run(models, name, samples)
+    samples = make_samples(routes="r3" in shared)
+    want, expected, start = _one_process_run(models, name, samples, *shared)
     group = make_trainer(models, name, "megatron", *FLAGS, flag, "2", "--actor-num-gpus-per-node", "2",
-                         "--device", DEVICE, *extra)
+                         "--device", DEVICE, *extra, *shared)
     try:
         assert isinstance(group, TrainerGroup) and len(group.handles) == 1
         sizes = group.local.sizes
-        assert (sizes.tp, sizes.ep) == ((2, 1) if "tensor" in flag else (1, 2))
-        if sizes.tp == 2:  # this rank holds half of the vocabulary and of the heads
+        assert (sizes.tp, sizes.ep, sizes.pp) == SIZES[flag]
+        if sizes.pp == 2:  # rank 0 is the first stage: the embedding and layer 0 (of 2), no head
             gpt = group.local.model.gpt
-            assert gpt.config.sequence_parallel == bool(extra)
+            assert [layer.layer_number for layer in gpt.decoder.layers] == [1]
+            assert gpt.pre_process and not gpt.post_process and gpt.decoder.final_layernorm is None
+            assert not hasattr(gpt, "output_layer")
+            assert sorted(group.local.model.replay.routers) == ([0] if "moe" in name else [])
+        elif sizes.tp == 2:  # this rank holds half of the vocabulary and of the heads
+            gpt = group.local.model.gpt
+            assert gpt.config.sequence_parallel == ("--sequence-parallel" in extra)
             if extra:  # the norms run on this rank's positions; their gradients are reduced over TP
                 assert type(gpt.decoder.final_layernorm).__name__ == "RMSNorm"
                 assert gpt.decoder.layers[0].input_layernorm.weight.sequence_parallel
@@ -105,6 +122,29 @@ def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups,
         assert all(torch.equal(after[k].float().cpu(), exported[k]) for k in expected)
     finally:
         group.stop()
+
+
+def _share_routes_rank(rank: int, store_path: str) -> None:
+    import torch.distributed as dist
+
+    from miles_host.models.context import RoutingContext
+    from miles_megatron.pipeline import Stage, share_captured_routes
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        routing = RoutingContext(phase="old_logprob", captured={rank: torch.full((3, 2), rank)})  # own layer only
+        share_captured_routes(routing, Stage(rank, 2, dist.group.WORLD, (0, 1)), torch.device("cpu"))
+        assert sorted(routing.captured) == [0, 1]
+        assert all(torch.equal(routing.captured[layer], torch.full((3, 2), layer)) for layer in (0, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_stages_share_the_routes_they_captured(tmp_path):
+    """R2 records each MoE layer's routes where the layer runs: every stage gets all of them."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_share_routes_rank, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn")
 
 
 def test_tensor_parallel_moe_is_refused_clearly(models, clean_groups):

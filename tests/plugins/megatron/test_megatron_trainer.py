@@ -233,17 +233,30 @@ def test_bf16_autocast_keeps_the_native_precision_policy(models):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 2 is not supported"),
     (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported"),
     (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"),
      "--tensor-model-parallel-size 2 together with --expert-model-parallel-size 2 is not supported"),
-    # TP/EP runs one trainer process per rank: the placement must say so
+    (("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"),
+     "--tensor-model-parallel-size 2 together with --pipeline-model-parallel-size 2 is not supported.*"
+     "tensor \\(TP\\), expert \\(EP\\) or pipeline \\(PP\\) parallelism alone"),
+    # TP/EP/PP runs one trainer process per rank: the placement must say so
     (("--tensor-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
+    (("--pipeline-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
     (("--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"), "--actor-num-gpus-per-node 2"),
-], ids=["pp", "cp", "tp_and_ep", "tp_one_trainer", "ep_four_trainers"])
+], ids=["cp", "tp_and_ep", "tp_and_pp", "tp_one_trainer", "pp_one_trainer", "ep_four_trainers"])
 def test_parallel_sizes_it_does_not_run_are_refused_clearly(models, flags, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(models, "qwen3", "megatron", *flags)
+
+
+def test_pipeline_size_must_divide_the_layers(models):
+    from miles_host.models import load_pretrained
+    from miles_megatron.policy import transformer_config
+
+    config = load_pretrained(models[0]["qwen3"]).config
+    with pytest.raises(ValueError, match="2 decoder layers do not split evenly over 3 stages"):
+        transformer_config(config, pp=3)
+    assert transformer_config(config, pp=2).pipeline_model_parallel_size == 2
 
 
 def test_short_quickstart_run_with_save_and_resume(tmp_path):
