@@ -153,15 +153,16 @@ def test_tensor_parallel_moe_is_refused_clearly(models, clean_groups):
                      "--actor-num-gpus-per-node", "2", "--worker-timeout", "60")
 
 
-def test_miles_run_with_tensor_parallel_trainers(tmp_path, clean_groups):
-    """``miles run --train-backend megatron --tensor-model-parallel-size 2``: two trainer
-    processes through the host's launcher (engine process, broadcast weight sync),
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"], ids=["tp2", "pp2"])
+def test_miles_run_with_model_parallel_trainers(tmp_path, clean_groups, flag):
+    """``miles run --train-backend megatron --tensor-model-parallel-size 2`` (or PP 2): two
+    trainer processes through the host's launcher (engine process, broadcast weight sync),
     --save-hf and a checkpoint from the gathered state, then a resume."""
     from miles_host.cli.main import main
     from miles_host.models import load_pretrained
     from miles_host.quickstart_preset import QUICKSTART_DIR
 
-    common = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+    common = ["--train-backend", "megatron", flag, "2", "--actor-num-gpus-per-node", "2",
               "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--no-progress",
               "--save", str(tmp_path / "ckpt"), "--worker-timeout", "120"]
     out = tmp_path / "out"
