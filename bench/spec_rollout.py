@@ -119,7 +119,8 @@ class DraftTrainer:
         self.optimizer = torch.optim.AdamW(self.model.mtp.parameters(), lr=lr)
 
     def train(self, prompts, outputs, steps: int) -> list[float]:
-        """``steps`` MTP-loss steps over chunks of 16 of these rollouts (cycling)."""
+        """``steps`` MTP-loss steps over chunks of 16 of these rollouts (cycling); the policy's hidden
+        states of each chunk computed once (a draft step is then one layer and the head)."""
         from miles_host.sample import Sample
 
         samples = [Sample(prompt="", tokens=p + o["output_ids"], response_length=len(o["output_ids"]),
@@ -127,8 +128,8 @@ class DraftTrainer:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True  # the float32 trainer's GEMMs (draft training only)
         try:
-            return [_train_step(self.model, self.optimizer, samples[(step * 16) % len(samples):][:16] or samples[:16])
-                    for step in range(steps)]
+            prepared = [_policy_hidden(self.model, samples[start:start + 16]) for start in range(0, len(samples), 16)]
+            return [_draft_step(self.model, self.optimizer, *prepared[step % len(prepared)]) for step in range(steps)]
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
 
@@ -181,18 +182,25 @@ def accept_len(counters) -> float:
     return 1 + counters.accepted_tokens / max(1, counters.verify_steps)
 
 
-def _train_step(trainer_model, optimizer, chunk) -> float:
-    """One MTP-loss step on ``chunk`` (the policy's hidden states without gradients)."""
+def _policy_hidden(trainer_model, chunk):
+    """The packed batch of ``chunk`` and the policy's final hidden states over it (no gradients):
+    the policy does not change during the bench, so a round computes them once per chunk."""
     from miles_host.models import PackedAttention
     from miles_host.models.context import ForwardContext
     from miles_host.trainer import PackedBatch
-    from miles_spec.training import mtp_loss
 
     batch = PackedBatch.from_samples(chunk, next(trainer_model.parameters()).device)
     batch.model_config = trainer_model.config
     with torch.no_grad():
         hidden = trainer_model.forward_hidden(batch.input_ids_T, batch.positions_T,
                                               ForwardContext(attention=PackedAttention(batch.cu_seqlens)))
+    return batch, hidden
+
+
+def _draft_step(trainer_model, optimizer, batch, hidden) -> float:
+    """One MTP-loss step of the draft on a batch and its policy hidden states."""
+    from miles_spec.training import mtp_loss
+
     config = argparse.Namespace(mtp_loss_scaling_factor=1.0)
     loss, metrics = mtp_loss({"batch": batch, "model": trainer_model, "hidden": hidden}, None, config)
     optimizer.zero_grad()
@@ -224,8 +232,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--num-steps", type=int, default=3, help="draft tokens per verify")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--train-steps", type=int, default=None)
+    parser.add_argument("--train-steps", type=int, default=None, help="draft steps in all (default 1000; tiny 30)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--train-prompts", type=int, default=None,
+                        help="prompts per online round (default: --num-prompts, at least 64 on the GPU)")
     parser.add_argument("--train-rounds", type=int, default=4,
                         help="online rounds: speculative rollout on fresh samples, then train-steps/rounds draft steps")
     parser.add_argument("--spec-eager", action="store_true", help="speculative steps without CUDA graphs")
@@ -281,7 +291,7 @@ def main() -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     num_prompts = args.num_prompts or (8 if args.tiny else 256)
     max_new = args.max_new_tokens or (32 if args.tiny else 512)
-    train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 200)
+    train_steps = args.train_steps if args.train_steps is not None else (30 if args.tiny else 1000)
     begin = clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         vocab = 128 if args.tiny else 151936
@@ -290,7 +300,7 @@ def main() -> None:
             from bench.structured_policy import BigramLanguage
 
             language = BigramLanguage(vocab, 32 if args.tiny else 512)
-        sft_steps = args.sft_steps if args.sft_steps is not None else (150 if args.tiny else 150)
+        sft_steps = args.sft_steps if args.sft_steps is not None else 150
         load = build_policy(args.tiny, args.model, directory, device, dtype, args.logit_std, language, sft_steps)
         make_prompts = prompt_maker(language, vocab)
         prompts = make_prompts(num_prompts, 0)
@@ -311,7 +321,8 @@ def main() -> None:
         clock = phase("speculative engine (CUDA graphs captured)", clock)
         rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
-        losses, round_accept_lens = train_online(load, spec, num_prompts, make_prompts, params, args, train_steps)
+        train_prompts = args.train_prompts or (num_prompts if args.tiny else max(num_prompts, 64))
+        losses, round_accept_lens = train_online(load, spec, train_prompts, make_prompts, params, args, train_steps)
         clock = phase("draft training", clock)
         spec_s, spec_outputs = rollout(spec, prompts, params)
         counters = spec.strategy.pop_counters()
@@ -331,6 +342,7 @@ def main() -> None:
             "temperature": args.temperature, "logit_std": args.logit_std, "policy": args.policy,
             "sft_steps": sft_steps if language is not None else 0,
             "language_entropy": language.entropy() if language is not None else None, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
+            "draft_train_prompts_per_round": train_prompts,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
             "accept_len_per_round": round_accept_lens,
             # the policy's sampling entropy (mean -logprob of its sampled tokens): a trained model
