@@ -69,6 +69,7 @@ for step in "${steps[@]}"; do
     spec_4b) run spec_4b 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --profile ;;  # a memory-bound policy
     spec_4b_greedy) run spec_4b_greedy 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --temperature 0 ;;
     spec_4b_bigram) run spec_4b_bigram 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --policy bigram ;;
+    spec_4b_bigram_hot) run spec_4b_bigram_hot 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --policy bigram --hot-vocab 4096 ;;
     spec_4b_peaky) run spec_4b_peaky 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --logit-std 10 ;;
     spec_tests) run spec_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/spec \
       tests/rollout/test_sampling.py tests/rollout/test_gpu_engine.py ;;

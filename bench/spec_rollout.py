@@ -239,6 +239,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-rounds", type=int, default=4,
                         help="online rounds: speculative rollout on fresh samples, then train-steps/rounds draft steps")
     parser.add_argument("--spec-eager", action="store_true", help="speculative steps without CUDA graphs")
+    parser.add_argument("--hot-vocab", type=int, default=0,
+                        help="FR-Spec: the draft proposes only the N most frequent tokens of a sample of the task's text")
     return parser.parse_args()
 
 
@@ -271,14 +273,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def spec_engine(load, device: str, args):
+def spec_engine(load, device: str, args, token_map=None):
+    """The speculative engine (a fresh MTP draft; ``token_map``: the FR-Spec ids it may propose)."""
     from miles_host.rollout import Engine
     from miles_spec.draft import MTPDraft, attach_mtp
     from miles_spec.strategy import EagleStrategy
 
     def factory(engine):
         attach_mtp(engine.model)
-        return EagleStrategy(engine, MTPDraft(engine.model), args.num_steps)
+        return EagleStrategy(engine, MTPDraft(engine.model, token_map), args.num_steps)
 
     return Engine(load(), decoding_strategy=factory, enforce_eager=args.spec_eager, **engine_memory(device))
 
@@ -317,7 +320,12 @@ def main() -> None:
         del plain
         free_memory()
         clock = phase("plain rollout", clock)
-        spec = spec_engine(load, device, args)
+        token_map = None
+        if args.hot_vocab:  # FR-Spec: the most frequent tokens of a sample of the task's text (not the timed prompts)
+            from miles_spec.hot_vocab import frequent_tokens
+
+            token_map = frequent_tokens(make_prompts(256, 10_000), args.hot_vocab)
+        spec = spec_engine(load, device, args, token_map)
         clock = phase("speculative engine (CUDA graphs captured)", clock)
         rollout(spec, prompts, warm_up)
         spec.strategy.pop_counters()
@@ -343,6 +351,7 @@ def main() -> None:
             "sft_steps": sft_steps if language is not None else 0,
             "language_entropy": language.entropy() if language is not None else None, "draft_train_steps": train_steps, "draft_train_rounds": args.train_rounds,
             "draft_train_prompts_per_round": train_prompts,
+            "hot_vocab": len(token_map) if token_map is not None else None,
             "draft_loss_first_last": [losses[0], losses[-1]] if losses else None,
             "accept_len_per_round": round_accept_lens,
             # the policy's sampling entropy (mean -logprob of its sampled tokens): a trained model

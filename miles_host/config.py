@@ -89,6 +89,9 @@ class SpeculativeArgs:
     sglang_speculative_eagle_topk: int | None = flag(None, "draft branching (1 supported)", type=optional_int, group="speculative")
     sglang_speculative_num_draft_tokens: int | None = flag(None, "draft tokens verified per step", type=optional_int, group="speculative")
     sglang_speculative_draft_model_path: str | None = flag(None, "separate draft model", type=str, group="speculative")
+    sglang_speculative_token_map: str | None = flag(
+        None, "FR-Spec: the draft proposes only these token ids (a torch.save'd 1-D tensor, or a JSON list)",
+        type=str, group="speculative")
     sglang_enable_draft_weights_cpu_backup: bool = flag(False, "keep a CPU copy of draft weights", group="speculative")
     mtp_num_layers: int | None = flag(None, "MTP (draft) layers", type=optional_int, group="speculative")
     enable_mtp_training: bool = flag(False, "train the MTP draft online on rollouts", group="speculative")

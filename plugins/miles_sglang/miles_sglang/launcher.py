@@ -29,6 +29,7 @@ SGLANG_SERVER_FLAGS = {
     "sglang_speculative_eagle_topk": "--speculative-eagle-topk",
     "sglang_speculative_num_draft_tokens": "--speculative-num-draft-tokens",
     "sglang_speculative_draft_model_path": "--speculative-draft-model-path",
+    "sglang_speculative_token_map": "--speculative-token-map",
     "sglang_enable_draft_weights_cpu_backup": "--enable-draft-weights-cpu-backup",
 }
 

@@ -38,6 +38,8 @@ from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.models.model import CausalLM, DecoderLayer, MTPLayer
 from miles_host.models.rope import RotaryEmbedding
 
+from miles_spec.hot_vocab import HotVocabHead
+
 
 class Draft(Protocol):
     """What the speculative strategy needs from a draft."""
@@ -104,11 +106,16 @@ class MTPDraft:
 
     uses_hidden = True
     offset = 0
+    #: the token map's head (FR-Spec), or None: the whole vocabulary
+    hot: HotVocabHead | None = None
 
-    def __init__(self, policy: CausalLM):
+    def __init__(self, policy: CausalLM, token_map: torch.Tensor | None = None):
+        """``token_map``: propose only these ids (FR-Spec, :mod:`miles_spec.hot_vocab`)."""
         if len(policy.mtp) == 0:
             raise ValueError("the policy has no MTP layer: call attach_mtp(model) first")
         self.policy = policy
+        if token_map is not None:
+            self.hot = HotVocabHead(token_map, lambda: policy.lm_head_weight, policy.config.final_logit_softcap)
         layer = policy.mtp[0]
         rope = policy.config.rope_of(layer.layer_index)
         self.rope = policy._ropes.get(id(rope)) or RotaryEmbedding(rope)
@@ -132,7 +139,9 @@ class MTPDraft:
         return DecoderLayer.forward(layer, x_TH, self.rope(positions_T, x_TH.dtype), ctx)
 
     def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
-        return self.policy.compute_logits(self.layer.head_norm(feature_TH))
+        normed_TH = self.layer.head_norm(feature_TH)
+        return self.policy.compute_logits(normed_TH) if self.hot is None else self.hot.logits(normed_TH)
+
 
     def forward(self, hidden_TH, token_ids_T, positions_T, attention):
         feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
@@ -144,8 +153,9 @@ class ModelDraft:
 
     uses_hidden = False
     offset = 1
+    hot: HotVocabHead | None = None
 
-    def __init__(self, model: CausalLM, policy_vocab: int):
+    def __init__(self, model: CausalLM, policy_vocab: int, token_map: torch.Tensor | None = None):
         if model.config.vocab_size != policy_vocab:
             raise ValueError(
                 f"the draft model's vocabulary ({model.config.vocab_size}) differs from the policy's "
@@ -153,6 +163,8 @@ class ModelDraft:
             )
         self.model = model.eval()
         self.feature_size = model.config.hidden_size
+        if token_map is not None:
+            self.hot = HotVocabHead(token_map, lambda: model.lm_head_weight, model.config.final_logit_softcap)
 
     def layout(self):
         return self.model.attention_layout()
@@ -163,7 +175,8 @@ class ModelDraft:
         return self.model.forward_hidden(token_ids_T, positions_T, ctx)
 
     def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(feature_TH)
+        return self.model.compute_logits(feature_TH) if self.hot is None else self.hot.logits(feature_TH)
+
 
     def forward(self, hidden_TH, token_ids_T, positions_T, attention):
         feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)

@@ -55,10 +55,14 @@ def miles_configure(config):
 
 
 def eagle_factory(engine, config):
-    """``DecodingStrategy.factory``: the draft (MTP head or a separate model) and the strategy."""
+    """``DecodingStrategy.factory``: the draft (MTP head or a separate model, restricted to the
+    FR-Spec token map when one is given) and the strategy."""
     from miles_spec.draft import MTPDraft, ModelDraft, attach_mtp
+    from miles_spec.hot_vocab import load_token_map
     from miles_spec.strategy import EagleStrategy
 
+    vocab = engine.model.config.vocab_size
+    token_map = load_token_map(config.sglang_speculative_token_map, vocab) if config.sglang_speculative_token_map else None
     if config.sglang_speculative_draft_model_path:
         from miles_host.models import load_pretrained
 
@@ -66,10 +70,10 @@ def eagle_factory(engine, config):
         draft_model = load_pretrained(
             config.sglang_speculative_draft_model_path, dtype=reference.dtype, device=reference.device
         )
-        draft = ModelDraft(draft_model, engine.model.config.vocab_size)
+        draft = ModelDraft(draft_model, vocab, token_map)
     else:
         attach_mtp(engine.model, config.mtp_num_layers or 1)
-        draft = MTPDraft(engine.model)
+        draft = MTPDraft(engine.model, token_map)
     return EagleStrategy(
         engine, draft, num_steps=config.sglang_speculative_num_steps or 3,
         cpu_backup=bool(config.sglang_enable_draft_weights_cpu_backup),

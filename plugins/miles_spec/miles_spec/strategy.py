@@ -134,6 +134,8 @@ class EagleStrategy:
             self.graphs.forget_rows()
 
     def on_weights_updated(self) -> None:
+        if self.draft.hot is not None:  # the token map's head rows follow the new weights
+            self.draft.hot.refresh()
         if self.cpu_backup:
             self.draft_weights_cpu = {
                 name: tensor.detach().to("cpu", copy=True) for name, tensor in _draft_named_parameters(self.draft)

@@ -59,18 +59,21 @@ def load(path: str, routing_hooks=None):
     return load_pretrained(path, dtype=torch.float32, device="cpu", routing_hooks=routing_hooks)
 
 
-def spec_engine(path: str, *, draft_path: str | None = None, num_steps: int = 3, routing_hooks=None, **kwargs):
-    """An engine running the eagle strategy: MTP head (fresh, seeded) or a separate draft model."""
+def spec_engine(path: str, *, draft_path: str | None = None, num_steps: int = 3, routing_hooks=None,
+                token_map=None, **kwargs):
+    """An engine running the eagle strategy: MTP head (fresh, seeded) or a separate draft model
+    (``token_map``: FR-Spec ids the draft may propose)."""
     from miles_host.rollout import Engine
     from miles_spec.draft import MTPDraft, ModelDraft, attach_mtp
     from miles_spec.strategy import EagleStrategy
 
     def factory(engine):
         if draft_path is not None:
-            return EagleStrategy(engine, ModelDraft(load(draft_path), engine.model.config.vocab_size), num_steps)
+            draft = ModelDraft(load(draft_path), engine.model.config.vocab_size, token_map)
+            return EagleStrategy(engine, draft, num_steps)
         torch.manual_seed(1)
         attach_mtp(engine.model)
-        return EagleStrategy(engine, MTPDraft(engine.model), num_steps)
+        return EagleStrategy(engine, MTPDraft(engine.model, token_map), num_steps)
 
     kwargs.setdefault("kv_cache_tokens", 4096)
     return Engine(load(path, routing_hooks), decoding_strategy=factory, **kwargs)

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-def _engine(path, *, draft_path=None, num_steps=3, routing_hooks=None, **kwargs):
+def _engine(path, *, draft_path=None, num_steps=3, routing_hooks=None, token_map=None, **kwargs):
     """A float32 engine on CUDA running the eagle strategy (fresh seeded MTP head or a draft model)."""
     from miles_host.rollout import Engine
     from miles_spec.draft import MTPDraft, ModelDraft, attach_mtp
@@ -32,11 +32,11 @@ def _engine(path, *, draft_path=None, num_steps=3, routing_hooks=None, **kwargs)
 
     def factory(engine):
         if draft_path is not None:
-            draft = ModelDraft(load(draft_path).cuda(), engine.model.config.vocab_size)
+            draft = ModelDraft(load(draft_path).cuda(), engine.model.config.vocab_size, token_map)
             return EagleStrategy(engine, draft, num_steps)
         torch.manual_seed(1)
         attach_mtp(engine.model)
-        return EagleStrategy(engine, MTPDraft(engine.model), num_steps)
+        return EagleStrategy(engine, MTPDraft(engine.model, token_map), num_steps)
 
     return Engine(load(path, routing_hooks).cuda(), decoding_strategy=factory, max_num_seqs=8,
                   mem_fraction_static=0.3, max_kv_cache_tokens=4096, block_size=4, **kwargs)
@@ -68,6 +68,21 @@ def test_graph_spec_decode_equals_eager_spec_decode(policy, bad_draft, draft, nu
     _assert_same(got, expected)
     assert graphs.strategy.pop_counters() == eager.strategy.pop_counters()
     assert graphs.block_manager.num_free_blocks == graphs.block_manager.num_usable_blocks
+
+
+def test_graph_spec_with_a_token_map_equals_eager(policy, bad_draft):
+    """FR-Spec in graphs: the restricted head (and its refresh after a weight update, in place)
+    gives the eager path's tokens, logprobs and acceptance."""
+    _, path = policy
+    hot = torch.arange(0, 128, 3)
+    engines = [_engine(path, draft_path=bad_draft[1], token_map=hot),
+               _engine(path, draft_path=bad_draft[1], token_map=hot, enforce_eager=True)]
+    for engine in engines:
+        engine.strategy.draft.hot.refresh()
+    got, expected = (engine.generate(PROMPTS, SAMPLING) for engine in engines)
+    assert engines[0].strategy.graphs.num_replays > 0
+    _assert_same(got, expected)
+    assert engines[0].strategy.pop_counters() == engines[1].strategy.pop_counters()
 
 
 def test_graph_spec_greedy_equals_plain_greedy(policy):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import torch
 
@@ -86,13 +88,17 @@ def test_abort_mid_speculation(policy, bad_draft):
 
 
 def test_miles_run_with_the_seed_flags(tiny_task, tmp_path):
+    """The seed's speculative flags, and an FR-Spec token map (the first half of the vocabulary)."""
     model, data = tiny_task
     out = tmp_path / "out"
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    token_map = tmp_path / "hot_token_id.json"
+    token_map.write_text(json.dumps(list(range(vocab // 2))))
     code = main(base_args(
         model, data, out, "--num-rollout", "2",
         "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
-        "--mtp-num-layers", "1", "--enable-mtp-training",
+        "--mtp-num-layers", "1", "--enable-mtp-training", "--sglang-speculative-token-map", str(token_map),
     ))
     assert code == 0
     metrics = read_metrics(out)
