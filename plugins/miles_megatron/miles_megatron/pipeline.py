@@ -1,7 +1,10 @@
 """Pipeline parallelism (PP) of the megatron backend (``--pipeline-model-parallel-size N``).
 
-``N`` trainer processes, one pipeline stage each (TP = EP = 1, data-parallel size 1:
-every rank sees the whole batch), started as the host's trainer group like TP/EP.
+``N`` trainer processes, one pipeline stage each, or ``N * TP`` / ``N * EP`` with each
+stage sharded as :mod:`miles_megatron.parallel` describes (data-parallel size 1: every
+rank sees the whole batch), started as the host's trainer group like TP/EP. A rank
+talks to its own pipeline group (the same TP/EP rank of every stage); under sequence
+parallelism the stages pass on this TP rank's sequence shard.
 
 Stages. Megatron's ``parallel_state`` gets the pipeline size; each rank builds
 ``GPTModel(pre_process=first stage, post_process=last stage)``, whose decoder holds a
@@ -14,7 +17,8 @@ holds a copy of the word embedding as its output weight (Megatron's layout).
 
 Weights (:func:`stage_state`, :func:`gather_stages`): a rank loads its stage's layers
 from the full Megatron-named state, renumbered to local indices (the tied copy from
-the embedding); the inverse renumbers back to global indices and all-gathers over the
+the embedding), then its TP/EP shard of them (:func:`miles_megatron.parallel.rank_state`);
+the inverse renumbers back to global indices and all-gathers over the
 pipeline group, the tied copy dropped (the first stage's embedding is the weight), so
 every rank, rank 0 among them, gets the complete model for export and checkpoints.
 
@@ -263,7 +267,9 @@ def pipelined_log_probs(policy: Any, input_ids_T: torch.Tensor, positions_T: tor
 
     def receive(layout) -> torch.Tensor:
         anchor = torch.empty(0, device=device, requires_grad=torch.is_grad_enabled())
-        shape = (layout.seq_len, layout.batch, config.hidden_size)
+        # under sequence parallelism the stages exchange this TP rank's sequence shard
+        seq_len = layout.seq_len // policy.sizes.tp if config.sequence_parallel else layout.seq_len
+        shape = (seq_len, layout.batch, config.hidden_size)
         return _FromPreviousStage.apply(anchor, shape, config.params_dtype, stage)
 
     run = policy.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing,

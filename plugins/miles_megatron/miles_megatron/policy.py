@@ -348,7 +348,9 @@ class MegatronPolicy(torch.nn.Module):
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )
             self.gpt.decoder.set_input_tensor(None)
-            if sequence_parallel:  # this rank's sequence shard -> every position (the head is gathered too)
+            # this rank's sequence shard -> every position (the head is gathered too); a PP stage
+            # before the last passes its shard on to the next stage's same TP rank
+            if sequence_parallel and self.gpt.post_process:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)

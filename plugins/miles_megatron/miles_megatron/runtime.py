@@ -1,7 +1,7 @@
 """Megatron-Core's process state for the one-process backend.
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
-  this version can honour (TP, EP or PP above 1, one at a time; CP = 1).
+  this version can honour (TP or EP above 1, not both, each with or without PP; CP = 1).
 - :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
   a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
   store) at sizes 1, else the ``TP * EP * PP`` trainer ranks' group.
@@ -45,20 +45,19 @@ def quiet_imports() -> Iterator[None]:
 
 
 def check_parallel_sizes(config: Any) -> None:
-    """What this version runs: TP, EP or PP above 1 (one of them; one trainer process per
-    rank, data-parallel size 1); CP stays 1."""
+    """What this version runs: TP or EP above 1 (not both), each alone or with PP above 1
+    (one trainer process per rank, data-parallel size 1); CP stays 1."""
     sizes = {flag: getattr(config, dest) for flag, dest in PARALLEL_FLAGS.items()}
-    cp = sizes["--context-parallel-size"]
+    cp, tp = sizes["--context-parallel-size"], sizes["--tensor-model-parallel-size"]
+    ep = sizes["--expert-model-parallel-size"]
     problems = [f"--context-parallel-size {cp}"] if cp != 1 else []
-    above_one = [f"{flag} {sizes[flag]}" for flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
-                                                      "--pipeline-model-parallel-size") if sizes[flag] > 1]
-    if len(above_one) > 1:
-        problems.append(" together with ".join(above_one))
+    if tp > 1 and ep > 1:
+        problems.append(f"--tensor-model-parallel-size {tp} together with --expert-model-parallel-size {ep}")
     if problems:
         raise ValueError(
             f"--train-backend megatron: {', '.join(problems)} is not supported yet: this version runs "
-            "tensor (TP), expert (EP) or pipeline (PP) parallelism alone, one trainer process per rank, "
-            "with context parallel size 1"
+            "tensor (TP) or expert (EP) parallelism, each alone or with pipeline parallelism (PP), one "
+            "trainer process per rank, with context parallel size 1"
         )
 
 

@@ -1,16 +1,17 @@
-"""``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2: two trainer processes (gloo,
-CPU, float32) started by the host's trainer launcher, data-parallel size 1.
+"""``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2 (two trainer processes), or
+PP = 2 with TP = 2 or EP = 2 (four): gloo, CPU, float32, started by the host's trainer
+launcher, data-parallel size 1.
 
 Two optimizer steps give the one-process (TP = EP = PP = 1) losses, gradient norms and
 final weights; the weights gathered on rank 0 are complete under HF/native names;
-a checkpoint (gathered optimizer state) loads back into the two ranks. PP runs a tied
+a checkpoint (gathered optimizer state) loads back into the ranks. PP runs a tied
 dense model (the embedding's copy on the last stage, gradients summed over both) and an
 untied MoE model with R3 replay and recomputation (global layer ids on each stage).
 Skipped where megatron-core is not installed.
 
-On two GPUs (NCCL, bf16 autocast, so a bf16 tolerance)::
+On GPUs (NCCL, bf16 autocast, so a bf16 tolerance; the four-rank cases need four)::
 
-    MILES_MEGATRON_TEST_DEVICE=cuda python -m pytest -q tests/plugins/megatron/test_megatron_parallel.py -k two_ranks
+    MILES_MEGATRON_TEST_DEVICE=cuda python -m pytest -q tests/plugins/megatron/test_megatron_parallel.py -k one_process
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trai
 
 FLAGS = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1",
          "--worker-timeout", "120")
-#: ``cuda``: the TP/EP equivalence test on two GPUs (NCCL), with bf16 autocast tolerances
+#: ``cuda``: the TP/EP/PP equivalence test on GPUs (NCCL), with bf16 autocast tolerances
 DEVICE = os.environ.get("MILES_MEGATRON_TEST_DEVICE", "cpu")
 LOSS_TOL, WEIGHT_TOL = (1e-5, 1e-5) if DEVICE == "cpu" else (2e-2, 1e-3)
 KEYS = ("train/loss", "train/grad_norm", "train/pg_loss", "train/entropy_loss", "train/kl_loss")
@@ -60,48 +61,54 @@ def _one_process_run(models, name, samples, *flags):
     return metrics, weights, start
 
 
-SIZES = {"--tensor-model-parallel-size": (2, 1, 1), "--expert-model-parallel-size": (1, 2, 1),
-         "--pipeline-model-parallel-size": (1, 1, 2)}
+SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
+              "pp": "--pipeline-model-parallel-size"}
 
 
-#: (model, size flag, flags of the two-rank run only, flags of both runs)
-@pytest.mark.parametrize("name,flag,extra,shared", [
-    ("qwen3", "--tensor-model-parallel-size", (), ()),
-    ("qwen3", "--tensor-model-parallel-size", ("--sequence-parallel",), ()),
-    ("qwen3_moe", "--expert-model-parallel-size", (), ()),
-    ("qwen3", "--pipeline-model-parallel-size", (), ()),
+#: (model, model-parallel sizes, flags of the parallel run only, flags of both runs)
+@pytest.mark.parametrize("name,sizes,extra,shared", [
+    ("qwen3", {"tp": 2}, (), ()),
+    ("qwen3", {"tp": 2}, ("--sequence-parallel",), ()),
+    ("qwen3_moe", {"ep": 2}, (), ()),
+    ("qwen3", {"pp": 2}, (), ()),
     # (recomputation re-runs each stage's layers in backward, replaying the same experts)
-    ("qwen3_moe", "--pipeline-model-parallel-size", ("--recompute-granularity", "full"), ("--plugins", "r3")),
-], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute"])
-def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, flag, extra, shared, tmp_path):
+    ("qwen3_moe", {"pp": 2}, ("--recompute-granularity", "full"), ("--plugins", "r3")),
+    # four ranks: each stage sharded; under sequence parallelism the stages pass sequence shards
+    ("qwen3", {"tp": 2, "pp": 2}, ("--sequence-parallel",), ()),
+    ("qwen3_moe", {"ep": 2, "pp": 2}, (), ()),
+], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2"])
+def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
+                                                                       shared):
     from miles_host.distributed.trainer_group import TrainerGroup
 
-    if DEVICE != "cpu" and torch.cuda.device_count() < 2:
-        pytest.skip("MILES_MEGATRON_TEST_DEVICE=cuda needs two GPUs")
+    tp, ep, pp = (sizes.get(key, 1) for key in ("tp", "ep", "pp"))
+    world = tp * ep * pp
+    if DEVICE != "cpu" and torch.cuda.device_count() < world:
+        pytest.skip(f"MILES_MEGATRON_TEST_DEVICE=cuda needs {world} GPUs")
     samples = make_samples(routes="r3" in shared)
     want, expected, start = _one_process_run(models, name, samples, *shared)
-    group = make_trainer(models, name, "megatron", *FLAGS, flag, "2", "--actor-num-gpus-per-node", "2",
+    size_flags = [arg for key, size in sizes.items() for arg in (SIZE_FLAGS[key], str(size))]
+    group = make_trainer(models, name, "megatron", *FLAGS, *size_flags, "--actor-num-gpus-per-node", str(world),
                          "--device", DEVICE, *extra, *shared)
     try:
-        assert isinstance(group, TrainerGroup) and len(group.handles) == 1
-        sizes = group.local.sizes
-        assert (sizes.tp, sizes.ep, sizes.pp) == SIZES[flag]
-        if sizes.pp == 2:  # rank 0 is the first stage: the embedding and layer 0 (of 2), no head
-            gpt = group.local.model.gpt
+        assert isinstance(group, TrainerGroup) and len(group.handles) == world - 1
+        got = group.local.sizes
+        assert (got.tp, got.ep, got.pp) == (tp, ep, pp)
+        gpt = group.local.model.gpt
+        if pp == 2:  # rank 0 is the first stage: the embedding and layer 0 (of 2), no head
             assert [layer.layer_number for layer in gpt.decoder.layers] == [1]
             assert gpt.pre_process and not gpt.post_process and gpt.decoder.final_layernorm is None
             assert not hasattr(gpt, "output_layer")
             assert sorted(group.local.model.replay.routers) == ([0] if "moe" in name else [])
-        elif sizes.tp == 2:  # this rank holds half of the vocabulary and of the heads
-            gpt = group.local.model.gpt
+        if tp == 2:  # this rank holds half of the vocabulary and of the heads
             assert gpt.config.sequence_parallel == ("--sequence-parallel" in extra)
-            if extra:  # the norms run on this rank's positions; their gradients are reduced over TP
-                assert type(gpt.decoder.final_layernorm).__name__ == "RMSNorm"
+            if "--sequence-parallel" in extra:  # the norms run on this rank's positions; gradients reduced over TP
+                assert type(gpt.decoder.layers[0].input_layernorm).__name__ == "RMSNorm"
                 assert gpt.decoder.layers[0].input_layernorm.weight.sequence_parallel
             assert gpt.embedding.word_embeddings.weight.shape[0] == 32
             assert gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
-        else:  # and here half of the experts
-            assert len(group.local.model.gpt.decoder.layers[0].mlp.experts.local_experts) == 2
+        if ep == 2:  # and here half of the experts
+            assert len(gpt.decoder.layers[0].mlp.experts.local_experts) == 2
         for step in range(2):
             got = group.train(samples)
             for key in KEYS:
@@ -113,7 +120,7 @@ def test_two_ranks_give_the_one_process_losses_and_weights(models, clean_groups,
         start = {k: v.float().cpu() for k, v in start.items()}
         assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < WEIGHT_TOL
         assert any(not torch.equal(exported[k], start[k]) for k in expected)  # it trained
-        # a checkpoint: full weights and moments on rank 0, loaded back into both ranks
+        # a checkpoint: full weights and moments on rank 0, loaded back into every rank
         state = group.state_dict()
         moments = state["optimizer"]["moments"]["exp_avg"]
         assert moments.keys() == expected.keys() and all(moments[k].shape == expected[k].shape for k in expected)
