@@ -98,6 +98,7 @@ class Stage:
 
 
 def current_stage() -> Stage:
+    """This rank's stage, from Megatron's ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
@@ -130,6 +131,7 @@ def tied_output_copy(gpt: torch.nn.Module) -> torch.nn.Parameter | None:
 
 
 def _renumber(name: str, ids: Mapping[int, int]) -> str | None:
+    """``name`` with its decoder-layer index mapped through ``ids`` (None: not in ``ids``)."""
     match = _LAYER.match(name)
     if match is None:
         return name
