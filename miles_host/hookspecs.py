@@ -275,6 +275,18 @@ def miles_configure(config: "MilesConfig") -> None:
 
 
 @hookspec
+def miles_process_start(config: "MilesConfig") -> None:
+    """Set this process's plugin state from the finished config (never change ``config``).
+
+    Fires in every process that runs plugin code: in the driver once the config is
+    configured and validated, and in each worker process (trainer ranks, engine
+    processes) once its plugin manager is rebuilt from the driver's config. Module-level
+    state that ``miles_configure`` set in the driver does not reach a worker by itself
+    (e.g. ``r3``'s R2/R3 mode): set it here.
+    """
+
+
+@hookspec
 def miles_register_commands() -> Iterable["records.Command"]:
     """Register ``miles`` sub-commands (``convert``, ``serve``, ``memory``, ...).
 

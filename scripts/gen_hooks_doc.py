@@ -37,7 +37,7 @@ CONCERNS = [
     ),
     (
         "Command line and configuration",
-        ["miles_add_arguments", "miles_activate", "miles_configure", "miles_register_commands"],
+        ["miles_add_arguments", "miles_activate", "miles_configure", "miles_process_start", "miles_register_commands"],
     ),
 ]
 

@@ -157,6 +157,7 @@ def resolve_run_config(
     manager.hook.miles_configure(config=config)
     validate_config(config)
     check_registry_names(config, manager.registries)  # builds every registry: duplicates fail here too
+    manager.hook.miles_process_start(config=config)
     return config, args
 
 

@@ -189,11 +189,13 @@ def serve(conn, target: Any) -> None:
 
 
 def rebuild_manager(config: Any):
-    """The plugin manager of a worker process: the driver's active plugins again."""
+    """The plugin manager of a worker process: the driver's active plugins again, their
+    process state set from the driver's config (``miles_process_start``)."""
     from miles_host.plugin_manager import MilesPluginManager
 
     manager = MilesPluginManager()
     manager.discover()
     manager.activate(selected=list(config.plugins or []))
     manager.registries
+    manager.hook.miles_process_start(config=config)
     return manager

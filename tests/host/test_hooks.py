@@ -225,6 +225,13 @@ class FlagsPlugin:
     def miles_configure(config):
         config.rollout_batch_size = config.throwaway_k * 10
 
+    #: what miles_process_start saw, per call
+    started: list = []
+
+    @staticmethod
+    def miles_process_start(config):
+        FlagsPlugin.started.append(config.rollout_batch_size)
+
 
 def _resolve(argv):
     manager = MilesPluginManager()
@@ -250,6 +257,21 @@ def test_miles_activate():
 def test_miles_configure():
     config, _ = _resolve(["--plugins", "flags", "--throwaway-k", "2"])
     assert config.rollout_batch_size == 20
+
+
+def test_miles_process_start():
+    """In the driver after miles_configure; in a worker once its manager is rebuilt from that config."""
+    import miles_r3.plugin as r3
+    from miles_host.distributed.comm import rebuild_manager
+
+    FlagsPlugin.started.clear()
+    config, _ = _resolve(["--plugins", "flags", "--throwaway-k", "3"])
+    assert FlagsPlugin.started == [30]  # the configured value
+    # a worker process: R2 configured by the driver reaches r3's module state there
+    config, _ = resolve_run_config(["--plugins", "r3", "--use-routing-replay"], MilesPluginManager())
+    r3.STATE.mode = "r3"  # what a fresh worker process starts with
+    rebuild_manager(config)
+    assert r3.STATE.mode == "r2" and config.old_logprob_pass == "always"
 
 
 def test_miles_register_commands():

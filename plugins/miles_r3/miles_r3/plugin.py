@@ -47,10 +47,14 @@ def miles_configure(config):
         config.plugin_args["use_rollout_routing_replay"] = True
     if config.plugin_args.get("use_rollout_routing_replay"):
         config.rollout_return_routed_experts = True
+    else:
+        config.old_logprob_pass = "always"  # R2 records the routes it replays in that pass
+
+
+def miles_process_start(config):
+    """Every process that trains (worker ranks too) replays in the mode the driver configured."""
     STATE.reset_step()
     STATE.mode = "r3" if config.plugin_args.get("use_rollout_routing_replay") else "r2"
-    if STATE.mode == "r2":
-        config.old_logprob_pass = "always"  # R2 records the routes it replays in that pass
 
 
 def miles_experts_selected(layer_index, expert_ids, routing_context):

@@ -76,7 +76,9 @@ SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parall
     # four ranks: each stage sharded; under sequence parallelism the stages pass sequence shards
     ("qwen3", {"tp": 2, "pp": 2}, ("--sequence-parallel",), ()),
     ("qwen3_moe", {"ep": 2, "pp": 2}, (), ()),
-], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2"])
+    # R2 on the worker ranks too: their plugin state comes from miles_process_start (it was R3 there, and hung)
+    ("qwen3_moe", {"ep": 2}, (), ("--plugins", "r3", "--use-routing-replay")),
+], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2"])
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
