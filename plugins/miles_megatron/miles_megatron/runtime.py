@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import warnings
 import weakref
@@ -67,12 +68,16 @@ def model_parallel_world(config: Any) -> int:
             * int(config.pipeline_model_parallel_size))
 
 
-def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
+                        timeout_s: float | None = None) -> None:
     """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
     default group must already hold the ``tp * ep * pp`` trainer ranks (the launcher's
-    trainer group, see :mod:`miles_host.distributed.launcher`)."""
+    trainer group, see :mod:`miles_host.distributed.launcher`). ``timeout_s``
+    (``--worker-timeout``): the timeout of Megatron's subgroups, whole minutes rounded up
+    (Megatron's default is 30 minutes: a rank whose peer failed mid-step would wait that
+    long in a TP/EP/PP collective before the run could stop)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -103,7 +108,8 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
         if have != (tp, ep, pp):
             raise ValueError(f"Megatron's parallel state already has TP x EP x PP = {have}, not {(tp, ep, pp)}")
     else:
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, **minutes)
         _STATE_ON = weakref.ref(default)
     _fix_megatron_without_te()
 

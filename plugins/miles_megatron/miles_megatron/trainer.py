@@ -73,7 +73,7 @@ class MegatronTrainer(NativeTrainer):
             )
         self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)
-        init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp)
+        init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp, timeout_s=config.worker_timeout)
         seed_rng(config.seed, device)
         # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
         single = copy.copy(config)

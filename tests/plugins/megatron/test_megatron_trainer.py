@@ -319,3 +319,22 @@ def test_mtp_draft_refused_under_expert_parallel_sizes_above_one():
     policy = type("Policy", (), {"sizes": type("Sizes", (), {"parallel": True})(), "gpt": None})()
     with pytest.raises(ValueError, match="parallel size 1"):
         attach_mtp_block(policy, 1)
+
+
+def test_megatron_subgroups_time_out_after_the_worker_timeout(models, monkeypatch):
+    """A rank whose peer failed waits --worker-timeout (rounded up to whole minutes) in a TP/EP/PP
+    collective, not Megatron's default 30 minutes."""
+    from megatron.core import parallel_state
+
+    seen = {}
+    real = parallel_state.initialize_model_parallel
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", spy)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    make_trainer(models, "qwen3", "megatron", "--worker-timeout", "90")
+    assert seen["distributed_timeout_minutes"] == 2
