@@ -1,10 +1,15 @@
 """Tensor (TP) and expert (EP) model parallelism of the megatron backend.
 
-``TP * EP`` trainer processes (one of the two sizes 1), data-parallel size 1 in the
-host's sense: every rank sees the whole batch (pipeline parallelism, the third size,
+``TP * EP`` trainer processes (either size or both above 1), data-parallel size 1 in
+the host's sense: every rank sees the whole batch (pipeline parallelism, the third size,
 is :mod:`miles_megatron.pipeline`; :func:`rank_state` / :func:`full_state` combine the
-stage and shard maps). Megatron's ``parallel_state`` gets the sizes; each rank builds
-its shard of the GPTModel and:
+stage and shard maps). Megatron's ``parallel_state`` gets the sizes, the expert
+tensor-parallel size 1 (:data:`~miles_megatron.runtime.EXPERT_TP`: experts are whole);
+with TP and EP both above 1 Megatron sees ``EP`` data-parallel replicas of each TP
+shard (``world / (TP * PP)``; here they all train on the same batch) and carves its EP
+groups out of the ``TP x DP`` ranks (at TP = EP = 2, ranks 0-1 and 2-3 are both the TP
+and the EP groups, 0-2 and 1-3 the data-parallel and expert-data-parallel groups).
+Each rank builds its shard of the GPTModel and:
 
 - :func:`shard_state`: takes its shard of the full Megatron-named state (what
   :func:`~miles_megatron.weights.native_to_megatron` gives), following Megatron's
@@ -12,9 +17,9 @@ its shard of the GPTModel and:
   group, and ``output_layer``) and the vocab-parallel embedding by rows, row-parallel
   weights (``linear_proj``, ``linear_fc2``) by columns, SwiGLU ``linear_fc1`` as
   ``[gate_r; up_r]`` (each half split by rows, as Megatron's gated column-parallel
-  layout), routed experts as ``ep_rank * local + e`` (SequentialMLP numbering);
-  norms and routers are replicated; the vocabulary is padded to a multiple of TP
-  with zero rows (:func:`padded_vocab`).
+  layout), routed experts as ``ep_rank * local + e`` (SequentialMLP numbering, whole
+  experts); norms and routers are replicated; the vocabulary is padded to a multiple
+  of TP with zero rows (:func:`padded_vocab`).
 - :func:`gather_state`: the inverse, a collective of every rank (the full state on
   each, rank 0 keeps it).
 - :func:`vocab_parallel_head`: the full ``[V, H]`` output weight, gathered with
@@ -24,12 +29,18 @@ its shard of the GPTModel and:
   loss is the one-process loss.
 - :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for these
   layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP;
-  with EP every rank routed the same batch into the experts, so each expert's
-  gradient is EP times the one-process gradient (divided by EP), and the replicated
-  weights' gradients are averaged over the EP ranks (they agree up to summation order).
-- :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model
-  (sharded gradients summed over the ranks, replicated ones counted once per pipeline
-  stage, the last stage's copy of a tied embedding not at all).
+  the non-expert gradients averaged over Megatron's data-parallel replicas (EP of
+  them; they agree up to summation order). MoE layers dispatch with the all-gather
+  dispatcher over the EP group: each rank's tokens (its sequence shard under sequence
+  parallelism, else the whole batch) reach every expert once per EP rank, so the
+  experts of one stage process ``EP`` copies of the batch (``TP * EP`` without sequence
+  parallelism: the TP ranks hold the same tokens); each expert's gradient is summed
+  over its expert-data-parallel group (the ranks holding that expert) and divided by
+  that number of copies (:func:`expert_batch_copies`).
+- :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model,
+  each parameter counted once: a rank's squared gradient norms are divided by the
+  number of ranks of its stage holding the same gradient (:func:`_holders`), summed
+  over all ranks (the last stage's copy of a tied embedding not at all).
 """
 
 from __future__ import annotations
@@ -215,10 +226,34 @@ def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tens
     return gather_from_tensor_model_parallel_region(weight_VrH.t().contiguous()).t()[:vocab_size]
 
 
-def _is_sharded(name: str, dims: Mapping[str, int], sizes: Sizes) -> bool:
+def _holders(name: str, dims: Mapping[str, int], sizes: Sizes) -> int:
+    """Ranks of one pipeline stage holding this parameter's (identical) gradient."""
     if _EXPERT.match(name):
-        return sizes.ep > 1
-    return sizes.tp > 1 and name in dims
+        return sizes.tp  # the expert-data-parallel group (expert TP 1)
+    if sizes.tp > 1 and name in dims:
+        return sizes.ep  # Megatron's data-parallel replicas of this TP shard
+    return sizes.tp * sizes.ep
+
+
+def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
+    """Copies of the batch the experts of one stage process (see module doc): every
+    rank's tokens are all-gathered over its EP group; the ``TP * EP`` ranks hold the
+    whole batch each, or ``1 / TP`` of it under sequence parallelism."""
+    return sizes.ep if sequence_parallel else sizes.tp * sizes.ep
+
+
+def _average(params: list[torch.nn.Parameter], group, divisor: int) -> None:
+    """Sum the gradients over ``group`` (as one flat buffer) and divide by ``divisor``."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
+    offset = 0
+    for param in params:
+        param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
+        offset += param.numel()
 
 
 def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
@@ -235,7 +270,7 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
         group = ps.get_tensor_model_parallel_group()
         for name, param in named:
             # per-head q/k norms see this rank's heads; under sequence parallelism the marked norms
-            # see this rank's positions (miles_megatron.sequence_parallel): partial gradients
+            # (and Megatron's routers) see this rank's positions: partial gradients
             if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
                 dist.all_reduce(param.grad, group=group)
     if sizes.pp > 1:
@@ -243,44 +278,27 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
 
         reduce_tied_embedding_grads(gpt)
     if sizes.ep > 1:
-        replicated = [p for n, p in named if not _EXPERT.match(n)]
-        flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        flat /= sizes.ep
-        offset = 0
-        for param in replicated:
-            param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        for name, param in named:
-            if _EXPERT.match(name):
-                param.grad /= sizes.ep
+        _average([p for n, p in named if not _EXPERT.match(n)], ps.get_data_parallel_group(), sizes.ep)
+    _average([p for n, p in named if _EXPERT.match(n)], ps.get_expert_data_parallel_group(),
+             expert_batch_copies(sizes, bool(gpt.config.sequence_parallel)))
 
 
 def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch.Tensor:
     """``clip_grad_norm_`` over the full model (see module doc); all ranks call it."""
-    from megatron.core import parallel_state as ps
-
     from miles_megatron.pipeline import tied_output_copy
 
     named = [(n, p) for n, p in gpt.named_parameters() if p.grad is not None]
     device = named[0][1].grad.device if named else torch.device("cpu")
     dims = _partition_dims(gpt)
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    square = torch.zeros((), dtype=torch.float32, device=device)
     tied_copy = tied_output_copy(gpt) if sizes.pp > 1 else None
     for name, param in named:
         if param is tied_copy:  # the first stage's embedding counts it
             continue
-        square = torch.linalg.vector_norm(param.grad.float()) ** 2
-        if _is_sharded(name, dims, sizes):
-            sharded += square
-        else:
-            replicated += square
+        square += torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes)
     if sizes.parallel:
-        dist.all_reduce(sharded)  # the trainers' group: TP * EP * PP ranks
-    if sizes.pp > 1:  # each stage's own weights, counted once per stage
-        dist.all_reduce(replicated, group=ps.get_pipeline_model_parallel_group())
-    total = torch.sqrt(sharded + replicated)
+        dist.all_reduce(square)  # the trainers' group: TP * EP * PP ranks
+    total = torch.sqrt(square)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, param in named:
         param.grad.mul_(coefficient.to(param.grad.device))

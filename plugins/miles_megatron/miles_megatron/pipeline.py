@@ -1,6 +1,6 @@
 """Pipeline parallelism (PP) of the megatron backend (``--pipeline-model-parallel-size N``).
 
-``N`` trainer processes, one pipeline stage each, or ``N * TP`` / ``N * EP`` with each
+``N`` trainer processes, one pipeline stage each, or ``N * TP * EP`` with each
 stage sharded as :mod:`miles_megatron.parallel` describes (data-parallel size 1: every
 rank sees the whole batch), started as the host's trainer group like TP/EP. A rank
 talks to its own pipeline group (the same TP/EP rank of every stage); under sequence

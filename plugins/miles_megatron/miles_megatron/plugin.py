@@ -6,9 +6,9 @@ Megatron-Core ``GPTModel`` (local layer spec, no TransformerEngine) built from t
 family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
 Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * EP * PP trainer
-processes (TP or EP above 1, each alone or with PP above 1; gloo on CPU, NCCL on GPU;
-:mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP and TP with EP
-together are refused with the reason; ``--sequence-parallel`` runs
+processes (TP, EP and PP alone or combined; gloo on CPU, NCCL on GPU;
+:mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP is refused with
+the reason; ``--sequence-parallel`` runs
 with TP (:mod:`miles_megatron.sequence_parallel`). ``--plugins spec
 --enable-mtp-training`` trains the draft on Megatron-Core's MTP layer at TP = EP = 1
 (:mod:`miles_megatron.mtp`). ``--plugins fp8`` runs
@@ -94,6 +94,6 @@ def miles_configure(config):
 def miles_register_train_backends():
     """The ``megatron`` training backend."""
     return [TrainBackend(
-        "megatron", "Megatron-Core GPTModel (local spec; TP, EP or PP over processes)",
+        "megatron", "Megatron-Core GPTModel (local spec; TP, EP, PP and their products over processes)",
         factory=_megatron_trainer, trainer_class=_trainer_class,
     )]

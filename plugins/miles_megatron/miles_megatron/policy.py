@@ -166,6 +166,28 @@ def adjust_layer(layer: torch.nn.Module) -> None:
         # torch.compile'd bookkeeping run at every routing that does nothing without an
         # expert bias: skipped (no Dynamo trace per router, no compiler needed on GPU)
         router._apply_expert_bias = _no_expert_bias
+    if router is not None and layer.mlp.attn_tp_group.size() > 1 and not layer.config.sequence_parallel:
+        layer.mlp.attn_tp_group = _TensorParallelCheckOnly(layer.mlp.attn_tp_group)
+
+
+class _TensorParallelCheckOnly:
+    """An MoE layer's attention-TP group as its training check sees it (size 1).
+
+    Megatron-Core 0.16 reads ``MoELayer.attn_tp_group`` only to refuse training MoE
+    under TP without sequence parallelism (a performance warning raised as an error).
+    Here that runs correctly: the TP ranks hold the same tokens, the all-gather
+    dispatcher sends each to its expert once per rank of the EP group, and
+    :func:`miles_megatron.parallel.finalize_grads` divides the expert gradients by
+    those copies. Anything else asked of the group goes to the real one."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def size(self) -> int:
+        return 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
 
 
 def _no_expert_bias(routing_map, padding_mask=None) -> None:
@@ -271,14 +293,7 @@ class MegatronPolicy(torch.nn.Module):
         weights and :func:`~miles_megatron.weights.native_to_megatron`."""
         from miles_host.models import load_pretrained
 
-        from miles_megatron.parallel import current_sizes
-
         native = load_pretrained(path, dtype=torch.float32, device="cpu")
-        if current_sizes().tp > 1 and native.config.moe is not None:
-            raise ValueError(
-                "--train-backend megatron: --tensor-model-parallel-size above 1 with an MoE model (expert tensor "
-                "parallelism) is not supported yet; use --expert-model-parallel-size for MoE models"
-            )
         gpt = build_gpt_model(native.config, recompute, device, sequence_parallel)
         load_native_state(gpt, native.state_dict(), native.config)
         config = native.config

@@ -17,6 +17,10 @@ Dense layers have no router and are never touched. The context stays set until t
 next forward, so a recomputation in backward (``--recompute-granularity full``)
 replays the same ids.
 
+Under sequence parallelism a router sees this TP rank's positions: the hook routes the
+whole sequence (its input all-gathered over TP, no gradient) and keeps this rank's rows,
+so the plugins see every packed token, as without it.
+
 Under autocast (the trainer on GPU) the same pre-hook hands the router its input in
 the autocast dtype: Megatron's router GEMM (``RouterGatingLinearFunction``) is an
 autograd Function without ``custom_fwd``/``custom_bwd``, so a float32 input gives
@@ -93,6 +97,11 @@ class RouterReplayBridge:
             replay.clear_router_replay_action()  # Megatron's own top-k
             return
         with torch.no_grad():
+            sharded = router.config.sequence_parallel
+            if sharded:  # this rank's positions: route the whole sequence, keep this rank's rows below
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
             # the router's GEMM (in the input's dtype, bf16 under autocast), float32 softmax: the
             # native router's scores, and the top-k Megatron itself would take
             weight = router.weight.to(hidden_SBH.dtype)
@@ -110,6 +119,15 @@ class RouterReplayBridge:
                 ids_TK = torch.where(recorded_TK[:, :1] >= 0, recorded_TK, own_TK)
             target_NK = own_NK.clone()
             target_NK[rows_T] = ids_TK.to(own_NK.dtype)
+            if sharded:  # rows are position-major: this TP rank's sequence shard is one chunk
+                target_NK = _sequence_shard(target_NK)
         replay.clear_indices()
         replay.set_target_indices(target_NK)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _sequence_shard(rows_N: torch.Tensor) -> torch.Tensor:
+    """This TP rank's rows of position-major ``[S * B, ...]`` values (sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    return rows_N.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]

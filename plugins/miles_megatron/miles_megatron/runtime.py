@@ -1,10 +1,16 @@
 """Megatron-Core's process state for the one-process backend.
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
-  this version can honour (TP or EP above 1, not both, each with or without PP; CP = 1).
+  this version can honour (TP, EP and PP in any combination; CP = 1).
 - :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
   a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
-  store) at sizes 1, else the ``TP * EP * PP`` trainer ranks' group.
+  store) at sizes 1, else the ``TP * EP * PP`` trainer ranks' group. The expert
+  tensor-parallel size is 1 (:data:`EXPERT_TP`): experts are never TP-split; with TP
+  and EP both above 1, Megatron's data-parallel size is ``EP`` (replicas that all see
+  the same batch here) and its expert-parallel groups are carved out of the
+  ``TP x DP`` ranks (rank order ``tp-cp-ep-dp-pp``: at TP = EP = 2 the EP group of a
+  rank is its TP group, the expert-data-parallel group its DP group), see
+  :mod:`miles_megatron.parallel`.
 - :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
   process's own CUDA generator).
 - :func:`on_device`: what Megatron code of the trainer runs under. On GPU, ``cuda:N``
@@ -45,20 +51,19 @@ def quiet_imports() -> Iterator[None]:
         yield
 
 
+#: Megatron's expert tensor-parallel size: experts are whole on the rank that owns them
+EXPERT_TP = 1
+
+
 def check_parallel_sizes(config: Any) -> None:
-    """What this version runs: TP or EP above 1 (not both), each alone or with PP above 1
-    (one trainer process per rank, data-parallel size 1); CP stays 1."""
-    sizes = {flag: getattr(config, dest) for flag, dest in PARALLEL_FLAGS.items()}
-    cp, tp = sizes["--context-parallel-size"], sizes["--tensor-model-parallel-size"]
-    ep = sizes["--expert-model-parallel-size"]
-    problems = [f"--context-parallel-size {cp}"] if cp != 1 else []
-    if tp > 1 and ep > 1:
-        problems.append(f"--tensor-model-parallel-size {tp} together with --expert-model-parallel-size {ep}")
-    if problems:
+    """What this version runs: TP, EP and PP in any combination (one trainer process per
+    rank, data-parallel size 1: every rank sees the whole batch); CP stays 1."""
+    cp = getattr(config, PARALLEL_FLAGS["--context-parallel-size"])
+    if cp != 1:
         raise ValueError(
-            f"--train-backend megatron: {', '.join(problems)} is not supported yet: this version runs "
-            "tensor (TP) or expert (EP) parallelism, each alone or with pipeline parallelism (PP), one "
-            "trainer process per rank, with context parallel size 1"
+            f"--train-backend megatron: --context-parallel-size {cp} is not supported yet: this version runs "
+            "tensor (TP), expert (EP) and pipeline (PP) parallelism, alone or combined (TP x EP x PP trainer "
+            "processes, one per rank), with context parallel size 1"
         )
 
 
@@ -70,7 +75,8 @@ def model_parallel_world(config: Any) -> int:
 
 def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
                         timeout_s: float | None = None) -> None:
-    """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1).
+    """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1,
+    expert TP = :data:`EXPERT_TP`).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
     default group must already hold the ``tp * ep * pp`` trainer ranks (the launcher's
@@ -104,12 +110,15 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, ep, pp):
-            raise ValueError(f"Megatron's parallel state already has TP x EP x PP = {have}, not {(tp, ep, pp)}")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+        if have != (tp, ep, pp, EXPERT_TP):
+            raise ValueError(f"Megatron's parallel state already has TP x EP x PP (expert TP) = {have}, not "
+                             f"{(tp, ep, pp, EXPERT_TP)}")
     else:
         minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, **minutes)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=EXPERT_TP, **minutes)
         _STATE_ON = weakref.ref(default)
     _fix_megatron_without_te()
 

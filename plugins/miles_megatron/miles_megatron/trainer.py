@@ -7,7 +7,7 @@ old/reference log-probs, micro-batching, the policy loss of
 the LR schedule, metrics, weight export and checkpoints are the host's code; only
 the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
 ``parallel_state`` over a one-rank group), or ``TP * EP * PP`` processes, one rank each
-(TP or EP above 1, not both, each alone or with PP; data-parallel size 1: every rank
+(any combination of the three; data-parallel size 1: every rank
 trains on the whole batch; :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`,
 started as the trainer group of :mod:`miles_host.distributed.launcher`); CP above 1 is refused;
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).

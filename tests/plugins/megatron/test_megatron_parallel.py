@@ -1,15 +1,17 @@
-"""``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2 (two trainer processes), or
-PP = 2 with TP = 2 or EP = 2 (four): gloo, CPU, float32, started by the host's trainer
-launcher, data-parallel size 1.
+"""``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2 (two trainer processes), two
+of them (four: TP x PP, EP x PP, TP x EP) or all three (eight): gloo, CPU, float32, started
+by the host's trainer launcher, data-parallel size 1.
 
 Two optimizer steps give the one-process (TP = EP = PP = 1) losses, gradient norms and
 final weights; the weights gathered on rank 0 are complete under HF/native names;
 a checkpoint (gathered optimizer state) loads back into the ranks. PP runs a tied
 dense model (the embedding's copy on the last stage, gradients summed over both) and an
-untied MoE model with R3 replay and recomputation (global layer ids on each stage).
+untied MoE model with R3 replay and recomputation (global layer ids on each stage). TP
+with MoE keeps the experts whole (expert TP 1): with and without sequence parallelism
+(R3 then routes the whole sequence on every TP rank and keeps its shard).
 Skipped where megatron-core is not installed.
 
-On GPUs (NCCL, bf16 autocast, so a bf16 tolerance; the four-rank cases need four)::
+On GPUs (NCCL, bf16 autocast, so a bf16 tolerance; the four- and eight-rank cases need as many)::
 
     MILES_MEGATRON_TEST_DEVICE=cuda python -m pytest -q tests/plugins/megatron/test_megatron_parallel.py -k one_process
 """
@@ -78,7 +80,16 @@ SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parall
     ("qwen3_moe", {"ep": 2, "pp": 2}, (), ()),
     # R2 on the worker ranks too: their plugin state comes from miles_process_start (it was R3 there, and hung)
     ("qwen3_moe", {"ep": 2}, (), ("--plugins", "r3", "--use-routing-replay")),
-], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2"])
+    # TP with MoE: whole experts (expert TP 1), the TP ranks' copies of the tokens reach each expert
+    ("qwen3_moe", {"tp": 2}, (), ()),
+    # TP x EP: the EP groups are the TP groups, Megatron's 2 data-parallel replicas see the same batch
+    ("qwen3_moe", {"tp": 2, "ep": 2}, (), ()),
+    # under sequence parallelism the routers see sequence shards: R3 routes the whole sequence, keeps the shard
+    ("qwen3_moe", {"tp": 2, "ep": 2}, ("--sequence-parallel",), ("--plugins", "r3")),
+    # eight ranks: each stage TP x EP, the stages pass sequence shards
+    ("qwen3_moe", {"tp": 2, "ep": 2, "pp": 2}, ("--sequence-parallel",), ()),
+], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
+        "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"])
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
@@ -109,8 +120,9 @@ def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, cl
                 assert gpt.decoder.layers[0].input_layernorm.weight.sequence_parallel
             assert gpt.embedding.word_embeddings.weight.shape[0] == 32
             assert gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] == (4 + 2 * 2) * 16 // 2
-        if ep == 2:  # and here half of the experts
-            assert len(gpt.decoder.layers[0].mlp.experts.local_experts) == 2
+        if "moe" in name:  # here EP's share of the experts, each whole (expert TP 1: 2 x 32 rows of fc1)
+            assert len(gpt.decoder.layers[0].mlp.experts.local_experts) == 4 // ep
+            assert gpt.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.shape == (64, 64)
         for step in range(2):
             got = group.train(samples)
             for key in KEYS:
@@ -154,12 +166,6 @@ def test_pipeline_stages_share_the_routes_they_captured(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(_share_routes_rank, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn")
-
-
-def test_tensor_parallel_moe_is_refused_clearly(models, clean_groups):
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size above 1 with an MoE model"):
-        make_trainer(models, "qwen3_moe", "megatron", "--tensor-model-parallel-size", "2",
-                     "--actor-num-gpus-per-node", "2", "--worker-timeout", "60")
 
 
 @pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"], ids=["tp2", "pp2"])

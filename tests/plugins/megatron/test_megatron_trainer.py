@@ -233,20 +233,17 @@ def test_bf16_autocast_keeps_the_native_precision_policy(models):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported"),
-    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"),
-     "--tensor-model-parallel-size 2 together with --expert-model-parallel-size 2 is not supported"),
-    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-      "--actor-num-gpus-per-node", "8"),
-     "--tensor-model-parallel-size 2 together with --expert-model-parallel-size 2 is not supported.*"
-     "each alone or with pipeline parallelism \\(PP\\)"),
+    (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported yet.*"
+     "alone or combined \\(TP x EP x PP trainer processes"),
+    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"),
+     "TP 2 x EP 2 x PP 1 runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
     # TP/EP/PP runs one trainer process per rank: the placement must say so
     (("--tensor-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
     (("--pipeline-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
     (("--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"), "--actor-num-gpus-per-node 2"),
     (("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"),
      "TP 2 x EP 1 x PP 2 runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
-], ids=["cp", "tp_and_ep", "tp_ep_pp", "tp_one_trainer", "pp_one_trainer", "ep_four_trainers", "tp_pp_two_trainers"])
+], ids=["cp", "tp_ep_four_trainers", "tp_one_trainer", "pp_one_trainer", "ep_four_trainers", "tp_pp_two_trainers"])
 def test_parallel_sizes_it_does_not_run_are_refused_clearly(models, flags, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(models, "qwen3", "megatron", *flags)
