@@ -3,14 +3,11 @@ kernels, MoE route capture) gives what the eager engine and a packed forward giv
 
 from __future__ import annotations
 
-import pluggy
 import pytest
 import torch
 
-from miles_host import hookspecs
-from miles_host.routing import RoutingHooks
 from tests.rollout.conftest import PROMPTS, engine_logprobs, load
-from tests.rollout.test_requests import CapturePlugin
+from tests.rollout.test_requests import capture_hooks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,10 +42,7 @@ def test_moe_decode_in_graphs_returns_the_routes_of_a_packed_forward(qwen3_moe):
     from miles_host.models import ForwardContext, PackedAttention, RoutingContext
 
     _, path = qwen3_moe
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
-    manager.register(CapturePlugin())
-    engine = _engine(path, RoutingHooks(manager.hook))
+    engine = _engine(path, capture_hooks())
     assert engine.runner.graphs is not None, "MoE decode should be captured in CUDA graphs"
     outputs = engine.generate(PROMPTS, SAMPLING, return_routed_experts=True)
     assert engine.runner.graphs.num_replays > 0

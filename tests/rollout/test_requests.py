@@ -111,12 +111,17 @@ class CapturePlugin:
             routing_context.captured[layer_index] = expert_ids.clone()
 
 
-def test_routed_experts_are_returned_per_token_and_layer(qwen3_moe):
-    _, path = qwen3_moe
+def capture_hooks() -> RoutingHooks:
+    """Routing hooks of a plugin manager holding only :class:`CapturePlugin` (the engine's route capture)."""
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
     manager.register(CapturePlugin())
-    hooks = RoutingHooks(manager.hook)
+    return RoutingHooks(manager.hook)
+
+
+def test_routed_experts_are_returned_per_token_and_layer(qwen3_moe):
+    _, path = qwen3_moe
+    hooks = capture_hooks()
     engine = make_engine(path, routing_hooks=hooks, block_size=4)
     prompts = [PROMPTS[0], PROMPTS[1]]
     outputs = engine.generate(prompts, {**GREEDY, "n": 2}, return_routed_experts=True)

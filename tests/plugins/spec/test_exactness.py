@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pluggy
 import pytest
 import torch
 
-from miles_host import hookspecs
-from miles_host.routing import RoutingHooks
-from tests.rollout.test_requests import CapturePlugin
+from tests.rollout.test_requests import capture_hooks
 
 from tests.plugins.spec.conftest import plain_engine, spec_engine
 from tests.rollout.conftest import PROMPTS, engine_logprobs, hf_logprobs
@@ -67,10 +64,7 @@ def test_logprobs_are_the_policys(policy, bad_draft, temperature):
 def test_routed_experts_of_kept_tokens(moe_policy, bad_draft):
     """Routes of every kept token (rows of rejected drafts dropped) equal the plain engine's."""
     _, path = moe_policy
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
-    manager.register(CapturePlugin())
-    hooks = RoutingHooks(manager.hook)
+    hooks = capture_hooks()
     params = {**GREEDY, "max_new_tokens": 12}
     plain = plain_engine(path, routing_hooks=hooks).generate(PROMPTS[:2], params, return_routed_experts=True)
     engine = spec_engine(path, draft_path=bad_draft[1], routing_hooks=hooks)

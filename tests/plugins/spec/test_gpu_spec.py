@@ -7,16 +7,13 @@ without CUDA (graph replay stood in by re-running the captured body): ``test_gra
 from __future__ import annotations
 
 import numpy as np
-import pluggy
 import pytest
 import torch
 
-from miles_host import hookspecs
-from miles_host.routing import RoutingHooks
 from tests.plugins.spec.conftest import load
 from tests.plugins.spec.test_graph_path import SAMPLING
 from tests.rollout.conftest import PROMPTS
-from tests.rollout.test_requests import CapturePlugin
+from tests.rollout.test_requests import capture_hooks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,10 +101,7 @@ def test_graph_spec_returns_the_routes_of_every_kept_token(moe_policy, bad_draft
     from miles_host.rollout import Engine
 
     _, path = moe_policy
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
-    manager.register(CapturePlugin())
-    hooks = RoutingHooks(manager.hook)
+    hooks = capture_hooks()
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True, "n": 2}
     engine = _engine(path, draft_path=bad_draft[1], routing_hooks=hooks)
     got = engine.generate(PROMPTS, params, return_routed_experts=True)

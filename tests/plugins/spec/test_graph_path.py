@@ -13,17 +13,14 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import pluggy
 import pytest
 import torch
 
-from miles_host import hookspecs
 from miles_host.rollout.model_runner import paged_metadata
-from miles_host.routing import RoutingHooks
 from miles_spec.plan import build_plan
 from tests.plugins.spec.conftest import spec_engine
 from tests.rollout.conftest import PROMPTS
-from tests.rollout.test_requests import CapturePlugin
+from tests.rollout.test_requests import capture_hooks
 
 #: unequal lengths (rows finish at different steps, the batch shrinks and pads), n=2 forks
 SAMPLING = [
@@ -112,10 +109,7 @@ def test_graph_path_with_lookahead_past_a_block_and_min_new_tokens(policy, bad_d
 def test_graph_path_routes_of_kept_tokens(moe_policy, bad_draft, monkeypatch):
     """R3 through the graph path: the routes of every kept token, rejected rows dropped."""
     _, path = moe_policy
-    manager = pluggy.PluginManager(hookspecs.PROJECT)
-    manager.add_hookspecs(hookspecs)
-    manager.register(CapturePlugin())
-    hooks = RoutingHooks(manager.hook)
+    hooks = capture_hooks()
     sampling = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     eager = spec_engine(path, draft_path=bad_draft[1], routing_hooks=hooks, max_num_seqs=8)
     expected, _ = _run(eager, sampling, return_routed_experts=True)
