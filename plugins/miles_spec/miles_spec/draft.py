@@ -47,6 +47,7 @@ class Draft(Protocol):
     uses_hidden: bool
     offset: int
     feature_size: int
+    hot: HotVocabHead | None  # the FR-Spec token map's head, or None
 
     def layout(self) -> list[tuple[int, int, int, int | None]]:
         """KV layout of the draft's own attention layers."""
@@ -142,7 +143,6 @@ class MTPDraft:
         normed_TH = self.layer.head_norm(feature_TH)
         return self.policy.compute_logits(normed_TH) if self.hot is None else self.hot.logits(normed_TH)
 
-
     def forward(self, hidden_TH, token_ids_T, positions_T, attention):
         feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
         return feature_TH, self.logits(feature_TH)
@@ -176,7 +176,6 @@ class ModelDraft:
 
     def logits(self, feature_TH: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(feature_TH) if self.hot is None else self.hot.logits(feature_TH)
-
 
     def forward(self, hidden_TH, token_ids_T, positions_T, attention):
         feature_TH = self.features(hidden_TH, token_ids_T, positions_T, attention)
