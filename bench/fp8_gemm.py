@@ -52,24 +52,35 @@ def train_shapes(model: str, tokens: int) -> list[tuple[str, int, int, int]]:
 TINY_SHAPES = [("tiny", 64, 256, 256), ("tiny qkv", 32, 512, 128)]
 
 
-def _time(fn, device: torch.device, iters: int, warmup: int) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+def _time(fns: dict, device: torch.device, iters: int, warmup: int, rounds: int = 5) -> dict:
+    """Median seconds per call of each of ``fns`` (name -> callable).
+
+    On the GPU each sample is ``iters`` calls back to back between two events (the host runs
+    ahead, so launch overhead is not timed: a training step's big GEMMs are queued the same
+    way), and the functions take turns round by round so that clock and thermal drift hit them
+    alike (one function timed after another had moved by ~15% between runs).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    return sorted(samples)[len(samples) // 2]
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples[name].append(start.elapsed_time(end) / 1e3 / iters)
+            else:
+                begin = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples[name].append((time.perf_counter() - begin) / iters)
+    return {name: sorted(values)[len(values) // 2] for name, values in samples.items()}
 
 
 def _backends(device: torch.device) -> list[str]:
@@ -90,19 +101,46 @@ def bench_shape(name, m, n, k, device, iters, warmup) -> dict:
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     row = {"shape": name, "M": m, "N": n, "K": k}
     w_t = w.t()
-    row["bf16_tflops"] = flops / _time(lambda: torch.matmul(x, w_t), device, iters, warmup) / 1e12
     x_q, x_s = quantize_act(x)
     w_q, w_s = quantize_weight(w)
+
+    def with_backend(backend, fn):
+        def call():
+            os.environ["MILES_FP8_GEMM"] = backend
+            return fn()
+        return call
+
+    fns = {"bf16": lambda: torch.matmul(x, w_t), "act_quant": lambda: quantize_act(x)}
     for backend in _backends(device):
-        os.environ["MILES_FP8_GEMM"] = backend
-        seconds = _time(lambda: gemm.block_scaled_mm(x_q, x_s, w_q, w_s, torch.bfloat16), device, iters, warmup)
-        row[f"fp8_{backend}_tflops"] = flops / seconds / 1e12
-        layer = lambda: gemm.block_scaled_mm(*quantize_act(x), w_q, w_s, torch.bfloat16)  # noqa: E731
-        row[f"fp8_{backend}_with_act_quant_tflops"] = flops / _time(layer, device, iters, warmup) / 1e12
+        fns[backend] = with_backend(backend, lambda: gemm.block_scaled_mm(x_q, x_s, w_q, w_s, torch.bfloat16))
+        fns[f"{backend}_with_act_quant"] = with_backend(
+            backend, lambda: gemm.block_scaled_mm(*quantize_act(x), w_q, w_s, torch.bfloat16))
+    seconds = _time(fns, device, iters, warmup)
+    row["bf16_tflops"] = flops / seconds.pop("bf16") / 1e12
+    quant_s = seconds.pop("act_quant")
+    row["act_quant_us"] = quant_s * 1e6
+    row["act_quant_tb_per_s"] = (m * k * 2 + m * k + m * (k // 128) * 4) / quant_s / 1e12  # bf16 in, fp8 + scales out
+    for key, value in seconds.items():
+        row[f"fp8_{key}_tflops"] = flops / value / 1e12
     os.environ.pop("MILES_FP8_GEMM", None)
     best = max(v for key, v in row.items() if key.startswith("fp8_") and "with_act" not in key)
     row["fp8_over_bf16"] = best / row["bf16_tflops"]
     return row
+
+
+def layer_summary(rows: list[dict]) -> str:
+    """FP8 vs bf16 over one decoder layer's GEMMs, weighted by their time (= FLOP-weighted TFLOP/s)."""
+    flops = [2 * r["M"] * r["N"] * r["K"] for r in rows]
+    bf16_s = sum(f / (r["bf16_tflops"] * 1e12) for f, r in zip(flops, rows))
+    parts = []
+    for suffix in ("", "_with_act_quant"):
+        times = []
+        for f, r in zip(flops, rows):
+            best = max(v for key, v in r.items() if key.startswith("fp8_") and key.endswith(suffix + "_tflops")
+                       and (suffix or "with_act" not in key))
+            times.append(f / (best * 1e12))
+        parts.append(f"{bf16_s / sum(times):.2f}x" + (" with act quant" if suffix else " GEMMs"))
+    return f"  one layer (time-weighted): FP8 / bf16 = {', '.join(parts)}"
 
 
 # ----------------------------------------------------------------------------- decode (small M)
@@ -228,13 +266,16 @@ def main(argv=None) -> int:
         check_fp8_device(device)
     shapes = [] if args.decode_only else (TINY_SHAPES if args.tiny else train_shapes(args.train_model, args.train_tokens))
     iters = args.iters or (3 if args.tiny else 50)
-    rows = [bench_shape(*shape, device, iters, warmup=1 if args.tiny else 10) for shape in shapes]
+    rows = [bench_shape(*shape, device, 2 if args.tiny else 20, warmup=1 if args.tiny else 5) for shape in shapes]
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: reference path)"
     print(f"block-scaled FP8 GEMM vs bf16 on {label}; bounds: fp8 {FP8_BOUND:.0f}, bf16 {BF16_BOUND:.0f} TFLOP/s")
     for row in rows:
         fp8 = "  ".join(f"{key[4:-7]} {value:8.2f}" for key, value in row.items() if key.startswith("fp8_") and key.endswith("_tflops"))
         print(f"  {row['shape']:<18} M={row['M']:<5} N={row['N']:<5} K={row['K']:<5} bf16 {row['bf16_tflops']:8.2f}  {fp8}"
-              f"  fp8/bf16 {row['fp8_over_bf16']:.2f}x")
+              f"  fp8/bf16 {row['fp8_over_bf16']:.2f}x  act quant {row['act_quant_us']:.1f} us"
+              f" ({row['act_quant_tb_per_s']:.2f} TB/s)")
+    if len(rows) > 1:
+        print(layer_summary(rows[1:]))
     batch_sizes = [1, 4] if args.tiny else [int(b) for b in args.batch_sizes.split(",")]
     decode = bench_decode(device, batch_sizes, 2 if args.tiny else args.layers, iters, args.sweep, args.model)
     if args.json:
