@@ -45,13 +45,11 @@ import triton.language as tl
 from miles_host.kernels import split_k
 from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
-from miles_fp8.quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX
-from miles_fp8.triton_kernels import _round_to_e4m3, _round_up_pow2
+from miles_fp8.quant import BLOCK, FP8_DTYPE
+from miles_fp8.triton_kernels import _quantize_rows
 
 #: largest token count the fused kernel takes; more tokens use quantize + block_scaled_mm
 MAX_M = 64
-_AMAX_EPS = tl.constexpr(AMAX_EPS)
-_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 def small_m_config(m: int, fp8_mma: bool = False) -> SmallMConfig:
@@ -78,35 +76,6 @@ def use_fp8_mma(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_fp8_mma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
-@triton.jit
-def _quantize_rows(x, POW2: tl.constexpr, EMULATE: tl.constexpr):
-    """1x128 quantization of float32 ``x [R, 128]``: (values on the E4M3 grid as float16, scales [R]).
-
-    Bit for bit the reference: ``x / scale`` correctly rounded (torch's ``/``), then
-    the nearest-even E4M3 value, saturated at +-448 (the reference's clamp). On the
-    GPU the quotient comes from the correctly rounded reciprocal ``r`` of the row's
-    scale and one Markstein correction, ``q0 = x * r``, ``q = q0 + (x - q0 * scale) * r``
-    (two FMAs; the correctly rounded quotient, as ``div.rn`` computes it, for the normal
-    range: scales are >= 1e-12 / 448, and a subnormal ``x`` gives q ~ 0 either way),
-    and the rounding is ``cvt.rn.satfinite`` (one instruction per two values). Under
-    the interpreter both steps are done the literal way. Every E4M3 value is a float16.
-    """
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _FP8_MAX)
-    if POW2:
-        scale = _round_up_pow2(scale)
-    scale_2d = tl.broadcast_to(scale[:, None], x.shape)
-    if EMULATE:
-        q = tl.math.div_rn(x, scale_2d)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)).to(tl.float16)
-    else:
-        reciprocal = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], x.shape)
-        q = x * reciprocal
-        q = tl.fma(tl.fma(-q, scale_2d, x), reciprocal, q)
-        q = q.to(tl.float8e4nv).to(tl.float16)  # cvt.rn.satfinite: +-448 beyond the range, as the clamp
-    return q, scale
 
 
 @triton.jit

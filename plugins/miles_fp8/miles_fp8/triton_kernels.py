@@ -2,8 +2,9 @@
 
 Imported lazily (only when a CUDA tensor is quantized or multiplied). The
 quantize kernels are bitwise equal to :mod:`miles_fp8.quant`'s reference: the
-amax is exact, both divisions use IEEE round-to-nearest (``div_rn``, as torch's
-``/``), the power-of-two rounding is the same bit arithmetic, and the FP8 cast
+amax is exact, both divisions are IEEE round-to-nearest (torch's ``/``; the 1x128
+activation quantizer gets the quotient from a reciprocal and one FMA correction, see
+:func:`_quantize_rows`, which keeps it memory-bound), the power-of-two rounding is the same bit arithmetic, and the FP8 cast
 rounds to nearest even in both. Tensor legend: M rows, K reduction, N columns.
 """
 
@@ -64,6 +65,35 @@ def _round_to_e4m3(q):
 
 
 @triton.jit
+def _quantize_rows(x, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """1x128 quantization of float32 ``x [R, 128]``: (values on the E4M3 grid as float16, scales [R]).
+
+    Bit for bit the reference: ``x / scale`` correctly rounded (torch's ``/``), then
+    the nearest-even E4M3 value, saturated at +-448 (the reference's clamp). On the
+    GPU the quotient comes from the correctly rounded reciprocal ``r`` of the row's
+    scale and one Markstein correction, ``q0 = x * r``, ``q = q0 + (x - q0 * scale) * r``
+    (two FMAs; the correctly rounded quotient, as ``div.rn`` computes it, for the normal
+    range: scales are >= 1e-12 / 448, and a subnormal ``x`` gives q ~ 0 either way),
+    and the rounding is ``cvt.rn.satfinite`` (one instruction per two values). Under
+    the interpreter both steps are done the literal way. Every E4M3 value is a float16.
+    """
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_EPS_C), FP8_MAX_C)
+    if POW2:
+        scale = _round_up_pow2(scale)
+    scale_2d = tl.broadcast_to(scale[:, None], x.shape)
+    if EMULATE:
+        q = tl.math.div_rn(x, scale_2d)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)).to(tl.float16)
+    else:
+        reciprocal = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], x.shape)
+        q = x * reciprocal
+        q = tl.fma(tl.fma(-q, scale_2d, x), reciprocal, q)
+        q = q.to(tl.float8e4nv).to(tl.float16)  # cvt.rn.satfinite: +-448 beyond the range, as the clamp
+    return q, scale
+
+
+@triton.jit
 def _quantize_tile(x, POW2: tl.constexpr):
     """(q float32 already clamped, scale) of one block of float32 values."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -86,14 +116,7 @@ def _quantize_act_kernel(
     cols = group * GROUP + tl.arange(0, GROUP)
     mask = row < rows
     x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_EPS_C), FP8_MAX_C)
-    if POW2:
-        scale = _round_up_pow2(scale)
-    q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-    if EMULATE:  # the interpreter's float8 cast is not round-to-nearest-even on subnormals
-        q = _round_to_e4m3(q)
+    q, scale = _quantize_rows(x, POW2, EMULATE)
     tl.store(q_ptr + row[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask[:, None])
     tl.store(s_ptr + row * stride_sm + group, scale, mask=mask)
 
