@@ -30,7 +30,6 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 from __future__ import annotations
 
 
-import os
 
 import torch
 import triton
