@@ -29,8 +29,6 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 
 from __future__ import annotations
 
-
-
 import torch
 import triton
 import triton.language as tl
