@@ -12,8 +12,7 @@ per-GEMM time is the replay time over the layer count. Columns: bf16 ``F.linear`
 ``tinygemm`` (torch's ``_weight_int4pack_mm``, the rollout's packed path before the
 Triton kernel); ``dequant`` (unpack + dequantize + ``F.linear``, bit-identical to the
 QAT forward; the rollout's path above 64 rows); ``triton`` (:mod:`miles_int4.decode_gemm`
-on the ``pairs`` layout, the rollout's packed path at M <= 64; ``halves``: the same kernel family on the
-previous layout, one weight per dequantization instruction). The HBM bound is the
+on the ``halves`` layout, the rollout's packed path at M <= 64). The HBM bound is the
 INT4 bytes read once at 4.24 TB/s (0.5 byte/param + a bf16 scale per group); the
 issue's goal is INT4 >= 1.5x bf16 at batch 1. Before timing, every INT4 output is
 checked against its float reference. A last table sums the four linears (one layer).
@@ -37,7 +36,7 @@ from bench import small_m  # noqa: E402
 from miles_int4.kernels import int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
 
-PATHS = ("bf16", "tinygemm", "dequant", "halves", "triton")
+PATHS = ("bf16", "tinygemm", "dequant", "triton")
 
 
 def build_weights(n: int, k: int, group_size: int, device: torch.device, layers: int) -> list[dict]:
@@ -49,8 +48,7 @@ def build_weights(n: int, k: int, group_size: int, device: torch.device, layers:
         q, scale = quantize(w, group_size)
         entry = {"bf16": w.to(act), "q": q, "scale": scale, "packed": pack_int32(q)}
         if device.type == "cuda":
-            entry["triton"] = pack_for_kernel(q, scale, act, layout="pairs")
-            entry["halves"] = pack_for_kernel(q, scale, act, layout="halves")  # the kernel before ``pairs``
+            entry["triton"] = pack_for_kernel(q, scale, act, layout="halves")
             if kernel_supports(n, k, device, "tinygemm"):
                 entry["tinygemm"] = pack_for_kernel(q, scale, act, layout="tinygemm")
         else:
@@ -69,7 +67,6 @@ def gemm_fns(x: torch.Tensor) -> dict:
         "bf16": lambda w: F.linear(x, w["bf16"]),
         "tinygemm": lambda w: int4_mm(x, w["tinygemm"]),
         "dequant": lambda w: F.linear(x, dequantize_packed(w["packed"], w["scale"], x.dtype)),
-        "halves": lambda w: int4_mm(x, w["halves"]),
         "triton": lambda w: int4_mm(x, w["triton"]),
     }
 
@@ -79,7 +76,7 @@ def check(weights: list[dict], x: torch.Tensor) -> float:
     expected = reference_mm(x.double(), weights[0]["q"], weights[0]["scale"])
     fns = gemm_fns(x)
     return max(small_m.relative_error(fns[path](weights[0]), expected)
-               for path in ("tinygemm", "dequant", "halves", "triton") if path in weights[0])
+               for path in ("tinygemm", "dequant", "triton") if path in weights[0])
 
 
 def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: int) -> tuple[float, str]:
@@ -97,7 +94,7 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
         for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:
             us = small_m.per_gemm_us(
                 lambda w: decode_gemm.int4_small_m_mm(x, w["triton"].weight, w["triton"].scales, pack.group_size,
-                                                      config=config, split=split, layout=pack.layout),
+                                                      config=config, split=split),
                 weights, device, repeats)
             if us < best[0]:
                 best = (us, f"BLOCK_N={block_n} warps={warps} stages={stages} split={split}")
@@ -128,7 +125,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: no Triton kernel)"
     print(f"{name}: {model} linears, {layers} weights per shape, INT4 group {group_size}; per-GEMM microseconds "
           f"(CUDA graph of {layers} GEMMs); HBM bound of the INT4 bytes at {small_m.HBM_BYTES_PER_S / 1e12:.2f} TB/s")
-    print(f"{'linear':<13} {'M':>3} {'bf16':>7} {'tinygemm':>9} {'dequant':>8} {'halves':>7} {'triton':>7} {'triton %HBM':>12} "
+    print(f"{'linear':<13} {'M':>3} {'bf16':>7} {'tinygemm':>9} {'dequant':>8} {'triton':>7} {'triton %HBM':>12} "
           f"{'triton/bf16':>12} {'triton/tinygemm':>16} {'rel err':>8}")
     rows = []
     totals: dict[int, dict[str, float]] = {m: {path: 0.0 for path in PATHS} for m in batch_sizes}
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
                        triton_hbm_fraction=share, max_rel_err=error)
             for path in PATHS:
                 totals[m][path] += times[path]
-            print(f"{shape:<13} {m:>3} {times['bf16']:>7.1f} {times['tinygemm']:>9.1f} {times['dequant']:>8.1f} {times['halves']:>7.1f} "
+            print(f"{shape:<13} {m:>3} {times['bf16']:>7.1f} {times['tinygemm']:>9.1f} {times['dequant']:>8.1f} "
                   f"{times['triton']:>7.1f} {100 * share:>11.0f}% {times['bf16'] / times['triton']:>11.2f}x "
                   f"{times['tinygemm'] / times['triton']:>15.2f}x {error:>8.1e}", flush=True)
             if args.sweep and device.type == "cuda":
@@ -161,7 +158,6 @@ def main(argv=None) -> int:
     for m, total in totals.items():
         share = small_m.hbm_fraction(bytes_per_layer, total["triton"])
         print(f"  M={m:<3} bf16 {total['bf16']:.1f} us, tinygemm {total['tinygemm']:.1f}, dequant {total['dequant']:.1f}, "
-              f"halves {total['halves']:.1f}, "
               f"triton {total['triton']:.1f} ({100 * share:.0f}% of HBM; {total['bf16'] / total['triton']:.2f}x bf16, "
               f"{total['tinygemm'] / total['triton']:.2f}x tinygemm)")
     if args.json:

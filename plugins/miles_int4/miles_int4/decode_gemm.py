@@ -29,6 +29,7 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 
 from __future__ import annotations
 
+
 import torch
 import triton
 import triton.language as tl
@@ -66,129 +67,6 @@ def _dequantize(nibble, scale, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     else:
         q = (nibble | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
         return q * scale[:, None]
-
-
-#: bf16 bits of 136.0 in both halves of a word (``128 + nibble - 136 = q``)
-_BF16X2_136 = tl.constexpr(0x43084308)
-
-
-@triton.jit
-def _dequantize_word_pairs(words, scale_bits):
-    """int32 words of the ``pairs`` layout ``[R, W]`` and the rows' bf16 scale bits ``[R, 1]`` -> 8 int16 ``[R, W]``
-    (bf16 bits): output ``t`` holds column ``8 w + t`` of word ``w``.
-
-    PTX, per word (eight weights): four ``lop3`` (``(w >> 4s) & 0x000F000F | 0x43004300``, the
-    bf16 pair ``128 + nibble`` of nibbles ``s`` and ``s + 4``), three shifts, four ``sub.bf16x2``
-    (``- 136``: ``q`` exactly) and four ``mul.bf16x2`` by the scale (the exact product rounded once
-    to bf16, the QAT formula) - two weights per instruction, against ~5 per weight when each byte
-    is widened and split on its own. Output ``t`` (0..7) is nibble ``t // 2 + 4 * (t % 2)`` of each
-    word: byte ``t // 4 * 2 + t % 2``... see :func:`_pair_columns` for the columns they hold.
-    """
-    scale2 = scale_bits | (scale_bits << 16)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, p, s, c;
-        mov.b32 s, $9;
-        mov.b32 c, 0x43084308;
-        lop3.b32 p, $8, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, s;
-        mov.b32 {$0, $1}, p;
-        shr.u32 t, $8, 4;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, s;
-        mov.b32 {$2, $3}, p;
-        shr.u32 t, $8, 8;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, s;
-        mov.b32 {$4, $5}, p;
-        shr.u32 t, $8, 12;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, s;
-        mov.b32 {$6, $7}, p;
-        }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
-        args=[words, tl.broadcast_to(scale2, words.shape)],
-        dtype=(tl.int16,) * 8, is_pure=True, pack=1,
-    )
-
-
-@triton.jit
-def _nibbles_of_words(words, scale, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """The 8 dequantized nibble tensors of :func:`_dequantize_word_pairs`, in its order, any dtype/interpreter."""
-    if EMULATE or DTYPE != tl.bfloat16:
-        out0 = _dequantize((words & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out1 = _dequantize(((words >> 16) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out2 = _dequantize(((words >> 4) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out3 = _dequantize(((words >> 20) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out4 = _dequantize(((words >> 8) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out5 = _dequantize(((words >> 24) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out6 = _dequantize(((words >> 12) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-        out7 = _dequantize(((words >> 28) & 0xF).to(tl.int16), scale, DTYPE, EMULATE)
-    else:
-        scale_bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        o0, o1, o2, o3, o4, o5, o6, o7 = _dequantize_word_pairs(words, scale_bits[:, None])
-        out0 = o0.to(tl.bfloat16, bitcast=True)
-        out1 = o1.to(tl.bfloat16, bitcast=True)
-        out2 = o2.to(tl.bfloat16, bitcast=True)
-        out3 = o3.to(tl.bfloat16, bitcast=True)
-        out4 = o4.to(tl.bfloat16, bitcast=True)
-        out5 = o5.to(tl.bfloat16, bitcast=True)
-        out6 = o6.to(tl.bfloat16, bitcast=True)
-        out7 = o7.to(tl.bfloat16, bitcast=True)
-    return out0, out1, out2, out3, out4, out5, out6, out7
-
-
-@triton.jit
-def _join8(a0, a1, a2, a3, a4, a5, a6, a7, GROUP: tl.constexpr):
-    """Eight ``[R, W]`` tensors -> ``[R, 8 W]``: position ``8 w + j`` is ``a_{bitrev3(j)}[:, w]`` (the join
-    tree's order; callers pass ``o_0, o_4, o_2, o_6, o_1, o_5, o_3, o_7`` to get ``o_j`` at ``8 w + j``)."""
-    joined = tl.join(tl.join(tl.join(a0, a1), tl.join(a2, a3)), tl.join(tl.join(a4, a5), tl.join(a6, a7)))
-    return tl.reshape(joined, (a0.shape[0], GROUP))
-
-
-@triton.jit
-def _int4_pairs_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_ym,
-    GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
-    EMULATE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, HALF: tl.constexpr,
-):
-    """:func:`_int4_small_m_kernel` on the ``pairs`` layout read as int32 words (``w_ptr``: int32,
-    ``stride_wn`` in words): two weights per dequantization instruction."""
-    WORDS: tl.constexpr = HALF // 4
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_w = tl.arange(0, WORDS)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + tl.arange(0, GROUP)[None, :]
-    s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(GROUPS_PER_SPLIT):
-        group = pid_k * GROUPS_PER_SPLIT + step
-        if EVEN_N:
-            words = tl.load(w_ptrs + group * WORDS)
-            scale = tl.load(s_ptrs + group)
-        else:
-            words = tl.load(w_ptrs + group * WORDS, mask=mask_n[:, None], other=0)
-            scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0)
-        x = tl.load(x_ptrs + group * GROUP, mask=mask_m[:, None], other=0.0)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _nibbles_of_words(words, scale, dtype, EMULATE)
-        acc = dot(_join8(a0, a4, a2, a6, a1, a5, a3, a7, GROUP), tl.trans(x), acc, EMULATE)
-    y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
-    part_offs = offs_m[None, :] * N + offs_n[:, None]
-    mask = mask_n[:, None] & mask_m[None, :]
-    split_k_epilogue(acc, y_ptr, part_ptr, sem_ptr, y_offs, part_offs, mask, pid_n, pid_k, M * N,
-                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
 
 
 @triton.jit
@@ -230,23 +108,14 @@ def _int4_small_m_kernel(
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
 
 
-def _as_words(packed: torch.Tensor) -> torch.Tensor:
-    """``pairs`` bytes as int32 words (rows of ``K/2`` bytes: a multiple of 16 for every group size)."""
-    packed = packed.contiguous()
-    if packed.storage_offset() % 4:
-        packed = packed.clone()
-    return packed.view(torch.int32)
-
-
 def int4_small_m_mm(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
     out_dtype: torch.dtype | None = None, config: SmallMConfig | None = None, split: int | None = None,
-    layout: str = "halves",
 ) -> torch.Tensor:
     """``x [M, K] @ w_dq^T`` with ``w`` as ``halves`` bytes ``[N, K/2]`` and bf16 ``scale [N, K/gs]``; M <= 64.
 
     ``out_dtype`` defaults to ``x.dtype``; ``config`` and ``split`` override the
-    fixed table (benchmarks); ``layout``: ``packed``'s, ``halves`` or ``pairs`` (:mod:`miles_int4.kernels`). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
+    fixed table (benchmarks). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
     """
     m, k = x.shape
     n = packed.shape[0]
@@ -269,12 +138,9 @@ def int4_small_m_mm(
     else:
         plan = split_k.fixed_split(n_tiles, groups, split)
     partials, counters, in_kernel = split_k.workspace(plan, m, n, x.device, out)
-    kernel, weight, stride_wn = _int4_small_m_kernel, packed, packed.stride(0)
-    if layout == "pairs":
-        kernel, weight, stride_wn = _int4_pairs_kernel, _as_words(packed), packed.stride(0) // 4
-    kernel[(plan.n_tiles, plan.split_k)](
-        x, weight, scale, out, partials, counters,
-        m, n, x.stride(0), stride_wn, scale.stride(0), out.stride(0),
+    _int4_small_m_kernel[(plan.n_tiles, plan.split_k)](
+        x, packed, scale, out, partials, counters,
+        m, n, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
         GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         GROUP=group_size, HALF=group_size // 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

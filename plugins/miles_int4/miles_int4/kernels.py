@@ -1,14 +1,8 @@
 """Weight-only INT4 GEMMs and the weight layouts they read.
 
-Four layouts of the same ``(q int8 [N, K], scale bf16 [N, K/gs])`` (:mod:`miles_int4.quant`):
+Three layouts of the same ``(q int8 [N, K], scale bf16 [N, K/gs])`` (:mod:`miles_int4.quant`):
 
-- ``pairs`` (CUDA, the rollout's layout): uint8 ``[N, K/2]``, read as int32 words of 8
-  columns: word ``w`` holds columns ``8w, 8w+2, 8w+4, 8w+6`` in nibbles 0-3 (its low 16
-  bits) and ``8w+1, 8w+3, 8w+5, 8w+7`` in nibbles 4-7, as ``q + 8``, so one
-  ``(word >> 4s) & 0x000F000F`` is the pair of adjacent columns ``8w+2s, 8w+2s+1`` in the
-  two 16-bit halves: :mod:`miles_int4.decode_gemm` dequantizes two weights per
-  instruction. Group-size independent (groups are multiples of 8 columns).
-- ``halves`` (CUDA, the previous layout, for comparison): uint8 ``[N, K/2]``; within each group
+- ``halves`` (CUDA, the rollout's layout): uint8 ``[N, K/2]``; within each group
   of ``gs`` input columns, byte ``j`` holds column ``j`` in its low nibble and
   column ``j + gs/2`` in its high nibble, both as ``q + 8``; ``scales`` is the
   bf16 ``[N, K/gs]`` scale itself. Read by :mod:`miles_int4.decode_gemm` (a Triton
@@ -41,9 +35,7 @@ import torch.nn.functional as F
 
 from miles_int4.quant import QMIN, dequantize
 
-LAYOUTS = ("pairs", "halves", "cpu", "tinygemm")
-#: the layouts read by :mod:`miles_int4.decode_gemm` (else dequantized for ``F.linear``)
-TRITON_LAYOUTS = ("pairs", "halves")
+LAYOUTS = ("halves", "cpu", "tinygemm")
 #: most token rows of the Triton small-M kernel (``MILES_INT4_SMALL_M`` may lower it; 0 turns it off)
 SMALL_M_MAX = 64
 
@@ -64,12 +56,12 @@ class PackedInt4:
 
 
 def default_layout(device: torch.device) -> str:
-    """``cpu`` on CPU; on CUDA ``pairs``, or ``MILES_INT4_CUDA_LAYOUT=halves|tinygemm`` (comparisons)."""
+    """``cpu`` on CPU; on CUDA ``halves``, or ``tinygemm`` under ``MILES_INT4_CUDA_LAYOUT=tinygemm`` (comparisons)."""
     if device.type == "cpu":
         return "cpu"
-    layout = os.environ.get("MILES_INT4_CUDA_LAYOUT", "pairs")
-    if layout not in ("pairs", "halves", "tinygemm"):
-        raise ValueError(f"MILES_INT4_CUDA_LAYOUT={layout!r}; use pairs (default), halves or tinygemm")
+    layout = os.environ.get("MILES_INT4_CUDA_LAYOUT", "halves")
+    if layout not in ("halves", "tinygemm"):
+        raise ValueError(f"MILES_INT4_CUDA_LAYOUT={layout!r}; use halves (default) or tinygemm")
     return layout
 
 
@@ -114,41 +106,12 @@ def unpack_halves(packed_NH: torch.Tensor, group_size: int) -> torch.Tensor:
     return q.reshape(n, 2 * half_k).to(torch.int8)
 
 
-#: column (within 8) of each nibble of a ``pairs`` word, and the nibble of each column
-_PAIRS_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
-_PAIRS_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
-
-
-def pack_pairs(q_NK: torch.Tensor) -> torch.Tensor:
-    """int8 ``q [N, K]`` (K a multiple of 8) -> uint8 ``[N, K/2]`` in the ``pairs`` layout (see the module doc)."""
-    n, k = q_NK.shape
-    nibbles = (q_NK.to(torch.int16) - QMIN).view(n, k // 8, 8)[..., list(_PAIRS_COLUMN_OF_NIBBLE)]
-    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8).reshape(n, k // 2)
-
-
-def unpack_pairs(packed_NH: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_pairs`: uint8 ``[N, K/2]`` -> int8 ``q [N, K]``."""
-    n, half_k = packed_NH.shape
-    bytes_ = packed_NH.view(n, half_k // 4, 4).to(torch.int16)
-    nibbles = torch.stack([bytes_ & 0xF, bytes_ >> 4], dim=-1).reshape(n, half_k // 4, 8)
-    return (nibbles[..., list(_PAIRS_NIBBLE_OF_COLUMN)] + QMIN).reshape(n, 2 * half_k).to(torch.int8)
-
-
-def unpack(packed: "PackedInt4") -> torch.Tensor:
-    """``q int8 [N, K]`` of a weight in a Triton layout."""
-    if packed.layout == "pairs":
-        return unpack_pairs(packed.weight)
-    return unpack_halves(packed.weight, packed.group_size)
-
-
 def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch.dtype,
                     layout: str | None = None) -> PackedInt4:
     """``(q int8 [N, K], scale [N, G])`` -> ``layout`` (default: the device's) on ``q``'s device."""
     layout = layout or default_layout(q_NK.device)
     out_features, in_features = q_NK.shape
     group_size = in_features // scale_NG.shape[-1]
-    if layout == "pairs":
-        return PackedInt4(pack_pairs(q_NK), scale_NG.contiguous(), group_size, out_features, layout)
     if layout == "halves":
         return PackedInt4(pack_halves(q_NK, group_size), scale_NG.contiguous(), group_size, out_features, layout)
     unsigned = q_NK.to(torch.int32) - QMIN
@@ -174,21 +137,21 @@ def small_m_limit() -> int:
 
 
 def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
-    """Whether a ``pairs``/``halves`` weight is multiplied by the Triton kernel for this input (else dequantize + matmul)."""
+    """Whether a ``halves`` weight is multiplied by the Triton kernel for this input (else dequantize + matmul)."""
     return x_MK.is_cuda and x_MK.dtype in (torch.bfloat16, torch.float16) and 0 < x_MK.shape[0] <= small_m_limit()
 
 
 def int4_mm(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
     """``x [..., K] @ w.T`` with ``w`` in one of the layouts; output in ``x``'s dtype."""
     x_2d = x_MK.reshape(-1, x_MK.shape[-1])
-    if packed.layout in TRITON_LAYOUTS:
+    if packed.layout == "halves":
         if uses_small_m_kernel(x_2d):
             from miles_int4 import decode_gemm
 
-            y = decode_gemm.int4_small_m_mm(x_2d, packed.weight, packed.scales, packed.group_size,
-                                            layout=packed.layout)
+            y = decode_gemm.int4_small_m_mm(x_2d, packed.weight, packed.scales, packed.group_size)
         else:
-            y = F.linear(x_2d, dequantize(unpack(packed), packed.scales, x_2d.dtype))
+            q = unpack_halves(packed.weight, packed.group_size)
+            y = F.linear(x_2d, dequantize(q, packed.scales, x_2d.dtype))
     elif packed.layout == "cpu":
         sz = packed.scales
         if sz.dtype != x_2d.dtype:

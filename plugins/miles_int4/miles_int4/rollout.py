@@ -12,7 +12,7 @@ Two GEMMs, chosen by ``--int4-rollout-gemm``:
 - ``dequant``: dequantize (the QAT forward's own formula) then ``F.linear``. The
   rollout logits equal the QAT training forward's bit for bit.
 - ``packed``: INT4 GEMM kernels (:mod:`miles_int4.kernels`) on the weights in the
-  kernel's layout only: on CUDA the ``pairs`` layout, multiplied by the Triton
+  kernel's layout only: on CUDA the ``halves`` layout, multiplied by the Triton
   small-M kernel at decode (:mod:`miles_int4.decode_gemm`) and dequantized for
   ``F.linear`` at prefill; on CPU torch's int4 kernel. The module claims the
   compressed-tensors names as weight sinks and repacks what a sync sends in place

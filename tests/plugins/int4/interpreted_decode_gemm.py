@@ -21,74 +21,63 @@ def kernels():
     return interpreted_module("miles_int4.decode_gemm")
 
 
-@pytest.fixture(params=["pairs", "halves"])
-def layout(request):
-    """Each test on both layouts the kernel family reads."""
-    return request.param
-
-
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_dequantizes_bit_for_bit_like_qat(kernels, layout, group_size, dtype):
+def test_kernel_dequantizes_bit_for_bit_like_qat(kernels, group_size, dtype):
     """One-hot activation rows read single weights: the kernel's dequantized values, exactly."""
-    q, scale, packed = _weights(64, 256, group_size, layout=layout)
-    columns = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, group_size // 2, group_size - 1, 129, 255])
+    q, scale, packed = _weights(64, 256, group_size)
+    columns = torch.tensor([0, 1, group_size // 2, group_size - 1, 129, 255])
     x = torch.zeros(len(columns), 256, dtype=dtype)
     x[torch.arange(len(columns)), columns] = 1
-    got = kernels_mm(kernels, layout)(x, packed, scale, group_size)
+    got = kernels.int4_small_m_mm(x, packed, scale, group_size)
     assert torch.equal(got, dequantize(q, scale, dtype)[:, columns].t())
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 64])
-def test_kernel_matches_the_reference(kernels, layout, m, group_size, out_dtype):
-    q, scale, packed = _weights(192, 512, group_size, layout=layout)
+def test_kernel_matches_the_reference(kernels, m, group_size, out_dtype):
+    q, scale, packed = _weights(192, 512, group_size)
     x = _x(m, 512)
-    got = kernels_mm(kernels, layout)(x, packed, scale, group_size, out_dtype=out_dtype)
+    got = kernels.int4_small_m_mm(x, packed, scale, group_size, out_dtype=out_dtype)
     assert got.shape == (m, 192) and got.dtype == out_dtype
     _assert_matches(got, _expected(x, q, scale), out_dtype)
 
 
-def test_float16_activations_and_ragged_n(kernels, layout):
-    q, scale, packed = _weights(72, 256, 64, layout=layout)  # 72 rows: the last N tile is partial
+def test_float16_activations_and_ragged_n(kernels):
+    q, scale, packed = _weights(72, 256, 64)  # 72 rows: the last N tile is partial
     x = _x(5, 256, dtype=torch.float16)
-    got = kernels_mm(kernels, layout)(x, packed, scale, 64)
+    got = kernels.int4_small_m_mm(x, packed, scale, 64)
     assert got.dtype == torch.float16
     _assert_matches(got, _expected(x, q, scale), torch.float16)
 
 
 @pytest.mark.parametrize("reduce", ["kernel", "torch"])
 @pytest.mark.parametrize("split", [2, 4, 8])
-def test_split_k_reductions(kernels, layout, split, reduce, monkeypatch):
+def test_split_k_reductions(kernels, split, reduce, monkeypatch):
     monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
     counters = torch.zeros(64, dtype=torch.int32)
     monkeypatch.setattr(split_k, "semaphores", lambda device, count: counters)
-    q, scale, packed = _weights(128, 1024, 64, layout=layout)
+    q, scale, packed = _weights(128, 1024, 64)
     x = _x(6, 1024)
-    got = kernels_mm(kernels, layout)(x, packed, scale, 64, out_dtype=torch.float32, split=split)
+    got = kernels.int4_small_m_mm(x, packed, scale, 64, out_dtype=torch.float32, split=split)
     _assert_matches(got, _expected(x, q, scale), torch.float32)
     assert not counters.any()
 
 
 @pytest.mark.slow
-def test_kernel_on_a_1_7b_decode_shape(kernels, layout):
+def test_kernel_on_a_1_7b_decode_shape(kernels):
     """o_proj of Qwen3-1.7B (N = K = 2048), group 128, M = 8, planned split (interpreted: slow-ish)."""
-    q, scale, packed = _weights(2048, 2048, 128, layout=layout)
+    q, scale, packed = _weights(2048, 2048, 128)
     x = _x(8, 2048)
-    _assert_matches(kernels_mm(kernels, layout)(x, packed, scale, 128), _expected(x, q, scale), torch.bfloat16)
+    _assert_matches(kernels.int4_small_m_mm(x, packed, scale, 128), _expected(x, q, scale), torch.bfloat16)
 
 
-def test_bad_operands_are_value_errors(kernels, layout):
-    q, scale, packed = _weights(64, 256, 64, layout=layout)
+def test_bad_operands_are_value_errors(kernels):
+    q, scale, packed = _weights(64, 256, 64)
     with pytest.raises(ValueError, match="<= 64"):
-        kernels_mm(kernels, layout)(_x(65, 256), packed, scale, 64)
+        kernels.int4_small_m_mm(_x(65, 256), packed, scale, 64)
     with pytest.raises(ValueError, match="bf16/fp16"):
-        kernels_mm(kernels, layout)(_x(2, 256, dtype=torch.float32), packed, scale, 64)
+        kernels.int4_small_m_mm(_x(2, 256, dtype=torch.float32), packed, scale, 64)
     with pytest.raises(ValueError, match="group size"):
-        kernels_mm(kernels, layout)(_x(2, 256), packed, scale, 32)
-
-
-def kernels_mm(kernels, layout):
-    """The interpreted ``int4_small_m_mm`` on ``layout``'s bytes."""
-    return lambda *args, **kwargs: kernels.int4_small_m_mm(*args, layout=layout, **kwargs)
+        kernels.int4_small_m_mm(_x(2, 256), packed, scale, 32)

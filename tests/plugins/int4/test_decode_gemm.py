@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import split_k
-from miles_int4.kernels import int4_mm, pack_for_kernel, pack_halves, pack_pairs, reference_mm, unpack_halves, unpack_pairs
+from miles_int4.kernels import int4_mm, pack_for_kernel, pack_halves, reference_mm, unpack_halves
 from miles_int4.quant import dequantize, quantize
 from tests.plugins.triton_interpret import run_interpreted
 from tests.plugins.triton_sm90 import compile_sm90
@@ -24,16 +24,12 @@ from tests.plugins.triton_sm90 import compile_sm90
 SHAPES_1_7B = [("qkv_proj", 4096, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 12288, 2048), ("down_proj", 2048, 6144)]
 
 
-#: the layouts the Triton kernel reads
-LAYOUTS = ["pairs", "halves"]
-
-
 @functools.lru_cache(maxsize=16)
-def _weights(n, k, group_size, seed=0, layout="halves"):
-    """``(q, scale, packed bytes in layout)`` of a random weight (cached: the GPU tests reuse the 1.7B shapes)."""
+def _weights(n, k, group_size, seed=0):
+    """``(q, scale, halves bytes)`` of a random weight (cached: the GPU tests reuse the 1.7B shapes)."""
     generator = torch.Generator().manual_seed(seed)
     q, scale = quantize(torch.randn(n, k, generator=generator) * 0.05, group_size)
-    return q, scale, pack_pairs(q) if layout == "pairs" else pack_halves(q, group_size)
+    return q, scale, pack_halves(q, group_size)
 
 
 def _x(m, k, dtype=torch.bfloat16, seed=1):
@@ -45,10 +41,13 @@ def _expected(x, q, scale):
     return F.linear(x.double(), dequantize(q, scale, x.dtype).double())
 
 
-def _assert_matches(got, expected, dtype):
+def _assert_matches(got, expected, dtype, chain: int = 0):
+    """Within ``dtype``'s rounding of the output; ``chain``: the longest run of fp32 additions into one
+    output (K for an unsplit GEMM), whose rounding error grows like ``sqrt(chain)`` ulps of the sum."""
     scale = expected.abs().max().item()
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
-    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=1e-6 * scale)
+    atol = max(1e-6, 4 * 2.0**-24 * chain**0.5) * scale
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
 
 
 # ----------------------------------------------------------------------------- layout (plain PyTorch)
@@ -65,22 +64,10 @@ def test_halves_layout_round_trips_and_puts_each_half_in_its_nibble(group_size):
     assert byte >> 4 == q[3, group_size + half + 5].item() + 8
 
 
-def test_pairs_layout_round_trips_and_puts_adjacent_columns_in_a_word_s_halves():
-    q, _, packed = _weights(16, 256, 32, layout="pairs")
-    assert packed.dtype == torch.uint8 and packed.shape == (16, 128)
-    assert torch.equal(unpack_pairs(packed), q)
-    word = packed.view(torch.int32)[5, 3].item() & 0xFFFFFFFF  # columns 24..31 of row 5
-    for s in range(4):  # (word >> 4s) & 0x000F000F: columns 24 + 2s (low half) and 24 + 2s + 1 (high half)
-        pair = (word >> (4 * s)) & 0x000F000F
-        assert pair & 0xF == q[5, 24 + 2 * s].item() + 8
-        assert pair >> 16 == q[5, 24 + 2 * s + 1].item() + 8
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_int4_mm_off_cuda_is_the_qat_dequantize_path(layout):
-    """Without CUDA (or above 64 rows) the Triton layouts dequantize exactly as the QAT forward does."""
+def test_halves_int4_mm_off_cuda_is_the_qat_dequantize_path():
+    """Without CUDA (or above 64 rows) the halves layout dequantizes exactly as the QAT forward does."""
     q, scale, _ = _weights(96, 256, 64)
-    packed = pack_for_kernel(q, scale, torch.bfloat16, layout=layout)
+    packed = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
     for x in (_x(3, 256), _x(8, 256, dtype=torch.float32).view(2, 4, 256)):
         assert torch.equal(int4_mm(x, packed), reference_mm(x, q, scale))
 
@@ -90,25 +77,21 @@ def test_cpu_kernel_under_the_triton_interpreter(request):
     run_interpreted(Path(__file__).with_name("interpreted_decode_gemm.py"), request)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("activation", ["bf16", "fp16"])
-def test_gpu_branches_compile_for_sm90(activation, layout):
+def test_gpu_branches_compile_for_sm90(activation):
     """The GPU-only code (packed bf16 dequantization, wgmma, the split-K semaphore) builds for an H100/H200."""
     pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
     from miles_int4 import decode_gemm
 
     config = decode_gemm.small_m_config(8)
-    kernel = decode_gemm._int4_pairs_kernel if layout == "pairs" else decode_gemm._int4_small_m_kernel
-    signature = {"x_ptr": f"*{activation}", "w_ptr": "*i32" if layout == "pairs" else "*u8", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
+    signature = {"x_ptr": f"*{activation}", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
                  "part_ptr": "*fp32", "sem_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
                       BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=128, HALF=64)
-    ptx = compile_sm90(kernel, signature, constexprs, config.num_warps, config.num_stages)
-    for instruction in ("wgmma.mma_async", "atom.global.gpu.acq_rel.add"):
+    ptx = compile_sm90(decode_gemm._int4_small_m_kernel, signature, constexprs, config.num_warps, config.num_stages)
+    for instruction in ("wgmma.mma_async", "cp.async", "atom.global.gpu.acq_rel.add"):
         assert instruction in ptx, instruction
-    if layout == "pairs":  # bf16: the word-pair dequantization (lop3, packed subtract and multiply)
-        assert ("lop3.b32" in ptx and "sub.rn.bf16x2" in ptx) == (activation == "bf16")
     # bf16: two weights per multiply; fp16 activations dequantize in fp32 (one rounding)
     assert ("mul.bf16x2" in ptx or "mul.rn.bf16x2" in ptx) == (activation == "bf16")
 
@@ -123,40 +106,36 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 32, 64])
 @pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gpu_kernel_on_decode_shapes(layout, name, n, k, m, group_size):
+def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size):
     from miles_int4 import decode_gemm
 
-    q, scale, packed = _weights(n, k, group_size, layout=layout)
+    q, scale, packed = _weights(n, k, group_size)
     x = _x(m, k)
     expected = _expected(x, q, scale)
     args = (x.cuda(), packed.cuda(), scale.cuda(), group_size)
-    mm = functools.partial(decode_gemm.int4_small_m_mm, layout=layout)
-    _assert_matches(mm(*args, out_dtype=torch.float32).cpu(), expected, torch.float32)
-    got = mm(*args)
+    _assert_matches(decode_gemm.int4_small_m_mm(*args, out_dtype=torch.float32).cpu(), expected, torch.float32)
+    got = decode_gemm.int4_small_m_mm(*args)
     _assert_matches(got.cpu(), expected, torch.bfloat16)
-    assert torch.equal(got, mm(*args))  # deterministic
+    assert torch.equal(got, decode_gemm.int4_small_m_mm(*args))  # deterministic
     one_hot = torch.zeros(16, k, dtype=torch.bfloat16, device="cuda")
-    one_hot[torch.arange(16), torch.arange(16) * (k // 16) + torch.arange(16) % 8] = 1
-    weights = mm(one_hot, *args[1:])
-    columns = torch.arange(16) * (k // 16) + torch.arange(16) % 8  # every position of a word
-    assert torch.equal(weights.cpu(), dequantize(q, scale, torch.bfloat16)[:, columns].t())
+    one_hot[torch.arange(16), torch.arange(16) * (k // 16)] = 1
+    weights = decode_gemm.int4_small_m_mm(one_hot, *args[1:])
+    assert torch.equal(weights.cpu(), dequantize(q, scale, torch.bfloat16)[:, :: k // 16].t())
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("reduce", ["kernel", "torch"])
 @pytest.mark.parametrize("split", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gpu_split_k_variants(layout, split, reduce, monkeypatch):
+def test_gpu_split_k_variants(split, reduce, monkeypatch):
     from miles_int4 import decode_gemm
 
     monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
-    q, scale, packed = _weights(2048, 6144, 128, layout=layout)
+    q, scale, packed = _weights(2048, 6144, 128)
     x = _x(8, 6144)
-    got = decode_gemm.int4_small_m_mm(x.cuda(), packed.cuda(), scale.cuda(), 128, out_dtype=torch.float32, split=split,
-                                      layout=layout)
-    _assert_matches(got.cpu(), _expected(x, q, scale), torch.float32)
+    got = decode_gemm.int4_small_m_mm(x.cuda(), packed.cuda(), scale.cuda(), 128, out_dtype=torch.float32, split=split)
+    # split 1: one program adds all 6144 products (H200: 5e-5 off on outputs of ~16, 3.2e-6 of the max)
+    _assert_matches(got.cpu(), _expected(x, q, scale), torch.float32, chain=6144 // split)
     assert not any(buffer.any() for buffer in split_k._SEMAPHORES.values())
 
 
@@ -165,7 +144,7 @@ def test_gpu_split_k_variants(layout, split, reduce, monkeypatch):
 def test_gpu_int4_mm_in_a_cuda_graph_and_above_the_small_m_limit():
     q, scale, _ = _weights(4096, 2048, 128)
     packed = pack_for_kernel(q.cuda(), scale.cuda(), torch.bfloat16)
-    assert packed.layout == "pairs"
+    assert packed.layout == "halves"
     x = _x(4, 2048).cuda()
     int4_mm(x, packed)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
