@@ -12,7 +12,8 @@ per-GEMM time is the replay time over the layer count. Columns: bf16 ``F.linear`
 ``tinygemm`` (torch's ``_weight_int4pack_mm``, the rollout's packed path before the
 Triton kernel); ``dequant`` (unpack + dequantize + ``F.linear``, bit-identical to the
 QAT forward; the rollout's path above 64 rows); ``triton`` (:mod:`miles_int4.decode_gemm`
-on the ``halves`` layout, the rollout's packed path at M <= 64). The HBM bound is the
+on the ``halves`` layout, the rollout's packed path at M <= 64: a CUDA-core GEMV at M = 1, the
+tensor-core kernel above); ``mma``: the tensor-core kernel at every M (the M = 1 path before the GEMV). The HBM bound is the
 INT4 bytes read once at 4.24 TB/s (0.5 byte/param + a bf16 scale per group); the
 issue's goal is INT4 >= 1.5x bf16 at batch 1. Before timing, every INT4 output is
 checked against its float reference. A last table sums the four linears (one layer).
@@ -36,7 +37,7 @@ from bench import small_m  # noqa: E402
 from miles_int4.kernels import int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
 
-PATHS = ("bf16", "tinygemm", "dequant", "triton")
+PATHS = ("bf16", "tinygemm", "dequant", "mma", "triton")
 
 
 def build_weights(n: int, k: int, group_size: int, device: torch.device, layers: int) -> list[dict]:
@@ -67,8 +68,18 @@ def gemm_fns(x: torch.Tensor) -> dict:
         "bf16": lambda w: F.linear(x, w["bf16"]),
         "tinygemm": lambda w: int4_mm(x, w["tinygemm"]),
         "dequant": lambda w: F.linear(x, dequantize_packed(w["packed"], w["scale"], x.dtype)),
+        "mma": lambda w: _without_gemv(lambda: int4_mm(x, w["triton"])),
         "triton": lambda w: int4_mm(x, w["triton"]),
     }
+
+
+def _without_gemv(fn):
+    """``fn()`` with one-token inputs on the tensor-core kernel (``MILES_INT4_GEMV=0``): the kernel before the GEMV."""
+    os.environ["MILES_INT4_GEMV"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("MILES_INT4_GEMV")
 
 
 def check(weights: list[dict], x: torch.Tensor) -> float:
@@ -76,7 +87,8 @@ def check(weights: list[dict], x: torch.Tensor) -> float:
     expected = reference_mm(x.double(), weights[0]["q"], weights[0]["scale"])
     fns = gemm_fns(x)
     return max(small_m.relative_error(fns[path](weights[0]), expected)
-               for path in ("tinygemm", "dequant", "triton") if path in weights[0])
+               for path in ("tinygemm", "dequant", "mma", "triton")
+               if path in weights[0] or (path == "mma" and "triton" in weights[0]))
 
 
 def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: int) -> tuple[float, str]:
@@ -89,6 +101,16 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
     groups = k // pack.group_size
     block_m = decode_gemm.small_m_config(m).block_m
     best = (float("inf"), "")
+    if m == 1:  # the CUDA-core GEMV's variants
+        out = torch.empty(1, pack.out_features, dtype=x.dtype, device=x.device)
+        for block_n, warps in [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]:
+            for split in [s for s in (None, 1, 2, 4, 8) if s is None or groups % s == 0]:
+                us = small_m.per_gemm_us(
+                    lambda w: decode_gemm._int4_gemv(x, w["triton"].weight, w["triton"].scales, pack.group_size, out,
+                                                     block_n=block_n, warps=warps, split=split),
+                    weights, device, repeats)
+                if us < best[0]:
+                    best = (us, f"GEMV BLOCK_N={block_n} warps={warps} split={split or 'planned'}")
     for block_n, warps, stages in [(64, 4, 4), (64, 4, 8), (32, 4, 8), (128, 4, 4), (128, 4, 6), (128, 8, 6)]:
         config = SmallMConfig(block_m, block_n, warps, stages)
         for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:
@@ -125,7 +147,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke: no Triton kernel)"
     print(f"{name}: {model} linears, {layers} weights per shape, INT4 group {group_size}; per-GEMM microseconds "
           f"(CUDA graph of {layers} GEMMs); HBM bound of the INT4 bytes at {small_m.HBM_BYTES_PER_S / 1e12:.2f} TB/s")
-    print(f"{'linear':<13} {'M':>3} {'bf16':>7} {'tinygemm':>9} {'dequant':>8} {'triton':>7} {'triton %HBM':>12} "
+    print(f"{'linear':<13} {'M':>3} {'bf16':>7} {'tinygemm':>9} {'dequant':>8} {'mma':>7} {'triton':>7} {'triton %HBM':>12} "
           f"{'triton/bf16':>12} {'triton/tinygemm':>16} {'rel err':>8}")
     rows = []
     totals: dict[int, dict[str, float]] = {m: {path: 0.0 for path in PATHS} for m in batch_sizes}
@@ -140,13 +162,14 @@ def main(argv=None) -> int:
                 raise SystemExit(f"an int4 path disagrees with its float reference at {shape} M={m}: {error:.2e}")
             fns = gemm_fns(x)
             times = {path: (small_m.per_gemm_us(fns[path], weights, device, repeats) if path in weights[0] or
-                            path in ("bf16", "dequant") else float("nan")) for path in PATHS}
+                            path in ("bf16", "dequant") or (path == "mma" and "triton" in weights[0])
+                            else float("nan")) for path in PATHS}
             share = small_m.hbm_fraction(int4_bytes(n, k, group_size), times["triton"])
             row = dict(linear=shape, M=m, N=n, K=k, **{f"{p}_us": t for p, t in times.items()},
                        triton_hbm_fraction=share, max_rel_err=error)
             for path in PATHS:
                 totals[m][path] += times[path]
-            print(f"{shape:<13} {m:>3} {times['bf16']:>7.1f} {times['tinygemm']:>9.1f} {times['dequant']:>8.1f} "
+            print(f"{shape:<13} {m:>3} {times['bf16']:>7.1f} {times['tinygemm']:>9.1f} {times['dequant']:>8.1f} {times['mma']:>7.1f} "
                   f"{times['triton']:>7.1f} {100 * share:>11.0f}% {times['bf16'] / times['triton']:>11.2f}x "
                   f"{times['tinygemm'] / times['triton']:>15.2f}x {error:>8.1e}", flush=True)
             if args.sweep and device.type == "cuda":
@@ -158,6 +181,7 @@ def main(argv=None) -> int:
     for m, total in totals.items():
         share = small_m.hbm_fraction(bytes_per_layer, total["triton"])
         print(f"  M={m:<3} bf16 {total['bf16']:.1f} us, tinygemm {total['tinygemm']:.1f}, dequant {total['dequant']:.1f}, "
+              f"mma {total['mma']:.1f}, "
               f"triton {total['triton']:.1f} ({100 * share:.0f}% of HBM; {total['bf16'] / total['triton']:.2f}x bf16, "
               f"{total['tinygemm'] / total['triton']:.2f}x tinygemm)")
     if args.json:

@@ -29,6 +29,7 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -108,6 +109,178 @@ def _int4_small_m_kernel(
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
 
 
+# ----------------------------------------------------------------------------- M = 1: CUDA-core GEMV
+
+# The GEMV's word order: input ``j`` of :func:`_word_dot` is column ``half * HALF + 4 w + byte`` of word ``w``
+# (bytes ``4w .. 4w+3`` of a group's ``halves`` bytes) with ``half = (j // 2) % 2``, ``byte = 2 (j % 2) + j // 4``:
+# pair ``s`` = ``(word >> 4 s) & 0x000F000F`` holds the low (s even) or high (s odd) nibbles of bytes
+# ``s // 2`` and ``s // 2 + 2`` in its two 16-bit halves.
+
+
+@triton.jit
+def _word_dot(word, scale2, x0, x1, x2, x3, x4, x5, x6, x7):
+    """fp32 ``sum_j w_j * x_j`` over the 8 weights of a ``halves`` int32 word (bf16 ``w_j = q_j * s`` rounded once,
+    as the QAT forward; exact bf16 x bf16 products, fp32 sums). Per pair: ``lop3`` (``128 + nibble``), ``sub.bf16x2``
+    (``q``), ``mul.bf16x2`` (the scale), two unpacks to fp32 and two FMAs: ~4 instructions per weight."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, p, c, u;
+        .reg .f32 lo, hi;
+        mov.b32 c, 0x43084308;
+        lop3.b32 p, $1, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 p, p, c;
+        mul.rn.bf16x2 p, p, $2;
+        shl.b32 u, p, 16;
+        mov.b32 lo, u;
+        and.b32 u, p, 0xFFFF0000;
+        mov.b32 hi, u;
+        mul.rn.f32 $0, lo, $3;
+        fma.rn.f32 $0, hi, $4, $0;
+        shr.u32 t, $1, 4;
+        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 p, p, c;
+        mul.rn.bf16x2 p, p, $2;
+        shl.b32 u, p, 16;
+        mov.b32 lo, u;
+        and.b32 u, p, 0xFFFF0000;
+        mov.b32 hi, u;
+        fma.rn.f32 $0, lo, $5, $0;
+        fma.rn.f32 $0, hi, $6, $0;
+        shr.u32 t, $1, 8;
+        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 p, p, c;
+        mul.rn.bf16x2 p, p, $2;
+        shl.b32 u, p, 16;
+        mov.b32 lo, u;
+        and.b32 u, p, 0xFFFF0000;
+        mov.b32 hi, u;
+        fma.rn.f32 $0, lo, $7, $0;
+        fma.rn.f32 $0, hi, $8, $0;
+        shr.u32 t, $1, 12;
+        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 p, p, c;
+        mul.rn.bf16x2 p, p, $2;
+        shl.b32 u, p, 16;
+        mov.b32 lo, u;
+        and.b32 u, p, 0xFFFF0000;
+        mov.b32 hi, u;
+        fma.rn.f32 $0, lo, $9, $0;
+        fma.rn.f32 $0, hi, $10, $0;
+        }""",
+        constraints="=f,r,r,f,f,f,f,f,f,f,f",
+        args=[word, scale2, x0, x1, x2, x3, x4, x5, x6, x7],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )
+
+
+@triton.jit
+def _word_dot_emulated(word, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """:func:`_word_dot` in plain Triton (the interpreter; fp16 activations): same weights, same order."""
+    total = _dequantize((word & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x0
+    total += _dequantize(((word >> 16) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x1
+    total += _dequantize(((word >> 4) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x2
+    total += _dequantize(((word >> 20) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x3
+    total += _dequantize(((word >> 8) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x4
+    total += _dequantize(((word >> 24) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x5
+    total += _dequantize(((word >> 12) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x6
+    total += _dequantize(((word >> 28) & 0xF).to(tl.int16), scale, DTYPE, EMULATE).to(tl.float32) * x7
+    return total
+
+
+@triton.jit
+def _x_of(x_ptr, base, offs_w, HALF: tl.constexpr, J: tl.constexpr):
+    """fp32 activations ``[1, W]`` for input ``J`` of :func:`_word_dot` of every word of a group at ``base``."""
+    HALF_J: tl.constexpr = (J // 2) % 2
+    BYTE_J: tl.constexpr = 2 * (J % 2) + J // 4
+    return tl.load(x_ptr + base + HALF_J * HALF + 4 * offs_w + BYTE_J).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, N, stride_wn, stride_sn,
+    GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
+    EMULATE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+):
+    """``y [1, N] = x [1, K] @ w_dq^T`` on CUDA cores: ``w_ptr`` the ``halves`` bytes as int32 words
+    (``stride_wn`` in words); a program owns ``BLOCK_N`` rows and a run of groups; fp32 partial sums per
+    (row, word) lane, reduced once at the end; split-K as :func:`_int4_small_m_kernel`."""
+    WORDS: tl.constexpr = HALF // 4
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, WORDS)
+    mask_n = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+    s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for step in range(GROUPS_PER_SPLIT):
+        group = pid_k * GROUPS_PER_SPLIT + step
+        if EVEN_N:
+            words = tl.load(w_ptrs + group * WORDS)
+            scale = tl.load(s_ptrs + group)
+        else:
+            words = tl.load(w_ptrs + group * WORDS, mask=mask_n[:, None], other=0)
+            scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0)
+        base = group * GROUP
+        x0 = _x_of(x_ptr, base, offs_w, HALF, 0)
+        x1 = _x_of(x_ptr, base, offs_w, HALF, 1)
+        x2 = _x_of(x_ptr, base, offs_w, HALF, 2)
+        x3 = _x_of(x_ptr, base, offs_w, HALF, 3)
+        x4 = _x_of(x_ptr, base, offs_w, HALF, 4)
+        x5 = _x_of(x_ptr, base, offs_w, HALF, 5)
+        x6 = _x_of(x_ptr, base, offs_w, HALF, 6)
+        x7 = _x_of(x_ptr, base, offs_w, HALF, 7)
+        if EMULATE or dtype != tl.bfloat16:
+            acc += _word_dot_emulated(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, dtype, EMULATE)
+        else:
+            bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            scale2 = tl.broadcast_to((bits | (bits << 16))[:, None], words.shape)
+            acc += _word_dot(words, scale2, tl.broadcast_to(x0, words.shape), tl.broadcast_to(x1, words.shape),
+                             tl.broadcast_to(x2, words.shape), tl.broadcast_to(x3, words.shape),
+                             tl.broadcast_to(x4, words.shape), tl.broadcast_to(x5, words.shape),
+                             tl.broadcast_to(x6, words.shape), tl.broadcast_to(x7, words.shape))
+    total = tl.sum(acc, axis=1)[:, None]
+    offs = offs_n[:, None]
+    split_k_epilogue(total, y_ptr, part_ptr, sem_ptr, offs, offs, mask_n[:, None], pid_n, pid_k, N,
+                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
+
+
+#: rows per GEMV program, and its warps (fixed: the same launch in every captured graph). 128 x 4 warps:
+#: each thread owns 4 rows x 4 words, so the 32 activations it reads per group serve 128 weights
+#: (sm_90 SASS: ~4.8 instructions per weight in the loop, of which ~4 the dequantize-and-FMA itself)
+GEMV_BLOCK_N = 128
+GEMV_WARPS = 4
+
+
+def gemv_enabled() -> bool:
+    """``MILES_INT4_GEMV=0`` sends one-token inputs to the tensor-core kernel too (comparisons)."""
+    return os.environ.get("MILES_INT4_GEMV", "1") != "0"
+
+
+def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, warps: int | None = None,
+               split: int | None = None):
+    n, k = packed.shape[0], x.shape[1]
+    block_n = block_n or GEMV_BLOCK_N
+    n_tiles, groups = triton.cdiv(n, block_n), k // group_size
+    if split is None:
+        sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 132
+        plan = split_k.plan_split_k(1, n_tiles, groups, k // 2 + 2 * groups, sms)
+    else:
+        plan = split_k.fixed_split(n_tiles, groups, split)
+    partials, counters, in_kernel = split_k.workspace(plan, 1, n, x.device, out)
+    words = packed.contiguous().view(torch.int32)
+    _int4_gemv_kernel[(plan.n_tiles, plan.split_k)](
+        x, words, scale, out, partials, counters, n, words.stride(0), scale.stride(0),
+        GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
+        EMULATE=emulate_rounding(), EVEN_N=n % block_n == 0, BLOCK_N=block_n, GROUP=group_size,
+        HALF=group_size // 2, num_warps=warps or GEMV_WARPS,
+    )
+    if not in_kernel:
+        out.copy_(partials.sum(dim=0))
+    return out
+
+
 def int4_small_m_mm(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
     out_dtype: torch.dtype | None = None, config: SmallMConfig | None = None, split: int | None = None,
@@ -129,6 +302,8 @@ def int4_small_m_mm(
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if m == 1 and config is None and gemv_enabled():
+        return _int4_gemv(x, packed, scale, group_size, out, split=split)
     cfg = config or small_m_config(m)
     assert cfg.block_m >= m, cfg
     n_tiles, groups = triton.cdiv(n, cfg.block_n), k // group_size

@@ -81,3 +81,25 @@ def test_bad_operands_are_value_errors(kernels):
         kernels.int4_small_m_mm(_x(2, 256, dtype=torch.float32), packed, scale, 64)
     with pytest.raises(ValueError, match="group size"):
         kernels.int4_small_m_mm(_x(2, 256), packed, scale, 32)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_dequantizes_bit_for_bit_like_qat(kernels, group_size, dtype):
+    """One token (the CUDA-core GEMV): a one-hot row reads one weight, at every position of a word."""
+    q, scale, packed = _weights(40, 256, group_size)  # 40 rows: a partial last tile
+    expected = dequantize(q, scale, dtype)
+    for column in [0, 1, 2, 3, 5, group_size // 2, group_size // 2 + 3, group_size - 1, 130, 255]:
+        x = torch.zeros(1, 256, dtype=dtype)
+        x[0, column] = 1
+        assert torch.equal(kernels.int4_small_m_mm(x, packed, scale, group_size)[0], expected[:, column]), column
+
+
+@pytest.mark.parametrize("split", [None, 2, 4])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_the_reference(kernels, out_dtype, split):
+    q, scale, packed = _weights(96, 1024, 64)
+    x = _x(1, 1024)
+    got = kernels.int4_small_m_mm(x, packed, scale, 64, out_dtype=out_dtype, split=split)
+    assert got.shape == (1, 96) and got.dtype == out_dtype
+    _assert_matches(got, _expected(x, q, scale), out_dtype)

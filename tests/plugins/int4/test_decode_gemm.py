@@ -96,6 +96,20 @@ def test_gpu_branches_compile_for_sm90(activation):
     assert ("mul.bf16x2" in ptx or "mul.rn.bf16x2" in ptx) == (activation == "bf16")
 
 
+def test_gemv_compiles_for_sm90():
+    """The one-token GEMV's GPU branch (word-pair dequantization and fp32 FMAs in inline PTX) builds for sm_90."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_int4 import decode_gemm
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                 "sem_ptr": "*i32", "N": "i32", "stride_wn": "i32", "stride_sn": "i32"}
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
+                      BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=128, HALF=64)
+    ptx = compile_sm90(decode_gemm._int4_gemv_kernel, signature, constexprs, decode_gemm.GEMV_WARPS, 3, unaligned=())
+    for instruction in ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2", "fma.rn.f32", "atom.global.gpu.acq_rel.add"):
+        assert instruction in ptx, instruction
+
+
 # ----------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -121,6 +135,23 @@ def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size):
     one_hot[torch.arange(16), torch.arange(16) * (k // 16)] = 1
     weights = decode_gemm.int4_small_m_mm(one_hot, *args[1:])
     assert torch.equal(weights.cpu(), dequantize(q, scale, torch.bfloat16)[:, :: k // 16].t())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
+def test_gpu_gemv_reads_every_weight_exactly(name, n, k, group_size):
+    """One token (the CUDA-core GEMV): one-hot rows at every position of a word read the QAT weights bit for bit."""
+    from miles_int4 import decode_gemm
+
+    q, scale, packed = _weights(n, k, group_size)
+    expected = dequantize(q, scale, torch.bfloat16)
+    args = (packed.cuda(), scale.cuda(), group_size)
+    for column in [0, 1, 2, 3, 4, 5, 6, 7, group_size // 2 + 1, group_size - 1, k - 6]:
+        x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+        x[0, column] = 1
+        assert torch.equal(decode_gemm.int4_small_m_mm(x, *args)[0].cpu(), expected[:, column]), column
 
 
 @pytest.mark.gpu
