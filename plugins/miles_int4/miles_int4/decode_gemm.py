@@ -196,6 +196,15 @@ def _x_of(x_ptr, base, offs_w, HALF: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
+def _gemv_weights(w_ptrs, s_ptrs, mask_n, group, WORDS: tl.constexpr, EVEN_N: tl.constexpr):
+    """One group's int32 words ``[BLOCK_N, WORDS]`` and bf16 scales ``[BLOCK_N]``."""
+    if EVEN_N:
+        return tl.load(w_ptrs + group * WORDS), tl.load(s_ptrs + group)
+    return (tl.load(w_ptrs + group * WORDS, mask=mask_n[:, None], other=0),
+            tl.load(s_ptrs + group, mask=mask_n, other=0.0))
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, N, stride_wn, stride_sn,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
@@ -214,14 +223,14 @@ def _int4_gemv_kernel(
     s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    first = pid_k * GROUPS_PER_SPLIT
+    words, scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, first, WORDS, EVEN_N)
     for step in range(GROUPS_PER_SPLIT):
-        group = pid_k * GROUPS_PER_SPLIT + step
-        if EVEN_N:
-            words = tl.load(w_ptrs + group * WORDS)
-            scale = tl.load(s_ptrs + group)
-        else:
-            words = tl.load(w_ptrs + group * WORDS, mask=mask_n[:, None], other=0)
-            scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0)
+        group = first + step
+        # the next group's weights are requested before this group's arithmetic (a warp then waits on
+        # HBM once per two groups' worth of work, not once per group: the GEMV is latency-bound otherwise)
+        following = tl.minimum(group + 1, first + GROUPS_PER_SPLIT - 1)
+        next_words, next_scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, following, WORDS, EVEN_N)
         base = group * GROUP
         x0 = _x_of(x_ptr, base, offs_w, HALF, 0)
         x1 = _x_of(x_ptr, base, offs_w, HALF, 1)
@@ -240,17 +249,24 @@ def _int4_gemv_kernel(
                              tl.broadcast_to(x2, words.shape), tl.broadcast_to(x3, words.shape),
                              tl.broadcast_to(x4, words.shape), tl.broadcast_to(x5, words.shape),
                              tl.broadcast_to(x6, words.shape), tl.broadcast_to(x7, words.shape))
+        words, scale = next_words, next_scale
     total = tl.sum(acc, axis=1)[:, None]
     offs = offs_n[:, None]
     split_k_epilogue(total, y_ptr, part_ptr, sem_ptr, offs, offs, mask_n[:, None], pid_n, pid_k, N,
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
 
 
-#: rows per GEMV program, and its warps (fixed: the same launch in every captured graph). 128 x 4 warps:
-#: each thread owns 4 rows x 4 words, so the 32 activations it reads per group serve 128 weights
-#: (sm_90 SASS: ~4.8 instructions per weight in the loop, of which ~4 the dequantize-and-FMA itself)
+#: rows per GEMV program, and its warps (fixed by N: the same launch in every captured graph). 128 x 4
+#: warps: each thread owns 4 rows x 4 words, so the 32 activations it reads per group serve 128 weights
+#: (sm_90 SASS: ~4.8 instructions per weight in the loop, of which ~4 the dequantize-and-FMA itself);
+#: outputs of <= 4096 rows: 256 x 8 warps (the H200 sweep's best on the 8B o_proj and down_proj)
 GEMV_BLOCK_N = 128
 GEMV_WARPS = 4
+
+
+def gemv_config(n: int) -> tuple[int, int]:
+    """(rows per program, warps) of the GEMV for ``n`` output rows."""
+    return (256, 8) if n <= 4096 else (GEMV_BLOCK_N, GEMV_WARPS)
 
 
 def gemv_enabled() -> bool:
@@ -261,7 +277,8 @@ def gemv_enabled() -> bool:
 def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, warps: int | None = None,
                split: int | None = None):
     n, k = packed.shape[0], x.shape[1]
-    block_n = block_n or GEMV_BLOCK_N
+    default_block_n, default_warps = gemv_config(n)
+    block_n, warps = block_n or default_block_n, warps or default_warps
     n_tiles, groups = triton.cdiv(n, block_n), k // group_size
     if split is None:
         sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 132
@@ -274,7 +291,7 @@ def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, wa
         x, words, scale, out, partials, counters, n, words.stride(0), scale.stride(0),
         GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), EVEN_N=n % block_n == 0, BLOCK_N=block_n, GROUP=group_size,
-        HALF=group_size // 2, num_warps=warps or GEMV_WARPS,
+        HALF=group_size // 2, num_warps=warps,
     )
     if not in_kernel:
         out.copy_(partials.sum(dim=0))
