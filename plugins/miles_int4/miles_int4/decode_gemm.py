@@ -256,17 +256,17 @@ def _int4_gemv_kernel(
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
 
 
-#: rows per GEMV program, and its warps (fixed by N: the same launch in every captured graph). 128 x 4
-#: warps: each thread owns 4 rows x 4 words, so the 32 activations it reads per group serve 128 weights
-#: (sm_90 SASS: ~4.8 instructions per weight in the loop, of which ~4 the dequantize-and-FMA itself);
-#: outputs of <= 4096 rows: 256 x 8 warps (the H200 sweep's best on the 8B o_proj and down_proj)
+#: rows per GEMV program, and its warps (fixed by the shape: the same launch in every captured graph).
+#: 128 x 4 warps: each thread owns 4 rows x 4 words, so the 32 activations it reads per group serve 128
+#: weights (sm_90 SASS: ~4.8 instructions per weight in the loop, ~4 of them the dequantize-and-FMA);
+#: 8 warps for K >= 8192 (the H200 sweep's best on the 8B down_proj, K = 12288)
 GEMV_BLOCK_N = 128
 GEMV_WARPS = 4
 
 
-def gemv_config(n: int) -> tuple[int, int]:
-    """(rows per program, warps) of the GEMV for ``n`` output rows."""
-    return (256, 8) if n <= 4096 else (GEMV_BLOCK_N, GEMV_WARPS)
+def gemv_config(k: int) -> tuple[int, int]:
+    """(rows per program, warps) of the GEMV for ``k`` input columns."""
+    return (GEMV_BLOCK_N, 8 if k >= 8192 else GEMV_WARPS)
 
 
 def gemv_enabled() -> bool:
@@ -277,7 +277,7 @@ def gemv_enabled() -> bool:
 def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, warps: int | None = None,
                split: int | None = None):
     n, k = packed.shape[0], x.shape[1]
-    default_block_n, default_warps = gemv_config(n)
+    default_block_n, default_warps = gemv_config(k)
     block_n, warps = block_n or default_block_n, warps or default_warps
     n_tiles, groups = triton.cdiv(n, block_n), k // group_size
     if split is None:
