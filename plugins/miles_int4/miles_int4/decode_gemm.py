@@ -24,6 +24,15 @@ Design (the packed weight, 0.5 byte per weight, is streamed once from HBM):
   so 1..16 tokens pad only to 16; a fixed tile table by M, no autotuning (the
   same launch in every captured CUDA graph).
 
+One token (batch-1 decode) takes a CUDA-core GEMV instead (:func:`_int4_gemv_kernel`,
+``MILES_INT4_GEMV=0`` turns it off): the same bytes read as int32 words, each word's
+eight weights dequantized two at a time (``lop3`` into the bf16 pair ``128 + nibble``,
+``sub.bf16x2``, ``mul.bf16x2``: the same bf16 weights) and multiplied into fp32 lanes
+by FMAs in inline PTX, the next group's words requested before this group's arithmetic.
+No padding of one token to 16 MMA rows, no shared-memory round trip of the operands:
+on the H200 (Qwen3-8B layer, M = 1) 63 us per layer against 78 for the tensor-core
+kernel and 111 for bf16 (``bench/RESULTS.md``).
+
 Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 """
 
