@@ -126,59 +126,40 @@ def _int4_small_m_kernel(
 # ``s // 2`` and ``s // 2 + 2`` in its two 16-bit halves.
 
 
+def _word_dot_ptx() -> str:
+    """The PTX of :func:`_word_dot`: per pair ``s`` (0..3) of the word in ``$1``, the bf16 pair
+    ``128 + nibble`` (``lop3``), ``q`` (``- 136``), ``q * scale`` (``$2``: the scale in both halves),
+    both halves widened to fp32 and multiplied into ``$0`` with activations ``$3 + 2s``, ``$4 + 2s``."""
+    lines = [".reg .b32 t, p, c, u;", ".reg .f32 lo, hi;", "mov.b32 c, 0x43084308;"]
+    for pair in range(4):
+        source = "$1" if pair == 0 else "t"
+        if pair:
+            lines.append(f"shr.u32 t, $1, {4 * pair};")
+        lines += [
+            f"lop3.b32 p, {source}, 0x000F000F, 0x43004300, 0xEA;",
+            "sub.rn.bf16x2 p, p, c;",
+            "mul.rn.bf16x2 p, p, $2;",
+            "shl.b32 u, p, 16;",
+            "mov.b32 lo, u;",
+            "and.b32 u, p, 0xFFFF0000;",
+            "mov.b32 hi, u;",
+            "mul.rn.f32 $0, lo, $3;" if pair == 0 else f"fma.rn.f32 $0, lo, ${3 + 2 * pair}, $0;",
+            f"fma.rn.f32 $0, hi, ${4 + 2 * pair}, $0;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_WORD_DOT_PTX = tl.constexpr(_word_dot_ptx())
+
+
 @triton.jit
 def _word_dot(word, scale2, x0, x1, x2, x3, x4, x5, x6, x7):
     """fp32 ``sum_j w_j * x_j`` over the 8 weights of a ``halves`` int32 word (bf16 ``w_j = q_j * s`` rounded once,
     as the QAT forward; exact bf16 x bf16 products, fp32 sums). Per pair: ``lop3`` (``128 + nibble``), ``sub.bf16x2``
     (``q``), ``mul.bf16x2`` (the scale), two unpacks to fp32 and two FMAs: ~4 instructions per weight."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, p, c, u;
-        .reg .f32 lo, hi;
-        mov.b32 c, 0x43084308;
-        lop3.b32 p, $1, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, $2;
-        shl.b32 u, p, 16;
-        mov.b32 lo, u;
-        and.b32 u, p, 0xFFFF0000;
-        mov.b32 hi, u;
-        mul.rn.f32 $0, lo, $3;
-        fma.rn.f32 $0, hi, $4, $0;
-        shr.u32 t, $1, 4;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, $2;
-        shl.b32 u, p, 16;
-        mov.b32 lo, u;
-        and.b32 u, p, 0xFFFF0000;
-        mov.b32 hi, u;
-        fma.rn.f32 $0, lo, $5, $0;
-        fma.rn.f32 $0, hi, $6, $0;
-        shr.u32 t, $1, 8;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, $2;
-        shl.b32 u, p, 16;
-        mov.b32 lo, u;
-        and.b32 u, p, 0xFFFF0000;
-        mov.b32 hi, u;
-        fma.rn.f32 $0, lo, $7, $0;
-        fma.rn.f32 $0, hi, $8, $0;
-        shr.u32 t, $1, 12;
-        lop3.b32 p, t, 0x000F000F, 0x43004300, 0xEA;
-        sub.rn.bf16x2 p, p, c;
-        mul.rn.bf16x2 p, p, $2;
-        shl.b32 u, p, 16;
-        mov.b32 lo, u;
-        and.b32 u, p, 0xFFFF0000;
-        mov.b32 hi, u;
-        fma.rn.f32 $0, lo, $9, $0;
-        fma.rn.f32 $0, hi, $10, $0;
-        }""",
-        constraints="=f,r,r,f,f,f,f,f,f,f,f",
-        args=[word, scale2, x0, x1, x2, x3, x4, x5, x6, x7],
-        dtype=tl.float32, is_pure=True, pack=1,
+        asm=_WORD_DOT_PTX, constraints="=f,r,r,f,f,f,f,f,f,f,f",
+        args=[word, scale2, x0, x1, x2, x3, x4, x5, x6, x7], dtype=tl.float32, is_pure=True, pack=1,
     )
 
 
