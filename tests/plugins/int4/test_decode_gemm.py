@@ -96,17 +96,21 @@ def test_gpu_branches_compile_for_sm90(activation):
     assert ("mul.bf16x2" in ptx or "mul.rn.bf16x2" in ptx) == (activation == "bf16")
 
 
-def test_gemv_compiles_for_sm90():
-    """The one-token GEMV's GPU branch (word-pair dequantization and fp32 FMAs in inline PTX) builds for sm_90."""
+@pytest.mark.parametrize("activation,group_size,even_n", [("bf16", 128, True), ("bf16", 32, False), ("fp16", 64, True)])
+def test_gemv_compiles_for_sm90(activation, group_size, even_n):
+    """The one-token GEMV's GPU branch (word-pair dequantization and fp32 FMAs in inline PTX; fp16 activations:
+    the plain-Triton dequantization) builds for sm_90, ragged N included."""
     pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
     from miles_int4 import decode_gemm
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-                 "sem_ptr": "*i32", "N": "i32", "stride_wn": "i32", "stride_sn": "i32"}
-    constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
-                      BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=128, HALF=64)
-    ptx = compile_sm90(decode_gemm._int4_gemv_kernel, signature, constexprs, decode_gemm.GEMV_WARPS, 3, unaligned=())
-    for instruction in ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2", "fma.rn.f32", "atom.global.gpu.acq_rel.add"):
+    signature = {"x_ptr": f"*{activation}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
+                 "part_ptr": "*fp32", "sem_ptr": "*i32", "N": "i32", "stride_wn": "i32", "stride_sn": "i32"}
+    constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=even_n,
+                      BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=group_size, HALF=group_size // 2)
+    ptx = compile_sm90(decode_gemm._int4_gemv_kernel, signature, constexprs, decode_gemm.GEMV_WARPS, 3,
+                       unaligned=() if even_n else ("N",))
+    pair_ptx = ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2")
+    for instruction in ("fma.rn.f32", "atom.global.gpu.acq_rel.add") + (pair_ptx if activation == "bf16" else ()):
         assert instruction in ptx, instruction
 
 
