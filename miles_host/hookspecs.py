@@ -232,10 +232,27 @@ def miles_train_batch_prepared(batch: Any, samples: "list[Sample]", config: "Mil
 
 
 @hookspec
-def miles_step_end(rollout_id: int, metrics: dict, config: "MilesConfig") -> None:
+def miles_rank_counters(config: "MilesConfig") -> "dict[str, float] | None":
+    """Summable counts this process gathered in the step's training; read them and reset them.
+
+    Fires once per step in every trainer process (the driver's trainer and each trainer
+    worker rank), after training. The host adds each key up over the processes and
+    passes the sums to :func:`miles_step_end` as ``counters``: a statistic whose parts
+    live on different ranks (pipeline stages hold different layers, data-parallel ranks
+    different samples) is then whole. Ranks that repeat the same work (tensor- or
+    expert-parallel ranks routing the same tokens) each count it, so derive ratios from
+    the sums, not totals. Name keys after the plugin (``r3/agree``). Also the place to
+    drop per-step state in worker processes, which see no ``miles_step_end``.
+    """
+
+
+@hookspec
+def miles_step_end(rollout_id: int, metrics: dict, config: "MilesConfig", counters: dict) -> None:
     """Fires at the end of every RL step, before metrics are logged.
 
-    Implementations may add entries to ``metrics`` in place. Return value ignored.
+    Implementations may add entries to ``metrics`` in place. ``counters``: the
+    step's :func:`miles_rank_counters`, summed over the trainer processes. Return
+    value ignored.
     """
 
 

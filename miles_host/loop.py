@@ -238,6 +238,7 @@ class Run:
         train_start = time.perf_counter()
         self.training_started = True
         train_metrics = self.trainer.train(samples)
+        counters = self.rank_counters()
         train_time = time.perf_counter() - train_start
         train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
         if self.trainer.consecutive_nan_steps >= config.max_consecutive_nan_steps:
@@ -271,10 +272,18 @@ class Run:
         if config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
-        failed = self.manager.call_isolated("miles_step_end", rollout_id=rollout_id, metrics=metrics, config=config)
+        failed = self.manager.call_isolated("miles_step_end", rollout_id=rollout_id, metrics=metrics, config=config,
+                                            counters=counters)
         if failed:
             metrics["plugins/step_end_failures"] = len(failed)
         return metrics
+
+    def rank_counters(self) -> dict[str, float]:
+        """The step's plugin counters of every trainer process (a trainer group adds its ranks' up)."""
+        group_counters = getattr(type(self.trainer), "rank_counters", None)
+        if group_counters is not None:
+            return group_counters(self.trainer)
+        return self.manager.rank_counters(self.config)
 
     def log(self, metrics: dict, step: int) -> None:
         """Record the step's metrics; a logger that fails is warned about and dropped

@@ -342,6 +342,22 @@ class MilesPluginManager:
                 failed.append(impl.plugin_name)
         return failed
 
+    def rank_counters(self, config: Any) -> dict[str, float]:
+        """This process's :func:`~miles_host.hookspecs.miles_rank_counters`, one dict (a plugin that
+        raises or returns something else is warned about and left out, as in :meth:`call_isolated`)."""
+        parts = []
+        for impl in self.pm.hook.miles_rank_counters.get_hookimpls():
+            info = self.plugins.get(impl.plugin_name)
+            where = f"{impl.plugin_name!r} ({info.distribution if info else '?'})"
+            try:
+                counts = impl.function(**{name: {"config": config}[name] for name in impl.argnames})
+                if counts is not None:
+                    parts.append({str(key): float(value) for key, value in dict(counts).items()})
+            except Exception as error:  # noqa: BLE001 - isolate the plugin
+                warnings.warn(f"plugin {where} failed in miles_rank_counters: {type(error).__name__}: {error}",
+                              stacklevel=2)
+        return sum_counters(parts)
+
     def active_names(self) -> list[str]:
         """Names of the registered plugins, built-ins first."""
         return [name for name, info in self.plugins.items() if info.status == "active"]
@@ -429,3 +445,12 @@ def load_registries() -> Registries:
 def model_family_for(model_type: str) -> ModelFamily:
     """The model family handling ``model_type`` (ValueError lists supported ones)."""
     return load_registries().model_families.by_model_type(model_type)
+
+
+def sum_counters(parts) -> dict[str, float]:
+    """Key-wise sums of :func:`~miles_host.hookspecs.miles_rank_counters` dicts (of plugins or of ranks)."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + value
+    return total

@@ -32,6 +32,7 @@ CONCERNS = [
             "miles_register_loggers",
             "miles_prepare_model",
             "miles_train_batch_prepared",
+            "miles_rank_counters",
             "miles_step_end",
         ],
     ),

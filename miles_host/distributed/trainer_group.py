@@ -13,6 +13,7 @@ import torch
 
 from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager, serve
 from miles_host.distributed.errors import WorkerFailed
+from miles_host.plugin_manager import sum_counters
 
 
 def group_backend(config: Any) -> str:
@@ -45,6 +46,9 @@ def trainer_class_for(config: Any, manager: Any = None):
 class _TrainerTarget:
     def __init__(self, trainer):
         self.trainer = trainer
+
+    def rank_counters(self):
+        return self.trainer.manager.rank_counters(self.trainer.config)
 
     def train(self, samples):
         return self.trainer.train(samples)
@@ -135,6 +139,14 @@ class TrainerGroup:
         for handle in self.handles:
             handle.recv("'train'")
         return metrics
+
+    def rank_counters(self) -> dict[str, float]:
+        """The step's :func:`~miles_host.hookspecs.miles_rank_counters`, summed over every rank."""
+        for handle in self.handles:
+            handle.send("rank_counters")
+        parts = [self.local.manager.rank_counters(self.local.config)]
+        parts += [handle.recv("'rank_counters'") for handle in self.handles]
+        return sum_counters(parts)
 
     def state_dict(self) -> dict:
         """Rank 0's checkpoint state; a sharded trainer's is gathered with every rank."""

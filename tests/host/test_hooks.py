@@ -207,9 +207,48 @@ def test_miles_step_end():
         def miles_step_end(rollout_id, metrics, config):
             metrics["plugin/step"] = rollout_id
 
+    class Ratio:
+        @staticmethod
+        def miles_step_end(metrics, counters):
+            metrics["plugin/ratio"] = counters["plugin/hit"] / counters["plugin/all"]
+
     metrics = {}
-    manager_with(AddMetric()).hook.miles_step_end(rollout_id=7, metrics=metrics, config=None)
+    manager_with(AddMetric()).hook.miles_step_end(rollout_id=7, metrics=metrics, config=None, counters={})
     assert metrics == {"plugin/step": 7}
+    manager_with(Ratio()).hook.miles_step_end(rollout_id=7, metrics=metrics, config=None,
+                                              counters={"plugin/hit": 1.0, "plugin/all": 4.0})
+    assert metrics["plugin/ratio"] == 0.25
+
+
+def test_miles_rank_counters():
+    """Each plugin's counts of this process, summed key-wise; a failing plugin is left out with a warning."""
+    from miles_host.plugin_manager import sum_counters
+
+    class Hits:
+        @staticmethod
+        def miles_rank_counters(config):
+            return {"a/hit": 2, "a/all": 5.0}
+
+    class More:
+        @staticmethod
+        def miles_rank_counters(config):
+            return {"a/hit": 1}
+
+    class Broken:
+        @staticmethod
+        def miles_rank_counters(config):
+            raise RuntimeError("counter exploded")
+
+    manager = MilesPluginManager()
+    manager.discover(entry_points=[])
+    for plugin, name in ((Hits(), "hits"), (More(), "more"), (Broken(), "broken")):
+        manager.add_inline_plugin(plugin, name)
+    manager.activate()
+    with pytest.warns(UserWarning, match="'broken'.*counter exploded"):
+        counts = manager.rank_counters(config=None)
+    assert counts == {"a/hit": 3.0, "a/all": 5.0}
+    # a trainer group adds its ranks' dicts the same way
+    assert sum_counters([counts, {"a/hit": 1.0}]) == {"a/hit": 4.0, "a/all": 5.0}
 
 
 class FlagsPlugin:

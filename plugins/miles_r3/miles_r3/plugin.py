@@ -13,7 +13,9 @@ Activated by ``--plugins r3`` or slime's ``--use-rollout-routing-replay`` (R3), 
 - R2: the old-log-prob pass records its own choice; the training passes replay it.
 
 ``r3/expert_agreement`` is the share of token-layer top-k sets the training
-router would have chosen identically without replay.
+router would have chosen identically without replay, over every trainer rank
+(pipeline stages count their own layers, data-parallel ranks their own samples:
+``miles_rank_counters`` sums them).
 """
 
 from __future__ import annotations
@@ -104,9 +106,17 @@ def miles_train_batch_prepared(batch, samples, config):
     )
 
 
-def miles_step_end(rollout_id, metrics, config):
-    """Report agreement of the training router with the replayed routes."""
-    if STATE.total:
-        metrics["r3/expert_agreement"] = STATE.agree / STATE.total
+def miles_rank_counters(config):
+    """This process's agreeing and compared token-layers of the step; its per-step state dropped."""
+    counts = {"r3/agree": float(STATE.agree), "r3/total": float(STATE.total)}
+    STATE.reset_step()
+    return counts
+
+
+def miles_step_end(rollout_id, metrics, config, counters):
+    """Report agreement of the training router with the replayed routes, over all trainer ranks."""
+    total = counters.get("r3/total", 0.0) + STATE.total  # STATE: what no miles_rank_counters collected
+    if total:
+        metrics["r3/expert_agreement"] = (counters.get("r3/agree", 0.0) + STATE.agree) / total
     STATE.reset_step()
 

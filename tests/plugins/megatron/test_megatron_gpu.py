@@ -234,7 +234,7 @@ def grpo_step_with_r3(model, root) -> dict[str, float]:
     samples = [s for group in groups for s in group]
     calls = record_routing_maps(run.trainer)
     metrics = run.trainer.train(samples)
-    manager.hook.miles_step_end(rollout_id=0, metrics=metrics, config=config)
+    manager.hook.miles_step_end(rollout_id=0, metrics=metrics, config=config, counters=manager.rank_counters(config))
     run.sync_weights()  # the trained weights back to the engine (native names, from CUDA)
 
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])

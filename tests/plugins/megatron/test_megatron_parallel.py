@@ -55,12 +55,21 @@ def clean_groups():
 
 
 def _one_process_run(models, name, samples, *flags):
+    """Two steps in one process: their metrics and plugin counters, the final and the initial weights."""
     single = make_trainer(models, name, "megatron", *FLAGS, "--device", DEVICE, *flags)
-    metrics = [single.train(samples) for _ in range(2)]
+    metrics, counters = [], []
+    for _ in range(2):
+        metrics.append(single.train(samples))
+        counters.append(single.manager.rank_counters(single.config))
     weights = dict(single.named_weights_for_rollout())
     start = single.ref_model.state_dict()
     _leave_groups()
-    return metrics, weights, start
+    return metrics, counters, weights, start
+
+
+def _agreement(counters: dict) -> float:
+    assert counters["r3/total"] > 0
+    return counters["r3/agree"] / counters["r3/total"]
 
 
 SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
@@ -99,7 +108,7 @@ def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, cl
     if DEVICE != "cpu" and torch.cuda.device_count() < world:
         pytest.skip(f"MILES_MEGATRON_TEST_DEVICE=cuda needs {world} GPUs")
     samples = make_samples(routes="r3" in shared)
-    want, expected, start = _one_process_run(models, name, samples, *shared)
+    want, want_counters, expected, start = _one_process_run(models, name, samples, *shared)
     size_flags = [arg for key, size in sizes.items() for arg in (SIZE_FLAGS[key], str(size))]
     group = make_trainer(models, name, "megatron", *FLAGS, *size_flags, "--actor-num-gpus-per-node", str(world),
                          "--device", DEVICE, *extra, *shared)
@@ -127,6 +136,12 @@ def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, cl
             got = group.train(samples)
             for key in KEYS:
                 assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+            counters = group.rank_counters()  # every rank's routing agreement, summed
+            if "r3" in shared:  # PP: each stage counts its own layers; TP/EP replicas count alike
+                assert _agreement(counters) == pytest.approx(_agreement(want_counters[step]), abs=1e-12), step
+                if tp == ep == 1:  # both stages' layers (recomputation routes each stage's tokens once more)
+                    again = 2 if "--recompute-granularity" in extra else 1
+                    assert counters["r3/total"] == again * want_counters[step]["r3/total"]
         exported = dict(group.named_weights_for_rollout())
         assert exported.keys() == expected.keys()  # every HF/native weight, full shapes
         exported = {k: v.float().cpu() for k, v in exported.items()}

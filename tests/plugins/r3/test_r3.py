@@ -90,7 +90,7 @@ def _run(model, data, tmp_path, *flags):
     groups, _ = run.rollout.generate(0)
     samples = [s for g in groups for s in g]
     metrics = run.trainer.train(samples)
-    manager.hook.miles_step_end(rollout_id=0, metrics=metrics, config=config)
+    manager.hook.miles_step_end(rollout_id=0, metrics=metrics, config=config, counters=manager.rank_counters(config))
     return run, samples, metrics, observer
 
 
