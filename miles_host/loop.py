@@ -279,11 +279,10 @@ class Run:
         return metrics
 
     def rank_counters(self) -> dict[str, float]:
-        """The step's plugin counters of every trainer process (a trainer group adds its ranks' up)."""
-        group_counters = getattr(type(self.trainer), "rank_counters", None)
-        if group_counters is not None:
-            return group_counters(self.trainer)
-        return self.manager.rank_counters(self.config)
+        """The step's plugin counters of every trainer process (a trainer group adds its ranks' up;
+        a plugin trainer without ``rank_counters`` runs in this process)."""
+        of_trainer = getattr(self.trainer, "rank_counters", None)
+        return of_trainer() if of_trainer is not None else self.manager.rank_counters(self.config)
 
     def log(self, metrics: dict, step: int) -> None:
         """Record the step's metrics; a logger that fails is warned about and dropped

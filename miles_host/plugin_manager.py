@@ -331,32 +331,27 @@ class MilesPluginManager:
         """Call every implementation of an observer hook (return values ignored) so
         that one plugin raising does not stop the others or the run: the error is
         warned with the plugin's name and distribution. Returns the failing plugins."""
-        failed = []
+        return self._call_each(hook_name, kwargs)[1]
+
+    def _call_each(self, hook_name: str, kwargs: dict) -> tuple[list[Any], list[str]]:
+        """Every implementation's result, each call isolated (see :meth:`call_isolated`); the failing plugins."""
+        results, failed = [], []
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             try:
-                impl.function(**{name: kwargs[name] for name in impl.argnames})
+                results.append(impl.function(**{name: kwargs[name] for name in impl.argnames}))
             except Exception as error:  # noqa: BLE001 - isolate the plugin
                 info = self.plugins.get(impl.plugin_name)
                 where = f"{impl.plugin_name!r} ({info.distribution if info else '?'})"
-                warnings.warn(f"plugin {where} failed in {hook_name}: {type(error).__name__}: {error}", stacklevel=2)
+                warnings.warn(f"plugin {where} failed in {hook_name}: {type(error).__name__}: {error}", stacklevel=3)
                 failed.append(impl.plugin_name)
-        return failed
+        return results, failed
 
     def rank_counters(self, config: Any) -> dict[str, float]:
-        """This process's :func:`~miles_host.hookspecs.miles_rank_counters`, one dict (a plugin that
-        raises or returns something else is warned about and left out, as in :meth:`call_isolated`)."""
-        parts = []
-        for impl in self.pm.hook.miles_rank_counters.get_hookimpls():
-            info = self.plugins.get(impl.plugin_name)
-            where = f"{impl.plugin_name!r} ({info.distribution if info else '?'})"
-            try:
-                counts = impl.function(**{name: {"config": config}[name] for name in impl.argnames})
-                if counts is not None:
-                    parts.append({str(key): float(value) for key, value in dict(counts).items()})
-            except Exception as error:  # noqa: BLE001 - isolate the plugin
-                warnings.warn(f"plugin {where} failed in miles_rank_counters: {type(error).__name__}: {error}",
-                              stacklevel=2)
-        return sum_counters(parts)
+        """This process's :func:`~miles_host.hookspecs.miles_rank_counters`, one dict (each plugin's
+        call isolated, as in :meth:`call_isolated`)."""
+        results, _ = self._call_each("miles_rank_counters", {"config": config})
+        return sum_counters({str(key): float(value) for key, value in counts.items()}
+                            for counts in results if counts is not None)
 
     def active_names(self) -> list[str]:
         """Names of the registered plugins, built-ins first."""

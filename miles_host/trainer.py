@@ -343,6 +343,10 @@ class NativeTrainer:
             return float(reward[self.config.reward_key or "score"])
         return float(reward)
 
+    def rank_counters(self) -> dict[str, float]:
+        """This process's plugin counters of the step (:func:`~miles_host.hookspecs.miles_rank_counters`)."""
+        return self.manager.rank_counters(self.config)
+
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns ``train/*`` metrics."""
         if self.config.true_on_policy and self.device.type != "cuda":

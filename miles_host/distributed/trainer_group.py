@@ -48,7 +48,7 @@ class _TrainerTarget:
         self.trainer = trainer
 
     def rank_counters(self):
-        return self.trainer.manager.rank_counters(self.trainer.config)
+        return self.trainer.rank_counters()
 
     def train(self, samples):
         return self.trainer.train(samples)
@@ -144,7 +144,7 @@ class TrainerGroup:
         """The step's :func:`~miles_host.hookspecs.miles_rank_counters`, summed over every rank."""
         for handle in self.handles:
             handle.send("rank_counters")
-        parts = [self.local.manager.rank_counters(self.local.config)]
+        parts = [self.local.rank_counters()]
         parts += [handle.recv("'rank_counters'") for handle in self.handles]
         return sum_counters(parts)
 

@@ -115,8 +115,6 @@ def miles_rank_counters(config):
 
 def miles_step_end(rollout_id, metrics, config, counters):
     """Report agreement of the training router with the replayed routes, over all trainer ranks."""
-    total = counters.get("r3/total", 0.0) + STATE.total  # STATE: what no miles_rank_counters collected
-    if total:
-        metrics["r3/expert_agreement"] = (counters.get("r3/agree", 0.0) + STATE.agree) / total
-    STATE.reset_step()
+    if counters.get("r3/total"):
+        metrics["r3/expert_agreement"] = counters["r3/agree"] / counters["r3/total"]
 

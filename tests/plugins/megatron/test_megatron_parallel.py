@@ -60,7 +60,7 @@ def _one_process_run(models, name, samples, *flags):
     metrics, counters = [], []
     for _ in range(2):
         metrics.append(single.train(samples))
-        counters.append(single.manager.rank_counters(single.config))
+        counters.append(single.rank_counters())
     weights = dict(single.named_weights_for_rollout())
     start = single.ref_model.state_dict()
     _leave_groups()
