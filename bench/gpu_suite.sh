@@ -7,6 +7,7 @@
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: issue 8/13's goal)
+#        int4_profile_8b (batch-1 decode of both, GPU kernel time per token by kernel)
 #        quantized_8b fp8_gemm_8b int4_gemm_8b (the Qwen3-8B shape: where the decode goals are measured)
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
 #        spec_4b (the Qwen3-4B shape, 16 sequences: where a step is weight reading, not kernel launches)
@@ -84,6 +85,8 @@ for step in "${steps[@]}"; do
     int4_sweep) run int4_sweep 580 python3 bench/int4_gemm.py --sweep --repeats 10 ;;
     int4_gemv_8b) run int4_gemv_8b 150 python3 bench/int4_gemm.py --model 8b --repeats 20 --batch-sizes 1 --sweep ;;
     int4_decode_8b) run int4_decode_8b 240 python3 bench/quantized_decode.py --model 8b --repeats 2 --precisions bf16,int4 ;;
+    int4_profile_8b) run int4_profile_8b 200 python3 bench/quantized_decode.py --model 8b --repeats 1 --batches 1 \
+      --precisions bf16,int4 --profile ;;
     quickstart_gpu) run quickstart_gpu 300 python3 bench/quickstart_gpu.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
     true_on_policy_moe) run true_on_policy_moe 300 python3 bench/true_on_policy.py --steps 2 --model moe ;;

@@ -391,10 +391,31 @@ def _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engin
                              step_read=memory["step_read"]))
             print(f"[{label}] batch {batch:>2}: {t_full:.3f} s ({wall:,.0f} tok/s), prefill+1 {t_prefill:.3f} s, "
                   f"decode {decode:,.0f} tok/s, bound {bound:,.0f} tok/s", flush=True)
+        if args.profile and device == "cuda":
+            profile_decode(engine, next(iter(prompts_by_batch.values())), args.new_tokens, label)
         return dict(rows=rows, memory=memory, cuda_allocated=info["cuda_allocated"], build_s=build_s)
     finally:
         del engine
         free_memory(device)
+
+
+def profile_decode(engine, prompts: list[list[int]], new_tokens: int, label: str, top: int = 25) -> None:
+    """GPU kernel time per decode step, by kernel (torch.profiler over one generate of the first batch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generate(engine, prompts, new_tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(engine, prompts, new_tokens)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    total = sum(sum(times) for times in kernels.values())
+    print(f"[{label}] profile, batch {len(prompts)}: {total / 1e3:.2f} ms of GPU kernels over {new_tokens} tokens "
+          f"({total / new_tokens:.1f} us per token); top kernels (us per token, calls per token):", flush=True)
+    ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))
+    for name, times in ranked[:top]:
+        print(f"[{label}]   {sum(times) / new_tokens:8.1f} {len(times) / new_tokens:6.1f}  {name[:110]}", flush=True)
 
 
 # ---------------------------------------------------------------------- report
@@ -473,6 +494,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-overlap", action="store_true", help="read each decode step before launching the next")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each precision's GPU kernel time per decode step, by kernel (first batch)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 

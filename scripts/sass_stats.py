@@ -55,7 +55,8 @@ def presets(block_n: int | None = None, warps: int | None = None) -> dict[str, P
         "int4-gemv": Preset(
             "miles_int4.decode_gemm", "_int4_gemv_kernel",
             {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-             "sem_ptr": "*i32", "N": "i32", "stride_wn": "i32", "stride_sn": "i32"},
+             "sem_ptr": "*i32", "N": "i32", "stride_tile": "i32", "stride_row": "i32",
+             "stride_group": "i32", "stride_sn": "i32"},
             dict(GROUPS_PER_SPLIT=8, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
                  BLOCK_N=gemv_n, GROUP=128, HALF=64),
             gemv_warps, 3, per_thread=gemv_n * 128 // (32 * gemv_warps),

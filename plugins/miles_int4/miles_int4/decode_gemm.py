@@ -186,22 +186,23 @@ def _x_of(x_ptr, base, offs_w, HALF: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _gemv_weights(w_ptrs, s_ptrs, mask_n, group, WORDS: tl.constexpr, EVEN_N: tl.constexpr):
+def _gemv_weights(w_ptrs, s_ptrs, mask_n, group, stride_group, EVEN_N: tl.constexpr):
     """One group's int32 words ``[BLOCK_N, WORDS]`` and bf16 scales ``[BLOCK_N]``."""
     if EVEN_N:
-        return tl.load(w_ptrs + group * WORDS), tl.load(s_ptrs + group)
-    return (tl.load(w_ptrs + group * WORDS, mask=mask_n[:, None], other=0),
+        return tl.load(w_ptrs + group * stride_group), tl.load(s_ptrs + group)
+    return (tl.load(w_ptrs + group * stride_group, mask=mask_n[:, None], other=0),
             tl.load(s_ptrs + group, mask=mask_n, other=0.0))
 
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, N, stride_wn, stride_sn,
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, N, stride_tile, stride_row, stride_group, stride_sn,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
     EMULATE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
 ):
-    """``y [1, N] = x [1, K] @ w_dq^T`` on CUDA cores: ``w_ptr`` the ``halves`` bytes as int32 words
-    (``stride_wn`` in words); a program owns ``BLOCK_N`` rows and a run of groups; fp32 partial sums per
+    """``y [1, N] = x [1, K] @ w_dq^T`` on CUDA cores: ``w_ptr`` the ``halves`` bytes as int32 words, word ``w`` of
+    group ``g`` of row ``r`` at ``(r // BLOCK_N) stride_tile + (r % BLOCK_N) stride_row + g stride_group + w`` (in words:
+    row-major or :func:`tile_words`); a program owns ``BLOCK_N`` rows and a run of groups; fp32 partial sums per
     (row, word) lane, reduced once at the end; split-K as :func:`_int4_small_m_kernel`."""
     WORDS: tl.constexpr = HALF // 4
     pid_n = tl.program_id(0)
@@ -209,18 +210,19 @@ def _int4_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, WORDS)
     mask_n = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+    rows = tl.arange(0, BLOCK_N)
+    w_ptrs = w_ptr + pid_n.to(tl.int64) * stride_tile + rows[:, None] * stride_row + offs_w[None, :]
     s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     first = pid_k * GROUPS_PER_SPLIT
-    words, scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, first, WORDS, EVEN_N)
+    words, scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, first, stride_group, EVEN_N)
     for step in range(GROUPS_PER_SPLIT):
         group = first + step
         # the next group's weights are requested before this group's arithmetic (a warp then waits on
         # HBM once per two groups' worth of work, not once per group: the GEMV is latency-bound otherwise)
         following = tl.minimum(group + 1, first + GROUPS_PER_SPLIT - 1)
-        next_words, next_scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, following, WORDS, EVEN_N)
+        next_words, next_scale = _gemv_weights(w_ptrs, s_ptrs, mask_n, following, stride_group, EVEN_N)
         base = group * GROUP
         x0 = _x_of(x_ptr, base, offs_w, HALF, 0)
         x1 = _x_of(x_ptr, base, offs_w, HALF, 1)
@@ -264,11 +266,24 @@ def gemv_enabled() -> bool:
     return os.environ.get("MILES_INT4_GEMV", "1") != "0"
 
 
+def tile_words(packed: torch.Tensor, group_size: int, block_n: int) -> torch.Tensor:
+    """``halves`` bytes ``[N, K/2]`` as int32 words stored tile by tile: ``[N/block_n, K/gs, block_n, gs/8]``
+    contiguous (one program's rows of one group are one run of ``block_n * gs / 2`` bytes); N a multiple of block_n."""
+    n, half_k = packed.shape
+    groups, words = 2 * half_k // group_size, group_size // 8
+    if n % block_n:
+        raise ValueError(f"tile_words: {n} rows are not a multiple of {block_n}")
+    grid = packed.contiguous().view(torch.int32).view(n // block_n, block_n, groups, words)
+    return grid.permute(0, 2, 1, 3).contiguous()
+
+
 def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, warps: int | None = None,
                split: int | None = None):
-    n, k = packed.shape[0], x.shape[1]
+    """``packed``: ``halves`` bytes ``[N, K/2]``, or their :func:`tile_words` (4-d, its tile is the program's rows)."""
+    tiled = packed.dim() == 4
+    n, k = (packed.shape[0] * packed.shape[2] if tiled else packed.shape[0]), x.shape[1]
     default_block_n, default_warps = gemv_config(k)
-    block_n, warps = block_n or default_block_n, warps or default_warps
+    block_n, warps = (packed.shape[2] if tiled else block_n or default_block_n), warps or default_warps
     n_tiles, groups = triton.cdiv(n, block_n), k // group_size
     if split is None:
         sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 132
@@ -276,9 +291,14 @@ def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, wa
     else:
         plan = split_k.fixed_split(n_tiles, groups, split)
     partials, counters, in_kernel = split_k.workspace(plan, 1, n, x.device, out)
-    words = packed.contiguous().view(torch.int32)
+    if tiled:
+        words = packed
+        strides = (words.stride(0), words.stride(2), words.stride(1))
+    else:
+        words = packed.contiguous().view(torch.int32)
+        strides = (block_n * words.stride(0), words.stride(0), group_size // 8)
     _int4_gemv_kernel[(plan.n_tiles, plan.split_k)](
-        x, words, scale, out, partials, counters, n, words.stride(0), scale.stride(0),
+        x, words, scale, out, partials, counters, n, *strides, scale.stride(0),
         GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), EVEN_N=n % block_n == 0, BLOCK_N=block_n, GROUP=group_size,
         HALF=group_size // 2, num_warps=warps,

@@ -103,3 +103,20 @@ def test_gemv_matches_the_reference(kernels, out_dtype, split):
     got = kernels.int4_small_m_mm(x, packed, scale, 64, out_dtype=out_dtype, split=split)
     assert got.shape == (1, 96) and got.dtype == out_dtype
     _assert_matches(got, _expected(x, q, scale), out_dtype)
+
+
+@pytest.mark.parametrize("block_n,warps", [(32, 4), (64, 2)])
+def test_gemv_on_tile_words_equals_the_row_major_words(kernels, block_n, warps):
+    """The tile-by-tile word order (one program's bytes of a group contiguous) gives the same sums, bit for bit."""
+    q, scale, packed = _weights(128, 512, 64)
+    x = _x(1, 512)
+    tiles = kernels.tile_words(packed, 64, block_n)
+    assert tiles.shape == (128 // block_n, 512 // 64, block_n, 8)
+    assert torch.equal(tiles[1, 2, 3], packed.view(torch.int32)[block_n + 3, 16:24])
+    for split in (1, 4):
+        rows = kernels._int4_gemv(x, packed, scale, 64, torch.empty(1, 128), block_n=block_n, warps=warps, split=split)
+        tiled = kernels._int4_gemv(x, tiles, scale, 64, torch.empty(1, 128), warps=warps, split=split)
+        assert torch.equal(rows, tiled)
+        _assert_matches(tiled, _expected(x, q, scale), torch.float32)
+    with pytest.raises(ValueError, match="multiple of"):
+        kernels.tile_words(packed[:100], 64, block_n)

@@ -104,7 +104,8 @@ def test_gemv_compiles_for_sm90(activation, group_size, even_n):
     from miles_int4 import decode_gemm
 
     signature = {"x_ptr": f"*{activation}", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
-                 "part_ptr": "*fp32", "sem_ptr": "*i32", "N": "i32", "stride_wn": "i32", "stride_sn": "i32"}
+                 "part_ptr": "*fp32", "sem_ptr": "*i32", "N": "i32", "stride_tile": "i32", "stride_row": "i32",
+                 "stride_group": "i32", "stride_sn": "i32"}
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=even_n,
                       BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=group_size, HALF=group_size // 2)
     ptx = compile_sm90(decode_gemm._int4_gemv_kernel, signature, constexprs, decode_gemm.GEMV_WARPS, 3,
