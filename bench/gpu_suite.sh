@@ -83,7 +83,7 @@ for step in "${steps[@]}"; do
       --precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused ;;
     fp8_sweep) run fp8_sweep 580 python3 bench/fp8_gemm.py --decode-only --sweep --iters 10 ;;
     int4_sweep) run int4_sweep 580 python3 bench/int4_gemm.py --sweep --repeats 10 ;;
-    int4_gemv_8b) run int4_gemv_8b 150 python3 bench/int4_gemm.py --model 8b --repeats 20 --batch-sizes 1 --sweep ;;
+    int4_gemv_8b) run int4_gemv_8b 300 python3 bench/int4_gemm.py --model 8b --repeats 20 --batch-sizes 1 --sweep ;;
     int4_decode_8b) run int4_decode_8b 240 python3 bench/quantized_decode.py --model 8b --repeats 2 --precisions bf16,int4 ;;
     int4_profile_8b) run int4_profile_8b 200 python3 bench/quantized_decode.py --model 8b --repeats 1 --batches 1 \
       --precisions bf16,int4 --profile ;;
