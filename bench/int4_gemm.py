@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "plugins", "miles_int4"))
 
 from bench import small_m  # noqa: E402
-from miles_int4.kernels import int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
+from miles_int4.kernels import halves_rows, int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
 
 PATHS = ("bf16", "tinygemm", "dequant", "mma", "triton")
@@ -50,6 +50,7 @@ def build_weights(n: int, k: int, group_size: int, device: torch.device, layers:
         entry = {"bf16": w.to(act), "q": q, "scale": scale, "packed": pack_int32(q)}
         if device.type == "cuda":
             entry["triton"] = pack_for_kernel(q, scale, act, layout="halves")
+            entry["rows"] = halves_rows(entry["triton"])  # the same bytes stored row by row (sweep)
             if kernel_supports(n, k, device, "tinygemm"):
                 entry["tinygemm"] = pack_for_kernel(q, scale, act, layout="tinygemm")
         else:
@@ -104,22 +105,17 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
     if m == 1:  # the CUDA-core GEMV's variants
         out = torch.empty(1, pack.out_features, dtype=x.dtype, device=x.device)
         for block_n, warps in [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]:
-            for layout in ("rows", "tiles"):  # row-major halves words, or tile_words (a program's bytes contiguous)
-                if layout == "tiles":
-                    for w in weights:
-                        w["tiles"] = decode_gemm.tile_words(w["triton"].weight, pack.group_size, block_n)
+            for layout in ("tiles", "rows"):  # the rollout's tiles (one tile's bytes of a group contiguous), or rows
                 for split in [s for s in (None, 1, 2, 4, 8) if s is None or groups % s == 0]:
                     us = small_m.per_gemm_us(
                         lambda w: decode_gemm._int4_gemv(
-                            x, w["tiles"] if layout == "tiles" else w["triton"].weight, w["triton"].scales,
+                            x, w["triton"].weight if layout == "tiles" else w["rows"], w["triton"].scales,
                             pack.group_size, out, block_n=block_n, warps=warps, split=split),
                         weights, device, repeats)
                     print(f"{'':<17}   GEMV {layout} BLOCK_N={block_n} warps={warps} split={split or 'planned'}: "
                           f"{us:.1f} us", flush=True)
                     if us < best[0]:
                         best = (us, f"GEMV {layout} BLOCK_N={block_n} warps={warps} split={split or 'planned'}")
-        for w in weights:
-            w.pop("tiles", None)
     for block_n, warps, stages in [(64, 4, 4), (64, 4, 8), (32, 4, 8), (128, 4, 4), (128, 4, 6), (128, 8, 6)]:
         config = SmallMConfig(block_m, block_n, warps, stages)
         for split in [s for s in (1, 2, 4, 8, 16) if groups % s == 0]:

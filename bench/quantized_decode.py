@@ -20,7 +20,8 @@ recipes the plugins register, exactly as a run's rollout backend does it
   inside the GEMM (``miles_fp8.decode_gemm``).
 
 The paths they replaced can run in the same table: ``int4:tinygemm`` (torch's
-``_weight_int4pack_mm``, ``MILES_INT4_CUDA_LAYOUT=tinygemm``) and ``fp8:unfused``
+``_weight_int4pack_mm``, ``MILES_INT4_CUDA_LAYOUT=tinygemm``), ``int4:rows`` (the ``halves``
+bytes row by row instead of in 128-row tiles, ``MILES_INT4_TILE_ROWS=0``) and ``fp8:unfused``
 (a quantize kernel + ``block_scaled_mm`` per linear, ``MILES_FP8_SMALL_M=0``) and
 ``fp8:fp16-products`` (the fused kernel with fp16 products and fp32 sums instead of
 FP8 tensor-core products, ``MILES_FP8_SMALL_M_MMA=0``), e.g.
@@ -96,6 +97,7 @@ class Unusable(Exception):
 #: precision variants: the environment that selects the path each one measures
 VARIANTS = {
     "int4:tinygemm": {"MILES_INT4_CUDA_LAYOUT": "tinygemm"},
+    "int4:rows": {"MILES_INT4_TILE_ROWS": "0"},
     "fp8:unfused": {"MILES_FP8_SMALL_M": "0"},
     "fp8:fp16-products": {"MILES_FP8_SMALL_M_MMA": "0"},
 }

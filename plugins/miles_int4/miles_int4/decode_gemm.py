@@ -33,6 +33,12 @@ No padding of one token to 16 MMA rows, no shared-memory round trip of the opera
 on the H200 (Qwen3-8B layer, M = 1) 63 us per layer against 78 for the tensor-core
 kernel and 111 for bf16 (``bench/RESULTS.md``).
 
+Both kernels read the bytes row by row (``[N, K/2]``) or in the tiles the rollout stores
+(:func:`miles_int4.kernels.tile_halves`: 128 rows' bytes of one group in one contiguous 8 KB run
+at group 128, instead of 128 runs of 64 bytes a row apart): the addresses come from
+:func:`_row_offsets` and a group stride, the arithmetic is the same. On the H200 the tiles
+took the 8B layer's GEMVs from 64.2 to 60.6 us (``bench/RESULTS.md``).
+
 Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 """
 
@@ -80,13 +86,20 @@ def _dequantize(nibble, scale, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _row_offsets(offs_n, TILE: tl.constexpr, stride_tile, stride_row):
+    """Element offset of each row's first group: ``(r // TILE) stride_tile + (r % TILE) stride_row`` (int64)."""
+    return (offs_n // TILE).to(tl.int64) * stride_tile + (offs_n % TILE) * stride_row
+
+
+@triton.jit
 def _int4_small_m_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+    M, N, stride_xm, stride_tile, stride_row, stride_group, stride_sn, stride_ym,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
     EMULATE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, HALF: tl.constexpr,
+    GROUP: tl.constexpr, HALF: tl.constexpr, TILE: tl.constexpr,
 ):
+    """Byte ``h`` of group ``g`` of row ``r`` at :func:`_row_offsets` ``+ g stride_group + h`` (rows or tiles)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,7 +107,7 @@ def _int4_small_m_kernel(
     offs_h = tl.arange(0, HALF)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
+    w_ptrs = w_ptr + _row_offsets(offs_n, TILE, stride_tile, stride_row)[:, None] + offs_h[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_h[None, :]
     s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
     dtype = x_ptr.dtype.element_ty
@@ -102,10 +115,10 @@ def _int4_small_m_kernel(
     for step in range(GROUPS_PER_SPLIT):
         group = pid_k * GROUPS_PER_SPLIT + step
         if EVEN_N:
-            packed = tl.load(w_ptrs + group * HALF).to(tl.int16)
+            packed = tl.load(w_ptrs + group * stride_group).to(tl.int16)
             scale = tl.load(s_ptrs + group)
         else:
-            packed = tl.load(w_ptrs + group * HALF, mask=mask_n[:, None], other=0).to(tl.int16)
+            packed = tl.load(w_ptrs + group * stride_group, mask=mask_n[:, None], other=0).to(tl.int16)
             scale = tl.load(s_ptrs + group, mask=mask_n, other=0.0)
         x_low = tl.load(x_ptrs + group * GROUP, mask=mask_m[:, None], other=0.0)
         x_high = tl.load(x_ptrs + group * GROUP + HALF, mask=mask_m[:, None], other=0.0)
@@ -199,10 +212,11 @@ def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, N, stride_tile, stride_row, stride_group, stride_sn,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr,
     EMULATE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """``y [1, N] = x [1, K] @ w_dq^T`` on CUDA cores: ``w_ptr`` the ``halves`` bytes as int32 words, word ``w`` of
-    group ``g`` of row ``r`` at ``(r // BLOCK_N) stride_tile + (r % BLOCK_N) stride_row + g stride_group + w`` (in words:
-    row-major or :func:`tile_words`); a program owns ``BLOCK_N`` rows and a run of groups; fp32 partial sums per
+    group ``g`` of row ``r`` at :func:`_row_offsets` ``+ g stride_group + w`` (in words: rows or
+    :func:`miles_int4.kernels.tile_halves` tiles); a program owns ``BLOCK_N`` rows and a run of groups; fp32 partial sums per
     (row, word) lane, reduced once at the end; split-K as :func:`_int4_small_m_kernel`."""
     WORDS: tl.constexpr = HALF // 4
     pid_n = tl.program_id(0)
@@ -210,8 +224,7 @@ def _int4_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, WORDS)
     mask_n = offs_n < N
-    rows = tl.arange(0, BLOCK_N)
-    w_ptrs = w_ptr + pid_n.to(tl.int64) * stride_tile + rows[:, None] * stride_row + offs_w[None, :]
+    w_ptrs = w_ptr + _row_offsets(offs_n, TILE, stride_tile, stride_row)[:, None] + offs_w[None, :]
     s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
@@ -266,24 +279,26 @@ def gemv_enabled() -> bool:
     return os.environ.get("MILES_INT4_GEMV", "1") != "0"
 
 
-def tile_words(packed: torch.Tensor, group_size: int, block_n: int) -> torch.Tensor:
-    """``halves`` bytes ``[N, K/2]`` as int32 words stored tile by tile: ``[N/block_n, K/gs, block_n, gs/8]``
-    contiguous (one program's rows of one group are one run of ``block_n * gs / 2`` bytes); N a multiple of block_n."""
-    n, half_k = packed.shape
-    groups, words = 2 * half_k // group_size, group_size // 8
-    if n % block_n:
-        raise ValueError(f"tile_words: {n} rows are not a multiple of {block_n}")
-    grid = packed.contiguous().view(torch.int32).view(n // block_n, block_n, groups, words)
-    return grid.permute(0, 2, 1, 3).contiguous()
+def weight_addressing(packed: torch.Tensor, group_size: int, unit: torch.dtype, block_n: int) -> tuple:
+    """``(tensor, N, TILE, stride_tile, stride_row, stride_group)`` of a ``halves`` weight for the kernels, in
+    ``unit`` elements (uint8 bytes or int32 words): ``packed`` is uint8 rows ``[N, K/2]`` (TILE is then the
+    program's ``block_n``: any divisor gives the same addresses) or :func:`miles_int4.kernels.tile_halves` tiles."""
+    unit_bytes = torch.empty((), dtype=unit).element_size()
+    if packed.dim() == 4:
+        tiles, _, tile, _ = packed.shape
+        tensor = packed.view(unit) if unit != packed.dtype else packed
+        return tensor, tiles * tile, tile, tensor.stride(0), tensor.stride(2), tensor.stride(1)
+    tensor = packed.contiguous().view(unit)
+    return tensor, packed.shape[0], block_n, block_n * tensor.stride(0), tensor.stride(0), group_size // 2 // unit_bytes
 
 
 def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, warps: int | None = None,
                split: int | None = None):
-    """``packed``: ``halves`` bytes ``[N, K/2]``, or their :func:`tile_words` (4-d, its tile is the program's rows)."""
-    tiled = packed.dim() == 4
-    n, k = (packed.shape[0] * packed.shape[2] if tiled else packed.shape[0]), x.shape[1]
+    """``packed``: ``halves`` bytes ``[N, K/2]`` or their tiles (:func:`miles_int4.kernels.tile_halves`)."""
+    k = x.shape[1]
     default_block_n, default_warps = gemv_config(k)
-    block_n, warps = (packed.shape[2] if tiled else block_n or default_block_n), warps or default_warps
+    block_n, warps = block_n or default_block_n, warps or default_warps
+    words, n, tile, *strides = weight_addressing(packed, group_size, torch.int32, block_n)
     n_tiles, groups = triton.cdiv(n, block_n), k // group_size
     if split is None:
         sms = split_k.num_sms(x.device.index or 0) if x.is_cuda else 132
@@ -291,17 +306,11 @@ def _int4_gemv(x, packed, scale, group_size, out, block_n: int | None = None, wa
     else:
         plan = split_k.fixed_split(n_tiles, groups, split)
     partials, counters, in_kernel = split_k.workspace(plan, 1, n, x.device, out)
-    if tiled:
-        words = packed
-        strides = (words.stride(0), words.stride(2), words.stride(1))
-    else:
-        words = packed.contiguous().view(torch.int32)
-        strides = (block_n * words.stride(0), words.stride(0), group_size // 8)
     _int4_gemv_kernel[(plan.n_tiles, plan.split_k)](
         x, words, scale, out, partials, counters, n, *strides, scale.stride(0),
         GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), EVEN_N=n % block_n == 0, BLOCK_N=block_n, GROUP=group_size,
-        HALF=group_size // 2, num_warps=warps,
+        HALF=group_size // 2, TILE=tile, num_warps=warps,
     )
     if not in_kernel:
         out.copy_(partials.sum(dim=0))
@@ -312,16 +321,20 @@ def int4_small_m_mm(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
     out_dtype: torch.dtype | None = None, config: SmallMConfig | None = None, split: int | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ w_dq^T`` with ``w`` as ``halves`` bytes ``[N, K/2]`` and bf16 ``scale [N, K/gs]``; M <= 64.
+    """``x [M, K] @ w_dq^T`` with ``w`` as ``halves`` bytes ``[N, K/2]`` (or their tiles,
+    :func:`miles_int4.kernels.tile_halves`) and bf16 ``scale [N, K/gs]``; M <= 64.
 
     ``out_dtype`` defaults to ``x.dtype``; ``config`` and ``split`` override the
     fixed table (benchmarks). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
     """
     m, k = x.shape
-    n = packed.shape[0]
+    tiled = packed.dim() == 4
+    n = packed.shape[0] * packed.shape[2] if tiled else packed.shape[0]
     if m > MAX_M or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"int4 small-M GEMM takes <= {MAX_M} bf16/fp16 rows, got {tuple(x.shape)} {x.dtype}")
-    if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8 or tuple(scale.shape) != (n, k // group_size):
+    fits = ((packed.dtype, packed.shape[1] * packed.shape[3] * 8) == (torch.int32, k) and packed.is_contiguous()
+            if tiled else (packed.dtype, tuple(packed.shape)) == (torch.uint8, (n, k // 2)))
+    if not fits or tuple(scale.shape) != (n, k // group_size):
         raise ValueError(f"int4 small-M GEMM: packed {tuple(packed.shape)} {packed.dtype} / scale {tuple(scale.shape)} "
                          f"do not fit x {tuple(x.shape)} with group size {group_size}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -340,12 +353,13 @@ def int4_small_m_mm(
     else:
         plan = split_k.fixed_split(n_tiles, groups, split)
     partials, counters, in_kernel = split_k.workspace(plan, m, n, x.device, out)
+    weight, _, tile, *strides = weight_addressing(packed, group_size, torch.uint8, cfg.block_n)
     _int4_small_m_kernel[(plan.n_tiles, plan.split_k)](
-        x, packed, scale, out, partials, counters,
-        m, n, x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
+        x, weight, scale, out, partials, counters,
+        m, n, x.stride(0), *strides, scale.stride(0), out.stride(0),
         GROUPS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        GROUP=group_size, HALF=group_size // 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=group_size, HALF=group_size // 2, TILE=tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not in_kernel:
         out.copy_(partials.sum(dim=0))

@@ -9,6 +9,10 @@ Three layouts of the same ``(q int8 [N, K], scale bf16 [N, K/gs])`` (:mod:`miles
   kernel for up to ``MILES_INT4_SMALL_M`` = 64 token rows: decode) and, for more
   rows (prefill), dequantized with the QAT formula then multiplied by ``F.linear``.
   Same bytes as the compressed-tensors form: 0.5 byte per weight + the scales.
+  Stored tile by tile when N is a multiple of :data:`HALVES_TILE_ROWS` (:func:`tile_halves`:
+  int32 words ``[N/T, K/gs, T, gs/8]``, so the T rows' bytes of one group, what one
+  decode program reads per step, are one contiguous run; ``MILES_INT4_TILE_ROWS=0``
+  keeps ``[N, K/2]`` rows, for comparisons).
 - ``cpu``: torch's CPU kernel, ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], 1)
   -> uint8 [N, K/2]`` and ``_weight_int4pack_mm_for_cpu(x, packed, gs, sz [K/gs, N, 2])``
   (needs ``N % 16 == 0``).
@@ -36,6 +40,8 @@ import torch.nn.functional as F
 from miles_int4.quant import QMIN, dequantize
 
 LAYOUTS = ("halves", "cpu", "tinygemm")
+#: rows of one tile of the ``halves`` layout (the GEMV's rows per program; two tensor-core programs)
+HALVES_TILE_ROWS = 128
 #: most token rows of the Triton small-M kernel (``MILES_INT4_SMALL_M`` may lower it; 0 turns it off)
 SMALL_M_MAX = 64
 
@@ -53,6 +59,8 @@ class PackedInt4:
     group_size: int
     out_features: int
     layout: str
+    #: ``halves`` only: rows per tile of :func:`tile_halves` (``weight`` is then int32 ``[N/T, K/gs, T, gs/8]``), 0: rows
+    tile_rows: int = 0
 
 
 def default_layout(device: torch.device) -> str:
@@ -106,6 +114,32 @@ def unpack_halves(packed_NH: torch.Tensor, group_size: int) -> torch.Tensor:
     return q.reshape(n, 2 * half_k).to(torch.int8)
 
 
+def tile_halves(packed_NH: torch.Tensor, group_size: int, tile_rows: int) -> torch.Tensor:
+    """``halves`` bytes ``[N, K/2]`` -> int32 words ``[N/T, K/gs, T, gs/8]`` (``T = tile_rows``, a divisor of N):
+    word ``w`` of group ``g`` of row ``r`` at ``[r // T, g, r % T, w]``."""
+    n, half_k = packed_NH.shape
+    if n % tile_rows or (2 * half_k) % group_size or group_size % 8:
+        raise ValueError(f"tile_halves: [{n}, {half_k}] bytes do not tile by {tile_rows} rows x groups of {group_size}")
+    groups = 2 * half_k // group_size
+    words = packed_NH.contiguous().view(torch.int32).view(n // tile_rows, tile_rows, groups, group_size // 8)
+    return words.permute(0, 2, 1, 3).contiguous()
+
+
+def halves_rows(packed: "PackedInt4") -> torch.Tensor:
+    """A ``halves`` weight as uint8 rows ``[N, K/2]`` (a copy when it is stored in tiles)."""
+    if not packed.tile_rows:
+        return packed.weight
+    tiles, groups, rows, words = packed.weight.shape
+    return packed.weight.permute(0, 2, 1, 3).reshape(tiles * rows, groups * words).contiguous().view(torch.uint8)
+
+
+def halves_tile_rows(out_features: int) -> int:
+    """Rows per tile of a ``halves`` weight with ``out_features`` rows (0: stored as rows)."""
+    if os.environ.get("MILES_INT4_TILE_ROWS", "1") == "0" or out_features % HALVES_TILE_ROWS:
+        return 0
+    return HALVES_TILE_ROWS
+
+
 def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch.dtype,
                     layout: str | None = None) -> PackedInt4:
     """``(q int8 [N, K], scale [N, G])`` -> ``layout`` (default: the device's) on ``q``'s device."""
@@ -113,7 +147,10 @@ def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch
     out_features, in_features = q_NK.shape
     group_size = in_features // scale_NG.shape[-1]
     if layout == "halves":
-        return PackedInt4(pack_halves(q_NK, group_size), scale_NG.contiguous(), group_size, out_features, layout)
+        weight, tile_rows = pack_halves(q_NK, group_size), halves_tile_rows(out_features)
+        if tile_rows:
+            weight = tile_halves(weight, group_size, tile_rows)
+        return PackedInt4(weight, scale_NG.contiguous(), group_size, out_features, layout, tile_rows)
     unsigned = q_NK.to(torch.int32) - QMIN
     if layout == "cpu":
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
@@ -150,7 +187,7 @@ def int4_mm(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
 
             y = decode_gemm.int4_small_m_mm(x_2d, packed.weight, packed.scales, packed.group_size)
         else:
-            q = unpack_halves(packed.weight, packed.group_size)
+            q = unpack_halves(halves_rows(packed), packed.group_size)
             y = F.linear(x_2d, dequantize(q, packed.scales, x_2d.dtype))
     elif packed.layout == "cpu":
         sz = packed.scales

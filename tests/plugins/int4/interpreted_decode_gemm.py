@@ -105,18 +105,27 @@ def test_gemv_matches_the_reference(kernels, out_dtype, split):
     _assert_matches(got, _expected(x, q, scale), out_dtype)
 
 
-@pytest.mark.parametrize("block_n,warps", [(32, 4), (64, 2)])
-def test_gemv_on_tile_words_equals_the_row_major_words(kernels, block_n, warps):
-    """The tile-by-tile word order (one program's bytes of a group contiguous) gives the same sums, bit for bit."""
+@pytest.mark.parametrize("tile_rows", [32, 64])
+def test_tiled_halves_give_the_row_layout_sums_bit_for_bit(kernels, tile_rows):
+    """The tile-by-tile storage (one tile's bytes of a group contiguous): same products, same order, both kernels,
+    tiles smaller than, equal to and larger than a program's rows."""
+    from miles_int4.kernels import tile_halves
+
     q, scale, packed = _weights(128, 512, 64)
+    tiles = tile_halves(packed, 64, tile_rows)
+    assert tiles.shape == (128 // tile_rows, 512 // 64, tile_rows, 8)
+    assert torch.equal(tiles[1, 2, 3], packed.view(torch.int32)[tile_rows + 3, 16:24])
     x = _x(1, 512)
-    tiles = kernels.tile_words(packed, 64, block_n)
-    assert tiles.shape == (128 // block_n, 512 // 64, block_n, 8)
-    assert torch.equal(tiles[1, 2, 3], packed.view(torch.int32)[block_n + 3, 16:24])
-    for split in (1, 4):
-        rows = kernels._int4_gemv(x, packed, scale, 64, torch.empty(1, 128), block_n=block_n, warps=warps, split=split)
-        tiled = kernels._int4_gemv(x, tiles, scale, 64, torch.empty(1, 128), warps=warps, split=split)
-        assert torch.equal(rows, tiled)
-        _assert_matches(tiled, _expected(x, q, scale), torch.float32)
-    with pytest.raises(ValueError, match="multiple of"):
-        kernels.tile_words(packed[:100], 64, block_n)
+    for block_n, split in [(32, 1), (64, 4), (128, 2)]:
+        rows = kernels._int4_gemv(x, packed, scale, 64, torch.empty(1, 128), block_n=block_n, warps=2, split=split)
+        tiled = kernels._int4_gemv(x, tiles, scale, 64, torch.empty(1, 128), block_n=block_n, warps=2, split=split)
+        assert torch.equal(rows, tiled), (block_n, split)
+    _assert_matches(tiled, _expected(x, q, scale), torch.float32)
+    x = _x(5, 512)
+    for split in (1, 2):
+        rows = kernels.int4_small_m_mm(x, packed, scale, 64, split=split)
+        assert torch.equal(kernels.int4_small_m_mm(x, tiles, scale, 64, split=split), rows)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.int4_small_m_mm(x, tiles[:, :4].contiguous(), scale, 64)
+    with pytest.raises(ValueError, match="do not tile"):
+        tile_halves(packed[:100], 64, tile_rows)

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import split_k
-from miles_int4.kernels import int4_mm, pack_for_kernel, pack_halves, reference_mm, unpack_halves
+from miles_int4.kernels import (
+    halves_rows, int4_mm, pack_for_kernel, pack_halves, reference_mm, tile_halves, unpack_halves,
+)
 from miles_int4.quant import dequantize, quantize
 from tests.plugins.triton_interpret import run_interpreted
 from tests.plugins.triton_sm90 import compile_sm90
@@ -64,10 +66,23 @@ def test_halves_layout_round_trips_and_puts_each_half_in_its_nibble(group_size):
     assert byte >> 4 == q[3, group_size + half + 5].item() + 8
 
 
+def test_halves_are_stored_in_tiles_of_128_rows_when_they_divide_n(monkeypatch):
+    q, scale, packed = _weights(256, 256, 64)
+    tiled = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
+    assert tiled.tile_rows == 128 and tiled.weight.shape == (2, 4, 128, 8) and tiled.weight.dtype == torch.int32
+    assert torch.equal(halves_rows(tiled), packed)
+    assert torch.equal(tiled.weight, tile_halves(packed, 64, 128))
+    assert pack_for_kernel(q[:96], scale[:96], torch.bfloat16, layout="halves").tile_rows == 0  # 96 rows: rows
+    monkeypatch.setenv("MILES_INT4_TILE_ROWS", "0")
+    rows = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
+    assert rows.tile_rows == 0 and torch.equal(rows.weight, packed)
+
+
 def test_halves_int4_mm_off_cuda_is_the_qat_dequantize_path():
     """Without CUDA (or above 64 rows) the halves layout dequantizes exactly as the QAT forward does."""
-    q, scale, _ = _weights(96, 256, 64)
+    q, scale, _ = _weights(256, 256, 64)
     packed = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
+    assert packed.tile_rows
     for x in (_x(3, 256), _x(8, 256, dtype=torch.float32).view(2, 4, 256)):
         assert torch.equal(int4_mm(x, packed), reference_mm(x, q, scale))
 
@@ -86,9 +101,9 @@ def test_gpu_branches_compile_for_sm90(activation):
     config = decode_gemm.small_m_config(8)
     signature = {"x_ptr": f"*{activation}", "w_ptr": "*u8", "s_ptr": "*bf16", "y_ptr": f"*{activation}",
                  "part_ptr": "*fp32", "sem_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
-                 "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+                 "stride_tile": "i32", "stride_row": "i32", "stride_group": "i32", "stride_sn": "i32", "stride_ym": "i32"}
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=True,
-                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=128, HALF=64)
+                      BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=128, HALF=64, TILE=128)
     ptx = compile_sm90(decode_gemm._int4_small_m_kernel, signature, constexprs, config.num_warps, config.num_stages)
     for instruction in ("wgmma.mma_async", "cp.async", "atom.global.gpu.acq_rel.add"):
         assert instruction in ptx, instruction
@@ -107,7 +122,8 @@ def test_gemv_compiles_for_sm90(activation, group_size, even_n):
                  "part_ptr": "*fp32", "sem_ptr": "*i32", "N": "i32", "stride_tile": "i32", "stride_row": "i32",
                  "stride_group": "i32", "stride_sn": "i32"}
     constexprs = dict(GROUPS_PER_SPLIT=4, SPLIT_K=4, REDUCE_IN_KERNEL=True, EMULATE=False, EVEN_N=even_n,
-                      BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=group_size, HALF=group_size // 2)
+                      BLOCK_N=decode_gemm.GEMV_BLOCK_N, GROUP=group_size, HALF=group_size // 2,
+                      TILE=decode_gemm.GEMV_BLOCK_N)
     ptx = compile_sm90(decode_gemm._int4_gemv_kernel, signature, constexprs, decode_gemm.GEMV_WARPS, 3,
                        unaligned=() if even_n else ("N",))
     pair_ptx = ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2")
@@ -125,10 +141,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 32, 64])
 @pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
-def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size):
+@pytest.mark.parametrize("tiled", [True, False])
+def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size, tiled):
     from miles_int4 import decode_gemm
 
     q, scale, packed = _weights(n, k, group_size)
+    packed = tile_halves(packed, group_size, 128) if tiled else packed
     x = _x(m, k)
     expected = _expected(x, q, scale)
     args = (x.cuda(), packed.cuda(), scale.cuda(), group_size)
@@ -146,11 +164,13 @@ def test_gpu_kernel_on_decode_shapes(name, n, k, m, group_size):
 @cuda
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
-def test_gpu_gemv_reads_every_weight_exactly(name, n, k, group_size):
+@pytest.mark.parametrize("tiled", [True, False])
+def test_gpu_gemv_reads_every_weight_exactly(name, n, k, group_size, tiled):
     """One token (the CUDA-core GEMV): one-hot rows at every position of a word read the QAT weights bit for bit."""
     from miles_int4 import decode_gemm
 
     q, scale, packed = _weights(n, k, group_size)
+    packed = tile_halves(packed, group_size, 128) if tiled else packed
     expected = dequantize(q, scale, torch.bfloat16)
     args = (packed.cuda(), scale.cuda(), group_size)
     for column in [0, 1, 2, 3, 4, 5, 6, 7, group_size // 2 + 1, group_size - 1, k - 6]:
