@@ -178,6 +178,16 @@ def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:
     return x_MK.is_cuda and x_MK.dtype in (torch.bfloat16, torch.float16) and 0 < x_MK.shape[0] <= small_m_limit()
 
 
+def dequantize_halves_for(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
+    """The QAT forward's ``w_dq [N, K]`` in ``x``'s dtype from a ``halves`` weight: one Triton launch for CUDA
+    bf16/fp16 (:mod:`miles_int4.dequant_kernel`), otherwise unpack + :func:`~miles_int4.quant.dequantize`."""
+    if x_MK.is_cuda and x_MK.dtype in (torch.bfloat16, torch.float16):
+        from miles_int4.dequant_kernel import dequantize_halves
+
+        return dequantize_halves(packed.weight, packed.scales, packed.group_size, x_MK.dtype)
+    return dequantize(unpack_halves(halves_rows(packed), packed.group_size), packed.scales, x_MK.dtype)
+
+
 def int4_mm(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
     """``x [..., K] @ w.T`` with ``w`` in one of the layouts; output in ``x``'s dtype."""
     x_2d = x_MK.reshape(-1, x_MK.shape[-1])
@@ -187,8 +197,7 @@ def int4_mm(x_MK: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
 
             y = decode_gemm.int4_small_m_mm(x_2d, packed.weight, packed.scales, packed.group_size)
         else:
-            q = unpack_halves(halves_rows(packed), packed.group_size)
-            y = F.linear(x_2d, dequantize(q, packed.scales, x_2d.dtype))
+            y = F.linear(x_2d, dequantize_halves_for(x_2d, packed))
     elif packed.layout == "cpu":
         sz = packed.scales
         if sz.dtype != x_2d.dtype:

@@ -129,3 +129,16 @@ def test_tiled_halves_give_the_row_layout_sums_bit_for_bit(kernels, tile_rows):
         kernels.int4_small_m_mm(x, tiles[:, :4].contiguous(), scale, 64)
     with pytest.raises(ValueError, match="do not tile"):
         tile_halves(packed[:100], 64, tile_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size,tile_rows", [(32, 0), (64, 64), (128, 128)])
+def test_prefill_dequantization_kernel_is_the_qat_weight(dtype, group_size, tile_rows):
+    """One launch from rows or tiles (ragged last program of rows included) to the QAT forward's weight, bit for bit."""
+    from miles_int4.dequant_kernel import dequantize_halves
+    from miles_int4.kernels import tile_halves
+
+    rows = 200 if not tile_rows else 256
+    q, scale, packed = _weights(rows, 512, group_size)
+    weight = tile_halves(packed, group_size, tile_rows) if tile_rows else packed
+    assert torch.equal(dequantize_halves(weight, scale, group_size, dtype), dequantize(q, scale, dtype))

@@ -131,6 +131,17 @@ def test_gemv_compiles_for_sm90(activation, group_size, even_n):
         assert instruction in ptx, instruction
 
 
+def test_prefill_dequantization_compiles_for_sm90():
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_int4 import dequant_kernel
+
+    signature = {"w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_tile": "i32",
+                 "stride_row": "i32", "stride_group": "i32", "stride_sn": "i32", "stride_on": "i32"}
+    constexprs = dict(EMULATE=False, BLOCK_R=dequant_kernel.BLOCK_R, GROUP=128, HALF=64, TILE=128)
+    ptx = compile_sm90(dequant_kernel._dequantize_halves_kernel, signature, constexprs, 4, 1)
+    assert "mul.rn.bf16x2" in ptx or "mul.bf16x2" in ptx
+
+
 # ----------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -213,3 +224,17 @@ def test_gpu_int4_mm_in_a_cuda_graph_and_above_the_small_m_limit():
         assert torch.equal(out, int4_mm(x, packed))
     big = _x(100, 2048).cuda()  # prefill rows: dequantize + F.linear, the QAT forward's own ops
     assert torch.equal(int4_mm(big, packed), reference_mm(big, q.cuda(), scale.cuda()))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_gpu_prefill_dequantization_is_the_qat_weight(dtype, group_size, tiled):
+    from miles_int4.dequant_kernel import dequantize_halves
+
+    q, scale, packed = _weights(4096, 2048, group_size)
+    weight = tile_halves(packed, group_size, 128) if tiled else packed
+    got = dequantize_halves(weight.cuda(), scale.cuda(), group_size, dtype)
+    assert torch.equal(got.cpu(), dequantize(q, scale, dtype))
