@@ -131,10 +131,16 @@ class PagedAttention:
         k_cache = self.kv_cache.k_NSHD[layer_index]
         v_cache = self.kv_cache.v_NSHD[layer_index]
         slots = meta.slot_mapping_T
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
+        triton_backend = self.backend in ("triton", "triton_invariant")
+        if triton_backend and k_cache.is_cuda:
+            from miles_host.rollout.triton_attention import write_kv_cache
+
+            write_kv_cache(k_cache, v_cache, k_THD, v_THD, slots)  # one kernel for K and V
+        else:
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
-        if self.backend in ("triton", "triton_invariant"):
+        if triton_backend:
             from miles_host.rollout.triton_attention import paged_attention_triton
 
             return paged_attention_triton(

@@ -7,6 +7,12 @@ context through its block table with an online softmax. Decode is the case of
 one query token per sequence. :func:`miles_host.rollout.attention.paged_attention_reference`
 is the oracle it is tested against (tests/rollout/test_gpu_attention.py).
 
+A decode step with few sequences has too few (tile, KV head) programs to fill the
+GPU (batch 1 of 8 KV heads: 8 programs for 132 SMs), so outside invariant mode its
+keys are also split over programs ("flash-decoding", :func:`_paged_decode_split_kernel`),
+whose partial softmaxes the last program of each tile merges in the same launch.
+:func:`write_kv_cache` stores a step's K and V rows in the cache in one kernel.
+
 Tensor legend: T = tokens, H = heads, D = head dim, N = blocks, S = slots per block.
 """
 
@@ -16,30 +22,31 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels import split_k
+from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
 from miles_host.rollout.attention import AttentionMetadata
 
 PREFILL_ROWS = 64   # query rows (tokens x heads of a group) per program in prefill
 DECODE_ROWS = 16    # tl.dot needs at least 16 rows
 KEYS_PER_ITERATION = 64
+#: split-KV decode (:func:`decode_splits`): programs per SM aimed at, most splits of a tile's keys
+DECODE_PROGRAMS_PER_SM = 2
+MAX_DECODE_SPLITS = 16
+#: SMs assumed off CUDA (the interpreter): an H200's
+DEFAULT_SMS = 132
+#: elements of K (or V) one program of the KV write stores at most (heads x padded head dim)
+KV_WRITE_ELEMENTS = 4096
 
 
 @triton.jit
-def _paged_attention_kernel(
-    Q, K_cache, V_cache, Out,
-    block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
-    scale, softcap, window,
-    stride_qt, stride_qh,
-    stride_kn, stride_ks, stride_kh,
-    stride_vn, stride_vs, stride_vh,
-    stride_ot, stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+def _tile_queries(
+    Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """The query rows of ``tile`` for ``kv_head`` (tokens x padded group) and the keys they see:
+    ``(seq, token, head, row_valid, position, q, lo, hi)``; keys ``[lo, hi)``, ``lo`` a
+    multiple of ``BLOCK_N`` (0 without a window)."""
     seq = tl.load(tile_seq + tile)
     q_first = tl.load(tile_q_start + tile)
     q_end = tl.load(cu_seqlens_q + seq + 1)
@@ -53,16 +60,10 @@ def _paged_attention_kernel(
     position = context - (q_end - token)
 
     d = tl.arange(0, D_PAD)
-    dv = tl.arange(0, DV_PAD)
     q = tl.load(
         Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_valid[:, None] & (d[None, :] < D), other=0.0,
     )
-
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, DV_PAD], tl.float32)
-
     last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
     hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
     lo = 0
@@ -70,6 +71,22 @@ def _paged_attention_kernel(
         first_position = context - (q_end - q_first)
         lo = tl.maximum(first_position - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    return seq, token, head, row_valid, position, q, lo, hi
+
+
+@triton.jit
+def _attend_blocks(
+    q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, lo, hi,
+    scale, softcap, window,
+    stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online softmax of the rows of ``q`` over the keys ``[lo, hi)`` (``lo`` a multiple of
+    ``BLOCK_N``), read through the block table; returns the updated ``(m_i, l_i, acc)``."""
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
     keys = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         key_pos = start + keys
@@ -105,6 +122,40 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K_cache, V_cache, Out,
+    block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
+    scale, softcap, window,
+    stride_qt, stride_qh,
+    stride_kn, stride_ks, stride_kh,
+    stride_vn, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
+        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
+        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW,
+    )
+    dv = tl.arange(0, DV_PAD)
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, DV_PAD], tl.float32)
+    m_i, l_i, acc = _attend_blocks(
+        q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, lo, hi,
+        scale, softcap, window,
+        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
+        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE,
+    )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(
@@ -112,6 +163,128 @@ def _paged_attention_kernel(
         out.to(Out.dtype.element_ty),
         mask=row_valid[:, None] & (dv[None, :] < DV),
     )
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    Q, K_cache, V_cache, Out, Partial_acc, Partial_ml, Counters,
+    block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
+    scale, softcap, window,
+    stride_qt, stride_qh,
+    stride_kn, stride_ks, stride_kh,
+    stride_vn, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Split-KV ("flash-decoding") :func:`_paged_attention_kernel`: program ``(tile, kv_head, split)``
+    takes split ``split`` of the tile's keys ``[lo, hi)``, in ``SPLITS`` chunks of whole
+    ``BLOCK_N`` blocks sized at run time from the context (empty when the context is short).
+
+    Each program stores its partial softmax (row max ``m``, row sum ``l``, unnormalized fp32
+    ``acc``) in the workspace; the last of the ``SPLITS`` programs of a (tile, kv_head) to
+    arrive (an int32 counter, acquire-release at GPU scope after a CTA barrier, as in
+    :func:`miles_host.kernels._split_k_triton.split_k_epilogue`) merges the partials in split
+    order (deterministic whatever the arrival order), stores the output and resets the counter.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
+    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
+        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
+        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW,
+    )
+    # whole key blocks per split, from this step's context (a window's keys are split, not the
+    # context's): short contexts leave the last splits empty (they store m = -inf, l = 0)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+    dv = tl.arange(0, DV_PAD)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+    m_i, l_i, acc = _attend_blocks(
+        q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, start, end,
+        scale, softcap, window,
+        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
+        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE,
+    )
+
+    # workspace: acc [tiles, kv_heads, SPLITS, ROWS, DV_PAD], (m, l) [tiles, kv_heads, SPLITS, 2, ROWS]
+    rows = tl.arange(0, ROWS)
+    pair = tile * tl.num_programs(1) + kv_head
+    acc_offs = rows[:, None] * DV_PAD + dv[None, :]
+    tl.store(Partial_acc + (pair * SPLITS + split) * (ROWS * DV_PAD) + acc_offs, acc, mask=row_valid[:, None])
+    ml = Partial_ml + (pair * SPLITS + split) * (2 * ROWS) + rows
+    tl.store(ml, m_i, mask=row_valid)
+    tl.store(ml + ROWS, l_i, mask=row_valid)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
+        m_max = tl.full([ROWS], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m_s)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total_l = tl.zeros([ROWS], tl.float32)
+        total = tl.zeros([ROWS, DV_PAD], tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
+            weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
+            part = tl.load(
+                Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
+                mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
+            )
+            total_l += weight * l_s
+            total += weight[:, None] * part
+        l_safe = tl.where(total_l == 0.0, 1.0, total_l)
+        out = total / l_safe[:, None]
+        tl.store(
+            Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_valid[:, None] & (dv[None, :] < DV),
+        )
+        tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _to_cache(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """``x`` as ``DTYPE``, rounding to nearest even as ``torch.Tensor.to`` (exact via float32)."""
+    if x.dtype == DTYPE:
+        return x
+    else:
+        return cast_rne(x.to(tl.float32), DTYPE, EMULATE)
+
+
+@triton.jit
+def _kv_write_kernel(
+    K, V, K_cache, V_cache, slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    H, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """K and V rows of token ``program_id(0)`` (heads of block ``program_id(1)``) into its cache slot."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.load(slots + t).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    mask = (heads[:, None] < H) & (d[None, :] < D)
+    k = tl.load(K + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(K_cache + slot * stride_kcs + heads[:, None] * stride_kch + d[None, :],
+             _to_cache(k, K_cache.dtype.element_ty, EMULATE), mask=mask)
+    dv = tl.arange(0, DV_PAD)
+    mask_v = (heads[:, None] < H) & (dv[None, :] < DV)
+    v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dv[None, :], mask=mask_v)
+    tl.store(V_cache + slot * stride_vcs + heads[:, None] * stride_vch + dv[None, :],
+             _to_cache(v, V_cache.dtype.element_ty, EMULATE), mask=mask_v)
 
 
 def _next_pow2(x: int) -> int:
@@ -140,6 +313,26 @@ def build_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
     )
 
 
+def decode_splits(num_tiles: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits of a decode launch of ``num_tiles`` x ``num_kv_heads`` programs.
+
+    From the grid alone, never from context lengths (a CUDA graph replays the launch as
+    the contexts grow): the largest power of two up to :data:`MAX_DECODE_SPLITS` that keeps
+    the grid within :data:`DECODE_PROGRAMS_PER_SM` programs per SM; 1 (the unsplit kernel)
+    once the grid fills the SMs. Batch 1 of 8 KV heads on an H200 (132 SMs): 16 splits.
+    """
+    programs = num_tiles * num_kv_heads
+    if device.type == "cuda":
+        sms = split_k.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # the CPU interpreter (tests): as on an H200
+        sms = DEFAULT_SMS
+    splits = 1
+    if programs < sms:
+        while splits * 2 <= MAX_DECODE_SPLITS and programs * splits * 2 <= DECODE_PROGRAMS_PER_SM * sms:
+            splits *= 2
+    return splits
+
+
 def paged_attention_triton(
     q_THD: torch.Tensor,
     k_cache_NSHD: torch.Tensor,
@@ -150,6 +343,7 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     invariant: bool = False,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`~miles_host.rollout.attention.paged_attention_reference`.
 
@@ -161,6 +355,10 @@ def paged_attention_triton(
     result depends only on its own context: its key blocks start at position 0 (or
     at a multiple of the block below its window), blocks past its own position add
     exact zeros, and keys are never split across programs.
+
+    Otherwise a decode step splits each tile's keys over ``splits`` programs
+    (:func:`decode_splits` when None) merged in the same launch
+    (:func:`_paged_decode_split_kernel`); 1 runs the unsplit kernel.
     """
     num_tokens, num_q_heads, head_dim = q_THD.shape
     _, page, num_kv_heads, _ = k_cache_NSHD.shape
@@ -169,11 +367,11 @@ def paged_attention_triton(
     block_m = tokens_per_tile(num_q_heads, num_kv_heads, meta.is_decode, invariant)
     out = torch.empty(num_tokens, num_q_heads, head_dim_v, dtype=q_THD.dtype, device=q_THD.device)
     q_THD = q_THD.contiguous()
-    grid = (meta.tile_seq.shape[0], num_kv_heads)
+    num_tiles = meta.tile_seq.shape[0]
     # a whole number of pages (powers of two); fixed in invariant mode (any page size works)
     block_n = KEYS_PER_ITERATION if invariant else max(KEYS_PER_ITERATION, page)
-    _paged_attention_kernel[grid](
-        q_THD, k_cache_NSHD, v_cache_NSHD, out,
+    group_pad, dv_pad = _next_pow2(group), max(16, _next_pow2(head_dim_v))
+    args = (
         meta.block_tables_BM, meta.context_lens_B, meta.cu_seqlens_q, meta.tile_seq, meta.tile_q_start,
         float(scale), float(logit_softcap or 1.0), int(sliding_window or 0),
         q_THD.stride(0), q_THD.stride(1),
@@ -181,12 +379,70 @@ def paged_attention_triton(
         v_cache_NSHD.stride(0), v_cache_NSHD.stride(1), v_cache_NSHD.stride(2),
         out.stride(0), out.stride(1),
         meta.block_tables_BM.stride(0),
-        GROUP=group, GROUP_PAD=_next_pow2(group), BLOCK_M=block_m,
+    )
+    constexprs = dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
         PAGE=page, BLOCK_N=block_n,
-        D=head_dim, D_PAD=max(16, _next_pow2(head_dim)), DV=head_dim_v, DV_PAD=max(16, _next_pow2(head_dim_v)),
+        D=head_dim, D_PAD=max(16, _next_pow2(head_dim)), DV=head_dim_v, DV_PAD=dv_pad,
         USE_SOFTCAP=logit_softcap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=q_THD.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
+    if meta.is_decode and not invariant:
+        if splits is None:
+            splits = decode_splits(num_tiles, num_kv_heads, q_THD.device)
+    else:
+        splits = 1
+    if splits == 1:
+        _paged_attention_kernel[(num_tiles, num_kv_heads)](
+            q_THD, k_cache_NSHD, v_cache_NSHD, out, *args, **constexprs,
+        )
+        return out
+    # partial softmax of every (tile, kv head, split): acc rows, then (m, l) rows
+    rows, pairs = block_m * group_pad, num_tiles * num_kv_heads
+    workspace = torch.empty(pairs * splits * rows * (dv_pad + 2), dtype=torch.float32, device=q_THD.device)
+    acc_numel = pairs * splits * rows * dv_pad
+    counters = split_k.semaphores(q_THD.device, pairs)
+    _paged_decode_split_kernel[(num_tiles, num_kv_heads, splits)](
+        q_THD, k_cache_NSHD, v_cache_NSHD, out, workspace[:acc_numel], workspace[acc_numel:], counters, *args,
+        SPLITS=splits, **constexprs,
+    )
     return out
 
+
+#: cache and k/v dtypes the fused KV write handles (others: ``index_copy_``)
+KV_WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def write_kv_cache(
+    k_cache_NSHD: torch.Tensor, v_cache_NSHD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+    slot_mapping_T: torch.Tensor,
+) -> None:
+    """Store ``k_THD``/``v_THD`` at their slots of the caches, cast to the cache dtype, in one kernel.
+
+    Bit for bit the two ``index_copy_`` of the flattened ``[N * S, H, D]`` caches it replaces
+    (a copy and a round-to-nearest-even cast, as ``Tensor.to``); other dtypes fall back to them.
+    """
+    k_flat = k_cache_NSHD.view(-1, *k_cache_NSHD.shape[2:])
+    v_flat = v_cache_NSHD.view(-1, *v_cache_NSHD.shape[2:])
+    num_tokens, num_heads, head_dim = k_THD.shape
+    head_dim_v = v_THD.shape[-1]
+    if num_tokens == 0:
+        return
+    if any(t.dtype not in KV_WRITE_DTYPES for t in (k_flat, v_flat, k_THD, v_THD)):
+        k_flat.index_copy_(0, slot_mapping_T, k_THD.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping_T, v_THD.to(v_flat.dtype))
+        return
+    if k_THD.stride(-1) != 1:
+        k_THD = k_THD.contiguous()
+    if v_THD.stride(-1) != 1:
+        v_THD = v_THD.contiguous()
+    d_pad, dv_pad = _next_pow2(head_dim), _next_pow2(head_dim_v)
+    block_h = min(_next_pow2(num_heads), max(1, KV_WRITE_ELEMENTS // max(d_pad, dv_pad)))
+    _kv_write_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        k_THD, v_THD, k_flat, v_flat, slot_mapping_T,
+        k_THD.stride(0), k_THD.stride(1), v_THD.stride(0), v_THD.stride(1),
+        k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        num_heads, D=head_dim, D_PAD=d_pad, DV=head_dim_v, DV_PAD=dv_pad,
+        BLOCK_H=block_h, EMULATE=emulate_rounding(), num_warps=4,
+    )
