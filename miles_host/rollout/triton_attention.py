@@ -32,6 +32,9 @@ KEYS_PER_ITERATION = 64
 #: split-KV decode (:func:`decode_splits`): programs per SM aimed at, most splits of a tile's keys
 DECODE_PROGRAMS_PER_SM = 2
 MAX_DECODE_SPLITS = 16
+#: keys per iteration of the split decode kernel: a short context (a few hundred keys) still spreads over
+#: many splits; a long one takes a few more iterations per split than with 64
+DECODE_SPLIT_KEYS = 32
 #: SMs assumed off CUDA (the interpreter): an H200's
 DEFAULT_SMS = 132
 #: elements of K (or V) one program of the KV write stores at most (heads x padded head dim)
@@ -403,6 +406,7 @@ def paged_attention_triton(
     workspace = torch.empty(pairs * splits * rows * (dv_pad + 2), dtype=torch.float32, device=q_THD.device)
     acc_numel = pairs * splits * rows * dv_pad
     counters = split_k.semaphores(q_THD.device, pairs)
+    constexprs["BLOCK_N"] = max(DECODE_SPLIT_KEYS, page)
     _paged_decode_split_kernel[(num_tiles, num_kv_heads, splits)](
         q_THD, k_cache_NSHD, v_cache_NSHD, out, workspace[:acc_numel], workspace[acc_numel:], counters, *args,
         SPLITS=splits, **constexprs,
