@@ -397,7 +397,7 @@ def _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engin
             profile_decode(engine, next(iter(prompts_by_batch.values())), args.new_tokens, label)
         return dict(rows=rows, memory=memory, cuda_allocated=info["cuda_allocated"], build_s=build_s)
     finally:
-        del engine
+        engine = None  # drop the engine before the next precision builds its own
         free_memory(device)
 
 
