@@ -30,8 +30,8 @@ eight weights dequantized two at a time (``lop3`` into the bf16 pair ``128 + nib
 ``sub.bf16x2``, ``mul.bf16x2``: the same bf16 weights) and multiplied into fp32 lanes
 by FMAs in inline PTX, the next group's words requested before this group's arithmetic.
 No padding of one token to 16 MMA rows, no shared-memory round trip of the operands:
-on the H200 (Qwen3-8B layer, M = 1) 63 us per layer against 78 for the tensor-core
-kernel and 111 for bf16 (``bench/RESULTS.md``).
+on the H200 (Qwen3-8B layer, M = 1, tiled bytes) 61 us per layer against 71 for the
+tensor-core kernel and 107 for bf16 (``bench/RESULTS.md``, fifth session of 2026-12-01).
 
 Both kernels read the bytes row by row (``[N, K/2]``) or in the tiles the rollout stores
 (:func:`miles_int4.kernels.tile_halves`: 128 rows' bytes of one group in one contiguous 8 KB run
