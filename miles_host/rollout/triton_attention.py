@@ -9,7 +9,7 @@ is the oracle it is tested against (tests/rollout/test_gpu_attention.py).
 
 A decode step with few sequences has too few (tile, KV head) programs to fill the
 GPU (batch 1 of 8 KV heads: 8 programs for 132 SMs), so outside invariant mode its
-keys are also split over programs ("flash-decoding", :func:`_paged_decode_split_kernel`),
+keys are also split over programs ("flash-decoding", ``SPLITS`` of :func:`_paged_attention_kernel`),
 whose partial softmaxes the last program of each tile merges in the same launch.
 :func:`write_kv_cache` stores a step's K and V rows in the cache in one kernel.
 
@@ -129,36 +129,9 @@ def _attend_blocks(
 
 
 @triton.jit
-def _paged_attention_kernel(
-    Q, K_cache, V_cache, Out,
-    block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
-    scale, softcap, window,
-    stride_qt, stride_qh,
-    stride_kn, stride_ks, stride_kh,
-    stride_vn, stride_vs, stride_vh,
-    stride_ot, stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
-        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
-        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW,
-    )
+def _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV: tl.constexpr, DV_PAD: tl.constexpr):
+    """``acc / l`` of every valid query row to ``Out`` (rows whose keys were all masked: zeros)."""
     dv = tl.arange(0, DV_PAD)
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, DV_PAD], tl.float32)
-    m_i, l_i, acc = _attend_blocks(
-        q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, lo, hi,
-        scale, softcap, window,
-        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
-        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE,
-    )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(
@@ -169,7 +142,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _paged_decode_split_kernel(
+def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, Partial_acc, Partial_ml, Counters,
     block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
     scale, softcap, window,
@@ -184,30 +157,34 @@ def _paged_decode_split_kernel(
     SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Split-KV ("flash-decoding") :func:`_paged_attention_kernel`: program ``(tile, kv_head, split)``
-    takes split ``split`` of the tile's keys ``[lo, hi)``, in ``SPLITS`` chunks of whole
-    ``BLOCK_N`` blocks sized at run time from the context (empty when the context is short).
+    """Program ``(tile, kv_head)`` attends the tile's query rows over their keys ``[lo, hi)``.
 
-    Each program stores its partial softmax (row max ``m``, row sum ``l``, unnormalized fp32
-    ``acc``) in the workspace; the last of the ``SPLITS`` programs of a (tile, kv_head) to
-    arrive (an int32 counter, acquire-release at GPU scope after a CTA barrier, as in
-    :func:`miles_host.kernels._split_k_triton.split_k_epilogue`) merges the partials in split
-    order (deterministic whatever the arrival order), stores the output and resets the counter.
+    ``SPLITS`` > 1 (split-KV, "flash-decoding"; program ``(tile, kv_head, split)``): split
+    ``split`` of the keys, in ``SPLITS`` chunks of whole ``BLOCK_N`` blocks sized at run time
+    from the context (empty when the context is short). Each program stores its partial softmax
+    (row max ``m``, row sum ``l``, unnormalized fp32 ``acc``) in the workspace; the last of the
+    ``SPLITS`` programs of a (tile, kv_head) to arrive (an int32 counter, acquire-release at GPU
+    scope after a CTA barrier, as in :func:`miles_host.kernels._split_k_triton.split_k_epilogue`)
+    merges the partials in split order (deterministic whatever the arrival order), stores the
+    output and resets the counter. ``SPLITS`` = 1 leaves the workspace and counters unused.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
         Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
         GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW,
     )
-    # whole key blocks per split, from this step's context (a window's keys are split, not the
-    # context's): short contexts leave the last splits empty (they store m = -inf, l = 0)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, hi)
-    dv = tl.arange(0, DV_PAD)
+    if SPLITS == 1:
+        start = lo
+        end = hi
+    else:
+        # whole key blocks per split, from this step's context (a window's keys are split, not the
+        # context's): short contexts leave the last splits empty (they store m = -inf, l = 0)
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, hi)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DV_PAD], tl.float32)
@@ -217,44 +194,41 @@ def _paged_decode_split_kernel(
         stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
         PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE,
     )
-
-    # workspace: acc [tiles, kv_heads, SPLITS, ROWS, DV_PAD], (m, l) [tiles, kv_heads, SPLITS, 2, ROWS]
-    rows = tl.arange(0, ROWS)
-    pair = tile * tl.num_programs(1) + kv_head
-    acc_offs = rows[:, None] * DV_PAD + dv[None, :]
-    tl.store(Partial_acc + (pair * SPLITS + split) * (ROWS * DV_PAD) + acc_offs, acc, mask=row_valid[:, None])
-    ml = Partial_ml + (pair * SPLITS + split) * (2 * ROWS) + rows
-    tl.store(ml, m_i, mask=row_valid)
-    tl.store(ml + ROWS, l_i, mask=row_valid)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:
-        ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
-        m_max = tl.full([ROWS], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
-            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            m_max = tl.maximum(m_max, m_s)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        total_l = tl.zeros([ROWS], tl.float32)
-        total = tl.zeros([ROWS, DV_PAD], tl.float32)
-        for s in tl.static_range(SPLITS):
-            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
-            weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
-            part = tl.load(
-                Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
-                mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
-            )
-            total_l += weight * l_s
-            total += weight[:, None] * part
-        l_safe = tl.where(total_l == 0.0, 1.0, total_l)
-        out = total / l_safe[:, None]
-        tl.store(
-            Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=row_valid[:, None] & (dv[None, :] < DV),
-        )
-        tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
+    if SPLITS == 1:
+        _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD)
+    else:
+        # workspace: acc [tiles, kv_heads, SPLITS, ROWS, DV_PAD], (m, l) [tiles, kv_heads, SPLITS, 2, ROWS]
+        rows = tl.arange(0, ROWS)
+        dv = tl.arange(0, DV_PAD)
+        pair = tile * tl.num_programs(1) + kv_head
+        acc_offs = rows[:, None] * DV_PAD + dv[None, :]
+        tl.store(Partial_acc + (pair * SPLITS + split) * (ROWS * DV_PAD) + acc_offs, acc, mask=row_valid[:, None])
+        ml = Partial_ml + (pair * SPLITS + split) * (2 * ROWS) + rows
+        tl.store(ml, m_i, mask=row_valid)
+        tl.store(ml + ROWS, l_i, mask=row_valid)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
+            m_max = tl.full([ROWS], float("-inf"), tl.float32)
+            for s in tl.static_range(SPLITS):
+                m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                m_max = tl.maximum(m_max, m_s)
+            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+            total_l = tl.zeros([ROWS], tl.float32)
+            total = tl.zeros([ROWS, DV_PAD], tl.float32)
+            for s in tl.static_range(SPLITS):
+                m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
+                weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
+                part = tl.load(
+                    Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
+                    mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
+                )
+                total_l += weight * l_s
+                total += weight[:, None] * part
+            _store_rows(Out, total, total_l, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD)
+            tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -360,8 +334,7 @@ def paged_attention_triton(
     exact zeros, and keys are never split across programs.
 
     Otherwise a decode step splits each tile's keys over ``splits`` programs
-    (:func:`decode_splits` when None) merged in the same launch
-    (:func:`_paged_decode_split_kernel`); 1 runs the unsplit kernel.
+    (:func:`decode_splits` when None) merged in the same launch; 1 does not split.
     """
     num_tokens, num_q_heads, head_dim = q_THD.shape
     _, page, num_kv_heads, _ = k_cache_NSHD.shape
@@ -396,19 +369,16 @@ def paged_attention_triton(
             splits = decode_splits(num_tiles, num_kv_heads, q_THD.device)
     else:
         splits = 1
-    if splits == 1:
-        _paged_attention_kernel[(num_tiles, num_kv_heads)](
-            q_THD, k_cache_NSHD, v_cache_NSHD, out, *args, **constexprs,
-        )
-        return out
-    # partial softmax of every (tile, kv head, split): acc rows, then (m, l) rows
-    rows, pairs = block_m * group_pad, num_tiles * num_kv_heads
-    workspace = torch.empty(pairs * splits * rows * (dv_pad + 2), dtype=torch.float32, device=q_THD.device)
-    acc_numel = pairs * splits * rows * dv_pad
-    counters = split_k.semaphores(q_THD.device, pairs)
-    constexprs["BLOCK_N"] = max(DECODE_SPLIT_KEYS, page)
-    _paged_decode_split_kernel[(num_tiles, num_kv_heads, splits)](
-        q_THD, k_cache_NSHD, v_cache_NSHD, out, workspace[:acc_numel], workspace[acc_numel:], counters, *args,
+    if splits == 1:  # no workspace: placeholders the kernel never reads
+        partial_acc = partial_ml = counters = out
+    else:  # partial softmax of every (tile, kv head, split): acc rows, then (m, l) rows
+        rows, pairs = block_m * group_pad, num_tiles * num_kv_heads
+        workspace = torch.empty(pairs * splits * rows * (dv_pad + 2), dtype=torch.float32, device=q_THD.device)
+        partial_acc, partial_ml = workspace.split([pairs * splits * rows * dv_pad, pairs * splits * rows * 2])
+        counters = split_k.semaphores(q_THD.device, pairs)
+        constexprs["BLOCK_N"] = max(DECODE_SPLIT_KEYS, page)
+    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+        q_THD, k_cache_NSHD, v_cache_NSHD, out, partial_acc, partial_ml, counters, *args,
         SPLITS=splits, **constexprs,
     )
     return out

@@ -112,13 +112,20 @@ def test_default_splits_fill_an_h200(kernels, counters):
 
 
 class _NoLaunch:
+    """Wraps the attention kernel: launches it, but fails when a launch asks for more than one split."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
     def __getitem__(self, grid):
-        raise AssertionError("the split-KV kernel was launched")
+        if grid[2] > 1:
+            raise AssertionError("the split-KV kernel was launched")
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("lengths_new, lengths_ctx, is_decode", [([1, 1], [5, 130], True), ([3, 2], [40, 70], False)])
 def test_invariant_mode_and_prefill_never_split(kernels, counters, monkeypatch, lengths_new, lengths_ctx, is_decode):
-    monkeypatch.setattr(kernels, "_paged_decode_split_kernel", _NoLaunch())
+    monkeypatch.setattr(kernels, "_paged_attention_kernel", _NoLaunch(kernels._paged_attention_kernel))
     q, k_cache, v_cache, tables, cu, meta = _case(kernels, lengths_new, lengths_ctx, is_decode=is_decode,
                                                   invariant=True)
     ref = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=0.2)

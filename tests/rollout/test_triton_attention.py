@@ -48,11 +48,11 @@ def test_split_decode_kernel_compiles_for_sm90_with_its_atomics():
     types = {**{name: "*i32" for name in pointers}, "Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16",
              "Out": "*bf16", "Partial_acc": "*fp32", "Partial_ml": "*fp32", "Counters": "*i32",
              "scale": "fp32", "softcap": "fp32"}
-    signature = _signature(triton_attention._paged_decode_split_kernel, types)
+    signature = _signature(triton_attention._paged_attention_kernel, types)
     for window, softcap in ((False, False), (True, True)):
         constexprs = dict(GROUP=4, GROUP_PAD=4, BLOCK_M=4, PAGE=16, BLOCK_N=64, D=128, D_PAD=128, DV=128,
                           DV_PAD=128, SPLITS=16, USE_SOFTCAP=softcap, USE_WINDOW=window, IEEE=False)
-        ptx = compile_sm90(triton_attention._paged_decode_split_kernel, signature, constexprs, 4, 2,
+        ptx = compile_sm90(triton_attention._paged_attention_kernel, signature, constexprs, 4, 2,
                            unaligned=("scale", "softcap", "window"))
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx), "the arrival counter"
         assert re.search(r"atom\.global\.gpu\.relaxed\.exch\.b32", ptx), "the reset"
