@@ -50,7 +50,6 @@ def build_weights(n: int, k: int, group_size: int, device: torch.device, layers:
         entry = {"bf16": w.to(act), "q": q, "scale": scale, "packed": pack_int32(q)}
         if device.type == "cuda":
             entry["triton"] = pack_for_kernel(q, scale, act, layout="halves")
-            entry["rows"] = halves_rows(entry["triton"])  # the same bytes stored row by row (sweep)
             if kernel_supports(n, k, device, "tinygemm"):
                 entry["tinygemm"] = pack_for_kernel(q, scale, act, layout="tinygemm")
         else:
@@ -104,6 +103,8 @@ def sweep(x: torch.Tensor, weights: list[dict], device: torch.device, repeats: i
     best = (float("inf"), "")
     if m == 1:  # the CUDA-core GEMV's variants
         out = torch.empty(1, pack.out_features, dtype=x.dtype, device=x.device)
+        for w in weights:  # the same bytes stored row by row
+            w.setdefault("rows", halves_rows(w["triton"]))
         for block_n, warps in [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]:
             for layout in ("tiles", "rows"):  # the rollout's tiles (one tile's bytes of a group contiguous), or rows
                 for split in [s for s in (None, 1, 2, 4, 8) if s is None or groups % s == 0]:
