@@ -14,6 +14,9 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: how routed experts train (:mod:`miles_host.kernels.moe_train`): grouped GEMM where it runs fast,
+#: grouped GEMM everywhere, or the per-expert loop
+EXPERTS_IMPLS = ("auto", "grouped", "loop")
 
 
 @dataclass
@@ -76,7 +79,10 @@ class MoEConfig:
     group-limited routing (groups scored by their top-2 sum). Shared experts:
     ``shared_intermediate_size`` (0 = none), gated by ``sigmoid(shared_gate(x))``
     when ``shared_expert_gate`` (Qwen2-MoE). ``router_fp32``: router matmul in
-    float32 whatever the model dtype (DeepSeek, GLM).
+    float32 whatever the model dtype (DeepSeek, GLM). ``experts_impl``: the routed
+    experts' gradient-enabled forward, one of :data:`EXPERTS_IMPLS` (``auto``: grouped
+    GEMM where ``torch._grouped_mm`` runs its bf16 kernel, the per-expert loop elsewhere;
+    ``loop``: always the per-expert loop).
     """
 
     num_experts: int
@@ -92,8 +98,11 @@ class MoEConfig:
     shared_expert_gate: bool = False
     router_fp32: bool = False
     norm_eps: float = 0.0
+    experts_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"unsupported MoE experts_impl {self.experts_impl!r}; use one of {', '.join(EXPERTS_IMPLS)}")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported MoE score_func {self.score_func!r}; use 'softmax' or 'sigmoid'")
         if not 0 < self.top_k <= self.num_experts:

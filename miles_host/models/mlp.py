@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels import invariant_ops, moe_grouped
+from miles_host.kernels import invariant_ops, moe_grouped, moe_train
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -116,6 +116,8 @@ class Experts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.act = activation(act)
         self.act_name = act
+        #: the gradient-enabled path (``MoEConfig.experts_impl``; :mod:`miles_host.kernels.moe_train`)
+        self.experts_impl = moe.experts_impl
 
     def reset_parameters(self) -> None:
         """Each expert's matrices as ``torch.nn.Linear`` initialises its weight (a fresh layer)."""
@@ -128,6 +130,13 @@ class Experts(torch.nn.Module):
         return F.linear(self.act(gate) * up, self.down_proj[expert])
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        # training: one grouped GEMM per projection, forward and backward, no host sync
+        if (
+            torch.is_grad_enabled()
+            and not _invariant_active()
+            and moe_train.uses_grouped_experts(self.experts_impl, x_TH, self.gate_up_proj)
+        ):
+            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act)
         # opt-in (MILES_GROUPED_MOE=1): one grouped GEMM per projection, no host sync (inference, CUDA)
         if moe_grouped.ENABLED and x_TH.is_cuda and not torch.is_grad_enabled() and not _invariant_active():
             return moe_grouped.grouped_moe_forward(

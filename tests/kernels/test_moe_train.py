@@ -1,0 +1,213 @@
+"""The grouped-GEMM training experts (:mod:`miles_host.kernels.moe_train`) against a float64
+per-expert reference: outputs and the gradients of x, both weight stacks and the gate weights.
+
+CPU: ``torch._grouped_mm``'s CPU kernel (and the pure-torch loop) in float32.
+GPU (marked ``gpu``): the bf16 sm90 kernel, no host sync in forward + backward, autocast with
+float32 master weights. ``python -m pytest tests/kernels/test_moe_train.py -m gpu -v``
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_host.kernels import moe_train
+from miles_host.models.config import EXPERTS_IMPLS, MoEConfig
+from miles_host.models.mlp import Experts, routed_forward
+
+
+def reference(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI):
+    """``sum_k w[t, k] * down[e](silu(gate[e] x) * up[e] x)``, one expert at a time, float64."""
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float64)
+    for expert in range(gate_up_E2IH.shape[0]):
+        tokens, slots = torch.nonzero(ids_TK == expert, as_tuple=True)
+        gate, up = (x_TH[tokens] @ gate_up_E2IH[expert].t()).chunk(2, dim=-1)
+        out = (F.silu(gate) * up) @ down_EHI[expert].t()
+        y_TH = y_TH.index_add(0, tokens, out * weights_TK[tokens, slots][:, None])
+    return y_TH
+
+
+def draw(num_tokens, top_k, num_experts, hidden=32, inter=24, experts_used=None, seed=0):
+    """Random inputs; ids drawn from ``experts_used`` (default all), distinct per token."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts_used if experts_used is not None else range(num_experts))
+    rows = [pool[torch.randperm(len(pool), generator=generator)[:top_k]] for _ in range(num_tokens)]
+    ids_TK = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.long)
+    return dict(
+        x_TH=torch.randn(num_tokens, hidden, generator=generator, dtype=torch.float64),
+        ids_TK=ids_TK,
+        weights_TK=torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64),
+        gate_up_E2IH=torch.randn(num_experts, 2 * inter, hidden, generator=generator, dtype=torch.float64) / hidden**0.5,
+        down_EHI=torch.randn(num_experts, hidden, inter, generator=generator, dtype=torch.float64) / inter**0.5,
+    )
+
+
+DIFFERENTIABLE = ("x_TH", "weights_TK", "gate_up_E2IH", "down_EHI")
+
+CASES = {
+    "ragged": dict(num_tokens=37, top_k=3, num_experts=8),
+    "empty experts": dict(num_tokens=20, top_k=2, num_experts=8, experts_used=[1, 2, 6]),
+    "all tokens on one expert": dict(num_tokens=19, top_k=1, num_experts=6, experts_used=[4]),
+    "one token": dict(num_tokens=1, top_k=4, num_experts=16),
+    "more experts than pairs": dict(num_tokens=3, top_k=2, num_experts=64),
+    "one expert": dict(num_tokens=9, top_k=1, num_experts=1),
+}
+
+
+def grads_of(fn, inputs, grad_TH):
+    leaves = {name: inputs[name].detach().clone().requires_grad_(name in DIFFERENTIABLE)
+              if inputs[name].is_floating_point() else inputs[name] for name in inputs}
+    y_TH = fn(**leaves)
+    y_TH.backward(grad_TH.to(y_TH.dtype))
+    return y_TH.detach(), {name: leaves[name].grad for name in DIFFERENTIABLE}
+
+
+def assert_close_rel(actual, expected, tol, what):
+    error = (actual.double() - expected).norm() / expected.norm().clamp_min(1e-30)
+    assert error <= tol, f"{what}: relative error {error:.2e} > {tol:.0e}"
+
+
+def grouped(dtype, **inputs):
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    return moe_train.grouped_experts(**cast, act=F.silu)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mm", ["_grouped_mm", "loop"])
+def test_gradients_match_float64_reference(case, mm, monkeypatch):
+    if mm == "loop":
+        monkeypatch.setattr(moe_train, "grouped_mm", moe_train.grouped_mm_loop)
+    elif not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    inputs = draw(**CASES[case])
+    grad_TH = torch.randn(inputs["x_TH"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    y_ref, grads_ref = grads_of(reference, inputs, grad_TH)
+    y, grads = grads_of(lambda **kw: grouped(torch.float32, **kw), inputs, grad_TH)
+    assert y.dtype == torch.float32
+    assert_close_rel(y, y_ref, 1e-5, "output")
+    for name in DIFFERENTIABLE:
+        assert grads[name] is not None, name
+        assert_close_rel(grads[name], grads_ref[name], 1e-5, f"grad {name}")
+    unused = sorted(set(range(inputs["gate_up_E2IH"].shape[0])) - set(inputs["ids_TK"].unique().tolist()))
+    assert grads["gate_up_E2IH"][unused].abs().sum() == 0 and grads["down_EHI"][unused].abs().sum() == 0
+
+
+def test_no_tokens():
+    inputs = draw(num_tokens=0, top_k=2, num_experts=4)
+    y = grouped(torch.float32, **inputs)
+    assert y.shape == (0, 32)
+
+
+def test_layout_places_every_pair_once_in_its_expert_group():
+    ids_TK = draw(num_tokens=29, top_k=3, num_experts=8, experts_used=[0, 3, 4, 7])["ids_TK"]
+    layout = moe_train.expert_layout(ids_TK, 8, align=16)
+    num_rows = 29 * 3 + 8 * 15
+    assert layout.num_rows == num_rows and layout.offsets_E[-1].item() == num_rows
+    ends = layout.offsets_E.tolist()
+    starts = [0, *ends[:-1]]
+    assert all(start % 16 == 0 for start in starts)
+    rows = layout.pair_row_TK.reshape(-1)
+    assert rows.unique().numel() == rows.numel()  # each pair its own row
+    for (token, slot), row in zip(torch.cartesian_prod(torch.arange(29), torch.arange(3)).tolist(), rows.tolist()):
+        expert = ids_TK[token, slot].item()
+        assert starts[expert] <= row < ends[expert]
+        assert layout.row_token_R[row].item() == token
+    padding = torch.ones(num_rows, dtype=torch.bool)
+    padding[rows] = False
+    assert torch.all(layout.row_token_R[padding] == 29)  # padding rows read the zero row
+
+
+def test_routed_forward_and_grouped_path_agree_through_experts_module():
+    """``Experts`` with ``experts_impl`` grouped vs loop: same output and gradients (float32)."""
+    torch.manual_seed(3)
+    moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=16, experts_impl="grouped")
+    experts = Experts(32, moe, "silu")
+    experts.reset_parameters()
+    x_TH = torch.randn(21, 32, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(8)[:2] for _ in range(21)])
+    weights_TK = torch.rand(21, 2, requires_grad=True)
+    results = {}
+    for impl in ("grouped", "loop"):
+        experts.experts_impl = impl
+        experts.zero_grad()
+        x_TH.grad = weights_TK.grad = None
+        y = experts(x_TH, ids_TK, weights_TK)
+        y.square().sum().backward()
+        results[impl] = [y.detach(), x_TH.grad, weights_TK.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    for grouped_t, loop_t in zip(results["grouped"], results["loop"]):
+        torch.testing.assert_close(grouped_t, loop_t, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the inference branch is not this module's
+        expected = routed_forward(x_TH, ids_TK, weights_TK, 8, experts.expert_mlp)
+    torch.testing.assert_close(results["grouped"][0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_impl_choices():
+    assert set(moe_train.EXPERTS_IMPLS) == set(EXPERTS_IMPLS)
+    with pytest.raises(ValueError, match="experts_impl"):
+        MoEConfig(num_experts=4, top_k=2, intermediate_size=8, experts_impl="fast")
+    x_TH, gate_up = torch.zeros(2, 16), torch.zeros(4, 16, 16)
+    assert not moe_train.uses_grouped_experts("auto", x_TH, gate_up)  # CPU: the per-expert loop
+    assert moe_train.uses_grouped_experts("grouped", x_TH, gate_up)
+    assert not moe_train.uses_grouped_experts("loop", x_TH, gate_up)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+def _cuda_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+gpu = pytest.mark.skipif(not _cuda_sm90(), reason="needs a CUDA GPU of compute capability >= 9.0")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["qwen3_30b_a3b", "ragged", "empty experts", "all tokens on one expert"])
+def test_gpu_grouped_mm_matches_reference(case):
+    shapes = {
+        "qwen3_30b_a3b": dict(num_tokens=1024, top_k=8, num_experts=128, hidden=2048, inter=768),
+        "ragged": dict(num_tokens=300, top_k=4, num_experts=16, hidden=256, inter=128),
+        "empty experts": dict(num_tokens=200, top_k=2, num_experts=32, hidden=128, inter=64, experts_used=[0, 5, 31]),
+        "all tokens on one expert": dict(num_tokens=333, top_k=1, num_experts=8, hidden=128, inter=64, experts_used=[7]),
+    }[case]
+    inputs = draw(**shapes, seed=1)
+    grad_TH = torch.randn(inputs["x_TH"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y_ref, grads_ref = grads_of(reference, inputs, grad_TH)
+    cuda_inputs = {k: v.cuda() for k, v in inputs.items()}
+    assert moe_train.uses_grouped_experts("auto", cuda_inputs["x_TH"].bfloat16(), cuda_inputs["gate_up_E2IH"])
+    torch.cuda.set_sync_debug_mode("error")  # a host sync in forward or backward raises
+    try:
+        y, grads = grads_of(lambda **kw: grouped(torch.bfloat16, **kw), cuda_inputs, grad_TH.cuda())
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.dtype == torch.bfloat16
+    assert_close_rel(y.cpu(), y_ref, 1e-2, "output")
+    for name in DIFFERENTIABLE:
+        assert_close_rel(grads[name].cpu(), grads_ref[name], 1.5e-2, f"grad {name}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_autocast_float32_masters_match_loop():
+    """The trainer's setting (float32 weights, bf16 autocast): grouped vs the per-expert loop."""
+    torch.manual_seed(4)
+    moe = MoEConfig(num_experts=32, top_k=4, intermediate_size=128)
+    experts = Experts(256, moe, "silu").cuda()
+    experts.reset_parameters()
+    x_TH = torch.randn(512, 256, device="cuda", requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(32)[:4] for _ in range(512)]).cuda()
+    weights_TK = torch.rand(512, 4, device="cuda", requires_grad=True)
+    results = {}
+    for impl in ("auto", "loop"):
+        experts.experts_impl = impl
+        experts.zero_grad()
+        x_TH.grad = weights_TK.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = experts(x_TH, ids_TK, weights_TK)
+        y.float().square().sum().backward()
+        results[impl] = [y.detach().float(), x_TH.grad, weights_TK.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down"), results["auto"], results["loop"]):
+        assert grouped_t.dtype == loop_t.dtype, name
+        assert_close_rel(grouped_t.cpu(), loop_t.double().cpu(), 2e-2, name)
