@@ -9,10 +9,17 @@ from miles_host.rollout_manager import sampling_seed
 from miles_host.sample import Sample, Status
 
 
-def evaluate(config: Any, rollout: Any, path: str, rollout_id: int) -> float:
-    """Generate ``--n-samples-per-eval-prompt`` answers per prompt of ``path`` and
-    return the mean reward (failed samples count as 0)."""
-    dataset = PromptDataset.from_file(path, config.input_key, config.label_key, config.metadata_key, False, 0)
+def load_eval_data(config: Any, path: str) -> PromptDataset:
+    """One ``--eval-prompt-data`` file, every record checked (at start, not at the first eval)."""
+    return PromptDataset.from_file(path, config.input_key, config.label_key, config.metadata_key, False, 0,
+                                   apply_chat_template=config.apply_chat_template, flag="--eval-prompt-data")
+
+
+def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: PromptDataset | None = None) -> float:
+    """Generate ``--n-samples-per-eval-prompt`` answers per prompt of ``path`` (``dataset``:
+    the file already loaded) and return the mean reward (failed samples count as 0)."""
+    if dataset is None:
+        dataset = load_eval_data(config, path)
     max_new = config.eval_max_response_len or config.rollout_max_response_len
     samples = {}
     for record in dataset.prompts:
