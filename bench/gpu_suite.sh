@@ -4,6 +4,7 @@
 # out of time loses only itself). Usage on the device (see /work/.library/device):
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
+#        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: issue 8/13's goal)
@@ -90,6 +91,8 @@ for step in "${steps[@]}"; do
     quickstart_gpu) run quickstart_gpu 300 python3 bench/quickstart_gpu.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
     true_on_policy_moe) run true_on_policy_moe 300 python3 bench/true_on_policy.py --steps 2 --model moe ;;
+    moe_train) run moe_train_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_train.py
+      run moe_train 420 python3 bench/moe_train.py --json "$OUT/moe_train.json" ;;  # grouped vs loop vs transformers
     true_on_policy_tests) run true_on_policy_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
       tests/kernels tests/true_on_policy/test_gpu_exact.py ;;
     scale_x8) run scale_x8 3500 python3 bench/scale_run.py --gpus 8 --json "$OUT/scale_x8.json" ;;  # needs 8 GPUs

@@ -166,7 +166,7 @@ gpu = pytest.mark.skipif(not _cuda_sm90(), reason="needs a CUDA GPU of compute c
 @pytest.mark.parametrize("case", ["qwen3_30b_a3b", "ragged", "empty experts", "all tokens on one expert"])
 def test_gpu_grouped_mm_matches_reference(case):
     shapes = {
-        "qwen3_30b_a3b": dict(num_tokens=1024, top_k=8, num_experts=128, hidden=2048, inter=768),
+        "qwen3_30b_a3b": dict(num_tokens=512, top_k=8, num_experts=128, hidden=2048, inter=768),
         "ragged": dict(num_tokens=300, top_k=4, num_experts=16, hidden=256, inter=128),
         "empty experts": dict(num_tokens=200, top_k=2, num_experts=32, hidden=128, inter=64, experts_used=[0, 5, 31]),
         "all tokens on one expert": dict(num_tokens=333, top_k=1, num_experts=8, hidden=128, inter=64, experts_used=[7]),
