@@ -4,6 +4,13 @@ remote (``--rm-url``) rewards, per sample or per group (``--group-rm``).
 A reward function that raises marks that sample FAILED with the reason in
 ``sample.metadata["failure"]``; the other samples are scored as usual and the
 run carries on.
+
+In-process rewards (custom and built-in) run in a daemon thread of their own and
+are given ``--rm-timeout`` seconds per call (per group with ``--group-rm``): one that
+blocks fails its sample with a :class:`RewardTimeout` instead of hanging the run.
+``sys.exit`` in reward code fails the sample too (:class:`RewardExited`). Python
+cannot intercept ``os._exit``, which ends the whole process: reward code that may
+call it has to run in a subprocess of its own (or behind ``--rm-url``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ import asyncio
 import importlib
 import inspect
 import json
+import os
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,14 +31,23 @@ from miles_host.sample import Sample, Status
 
 
 def load_function(path: str, flag: str) -> Callable:
-    """``package.module.fn`` -> the function; ValueError naming the flag otherwise."""
+    """``package.module.fn`` -> the function; ValueError naming the flag otherwise.
+
+    Modules are looked up on ``sys.path`` and then in the current directory (the
+    ``miles`` console script, unlike ``python -m``, does not put it on the path)."""
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
         raise ValueError(f"{flag} must be 'module.function', got {path!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # last: never shadows an installed module
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"{flag} {path!r}: cannot import {module_name!r}: {error}") from error
+        raise ValueError(
+            f"{flag} {path!r}: cannot import {module_name!r}: {error} (searched the current directory {cwd} "
+            "and sys.path; put the module there or add its folder to PYTHONPATH)"
+        ) from error
     function = getattr(module, attribute, None)
     if not callable(function):
         raise ValueError(f"{flag} {path!r}: {module_name} has no function {attribute!r}")
@@ -44,6 +63,41 @@ def _call(function: Callable, *args: Any) -> Any:
 
 async def _await(awaitable):
     return await awaitable
+
+
+class RewardTimeout(TimeoutError):
+    """An in-process reward did not return within ``--rm-timeout`` seconds."""
+
+
+class RewardExited(RuntimeError):
+    """Reward code called ``sys.exit``."""
+
+
+def call_with_timeout(function: Callable, args: tuple, timeout_s: float | None) -> Any:
+    """``function(*args)`` (awaited when it is a coroutine) in a daemon thread of its own,
+    given ``timeout_s`` seconds. A thread cannot be killed: one that times out is left
+    blocked (a daemon, so it never holds up the exit). ``KeyboardInterrupt`` raised in
+    the reward reaches the caller as it is."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = _call(function, *args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"miles-reward-{getattr(function, '__name__', 'fn')}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RewardTimeout(f"no answer within --rm-timeout {timeout_s:g} s (the reward blocks?)")
+    error = outcome.get("error")
+    if isinstance(error, SystemExit):
+        raise RewardExited(f"the reward code called sys.exit({error.code!r})") from error
+    if error is not None:
+        raise error
+    return outcome["value"]
 
 
 def remote_reward(url: str, timeout: float, retries: int) -> Callable:
@@ -74,16 +128,24 @@ class RewardScorer:
     def __init__(self, config: Any, registry: Any):
         self.config = config
         self.group = bool(config.group_rm)
+        self.timeout_s: float | None = config.rm_timeout  # in-process rewards; --rm-url times its requests itself
         if config.custom_rm_path:
             self.function = load_function(config.custom_rm_path, "--custom-rm-path")
         elif config.rm_url:
             self.function = remote_reward(config.rm_url, config.rm_timeout, config.rm_max_retries)
+            self.timeout_s = None
         elif config.rm_type:
             record = registry.get(config.rm_type)
             self.function = record.fn
             self.group = self.group or record.group
         else:
             raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+
+    def call(self, samples: Any) -> Any:
+        """The reward of one sample (a list of them with ``--group-rm``)."""
+        if self.timeout_s is None:
+            return _call(self.function, samples, self.config)
+        return call_with_timeout(self.function, (samples, self.config), self.timeout_s)
 
     def scalar(self, reward: Any) -> float:
         """The number the advantages use (``--reward-key`` picks it from a dict)."""
@@ -98,7 +160,7 @@ class RewardScorer:
         """Set ``sample.reward`` for every sample of one prompt, in place."""
         if self.group:
             try:
-                rewards = _call(self.function, samples, self.config)
+                rewards = self.call(samples)
                 if len(rewards) != len(samples):
                     raise ValueError(f"group reward returned {len(rewards)} rewards for {len(samples)} samples")
                 for sample, reward in zip(samples, rewards):
@@ -111,7 +173,7 @@ class RewardScorer:
             if sample.status is Status.FAILED:
                 continue
             try:
-                sample.reward = _call(self.function, sample, self.config)
+                sample.reward = self.call(sample)
                 self.scalar(sample.reward)
             except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
                 _fail(sample, error)
