@@ -3,23 +3,44 @@
 ``<save>/iter_<rollout_id>/state.pt`` holds the trainer (model, optimizer,
 scheduler), the data position, the partial-rollout buffer and the RNG states;
 ``<save>/latest_checkpointed_iteration.txt`` names the newest (Megatron's layout).
+``iter_<rollout_id>/manifest.json`` holds the checksum of ``state.pt``
+(:mod:`miles_host.checkpoint_integrity`). Loading verifies it, reads tensors and
+plain data only (no code from the file runs), and refuses NaN/Inf in the trainer's
+state; a damaged newest checkpoint is named and the newest intact earlier one is
+loaded instead, with a warning.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from miles_host.checkpoint_integrity import (
+    CheckpointDamaged,
+    load_state_file,
+    nonfinite_tensors,
+    verify_manifest,
+    write_manifest,
+    write_text_atomically,
+)
+
 LATEST = "latest_checkpointed_iteration.txt"
+STATE = "state.pt"
+_ITER = re.compile(r"iter_(\d{7,})")
 
 
 def rng_state() -> dict:
     """Python, numpy and torch RNG states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    # numpy's state as plain ints: a weights-only load reads no numpy objects
+    numpy_state = [kind, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -28,7 +49,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore :func:`rng_state`."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -40,21 +62,76 @@ def save_checkpoint(directory: str, rollout_id: int, payload: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     temporary = folder / "state.pt.tmp"
     torch.save({**payload, "rollout_id": rollout_id, "rng": rng_state()}, temporary)
-    temporary.replace(folder / "state.pt")  # a crash mid-write never leaves a torn checkpoint
-    (Path(directory) / LATEST).write_text(str(rollout_id))
+    temporary.replace(folder / STATE)  # a crash mid-write never leaves a torn checkpoint
+    write_manifest(folder, rollout_id, [STATE])
+    write_text_atomically(Path(directory) / LATEST, str(rollout_id))
     return folder
 
 
 def load_checkpoint(directory: str) -> dict[str, Any]:
-    """The newest checkpoint under ``directory`` (``--load``)."""
+    """The newest intact checkpoint under ``directory`` (``--load``).
+
+    The iteration ``latest_checkpointed_iteration.txt`` names is tried first; when it
+    (or that file) is damaged, the newest earlier iteration that passes
+    :func:`read_checkpoint` is loaded and a warning names the damaged file.
+    ``CheckpointDamaged`` (a ValueError) names the damaged file(s) when none is intact."""
     root = Path(directory)
-    latest = root / LATEST
-    if not latest.is_file():
-        raise FileNotFoundError(f"--load {directory}: no {LATEST} there (not a miles checkpoint directory?)")
-    rollout_id = int(latest.read_text().strip())
-    path = root / f"iter_{rollout_id:07d}" / "state.pt"
+    if not root.is_dir():
+        raise FileNotFoundError(f"--load {directory}: no such directory")
+    folders, problems = _candidate_folders(root)
+    if not folders and not problems:
+        raise FileNotFoundError(f"--load {directory}: no {LATEST} and no iter_* folders there (not a miles checkpoint directory?)")
+    for folder in folders:
+        try:
+            state = read_checkpoint(folder)
+        except CheckpointDamaged as error:
+            problems.append(str(error))
+            continue
+        if problems:
+            print(f"miles: warning: --load {directory}: {'; '.join(problems)}; loading the newest intact "
+                  f"checkpoint instead: {folder}", file=sys.stderr)
+        set_rng_state(state["rng"])
+        return state
+    raise CheckpointDamaged(f"--load {directory}: no intact checkpoint: " + "; ".join(problems))
+
+
+def read_checkpoint(folder: Path) -> dict[str, Any]:
+    """One ``iter_*`` folder's state, verified: checksums of its manifest, a weights-only
+    load, the fields a resume needs, and finite trainer tensors."""
+    path = folder / STATE
     if not path.is_file():
-        raise FileNotFoundError(f"--load {directory}: {path} is missing")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    set_rng_state(state["rng"])
+        raise CheckpointDamaged(f"{path} is missing")
+    if not verify_manifest(folder):
+        print(f"miles: warning: {folder} has no manifest.json; {path} cannot be verified", file=sys.stderr)
+    state = load_state_file(path)
+    expected = int(_ITER.fullmatch(folder.name).group(1))
+    if not isinstance(state, dict) or not {"trainer", "rng", "rollout_id"} <= set(state):
+        raise CheckpointDamaged(f"{path} is not a miles checkpoint state (no trainer, rng and rollout_id entries)")
+    if state["rollout_id"] != expected:
+        raise CheckpointDamaged(f"{path} holds rollout {state['rollout_id']}, not {expected} as its folder says")
+    bad = list(nonfinite_tensors(state["trainer"], "trainer"))
+    if bad:
+        listed = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointDamaged(f"{path} is damaged: NaN/Inf values in {listed}")
     return state
+
+
+def _candidate_folders(root: Path) -> tuple[list[Path], list[str]]:
+    """``iter_*`` folders to try, newest first from the one the latest-file names; and the
+    problems found with that file."""
+    found = {int(m.group(1)): p for p in root.iterdir() if (m := _ITER.fullmatch(p.name)) and p.is_dir()}
+    latest_file = root / LATEST
+    problems = []
+    latest = None
+    if latest_file.is_file():
+        text = latest_file.read_bytes()[:64].decode("utf-8", "replace").strip()
+        if text.isdigit():
+            latest = int(text)
+        else:
+            problems.append(f"{latest_file} is damaged (holds {text!r}, not an iteration number)")
+    elif found:
+        problems.append(f"{latest_file} is missing")
+    if latest is not None and latest not in found:
+        problems.append(f"{latest_file} names iteration {latest}, but {root / f'iter_{latest:07d}'} is missing")
+    order = sorted((i for i in found if latest is None or i <= latest), reverse=True)
+    return [found[i] for i in order], problems
