@@ -9,6 +9,7 @@ several launches in one pytest process)."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 import time
 import traceback
@@ -38,7 +39,7 @@ def new_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA; use gloo on CPU")
-    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = tcp_store(address, port, world, rank == 0, timeout)
     if as_default:
         if dist.is_initialized():
             raise RuntimeError("this process already has a default process group; one sharded trainer per process")
@@ -54,6 +55,36 @@ def new_group(
 
 
 _OWNS_DEFAULT_GROUP = False
+
+
+def loopback_ip(address: str) -> str | None:
+    """The IPv4 address ``address`` (a name or an IP) resolves to when it means this host
+    only (127.0.0.0/8), else None."""
+    try:
+        resolved = socket.gethostbyname(address)
+        return resolved if ipaddress.ip_address(resolved).is_loopback else None
+    except (OSError, ValueError):
+        return None
+
+
+def tcp_store(address: str, port: int, world: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A ``TCPStore`` at ``address:port``. The master of a store at a loopback address
+    listens on loopback only: torch's own server listens on every interface, and the
+    store takes no password, so a one-node run must not be reachable from other hosts."""
+    local = loopback_ip(address) if is_master else None
+    if local is None:
+        return dist.TCPStore(address, port, world, is_master=is_master, timeout=timeout, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((local, port))
+        listener.listen(max(world, 1) * 2)
+    except OSError:
+        listener.close()
+        raise
+    # the store owns the listening socket from here on (detach: Python must not close it)
+    return dist.TCPStore(address, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def leave_default_group() -> None:

@@ -81,6 +81,7 @@ class DistributedTransport:
 
         import torch.distributed as dist
 
+        from miles_host.distributed.comm import tcp_store
         from miles_sglang.launcher import free_port
 
         if self.group is not None:
@@ -88,7 +89,7 @@ class DistributedTransport:
         kind = "nccl" if torch.cuda.is_available() else "gloo"
         port, world = free_port(), 1 + len(backend.clients)
         timeout = datetime.timedelta(seconds=120)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = tcp_store("127.0.0.1", port, world, True, timeout)  # listens on loopback only
         answers: list = [None] * len(backend.clients)
 
         def join(i, client):
