@@ -78,6 +78,7 @@ class RolloutArgs:
     sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
     sglang_disable_overlap_schedule: bool = flag(False, "read each decode step's tokens before launching the next (SGLang's --disable-overlap-schedule; by default on CUDA step N+1 is launched before step N's tokens are read)", group="rollout")
     rollout_max_num_seqs: int | None = flag(None, "max concurrent sequences in the embedded engine", type=optional_int, group="rollout")
+    moe_kernel: str = flag("fused", "routed experts in the embedded engine: fused (one routing launch, one grouped GEMM per projection, one combine) or loop (one expert at a time)", type=str, choices=["fused", "loop"], group="rollout")
     rollout_return_routed_experts: bool = flag(False, "ask the engine for the MoE experts of every token (set by routing-replay plugins)", group="rollout")
     true_on_policy: bool = flag(False, "batch-invariant kernels: rollout and training logprobs bitwise equal", aliases=["--true-on-policy-mode"], group="rollout")
 

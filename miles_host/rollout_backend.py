@@ -45,6 +45,7 @@ class EmbeddedRolloutBackend:
         engine_kwargs: dict[str, Any] = {
             "batch_invariant": bool(config.true_on_policy),
             "overlap_schedule": False if config.sglang_disable_overlap_schedule else None,
+            "moe_kernel": config.moe_kernel,
         }
         if config.sglang_mem_fraction_static is not None:
             engine_kwargs["mem_fraction_static"] = config.sglang_mem_fraction_static

@@ -1,22 +1,27 @@
 """Triton body of :mod:`miles_host.kernels.moe_grouped` (imported only where Triton runs).
 
-One grouped GEMM launch for all experts. The rows are the padded layout of
-:func:`~miles_host.kernels.moe_grouped.route`: every expert's rows start at a
-multiple of ``BLOCK_M``, so each ``BLOCK_M`` row block belongs to one expert
-(``block_expert[block]``, -1 for the blocks past the used ones: their programs
-do nothing). A program computes one row block x one ``BLOCK_N`` column tile:
-``out[rows, n] = a[rows, :] @ w[expert][:, n]`` with fp32 accumulation from
-``k = 0`` in ``BLOCK_K`` chunks, one round-to-nearest-even to the output dtype.
-With ``GATHER`` the rows of ``a`` are read through the row -> token table (the
-first GEMM reads ``x`` directly, no gathered copy); padding rows (token -1) read
-zeros. The weight ``w[expert]`` is read as ``[K, N]`` through its strides (the
-``[E, N, K]`` stacks of ``Experts`` need no copy).
+Three kernels make the fused MoE forward (plus the quantized GEMMs the precision
+plugins build from :func:`block_rows`):
+
+- :func:`_route_kernel`, one program: the padded, expert-sorted row layout of a
+  batch (every expert's rows start at a multiple of ``BLOCK_M``). Counts by
+  ``tl.histogram``, block starts by ``tl.cumsum``, the rank of each (token, slot)
+  pair inside its expert from one ``tl.sort`` of ``expert * NP + pair`` (stable:
+  the layout of :func:`~miles_host.kernels.moe_grouped.route`, bit for bit).
+- :func:`_moe_gemm_kernel`: one grouped GEMM launch for all experts. A program
+  computes one row block x one ``BLOCK_N`` column tile, ``out[rows, n] = a[rows, :]
+  @ w[expert][n, :]^T`` with fp32 accumulation from ``k = 0``. With ``GATHER`` the
+  rows of ``a`` are read through the row -> token table (the first GEMM reads ``x``
+  itself); padding rows read zeros. With ``GATED`` (gate_up) the program also
+  multiplies the up rows ``N + n`` and writes ``act(gate) * up`` (each rounded to
+  the output dtype first, as the eager ``act(gate) * up`` of bf16 tensors does).
+- :func:`_combine_kernel`: ``y[t] = sum_k w[t, k] * out[row of (t, k)]`` in fp32,
+  slots in their order, one rounding: the top-k weighted sum in one launch.
 
 Under the interpreter (``EMULATE``) ``tl.dot`` runs on float32 copies (its
-``np.matmul`` reads bfloat16 as raw integers) and the downcast rounds by integer
-arithmetic (``cast_rne``). ``K`` is a constexpr (a model constant: H or I), so the
-K loop has a static, host-computed trip count on both paths (numpy 2.4
-cannot take ``range`` of the interpreter's runtime scalars).
+``np.matmul`` reads bfloat16 as raw integers) and downcasts round by integer
+arithmetic (``cast_rne``). ``K`` is a constexpr (a model constant), so the K loop
+has a static trip count on both paths.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import triton
 import triton.language as tl
 
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
+from miles_host.kernels.moe_grouped import max_row_blocks
+
+#: activation code of the GATED epilogue, by config name
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 
 @triton.jit
@@ -40,63 +49,186 @@ def _mma(a, b, acc, IEEE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _grouped_mm_kernel(
+def act_and_mul(gate, up, ACT: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """``act(gate) * up`` of fp32 accumulators, rounded as eager ops on ``DTYPE`` tensors round:
+    gate and up to ``DTYPE``, the activation to ``DTYPE``, the product to ``DTYPE``."""
+    gate = cast_rne(gate, DTYPE, EMULATE).to(tl.float32)
+    up = cast_rne(up, DTYPE, EMULATE).to(tl.float32)
+    if ACT == 0:
+        activated = gate / (1.0 + tl.exp(-gate))
+    elif ACT == 1:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        activated = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner)
+    else:
+        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    activated = cast_rne(activated, DTYPE, EMULATE).to(tl.float32)
+    return cast_rne(activated * up, DTYPE, EMULATE)
+
+
+@triton.jit
+def block_rows(RowToken, BlockExpert, pid_m, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
+    """``(expert, a_rows, row_ok, out_rows)`` of row block ``pid_m`` (``expert < 0``: unused block).
+
+    ``a_rows``: the rows of the GEMM input to read (tokens with ``GATHER``, else the
+    padded rows themselves); ``row_ok``: False on padding rows (their input reads as 0).
+    """
+    expert = tl.load(BlockExpert + pid_m)
+    out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if GATHER:
+        token = tl.load(RowToken + out_rows)
+        row_ok = token >= 0
+        a_rows = tl.where(row_ok, token, 0).to(tl.int64)
+    else:
+        row_ok = out_rows >= 0
+        a_rows = out_rows
+    return expert, a_rows, row_ok, out_rows
+
+
+@triton.jit
+def _route_kernel(
+    Ids, RowToken, PairRow, BlockExpert, Scratch,
+    num_pairs, num_rows, num_blocks,
+    TOP_K: tl.constexpr, E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+):
+    pairs = tl.arange(0, NP)
+    ids = tl.load(Ids + pairs, mask=pairs < num_pairs, other=E).to(tl.int32)  # E: past the last pair
+    counts = tl.histogram(ids, NB)
+    experts = tl.arange(0, NB)
+    real = experts < E
+    padded = tl.where(real, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    first = tl.cumsum(counts, 0) - counts  # index of each expert's first pair in the sorted order
+    tl.store(Scratch + experts, ends - padded - first)  # padded row of sorted position p: p + this
+    for start in range(0, MAX_ROWS, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(RowToken + rows, tl.full((CHUNK,), -1, tl.int64), mask=rows < num_rows)
+    for start in range(0, MAX_BLOCKS, BLOCK_CHUNK):  # block b's expert: how many experts end at or before it
+        blocks = start + tl.arange(0, BLOCK_CHUNK)
+        expert = tl.sum(((ends[None, :] <= (blocks * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + blocks, tl.where(expert < E, expert, -1), mask=blocks < num_blocks)
+    tl.debug_barrier()
+    keys = tl.sort(ids * NP + pairs)
+    sorted_ids = keys // NP
+    pair = keys % NP
+    used = sorted_ids < E
+    row = pairs + tl.load(Scratch + sorted_ids, mask=used, other=0)
+    tl.store(RowToken + row, (pair // TOP_K).to(tl.int64), mask=used)
+    tl.store(PairRow + pair, row.to(tl.int64), mask=used)
+
+
+@triton.jit
+def _moe_gemm_kernel(
     A, RowToken, BlockExpert, W, C,
     N,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn,
-    K: tl.constexpr, K_BLOCKS: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
+    K: tl.constexpr, K_BLOCKS: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(BlockExpert + pid_m)
+    expert, a_rows, row_ok, out_rows = block_rows(RowToken, BlockExpert, pid_m, BLOCK_M, GATHER)
     if expert >= 0:
-        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        if GATHER:
-            token = tl.load(RowToken + offs_m)
-            row_ok = token >= 0
-            rows = tl.where(row_ok, token, 0).to(tl.int64)
-        else:
-            row_ok = offs_m >= 0
-            rows = offs_m
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-        a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
         w_ptrs = W + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + offs_k[:, None].to(tl.int64) * stride_wk
-
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, K_BLOCKS):
             k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = _mma(a, w, acc, IEEE, EMULATE)
+            acc = _mma(a, tl.load(w_ptrs, mask=k_ok[:, None], other=0.0), acc, IEEE, EMULATE)
+            if GATED:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0)
+                acc_up = _mma(a, w_up, acc_up, IEEE, EMULATE)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            out = act_and_mul(acc, acc_up, ACT, C.dtype.element_ty, EMULATE)
+        else:
+            out = cast_rne(acc, C.dtype.element_ty, EMULATE)
+        c_ptrs = C + out_rows[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
+        tl.store(c_ptrs, out, mask=(offs_n < N)[None, :])
 
-        c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-        tl.store(c_ptrs, cast_rne(acc, C.dtype.element_ty, EMULATE), mask=(offs_n < N)[None, :])
+
+@triton.jit
+def _combine_kernel(
+    Out, PairRow, Weights, Y, H, stride_or, stride_wt, stride_yt,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, EMULATE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        row = tl.load(PairRow + token * TOP_K + slot)
+        weight = tl.load(Weights + token * stride_wt + slot).to(tl.float32)
+        acc += tl.load(Out + row * stride_or + cols, mask=col_ok, other=0.0).to(tl.float32) * weight
+    tl.store(Y + token * stride_yt + cols, cast_rne(acc, Y.dtype.element_ty, EMULATE), mask=col_ok)
 
 
-def grouped_mm(a, row_token_R, block_expert_B, w_EKN, out_RN, config, gather: bool) -> torch.Tensor:
-    """``out[r] = a[row r] @ w_EKN[expert of r's block]`` for every row of a used block.
+# ----------------------------------------------------------------------------- launchers
 
-    ``a``: ``[T, K]`` (``gather``: row r reads ``a[row_token_R[r]]``) or ``[R, K]``;
-    ``w_EKN``: any-strided ``[E, K, N]`` view; ``out_RN``: ``[R, N]`` with
-    ``R = len(block_expert_B) * block_m`` (rows of unused blocks are left as they are).
+
+def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_expert_B) -> None:
+    """Fill the layout tensors (see :func:`~miles_host.kernels.moe_grouped.route`) in one launch."""
+    num_tokens, top_k = ids_TK.shape
+    num_pairs = num_tokens * top_k
+    np_ = max(16, triton.next_power_of_2(num_pairs))
+    nb = max(16, triton.next_power_of_2(num_experts + 1))
+    max_blocks = max_row_blocks(np_, num_experts, block_m)  # of NP, not T: one compilation per power of two
+    chunk = 256
+    block_chunk = max(1, 8192 // nb)
+    scratch = torch.empty(nb, dtype=torch.int32, device=ids_TK.device)
+    _route_kernel[(1,)](
+        ids_TK.reshape(-1), row_token_R, pair_row_TK, block_expert_B, scratch,
+        num_pairs, row_token_R.shape[0], block_expert_B.shape[0],
+        TOP_K=top_k, E=num_experts, NB=nb, NP=np_, BLOCK_M=block_m,
+        MAX_ROWS=max_blocks * block_m, MAX_BLOCKS=max_blocks, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=8 if np_ >= 1024 else 4,
+    )
+
+
+def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool, activation: str | None) -> None:
+    """``out[r] = a[row r] @ w_ENK[expert of r's block]^T`` for every row of a used block.
+
+    ``activation`` (gate_up): ``w_ENK`` is ``[E, 2N, K]`` (gate rows first) and
+    ``out[r] = act(gate) * up``, ``[R, N]``. ``a``: ``[T, K]`` (``gather``: row r
+    reads ``a[row_token_R[r]]``) or ``[R, K]``. Rows of unused blocks are not written.
     """
-    n, k = out_RN.shape[1], w_EKN.shape[1]
+    n, k = out_RN.shape[1], w_ENK.shape[2]
     num_blocks = block_expert_B.shape[0]
     if num_blocks == 0 or n == 0:
-        return out_RN
+        return
     grid = (num_blocks, triton.cdiv(n, config.block_n))
-    _grouped_mm_kernel[grid](
-        a, row_token_R, block_expert_B, w_EKN, out_RN,
+    _moe_gemm_kernel[grid](
+        a, row_token_R, block_expert_B, w_ENK, out_RN,
         n,
-        a.stride(0), a.stride(1), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
-        out_RN.stride(0), out_RN.stride(1),
-        K=k, K_BLOCKS=triton.cdiv(k, config.block_k), GATHER=gather, IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
+        a.stride(0), a.stride(1), w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2), out_RN.stride(0), out_RN.stride(1),
+        K=k, K_BLOCKS=triton.cdiv(k, config.block_k), GATHER=gather, GATED=activation is not None, ACT=ACTIVATIONS[activation] if activation is not None else 0,
+        IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def grouped_mm(a, row_token_R, block_expert_B, w_EKN, out_RN, config, gather: bool) -> torch.Tensor:
+    """``out[r] = a[row r] @ w_EKN[expert of r's block]`` (``w_EKN``: any-strided ``[E, K, N]`` view)."""
+    moe_gemm(a, row_token_R, block_expert_B, w_EKN.transpose(1, 2), out_RN, config, gather, None)
     return out_RN
+
+
+def combine(out_RH, pair_row_TK, weights_TK, y_TH) -> torch.Tensor:
+    """``y[t] = sum_k weights[t, k] * out[pair_row[t, k]]`` (fp32, one rounding) in one launch."""
+    num_tokens, top_k = pair_row_TK.shape
+    hidden = out_RH.shape[1]
+    if num_tokens == 0:
+        return y_TH
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        out_RH, pair_row_TK.contiguous(), weights_TK, y_TH, hidden, out_RH.stride(0), weights_TK.stride(0),
+        y_TH.stride(0), TOP_K=top_k, BLOCK_H=block_h, EMULATE=emulate_rounding(), num_warps=4,
+    )
+    return y_TH

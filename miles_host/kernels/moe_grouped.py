@@ -1,31 +1,34 @@
-"""Grouped-GEMM mixture-of-experts forward: every expert in one launch per projection.
+"""Fused mixture-of-experts forward: every expert in one launch per projection, no host sync.
 
 :func:`~miles_host.models.mlp.routed_forward` runs one expert at a time (a host
 sync on the per-expert counts, two small GEMMs per expert) and, inside CUDA
-graphs, every expert on every token. :func:`grouped_moe_forward` computes the
-same thing with a fixed number of launches, no host synchronisation and shapes
-that depend on T only, so a decode step can capture it in a CUDA graph:
+graphs, every expert on every token. :func:`fused_moe` computes the same thing
+in four launches, with no host synchronisation and shapes that depend on T only,
+so a decode step captures it in a CUDA graph and a prefill runs it as it comes:
 
-1. :func:`route` (torch ops on the device): the T*K (token, slot) pairs sorted
-   by expert (stable), per-expert counts and starts, and a padded row layout in
-   which every expert's rows start at a multiple of ``block_m``. The buffer has
-   ``R = ceil((T*K + E*(block_m-1)) / block_m) * block_m`` rows whatever the ids
-   (the worst case of the padding), and a per-block expert table marks the
-   blocks past the used ones -1 (their programs exit at once).
-2. gate_up: one grouped Triton GEMM over the padded rows, the rows of ``x``
-   gathered by token index inside the kernel, ``gate_up_E2IH[e]`` read as
-   ``[H, 2I]`` through its strides; fp32 accumulation, output in x's dtype.
-3. ``act(gate) * up`` on the padded rows (:func:`~miles_host.kernels.activation.silu_and_mul`
-   for SiLU, the eager functions of :func:`~miles_host.models.mlp.activation` otherwise).
-4. down: the same grouped GEMM with ``down_EHI[e]`` read as ``[I, H]``.
-5. :func:`combine`: each token's K rows gathered through the inverse permutation
-   in ascending expert order, times their gate weights in fp32 and summed in that
-   order in fp32 (the sums of ``_ordered_combine`` in ``mlp.py``; no atomics),
-   rounded once to x's dtype.
+1. :func:`plan`: the T*K (token, slot) pairs sorted by expert (stable) into a
+   padded row layout in which every expert's rows start at a multiple of
+   ``block_m``. The buffer has ``R = max_row_blocks(T*K, E, block_m) * block_m``
+   rows whatever the ids (the worst case of the padding), and a per-block expert
+   table marks the blocks past the used ones -1 (their programs exit at once).
+   Up to :data:`ROUTE_KERNEL_MAX_PAIRS` pairs (decode, small prefills) this is one
+   Triton program; above, :func:`route`'s torch ops (same layout).
+2. gate_up: one grouped GEMM over the padded rows, ``x``'s rows gathered by token
+   inside the kernel, gate and up tiles of ``gate_up_E2IH[e]`` in the same program
+   and ``act(gate) * up`` in its epilogue (the activation never goes to memory
+   un-multiplied).
+3. down: the same grouped GEMM on the activation rows with ``down_EHI[e]``.
+4. :func:`combine`: each token's K rows times their gate weights, summed in fp32
+   in slot order and rounded once to x's dtype, in one launch.
 
-Opt-in for the model: ``MILES_GROUPED_MOE=1`` (:data:`ENABLED`) makes
-``Experts.forward`` call it on CUDA when no gradient is needed and the
-batch-invariant mode is off. :func:`grouped_moe_forward_reference` (float64, one
+Steps 2 and 3 are an :class:`ExpertGemms`: :class:`DenseExpertGemms` for the host's
+bf16/fp16/fp32 experts; precision plugins (FP8, INT4) provide their own with the
+weights in their format and the same layout. Tiles come from
+:mod:`miles_host.kernels.moe_configs` (a swept table by shape and token bucket).
+
+``Experts.forward`` takes this path on CUDA for inference (no autograd) unless
+the batch-invariant mode is on or the module's ``moe_kernel`` is ``"loop"``
+(``--moe-kernel loop``). :func:`grouped_moe_forward_reference` (float64, one
 expert at a time) is the oracle of the tests (``tests/kernels/test_moe_grouped.py``).
 
 Tensor legend: T tokens, K experts per token, H hidden, I expert intermediate,
@@ -34,27 +37,28 @@ E experts, R padded rows, B row blocks (``R / block_m``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 # DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
+from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, moe_tiles, pick_block_m
 
-#: ``Experts.forward`` takes the grouped path when this is set (``MILES_GROUPED_MOE=1``)
-ENABLED = os.environ.get("MILES_GROUPED_MOE") == "1"
+__all__ = [
+    "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe", "gemm_config",
+    "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m", "plan", "route",
+]
 
+#: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
+ROUTE_KERNEL_MAX_PAIRS = 4096
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile configuration of one grouped GEMM launch (``block_m`` is the routing's row block)."""
+#: activations the gate_up epilogue computes
+FUSED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+#: weight-format name of the host's expert stacks by dtype (the tile table's key)
+DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,8 @@ class Routing:
 
     ``row_token_R``: int64 ``[R]``, the token a padded row reads (-1: padding);
     ``block_expert_B``: int32 ``[B]``, the expert of each ``block_m`` row block (-1: unused);
-    ``pair_row_TK``: int64 ``[T, K]``, the padded row of each token's slots, slots in
-    ascending expert order; ``weights_TK``: the gate weights in that same slot order.
+    ``pair_row_TK``: int64 ``[T, K]``, the padded row of each token's slots;
+    ``weights_TK``: the gate weights in that same slot order.
     """
 
     row_token_R: torch.Tensor
@@ -74,40 +78,72 @@ class Routing:
     block_m: int
 
 
-def pick_block_m(num_pairs: int, num_experts: int) -> int:
-    """Row block of the layout by the mean rows per expert: 16 for decode, up to 128 for prefill.
+class ExpertGemms(Protocol):
+    """The two grouped GEMMs of one expert stack, over a :class:`Routing` layout.
 
-    A pure function of T*K and E, so a CUDA graph of a given T always sees one layout.
+    A precision plugin implements this for its weight format; ``weight_format``
+    names it in the tile table (:func:`~miles_host.kernels.moe_configs.moe_tiles`).
     """
-    per_expert = -(-num_pairs // max(num_experts, 1))
-    for block_m in (16, 32, 64):
-        if per_expert <= 2 * block_m:
-            return block_m
-    return 128
+
+    num_experts: int
+    hidden: int
+    inter: int
+    weight_format: str
+
+    def gate_up(self, x_TH: torch.Tensor, routing: Routing, out_RI: torch.Tensor, config: GemmConfig) -> None:
+        """``out[r] = act(x[token of r] @ gate[e]^T) * (x[token of r] @ up[e]^T)`` for the rows of used blocks."""
+        ...
+
+    def down(self, act_RI: torch.Tensor, routing: Routing, out_RH: torch.Tensor, config: GemmConfig) -> None:
+        """``out[r] = act[r] @ down[e]^T`` for the rows of used blocks."""
+        ...
 
 
-def gemm_config(block_m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """Tiles of an ``[R, k] x [k, n]`` grouped GEMM with row block ``block_m``."""
-    def fit(block: int, size: int) -> int:
-        return min(block, max(16, 1 << (max(size, 1) - 1).bit_length()))
+@dataclass
+class DenseExpertGemms:
+    """The host's expert stacks: ``gate_up_E2IH [E, 2I, H]`` (gate rows first), ``down_EHI [E, H, I]``."""
 
-    if dtype == torch.float32:
-        return GemmConfig(block_m, fit(64, n), fit(32, k), num_warps=4, num_stages=2)
-    block_n = 64 if block_m <= 32 else 128
-    num_warps = 8 if block_m >= 128 else 4
-    return GemmConfig(block_m, fit(block_n, n), fit(64, k), num_warps=num_warps, num_stages=3)
+    gate_up_E2IH: torch.Tensor
+    down_EHI: torch.Tensor
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        self.num_experts, two_inter, self.hidden = self.gate_up_E2IH.shape
+        self.inter = two_inter // 2
+        self.weight_format = DENSE_FORMATS.get(self.gate_up_E2IH.dtype, str(self.gate_up_E2IH.dtype))
+        if self.activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"the fused MoE takes the activations {FUSED_ACTIVATIONS}; got {self.activation!r} "
+                             "(use --moe-kernel loop)")
+
+    def gate_up(self, x_TH, routing, out_RI, config) -> None:
+        from miles_host.kernels import _moe_grouped_triton
+
+        _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
+                                     config, gather=True, activation=self.activation)
+
+    def down(self, act_RI, routing, out_RH, config) -> None:
+        from miles_host.kernels import _moe_grouped_triton
+
+        _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,
+                                     config, gather=False, activation=None)
+
+
+def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks of the layout: every expert's rows padded to ``block_m``; never more than one per pair."""
+    return min(num_pairs, -(-(num_pairs + num_experts * (block_m - 1)) // block_m))
 
 
 def route(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     """The padded, expert-sorted row layout of ``ids_TK`` (ids in ``[0, E)``), with torch ops only.
 
     Counts and starts come from ``searchsorted`` on the sorted ids rather than
-    ``bincount`` (CUDA's ``bincount`` reads the largest id on the host).
+    ``bincount`` (CUDA's ``bincount`` reads the largest id on the host). Slots of
+    a token are listed in ascending expert order.
     """
     num_tokens, top_k = ids_TK.shape
     device = ids_TK.device
     num_pairs = num_tokens * top_k
-    num_blocks = -(-(num_pairs + num_experts * (block_m - 1)) // block_m)
+    num_blocks = max_row_blocks(num_pairs, num_experts, block_m)
     flat_ids = ids_TK.reshape(-1).long()
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     experts = torch.arange(num_experts, device=device)
@@ -136,13 +172,32 @@ def route(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, bloc
     )
 
 
-def combine(out_RH: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
-    """``y[t] = sum_k w[t, k] * out[row of (t, k)]`` in fp32, k in ascending expert order, cast once.
+def plan(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """The layout of :func:`route`; one Triton launch up to :data:`ROUTE_KERNEL_MAX_PAIRS` pairs
+    (slots then in their own order), :func:`route` above or where Triton does not run."""
+    num_tokens, top_k = ids_TK.shape
+    num_pairs = num_tokens * top_k
+    if not uses_triton(ids_TK) or num_pairs > ROUTE_KERNEL_MAX_PAIRS or num_pairs == 0:
+        return route(ids_TK, weights_TK, num_experts, block_m)
+    from miles_host.kernels import _moe_grouped_triton
 
-    Every product is ``out.float() * w.float()`` and the sum starts from zeros and
-    adds one slot at a time: the operations of ``_ordered_combine``.
-    """
+    num_blocks = max_row_blocks(num_pairs, num_experts, block_m)
+    row_token_R = torch.empty(num_blocks * block_m, dtype=torch.long, device=ids_TK.device)
+    pair_row_TK = torch.empty(num_tokens, top_k, dtype=torch.long, device=ids_TK.device)
+    block_expert_B = torch.empty(num_blocks, dtype=torch.int32, device=ids_TK.device)
+    _moe_grouped_triton.route_layout(ids_TK.contiguous(), num_experts, block_m, row_token_R, pair_row_TK, block_expert_B)
+    return Routing(row_token_R, block_expert_B, pair_row_TK, weights_TK, block_m)
+
+
+def combine(out_RH: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """``y[t] = sum_k w[t, k] * out[row of (t, k)]`` in fp32, k in slot order, cast once (one launch where
+    Triton runs; the same products and sums in torch ops elsewhere)."""
     num_tokens, top_k = routing.pair_row_TK.shape
+    if uses_triton(out_RH):
+        from miles_host.kernels import _moe_grouped_triton
+
+        y_TH = torch.empty(num_tokens, out_RH.shape[1], dtype=dtype, device=out_RH.device)
+        return _moe_grouped_triton.combine(out_RH, routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH)
     rows_TKH = out_RH.index_select(0, routing.pair_row_TK.reshape(-1)).view(num_tokens, top_k, -1)
     weights_TK = routing.weights_TK.float()
     y_TH = torch.zeros(num_tokens, out_RH.shape[1], dtype=torch.float32, device=out_RH.device)
@@ -151,16 +206,28 @@ def combine(out_RH: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch
     return y_TH.to(dtype)
 
 
-def _gated_activation(gate_up_R2I: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` of the padded rows, ``[R, 2I] -> [R, I]`` (contiguous)."""
-    if activation == "silu":
-        from miles_host.kernels.activation import silu_and_mul
+def fused_moe(
+    x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, gemms: ExpertGemms,
+    tiles: MoETiles | None = None,
+) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` in x's dtype through ``gemms`` (where Triton runs).
 
-        return silu_and_mul(gate_up_R2I).contiguous()
-    from miles_host.models.mlp import activation as eager_activation
-
-    gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-    return (eager_activation(activation)(gate_RI) * up_RI).contiguous()
+    ``ids_TK``: expert ids in ``[0, E)``; ``weights_TK``: gate weights (any float
+    dtype, used in fp32). ``tiles``: the launches' tiles (tests, the sweep; default
+    the table's). No autograd.
+    """
+    num_tokens, top_k = ids_TK.shape
+    if num_tokens == 0 or top_k == 0:
+        return torch.zeros_like(x_TH)
+    tiles = tiles or moe_tiles(num_tokens, top_k, gemms.num_experts, gemms.hidden, gemms.inter, x_TH.dtype,
+                               gemms.weight_format)
+    routing = plan(ids_TK, weights_TK, gemms.num_experts, tiles.block_m)
+    num_rows = routing.row_token_R.shape[0]
+    act_RI = x_TH.new_empty(num_rows, gemms.inter)
+    gemms.gate_up(x_TH, routing, act_RI, tiles.gate_up)
+    out_RH = x_TH.new_empty(num_rows, gemms.hidden)
+    gemms.down(act_RI, routing, out_RH, tiles.down)
+    return combine(out_RH, routing, x_TH.dtype)
 
 
 def _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI) -> None:
@@ -192,35 +259,21 @@ def grouped_moe_forward(
     ``ids_TK``: expert ids in ``[0, E)``; ``weights_TK``: gate weights (any float
     dtype, used in fp32); ``gate_up_E2IH``: ``[E, 2I, H]`` (gate rows first),
     ``down_EHI``: ``[E, H, I]``, any strides. ``block_m``: the layout's row block
-    (tests; default :func:`pick_block_m`). On CUDA (and on CPU under
+    (tests; default: the tile table's). On CUDA (and on CPU under
     ``TRITON_INTERPRET=1``) the Triton path; elsewhere :func:`grouped_moe_forward_reference`.
     No autograd (inference only).
     """
     _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI)
-    num_tokens, top_k = ids_TK.shape
-    num_experts, two_inter, hidden = gate_up_E2IH.shape
-    if num_tokens == 0 or top_k == 0:
+    if ids_TK.shape[0] == 0 or ids_TK.shape[1] == 0:
         return torch.zeros_like(x_TH)
     if not uses_triton(x_TH):
         return grouped_moe_forward_reference(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, activation)
-    from miles_host.kernels import _moe_grouped_triton
-
-    block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
-    routing = route(ids_TK, weights_TK, num_experts, block_m)
-    num_rows = routing.row_token_R.shape[0]
-
-    gate_up_R2I = x_TH.new_empty(num_rows, two_inter)
-    _moe_grouped_triton.grouped_mm(
-        x_TH, routing.row_token_R, routing.block_expert_B, gate_up_E2IH.transpose(1, 2), gate_up_R2I,
-        gemm_config(block_m, two_inter, hidden, x_TH.dtype), gather=True,
-    )
-    act_RI = _gated_activation(gate_up_R2I, activation)
-    out_RH = x_TH.new_empty(num_rows, hidden)
-    _moe_grouped_triton.grouped_mm(
-        act_RI, routing.row_token_R, routing.block_expert_B, down_EHI.transpose(1, 2), out_RH,
-        gemm_config(block_m, hidden, two_inter // 2, x_TH.dtype), gather=False,
-    )
-    return combine(out_RH, routing, x_TH.dtype)
+    gemms = DenseExpertGemms(gate_up_E2IH, down_EHI, activation)
+    tiles = None
+    if block_m is not None:
+        tiles = MoETiles(block_m, gemm_config(block_m, gemms.inter, gemms.hidden, x_TH.dtype),
+                         gemm_config(block_m, gemms.hidden, gemms.inter, x_TH.dtype))
+    return fused_moe(x_TH, ids_TK, weights_TK, gemms, tiles)
 
 
 def grouped_moe_forward_reference(

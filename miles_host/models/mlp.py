@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import invariant_ops, moe_grouped, moe_train
+from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -116,6 +117,8 @@ class Experts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.act = activation(act)
         self.act_name = act
+        #: the inference path, one of :data:`MOE_KERNELS` (the engine sets it from ``--moe-kernel``)
+        self.moe_kernel = "fused"
         #: the gradient-enabled path (``MoEConfig.experts_impl``; :mod:`miles_host.kernels.moe_train`)
         self.experts_impl = moe.experts_impl
 
@@ -137,12 +140,39 @@ class Experts(torch.nn.Module):
             and moe_train.uses_grouped_experts(self.experts_impl, x_TH, self.gate_up_proj)
         ):
             return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act)
-        # opt-in (MILES_GROUPED_MOE=1): one grouped GEMM per projection, no host sync (inference, CUDA)
-        if moe_grouped.ENABLED and x_TH.is_cuda and not torch.is_grad_enabled() and not _invariant_active():
-            return moe_grouped.grouped_moe_forward(
-                x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act_name
-            )
+        # inference: the fused kernels (one routing launch, one GEMM per projection, one combine; no host sync)
+        if uses_fused_moe(self, x_TH) and self.act_name in moe_grouped.FUSED_ACTIVATIONS:
+            gemms = moe_grouped.DenseExpertGemms(self.gate_up_proj, self.down_proj, self.act_name)
+            return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+
+
+#: inference paths of the routed experts: the fused kernels of :mod:`miles_host.kernels.moe_grouped`
+#: (where Triton runs) or :func:`routed_forward`'s per-expert loop
+MOE_KERNELS = ("fused", "loop")
+
+
+def uses_fused_moe(experts: torch.nn.Module, x_TH: torch.Tensor) -> bool:
+    """Whether ``experts`` runs the fused kernels on ``x_TH``: its ``moe_kernel`` is ``"fused"``,
+    no autograd, the batch-invariant mode off (it keeps its fixed-order loop), and Triton runs here
+    (CUDA, or the CPU interpreter in tests)."""
+    return (
+        getattr(experts, "moe_kernel", "loop") == "fused"
+        and not torch.is_grad_enabled()
+        and not _invariant_active()
+        and uses_triton(x_TH)
+        and x_TH.dtype in DTYPES
+    )
+
+
+def set_moe_kernel(model: torch.nn.Module, kernel: str) -> int:
+    """Set every routed-experts module's inference path (``--moe-kernel``); return how many modules."""
+    if kernel not in MOE_KERNELS:
+        raise ValueError(f"--moe-kernel must be one of {', '.join(MOE_KERNELS)}; got {kernel!r}")
+    modules = [m for m in model.modules() if hasattr(m, "moe_kernel")]
+    for module in modules:
+        module.moe_kernel = kernel
+    return len(modules)
 
 
 def routed_forward(

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from miles_host.models.mlp import MOE_KERNELS
+
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn", "triton_invariant")
 
 
@@ -28,6 +30,10 @@ class EngineConfig:
     batch-invariant forward always uses them where usable, trainer included).
     ``overlap_schedule``: launch each plain decode step before reading the previous
     one's tokens (:mod:`miles_host.rollout.overlap`; default: on CUDA, as SGLang's).
+    ``moe_kernel``: the routed experts' path, ``fused`` (one routing launch, one grouped
+    GEMM per projection and one combine; :mod:`miles_host.kernels.moe_grouped`, where
+    Triton runs) or ``loop`` (one expert at a time). The batch-invariant mode keeps its
+    fixed-order loop either way.
     """
 
     device: torch.device
@@ -46,8 +52,11 @@ class EngineConfig:
     attention_backend: str = "torch"
     fused_kernels: bool | None = None
     overlap_schedule: bool | None = None
+    moe_kernel: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"moe_kernel must be one of {MOE_KERNELS} (--moe-kernel), got {self.moe_kernel!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from miles_host.models.mlp import set_moe_kernel
 from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.config import EngineConfig, resolve_config
@@ -78,6 +79,7 @@ class Engine(MemoryOccupation):
         self.tokenizer = tokenizer
         self.config: EngineConfig = resolve_config(model, **config_kwargs)
         cfg = self.config
+        set_moe_kernel(model, cfg.moe_kernel)
         self.device = cfg.device
         self.weight_version: Any = 0
         layout = model.attention_layout()

@@ -1,9 +1,10 @@
 """The grouped-GEMM MoE forward (:mod:`miles_host.kernels.moe_grouped`) against its float64
 reference and against ``routed_forward``.
 
-CPU: ``interpreted_moe_grouped.py`` runs the Triton path under the interpreter in a
-subprocess (tiny shapes: H=32, I=16, E=8, K=2); the routing layout, the configs,
-the CPU fallback and the opt-in switch of ``Experts.forward`` are checked here.
+CPU: ``interpreted_moe_grouped.py`` and ``interpreted_moe_fused.py`` run the Triton
+path under the interpreter in a subprocess (tiny shapes: H=32, I=16, E=8, K=2); the
+routing layout, the tile table, the CPU fallback and the ``--moe-kernel`` switch
+are checked here.
 GPU (marked ``gpu``): ``python -m pytest tests/kernels/test_moe_grouped.py -m gpu -v -s``
 on Qwen3-MoE shapes (H=1024, I=384, E=64, K=8): accuracy, CUDA-graph capture and
 a timing print against ``routed_forward`` and ``_dense_over_experts``.
@@ -11,7 +12,6 @@ a timing print against ``routed_forward`` and ``_dense_over_experts``.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_host.kernels import moe_grouped
 from miles_host.kernels.moe_grouped import (
     gemm_config, grouped_moe_forward, grouped_moe_forward_reference, pick_block_m, route,
 )
@@ -73,7 +72,8 @@ def test_route_layout(num_tokens, num_experts, top_k, block_m):
     """Every (token, slot) pair has its own row, in its expert's blocks; padding rows read nothing."""
     _, ids, weights = routing_inputs(num_tokens, 4, num_experts, top_k, torch.float32, allowed=range(0, num_experts, 3))
     routing = route(ids, weights, num_experts, block_m)
-    num_blocks = -(-(num_tokens * top_k + num_experts * (block_m - 1)) // block_m)
+    # worst-case padding, and never more blocks than pairs (each used block holds at least one)
+    num_blocks = min(num_tokens * top_k, -(-(num_tokens * top_k + num_experts * (block_m - 1)) // block_m))
     assert routing.row_token_R.shape == (num_blocks * block_m,) and routing.block_expert_B.shape == (num_blocks,)
     rows = routing.pair_row_TK
     assert rows.shape == (num_tokens, top_k) and len(set(rows.flatten().tolist())) == rows.numel()
@@ -121,15 +121,45 @@ def test_reference_matches_routed_forward(act):
                                                              experts.down_proj, act), expected)
 
 
-def test_experts_forward_is_unchanged_unless_enabled(monkeypatch):
-    """Off by default; when on, CPU tensors and autograd still take ``routed_forward``."""
-    assert moe_grouped.ENABLED == (os.environ.get("MILES_GROUPED_MOE") == "1")
+def test_experts_forward_on_cpu_takes_the_loop():
+    """Without Triton (plain CPU) ``Experts.forward`` is ``routed_forward`` whatever ``moe_kernel`` says."""
     experts = make_experts(32, 16, 8, 2, torch.float32)
     x, ids, weights = routing_inputs(5, 32, 8, 2, torch.float32)
     expected = routed_forward(x, ids, weights, 8, experts.expert_mlp)
-    monkeypatch.setattr(moe_grouped, "ENABLED", True)
+    assert experts.moe_kernel == "fused"
     with torch.no_grad():
-        assert torch.equal(experts(x, ids, weights), expected)  # CPU: not the grouped path
+        assert torch.equal(experts(x, ids, weights), expected)  # CPU: not the fused path
+
+
+def test_fused_moe_under_the_triton_interpreter(request):
+    """Routing variants through ``MoE.forward``, the one-program routing kernel (see interpreted_moe_fused.py)."""
+    run_interpreted(Path(__file__).with_name("interpreted_moe_fused.py"), request)
+
+
+def test_set_moe_kernel_and_engine_config():
+    from miles_host.models.mlp import set_moe_kernel
+    from miles_host.rollout.config import EngineConfig
+
+    experts = make_experts(32, 16, 8, 2, torch.float32)
+    assert set_moe_kernel(experts, "loop") == 1 and experts.moe_kernel == "loop"
+    with pytest.raises(ValueError, match="--moe-kernel"):
+        set_moe_kernel(experts, "grouped")
+    with pytest.raises(ValueError, match="--moe-kernel"):
+        EngineConfig(device=torch.device("cpu"), kv_cache_dtype=torch.float32, max_model_len=64, moe_kernel="x")
+
+
+def test_tile_table_lookup(monkeypatch):
+    from miles_host.kernels import moe_configs
+
+    assert [moe_configs.token_bucket(t) for t in (0, 1, 3, 128, 129, 10**6)] == [1, 1, 4, 128, 256, 8192]
+    default = moe_configs.moe_tiles(4, 8, 128, 2048, 768, torch.bfloat16, "bf16")
+    assert default == moe_configs.default_tiles(4, 8, 128, 2048, 768, torch.bfloat16)
+    monkeypatch.setitem(moe_configs.TUNED, (128, 2048, 768, "bf16"), {1: (16, (32, 128, 4, 3), (64, 64, 4, 4)),
+                                                                      256: (32, (64, 64, 4, 3), (128, 64, 8, 3))})
+    tiles = moe_configs.moe_tiles(3, 8, 128, 2048, 768, torch.bfloat16, "bf16")  # bucket 4: nearest is 1
+    assert tiles.block_m == 16 and tiles.gate_up == moe_configs.GemmConfig(16, 32, 128, 4, 3)
+    assert moe_configs.moe_tiles(200, 8, 128, 2048, 768, torch.bfloat16, "bf16").down.block_n == 128
+    assert moe_configs.moe_tiles(200, 8, 128, 2048, 768, torch.bfloat16, "fp8_block128") != tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -141,15 +171,15 @@ def test_kernel_compiles_for_sm90(dtype):
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     signature = {"A": pointer, "RowToken": "*i64", "BlockExpert": "*i32", "W": pointer, "C": pointer, "N": "i32",
-                 "stride_am": "i32", "stride_ak": "constexpr", "stride_we": "i32", "stride_wk": "constexpr",
-                 "stride_wn": "i32", "stride_cm": "i32", "stride_cn": "constexpr"}
+                 "stride_am": "i32", "stride_ak": "constexpr", "stride_we": "i32", "stride_wn": "i32",
+                 "stride_wk": "constexpr", "stride_cm": "i32", "stride_cn": "constexpr"}
     hidden, inter, num_experts, top_k = QWEN3_MOE
-    for num_tokens, gather, (n, k) in ((1, True, (2 * inter, hidden)), (4096, False, (hidden, inter))):
+    for num_tokens, gated, (n, k) in ((1, True, (inter, hidden)), (4096, False, (hidden, inter))):
         config = gemm_config(pick_block_m(num_tokens * top_k, num_experts), n, k, dtype)
         constexprs = dict(stride_ak=1, stride_wk=1, stride_cn=1, K=k, K_BLOCKS=-(-k // config.block_k),
-                          GATHER=gather, IEEE=dtype == torch.float32, EMULATE=False, BLOCK_M=config.block_m,
-                          BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-        ptx = compile_sm90(_moe_grouped_triton._grouped_mm_kernel, signature, constexprs, config.num_warps,
+                          GATHER=gated, GATED=gated, ACT=0, IEEE=dtype == torch.float32, EMULATE=False,
+                          BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+        ptx = compile_sm90(_moe_grouped_triton._moe_gemm_kernel, signature, constexprs, config.num_warps,
                            config.num_stages, unaligned=())
         assert "tf32" not in ptx, config
         if dtype == torch.bfloat16:
@@ -225,14 +255,29 @@ def test_gpu_cuda_graph_capture_and_replay(num_tokens):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_experts_forward_opt_in(monkeypatch):
+def test_gpu_experts_forward_is_fused_by_default():
     hidden, inter, num_experts, top_k = QWEN3_MOE
     experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
     x, ids, weights = routing_inputs(64, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
-    monkeypatch.setattr(moe_grouped, "ENABLED", True)
     with torch.no_grad():
         assert torch.equal(experts(x, ids, weights), grouped_moe_forward(x, ids, weights, experts.gate_up_proj,
                                                                          experts.down_proj))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 37, 512, 600])
+def test_gpu_route_kernel_is_the_torch_layout(num_tokens):
+    """The one-program routing kernel (up to 4096 pairs) against ``route`` on the GPU."""
+    from miles_host.kernels.moe_grouped import plan
+
+    _, ids, weights = routing_inputs(num_tokens, 4, 128, 8, torch.bfloat16, device="cuda")
+    for block_m in (16, 64):
+        got, expected = plan(ids, weights, 128, block_m), route(ids, weights, 128, block_m)
+        assert torch.equal(got.row_token_R, expected.row_token_R)
+        assert torch.equal(got.block_expert_B, expected.block_expert_B)
+        assert torch.equal(got.row_token_R[got.pair_row_TK],
+                           torch.arange(num_tokens, device="cuda")[:, None].expand(-1, 8))
 
 
 @pytest.mark.gpu

@@ -4,8 +4,10 @@
 ``Experts`` and runs each expert's two GEMMs through :func:`fp8_linear`;
 :class:`Fp8InferenceExperts` (rollout) holds the FP8 stacks and
 ``gate_up_proj_scale_inv [E, 2I/128, H/128]`` / ``down_proj_scale_inv [E, H/128, I/128]``.
-The token routing loop is the host's (sorted by expert, one GEMM pair per expert
-with tokens) so both sides add up the same products in the same order.
+Training runs the host's token routing loop (sorted by expert, one GEMM pair per
+expert with tokens); rollout runs the host's fused MoE with the grouped FP8 GEMMs
+of :mod:`miles_fp8.moe_fused` (same quantization and block scales, one launch per
+projection), or the loop with ``--moe-kernel loop``.
 Tensor legend: T tokens, H hidden, I expert intermediate, E experts, K experts per token.
 """
 
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from miles_host.models.mlp import Experts, routed_forward
+from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, fused_moe
+from miles_host.models.mlp import Experts, routed_forward, uses_fused_moe
 from miles_fp8.linear import _Fp8Buffers, fp8_inference_linear, fp8_linear
+from miles_fp8.moe_fused import Fp8ExpertGemms
 from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, quantize_weight
 
 
@@ -58,6 +62,10 @@ class Fp8InferenceExperts(_Fp8Buffers):
                  power_of_two: bool = False):
         super().__init__()
         self.num_experts, self.act, self.power_of_two = num_experts, act, power_of_two
+        #: the activation's config name (the fused kernels' epilogue computes it); None: the loop only
+        self.act_name: str | None = None
+        #: inference path (``--moe-kernel``): the fused kernels of :mod:`miles_fp8.moe_fused` or the loop
+        self.moe_kernel = "fused"
         e, h, i = num_experts, hidden_size, intermediate_size
         self.register_buffer("gate_up_proj", torch.zeros(e, 2 * i, h, dtype=FP8_DTYPE, device=device))
         self.register_buffer("gate_up_proj_scale_inv", torch.ones(e, 2 * i // BLOCK, h // BLOCK, device=device))
@@ -71,6 +79,7 @@ class Fp8InferenceExperts(_Fp8Buffers):
         check_experts(experts, name)
         e, two_i, h = experts.gate_up_proj.shape
         module = cls(e, h, two_i // 2, experts.act, device=experts.gate_up_proj.device, power_of_two=power_of_two)
+        module.act_name = getattr(experts, "act_name", None)
         module.gate_up_proj, module.gate_up_proj_scale_inv = quantize_weight(experts.gate_up_proj.detach(), power_of_two)
         module.down_proj, module.down_proj_scale_inv = quantize_weight(experts.down_proj.detach(), power_of_two)
         return module
@@ -84,4 +93,8 @@ class Fp8InferenceExperts(_Fp8Buffers):
         )
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if uses_fused_moe(self, x_TH) and self.act_name in FUSED_ACTIVATIONS:
+            gemms = Fp8ExpertGemms(self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                                   self.down_proj_scale_inv, self.act_name, self.power_of_two)
+            return fused_moe(x_TH, ids_TK, weights_TK, gemms)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self._expert_mlp)

@@ -29,9 +29,11 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from miles_host.models.mlp import Experts, routed_forward
+from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, fused_moe
+from miles_host.models.mlp import Experts, routed_forward, uses_fused_moe
 from miles_host.rollout.weights import WeightSink
 from miles_int4.kernels import PackedInt4, int4_mm, kernel_supports, pack_for_kernel
+from miles_int4.moe_fused import Int4ExpertGemms
 from miles_int4.quant import check_groupable, compress, dequantize_packed, pack_int32, quantize, unpack_int32
 from miles_int4.settings import int4_settings
 from miles_int4.targets import is_target, target_parameters
@@ -151,8 +153,13 @@ class Int4Linear(_Int4Weights):
 class Int4Experts(_Int4Weights):
     """Routed experts with INT4 ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``.
 
-    The token loop is :meth:`Experts.forward`'s, op for op (the rollout/QAT
-    equality test guards that), with each expert's matmul done in INT4.
+    Rollout default (``--moe-kernel fused``, where Triton runs): the host's fused MoE
+    with the grouped INT4 GEMMs of :mod:`miles_int4.moe_fused`, which read the
+    compressed-tensors form (``packed``, ``scale``) directly: the buffers on the
+    ``dequant`` path, on the ``packed`` path a copy kept next to the kernel layout and
+    updated in place at each weight sync (CUDA-graph safe). ``--moe-kernel loop`` (and
+    CPU) runs :meth:`Experts.forward`'s token loop, op for op (the rollout/QAT equality
+    test guards that), with each expert's matmul done in INT4.
     """
 
     int4_names = ("gate_up_proj", "down_proj")
@@ -161,14 +168,40 @@ class Int4Experts(_Int4Weights):
         super().__init__()
         self.num_experts = experts.num_experts
         self.act = experts.act
+        self.act_name = getattr(experts, "act_name", None)
+        #: inference path (``--moe-kernel``): the fused kernels or the per-expert loop
+        self.moe_kernel = "fused"
         self.group_size = group_size
         device = experts.gate_up_proj.device
         self.use_kernel = use_kernel and all(
             kernel_supports(*getattr(experts, name).shape[1:], device) for name in self.int4_names
         )
+        #: packed path: the compressed-tensors ``(packed, scale)`` per weight name, read by the fused kernel
+        self._compressed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._setup_int4(device)
         for name in self.int4_names:
             self._register_int4(name, getattr(experts, name).detach(), group_size)
+
+    @torch.no_grad()
+    def refresh(self, act_dtype: torch.dtype | None = None) -> None:
+        """Keep the staged compressed-tensors pairs (in place once they exist), then repack them."""
+        for name, parts in self._staged.items() if self.use_kernel else ():
+            if {"packed", "scale"} <= parts.keys():
+                held = self._compressed.get(name)
+                if held is not None and held[0].shape == parts["packed"].shape:
+                    held[0].copy_(parts["packed"])
+                    held[1].copy_(parts["scale"])
+                else:
+                    self._compressed[name] = (parts["packed"].to(self._device, copy=True),
+                                              parts["scale"].to(self._device, copy=True))
+        super().refresh(act_dtype)
+
+    def _fused_operands(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            if self._staged:
+                self.refresh()
+            return self._compressed[name]
+        return getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
 
     def _expert_linear(self, x: torch.Tensor, name: str, expert: int, cache: dict) -> torch.Tensor:
         if self.use_kernel:
@@ -178,6 +211,10 @@ class Int4Experts(_Int4Weights):
         return F.linear(x, dequantize_packed(packed, scale, x.dtype))
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if uses_fused_moe(self, x_TH) and self.act_name in FUSED_ACTIVATIONS:
+            gemms = Int4ExpertGemms(*self._fused_operands("gate_up_proj"), *self._fused_operands("down_proj"),
+                                    self.act_name)
+            return fused_moe(x_TH, ids_TK, weights_TK, gemms)
         cache = self._kernels(x_TH.dtype) if self.use_kernel else {}
 
         def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:

@@ -1,0 +1,452 @@
+"""MoE rollout throughput: the fused MoE kernels against the per-expert loop, bf16 / fp8 / int4.
+
+    python bench/moe.py                                  # H200: Qwen3-30B-A3B shape, 8 layers, bf16 loop+fused, fp8, int4
+    python bench/moe.py --shapes dsv3 --precisions bf16  # DeepSeek-V3 shape (MLA, 256 experts, 4 layers)
+    python bench/moe.py --sweep --json $OUT/moe_sweep.json   # tile sweep: prints the TUNED entries
+    python bench/moe.py --tiny                           # CPU smoke run of the same code (float32, tiny shape)
+    python bench/moe.py --train                          # also run bench/moe_train.py (training half), when present
+
+Models are random-init miles models built from an HF config dict through the model
+family adapters (no checkpoint on disk), served by ``miles_host.rollout.Engine``
+(CUDA graphs, paged KV cache) with ``--moe-kernel`` loop or fused. fp8 / int4 rollout
+models are prepared by the precision plugins' recipes as a run's rollout backend
+does it (fp8: every 128-divisible linear incl. the experts; int4: the routed experts,
+group 128).
+
+Decode: B sequences of ``--prompt-len`` random tokens, ``--new-tokens`` new tokens,
+temperature 1, ignore_eos; decode tok/s = B * (new - 1) / (t(full) - t(max_new_tokens=1)),
+medians of ``--repeats`` after a warm-up. HBM bound of a decode step: the bytes of
+every weight the step reads once (all non-expert weights but the input embedding,
+plus the experts touched: per MoE layer ``E * (1 - (1 - K/E)^B)`` experts, the
+expectation under uniform routing: exact at B = 1, all experts from B ~ 2E/K on)
+plus the KV cache of every sequence, at 4.24 TB/s. Prefill: ``--prefill-seqs`` x
+``--prefill-len`` tokens in one ``max_new_tokens=1`` call; compute bound
+2 * active params * tokens + causal attention FLOPs at 790 TFLOP/s (bf16 dense peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HBM_BYTES_PER_S = 4.24e12
+BF16_FLOPS = 790e12
+
+#: HF config dicts of the benchmarked shapes (the adapters map them to native configs)
+SHAPES = {
+    "qwen3_30b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "dsv3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=4,
+        first_k_dense_replace=0, num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    ),
+    "tiny": dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+}
+
+
+def free_memory(device: str) -> None:
+    gc.unfreeze()  # the engine gc.freeze()s the heap on CUDA
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------- models
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str):
+    """A random-init miles model of ``shape`` (weights ~ N(0, 0.02), router biases small)."""
+    from miles_host.models.loading import default_family_lookup, native_config
+    from miles_host.models.model import CausalLM
+
+    hf = dict(SHAPES[shape])
+    config = native_config(hf, default_family_lookup(hf["model_type"]))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("expert_bias"):
+                tensor.normal_(0.0, 1e-3, generator=generator)
+            elif tensor.dim() == 1:
+                tensor.fill_(1.0)  # norms
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+    model.to(dtype)
+    for module in model.modules():  # fp32 router and bias where the family keeps them (DeepSeek)
+        if getattr(module, "keep_fp32", False):
+            module.weight.data = module.weight.data.float()
+        if getattr(module, "expert_bias", None) is not None:
+            module.expert_bias = module.expert_bias.float()
+    return model.eval()
+
+
+def precision_flags(name: str) -> dict:
+    if name == "int4":
+        return dict(int4_group_size=128, int4_target="experts", int4_rollout_gemm="auto", true_on_policy=False)
+    if name == "fp8":
+        return dict(fp8_format="e4m3", fp8_recipe="blockwise", fp8_power_of_two_scales=False)
+    return {}
+
+
+def prepare(model, precision: str):
+    """The rollout model as the embedded backend prepares it for ``--precision``."""
+    from types import SimpleNamespace
+
+    from miles_host.plugin_manager import create_plugin_manager
+
+    manager = create_plugin_manager(plugins=[] if precision == "bf16" else [precision])
+    record = manager.registries.precisions.get(precision)
+    config = SimpleNamespace(precision=precision, **precision_flags(precision))
+    if record.prepare_rollout_model is not None:
+        model = record.prepare_rollout_model(model, config) or model
+    manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
+    return model
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def expert_stacks(model):
+    """``(experts modules, bytes of one expert as the fused path reads it)`` per MoE layer."""
+    rows = []
+    for module in model.modules():
+        if not hasattr(module, "moe_kernel"):
+            continue
+        if hasattr(module, "_fused_operands"):  # miles-int4
+            read = _nbytes([*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj")])
+        else:
+            read = _nbytes([*module.parameters(recurse=False), *module.buffers(recurse=False)])
+        rows.append((module, read / module.num_experts))
+    return rows
+
+
+def step_bytes(model, batch: int) -> tuple[float, float]:
+    """(bytes a decode step of ``batch`` tokens reads from weights, active params per token)."""
+    stacks = expert_stacks(model)
+    expert_ids = set()
+    expert_total = 0
+    for module, _ in stacks:
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            expert_ids.add(id(t))
+            expert_total += t.numel() * t.element_size()
+        if hasattr(module, "_compressed"):
+            for pair in module._compressed.values():
+                expert_ids.update(id(t) for t in pair)
+        for copies in getattr(module, "_kernel_copies", {}).values():
+            for pack in copies:
+                expert_ids.update((id(pack.weight), id(pack.scales)))
+    other = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in expert_ids or name.startswith("embed_tokens"):
+            continue
+        other += t.numel() * t.element_size()
+    if model.lm_head is None:
+        other += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    touched = 0.0
+    active_params = 0.0
+    config = model.config
+    for module, per_expert in stacks:
+        e, k = module.num_experts, config.moe.top_k
+        touched += e * (1 - (1 - k / e) ** batch) * per_expert
+        active_params += k * 3 * config.hidden_size * config.moe.intermediate_size
+    dense_params = sum(t.numel() for n, t in [*model.named_parameters(), *model.named_buffers()]
+                       if t.dim() >= 2 and id(t) not in expert_ids and not n.startswith("embed_tokens")
+                       and "scale" not in n)
+    return other + touched, active_params + dense_params
+
+
+def attention_flops(model, seqs: int, length: int) -> float:
+    """Causal attention FLOPs of a prefill: 2 matmuls x 2 FLOPs x L^2/2 x heads x head dims, per layer."""
+    c = model.config
+    heads = c.num_heads
+    qk = c.mla.qk_head_dim if c.mla else c.head_dim
+    v = c.mla.v_head_dim if c.mla else c.head_dim
+    return seqs * c.num_layers * heads * 2 * (length * length / 2) * (qk + v)
+
+
+# ---------------------------------------------------------------------- timing
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def generate(engine, prompts, new_tokens: int) -> int:
+    sampling = [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True} for _ in prompts]
+    results = engine.generate(prompts, sampling, return_logprob=False)
+    tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    if tokens != len(prompts) * new_tokens:
+        raise RuntimeError(f"expected {len(prompts) * new_tokens} completion tokens, got {tokens}")
+    return tokens
+
+
+def bench_engine(shape, precision, kernel, args, dtype, device) -> list[dict]:
+    from miles_host.rollout import Engine
+
+    label = f"{shape}/{precision}/{kernel}"
+    start = time.perf_counter()
+    model = prepare(build_model(shape, dtype, device), precision)
+    free_memory(device)
+    max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 16
+    engine = Engine(model, tokenizer=None, max_num_seqs=max(args.batches), max_model_len=max_len,
+                    enable_prefix_caching=False, moe_kernel=kernel,
+                    mem_fraction_static=args.mem_fraction)
+    print(f"[{label}] engine built in {time.perf_counter() - start:.1f} s, cuda_graphs={bool(engine.runner.graphs)}, "
+          f"KV {engine.num_kv_cache_tokens} tokens, {engine.kv_bytes_per_token} B/token", flush=True)
+    rows = []
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for batch in args.batches:
+            prompts = torch.randint(1, vocab - 1, (batch, args.prompt_len), generator=generator).tolist()
+            t_full = timed(lambda: generate(engine, prompts, args.new_tokens), device, args.repeats)
+            t_first = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
+            decode = batch * (args.new_tokens - 1) / (t_full - t_first) if t_full > t_first else float("nan")
+            weight_bytes, _ = step_bytes(model, batch)
+            seconds = sum((weight_bytes + batch * (args.prompt_len + i) * engine.kv_bytes_per_token) / HBM_BYTES_PER_S
+                          for i in range(1, args.new_tokens))
+            bound = batch * (args.new_tokens - 1) / seconds
+            rows.append(dict(shape=shape, precision=precision, kernel=kernel, case=f"decode b{batch}",
+                             tok_s=decode, bound_tok_s=bound, fraction=decode / bound, weight_bytes=weight_bytes))
+            print(f"[{label}] decode batch {batch:>3}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
+                  f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
+        if args.prefill_seqs:
+            prompts = torch.randint(1, vocab - 1, (args.prefill_seqs, args.prefill_len), generator=generator).tolist()
+            t_prefill = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
+            tokens = args.prefill_seqs * args.prefill_len
+            _, active = step_bytes(model, 1)
+            flops = 2 * active * tokens + attention_flops(model, args.prefill_seqs, args.prefill_len)
+            bound = tokens / (flops / BF16_FLOPS)
+            rows.append(dict(shape=shape, precision=precision, kernel=kernel,
+                             case=f"prefill {args.prefill_seqs}x{args.prefill_len}", tok_s=tokens / t_prefill,
+                             bound_tok_s=bound, fraction=tokens / t_prefill / bound))
+            print(f"[{label}] prefill {args.prefill_seqs}x{args.prefill_len}: {tokens / t_prefill:,.0f} tok/s, "
+                  f"compute bound {bound:,.0f} tok/s ({tokens / t_prefill / bound:.1%})", flush=True)
+    finally:
+        engine = model = None
+        free_memory(device)
+    return rows
+
+
+# ---------------------------------------------------------------------- tile sweep
+
+
+def _graph_time(fn, device: str, inner: int = 10, repeats: int = 5) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph of ``inner`` calls (no launch overhead)."""
+    fn()
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        graph.replay()
+        sync(device)
+        times.append((time.perf_counter() - start) / inner)
+    return min(times)
+
+
+def sweep(args, dtype, device) -> dict:
+    """Time every tile candidate of each projection per token bucket; return the TUNED entries."""
+    from miles_host.kernels import moe_configs
+    from miles_host.kernels.moe_grouped import plan
+
+    model = prepare(build_model(args.sweep_shape, dtype, device), args.sweep_precision)
+    module = expert_stacks(model)[0][0]
+    gemms = _gemms_of(module)
+    e, h, inter, top_k = gemms.num_experts, gemms.hidden, gemms.inter, model.config.moe.top_k
+    entries = {}
+    for tokens in args.sweep_tokens:
+        x = torch.randn(tokens, h, device=device, dtype=dtype)
+        ids = torch.stack([torch.randperm(e, device=device)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, device=device)
+        best = None
+        base = moe_configs.pick_block_m(tokens * top_k, e)
+        for block_m in [b for b in moe_configs.SWEEP_BLOCK_M if base <= b <= base * 2]:
+            routing = plan(ids, weights, e, block_m)
+            rows = routing.row_token_R.shape[0]
+            act = torch.empty(rows, inter, device=device, dtype=dtype)
+            out = torch.empty(rows, h, device=device, dtype=dtype)
+            timings = {}
+            for which, n in (("gate_up", inter), ("down", h)):
+                results = []
+                for bn, bk, warps, stages in moe_configs.SWEEP_GEMMS:
+                    config = moe_configs.GemmConfig(block_m, bn, bk, warps, stages)
+                    call = (lambda c=config: gemms.gate_up(x, routing, act, c)) if which == "gate_up" else (
+                        lambda c=config: gemms.down(act, routing, out, c))
+                    try:
+                        results.append((_graph_time(call, device), (bn, bk, warps, stages)))
+                    except Exception as error:  # noqa: BLE001 - a tile that does not compile here is skipped
+                        print(f"  skip {which} {config}: {type(error).__name__}: {str(error)[:80]}")
+                timings[which] = min(results)
+            total = timings["gate_up"][0] + timings["down"][0]
+            print(f"[sweep {args.sweep_precision}] T={tokens} block_m={block_m}: gate_up {timings['gate_up'][0] * 1e6:.1f} us "
+                  f"{timings['gate_up'][1]}, down {timings['down'][0] * 1e6:.1f} us {timings['down'][1]}", flush=True)
+            if best is None or total < best[0]:
+                best = (total, block_m, timings["gate_up"][1], timings["down"][1])
+        default = moe_configs.default_tiles(tokens, top_k, e, h, inter, dtype)
+        default_s = sum(_time_tiles(gemms, x, ids, weights, default, device))
+        entries[moe_configs.token_bucket(tokens)] = best[1:]
+        print(f"[sweep {args.sweep_precision}] T={tokens}: best {best[0] * 1e6:.1f} us {best[1:]}; default tiles "
+              f"{default_s * 1e6:.1f} us", flush=True)
+    key = (e, h, inter, gemms.weight_format)
+    print(f"TUNED[{key!r}] = {entries!r}", flush=True)
+    model = module = None
+    free_memory(device)
+    return {repr(key): entries}
+
+
+def _time_tiles(gemms, x, ids, weights, tiles, device) -> tuple[float, float]:
+    from miles_host.kernels.moe_grouped import plan
+
+    routing = plan(ids, weights, gemms.num_experts, tiles.block_m)
+    rows = routing.row_token_R.shape[0]
+    act = torch.empty(rows, gemms.inter, device=device, dtype=x.dtype)
+    out = torch.empty(rows, gemms.hidden, device=device, dtype=x.dtype)
+    return (_graph_time(lambda: gemms.gate_up(x, routing, act, tiles.gate_up), device),
+            _graph_time(lambda: gemms.down(act, routing, out, tiles.down), device))
+
+
+def _gemms_of(module):
+    """The ExpertGemms the module's fused forward builds."""
+    from miles_host.kernels.moe_grouped import DenseExpertGemms
+
+    if hasattr(module, "_fused_operands"):
+        from miles_int4.moe_fused import Int4ExpertGemms
+
+        return Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"),
+                               module.act_name)
+    if hasattr(module, "gate_up_proj_scale_inv"):
+        from miles_fp8.moe_fused import Fp8ExpertGemms
+
+        return Fp8ExpertGemms(module.gate_up_proj, module.gate_up_proj_scale_inv, module.down_proj,
+                              module.down_proj_scale_inv, module.act_name, module.power_of_two)
+    return DenseExpertGemms(module.gate_up_proj, module.down_proj, module.act_name)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3_30b", help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--precisions", default="bf16,fp8,int4")
+    parser.add_argument("--kernels", default="loop,fused", help="--moe-kernel values to run (loop: bf16 only "
+                        "unless --loop-all)")
+    parser.add_argument("--loop-all", action="store_true", help="the loop baseline for fp8/int4 too")
+    parser.add_argument("--batches", default="1,32,128,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-seqs", type=int, default=16)
+    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--mem-fraction", type=float, default=0.85)
+    parser.add_argument("--sweep", action="store_true", help="tile sweep instead of the engine benchmark")
+    parser.add_argument("--sweep-shape", default="qwen3_30b")
+    parser.add_argument("--sweep-precision", default="bf16")
+    parser.add_argument("--sweep-tokens", default="1,32,128,256,1024,8192")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, float32")
+    parser.add_argument("--train", action="store_true", help="also run bench/moe_train.py (training half) if present")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
+    if args.tiny:
+        args.shapes, args.batches, args.prompt_len, args.new_tokens = "tiny", [1, 4], 8, 4
+        args.prefill_seqs, args.prefill_len, args.repeats = 2, 16, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.sweep:
+        result = sweep(args, dtype, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
+    rows, failures = [], []
+    for shape in args.shapes.split(","):
+        for precision in args.precisions.split(","):
+            for kernel in args.kernels.split(","):
+                if kernel == "loop" and precision != "bf16" and not args.loop_all:
+                    continue
+                try:
+                    rows.extend(bench_engine(shape, precision, kernel, args, dtype, device))
+                except Exception as error:  # noqa: BLE001 - report, go on with the others
+                    traceback.print_exc()
+                    failures.append(f"{shape}/{precision}/{kernel}: {type(error).__name__}: {error}")
+                    free_memory(device)
+    print("\n| shape | precision | kernel | case | tok/s | bound tok/s | of bound | vs loop |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        loop = next((r for r in rows if r["shape"] == row["shape"] and r["precision"] == "bf16"
+                     and r["kernel"] == "loop" and r["case"] == row["case"]), None)
+        speedup = f"{row['tok_s'] / loop['tok_s']:.2f}x" if loop and not math.isnan(loop["tok_s"]) else "-"
+        print(f"| {row['shape']} | {row['precision']} | {row['kernel']} | {row['case']} | {row['tok_s']:,.0f} | "
+              f"{row['bound_tok_s']:,.0f} | {row['fraction']:.1%} | {speedup} |")
+    for failure in failures:
+        print("FAILED", failure)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.train:
+        train = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_train.py")
+        if os.path.exists(train):
+            import runpy
+
+            runpy.run_path(train, run_name="__main__")
+        else:
+            print("bench/moe_train.py (the training half) is not here")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""INT4 experts in the fused MoE (:mod:`miles_int4.moe_fused`) against the per-expert loop and a float64 model.
+
+CPU: ``interpreted_moe_fused.py`` under the Triton interpreter (H = 64, I = 32, E = 4, K = 2,
+groups of 32), on both storage paths of ``Int4Experts`` (``dequant`` buffers, ``packed``
+with its compressed copy). GPU (``-m gpu``): the Qwen3-30B-A3B expert shape, group 128,
+eager and inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_host.models.config import MoEConfig
+from miles_host.models.mlp import Experts
+from miles_int4.quant import dequantize, quantize
+from miles_int4.rollout import Int4Experts
+from tests.plugins.triton_interpret import run_interpreted
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_experts(hidden=64, inter=32, num_experts=4, device="cpu") -> Experts:
+    torch.manual_seed(0)
+    experts = Experts(hidden, MoEConfig(num_experts=num_experts, top_k=2, intermediate_size=inter), "silu")
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape) / hidden**0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape) / inter**0.5)
+    return experts.to(device, torch.bfloat16)
+
+
+def routing(num_tokens, hidden=64, num_experts=4, top_k=2, device="cpu", one_expert=False):
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=generator).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    if one_expert:
+        ids = torch.stack([torch.full((num_tokens,), 1), torch.full((num_tokens,), 3)], 1)[:, :top_k]
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    return x.to(device), ids.to(device), (weights / weights.sum(-1, keepdim=True)).bfloat16().to(device)
+
+
+def float64_reference(experts: Experts, group_size, x, ids, weights) -> torch.Tensor:
+    """Per expert in float64 on the dequantized weights (the QAT weight), bf16 roundings as the module."""
+    gate_up = dequantize(*quantize(experts.gate_up_proj.float().cpu(), group_size), torch.bfloat16).double()
+    down = dequantize(*quantize(experts.down_proj.float().cpu(), group_size), torch.bfloat16).double()
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(experts.num_experts):
+        tokens, slots = torch.nonzero(ids.cpu() == e, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gate, up = (x.cpu()[tokens].double() @ gate_up[e].t()).bfloat16().chunk(2, -1)
+        act = (torch.nn.functional.silu(gate) * up).bfloat16()
+        out = (act.double() @ down[e].t()).bfloat16().double()
+        y.index_add_(0, tokens, out * weights.cpu()[tokens, slots].double()[:, None])
+    return y.to(x.device)
+
+
+def test_fused_int4_experts_under_the_triton_interpreter(request):
+    run_interpreted(Path(__file__).with_name("interpreted_moe_fused.py"), request)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 32, 256, 1000])
+def test_gpu_qwen3_30b_expert_shape(num_tokens):
+    experts = make_experts(hidden=2048, inter=768, num_experts=128, device="cuda")
+    module = Int4Experts(experts, 128, use_kernel=True)
+    module.refresh(torch.bfloat16)
+    x, ids, weights = routing(num_tokens, hidden=2048, num_experts=128, top_k=8, device="cuda")
+    with torch.no_grad():
+        fused = module(x, ids, weights)
+        graph_args = [t.clone() for t in (x, ids, weights)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = module(*graph_args)
+        graph.replay()
+        module.moe_kernel = "loop"
+        loop = module(x, ids, weights)
+    scale = loop.float().abs().max().item()
+    torch.testing.assert_close(fused.float(), loop.float(), rtol=0, atol=2e-2 * scale)
+    assert torch.equal(captured, fused)
+    if num_tokens <= 32:
+        expected = float64_reference(experts, 128, x, ids, weights)
+        torch.testing.assert_close(fused.double(), expected, rtol=0, atol=2e-2 * scale)
