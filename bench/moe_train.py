@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="grouped,loop,hf,hf_eager",
                         help="comma-separated rows to run: grouped, loop, hf, hf_eager")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--profile", action="store_true", help="after timing, the top kernels of one grouped step")
     return parser.parse_args(argv)
 
 
@@ -160,6 +161,15 @@ def measure(step, warmup: int, steps: int, device: torch.device) -> dict:
     return dict(seconds=statistics.median(times), min_s=min(times), max_s=max(times), peak_gib=peak, loss=float(loss))
 
 
+def profile(step) -> None:
+    """One step under the torch profiler: the 20 kernels that took the most device time."""
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70), flush=True)
+
+
 def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[f"miles {row}"] = measure(miles_step_fn(miles, input_ids, args.chunk_size), args.warmup,
                                               args.steps, device)
             print(f"miles {row}: {results[f'miles {row}']}", flush=True)
+            if args.profile and row == "grouped":
+                profile(miles_step_fn(miles, input_ids, args.chunk_size))
         del miles
         release(device)
     for row in [row for row in rows if row in ("hf", "hf_eager")]:
