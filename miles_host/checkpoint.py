@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from miles_host.checkpoint_integrity import (
     write_manifest,
     write_text_atomically,
 )
+from miles_host.run_control import remove_partial_files, write_error
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "state.pt"
@@ -59,12 +61,20 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(directory: str, rollout_id: int, payload: dict) -> Path:
     """Write ``payload`` (plus RNG states) for ``rollout_id``; returns its folder."""
     folder = Path(directory) / f"iter_{rollout_id:07d}"
-    folder.mkdir(parents=True, exist_ok=True)
     temporary = folder / "state.pt.tmp"
-    torch.save({**payload, "rollout_id": rollout_id, "rng": rng_state()}, temporary)
-    temporary.replace(folder / STATE)  # a crash mid-write never leaves a torn checkpoint
-    write_manifest(folder, rollout_id, [STATE])
-    write_text_atomically(Path(directory) / LATEST, str(rollout_id))
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({**payload, "rollout_id": rollout_id, "rng": rng_state()}, temporary)
+        temporary.replace(folder / STATE)  # a crash mid-write never leaves a torn checkpoint
+        write_manifest(folder, rollout_id, [STATE])
+        write_text_atomically(Path(directory) / LATEST, str(rollout_id))
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        remove_partial_files(Path(directory))
+        if created:  # no half-written iteration next to the intact ones
+            shutil.rmtree(folder, ignore_errors=True)
+        raise write_error(f"--save: the checkpoint of rollout {rollout_id} was not written (the previous one is "
+                          "intact)", temporary, error) from error
     return folder
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
+
+from miles_host.run_control import fresh_metrics_file, write_error
 
 
 def _jsonable(value: Any) -> Any:
@@ -16,15 +20,36 @@ def _jsonable(value: Any) -> Any:
 
 
 class JsonlLogger:
-    """One JSON object per rollout step in ``<output_dir>/metrics.jsonl``."""
+    """One JSON object per rollout step in ``<output_dir>/metrics.jsonl``.
+
+    The record of last resort: the loop stops when it cannot be written (``required``).
+    A line is written whole or not at all (a failed write is cut off again), and a
+    file left by an earlier run in the same ``--output-dir`` is kept under another
+    name unless this run resumes it (:func:`miles_host.run_control.fresh_metrics_file`)."""
+
+    required = True
 
     def __init__(self, config: Any):
         self.path = Path(config.output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh_metrics_file(self.path, resuming=bool(getattr(config, "load", None)))
 
     def log(self, metrics: dict, step: int) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        line = (json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n").encode()
+        with self.path.open("ab", buffering=0) as handle:
+            size = handle.seek(0, os.SEEK_END)
+            try:
+                self._write(handle, line)
+            except OSError as error:
+                with contextlib.suppress(OSError):
+                    handle.truncate(size)  # no torn last line
+                raise write_error("metrics.jsonl", self.path, error) from error
+
+    @staticmethod
+    def _write(handle: Any, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[handle.write(view):]
 
     def close(self) -> None:
         pass
