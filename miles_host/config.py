@@ -114,6 +114,7 @@ class RewardArgs:
 class AlgorithmArgs:
     advantage_estimator: str = flag("grpo", "advantage estimator (registry: miles plugins)", type=str, group="algorithm")
     disable_grpo_std_normalization: bool = flag(False, "Dr.GRPO: no std normalisation", group="algorithm")
+    disable_rewards_normalization: bool = flag(False, "grpo, gspo, cispo, reinforce_plus_plus_baseline: use the raw reward (no group mean subtracted, no std division)", group="algorithm")
     normalize_advantages: bool = flag(False, "whiten advantages over the batch", group="algorithm")
     gamma: float = flag(1.0, "discount (ppo, reinforce++)", type=float, group="algorithm")
     lambd: float = flag(1.0, "GAE lambda (ppo)", type=float, group="algorithm")
@@ -122,13 +123,15 @@ class AlgorithmArgs:
     eps_clip_c: float | None = flag(None, "dual-clip constant", type=float, group="algorithm")
     use_kl_loss: bool = flag(False, "KL loss against the reference model", group="algorithm")
     kl_loss_coef: float = flag(0.0, "KL loss weight", type=float, group="algorithm")
-    kl_loss_type: str = flag("k1", "KL estimator", type=str, choices=["k1", "k2", "k3", "low_var_kl"], group="algorithm")
+    kl_loss_type: str = flag("k1", "KL estimator of the KL loss and of the KL reward shaping (--kl-coef)", type=str, choices=["k1", "k2", "k3", "low_var_kl"], group="algorithm")
+    use_unbiased_kl: bool = flag(False, "weight the KL loss per token by pi/pi_old (DeepSeek-V3.2's unbiased KL estimate)", group="algorithm")
     kl_coef: float = flag(0.0, "KL reward shaping weight", type=float, group="algorithm")
     critic_load: str | None = flag(None, "PPO critic initial weights (default: --hf-checkpoint)", type=str, group="algorithm")
     critic_lr: float | None = flag(None, "PPO critic learning rate (default: --lr)", type=float, group="algorithm")
     value_clip: float | None = flag(0.2, "PPO value clipping range (none: unclipped)", type=lambda t: None if t.lower() == "none" else float(t), group="algorithm")
     entropy_coef: float = flag(0.0, "entropy bonus weight", type=float, group="algorithm")
-    calculate_per_token_loss: bool = flag(False, "token-level loss aggregation (default: per-sequence mean)", group="algorithm")
+    calculate_per_token_loss: bool = flag(False, "token-level loss aggregation (default: per-sequence mean); --loss-agg-mode token-mean", group="algorithm")
+    loss_agg_mode: str | None = flag(None, "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, token-sum (default: token-mean with --calculate-per-token-loss, else seq-mean-token-mean)", type=str, choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"], group="algorithm")
     use_rollout_logprobs: bool = flag(False, "use the rollout's logprobs as the old policy", group="algorithm")
     old_logprob_pass: str = flag(
         "auto", "recompute the old policy's log-probs before training: always, or auto (skipped when the rollout "
@@ -140,9 +143,9 @@ class AlgorithmArgs:
     tis_clip_low: float = flag(0.0, "TIS lower clip", type=float, group="correction")
     use_mis: bool = flag(False, "masked importance sampling", group="correction")
     mis_level: str = flag("token", "MIS level", type=str, choices=["token", "sequence", "geometric"], group="correction")
-    mis_mode: str = flag("truncate", "MIS mode", type=str, choices=["truncate", "mask"], group="correction")
+    mis_mode: str = flag("truncate", "MIS mode: truncate (weight capped at the upper bound), clip (weight clamped to [lower, upper]), mask (tokens outside [lower, upper] masked)", type=str, choices=["truncate", "clip", "mask"], group="correction")
     mis_upper_bound: float = flag(2.0, "MIS upper bound", type=float, group="correction")
-    mis_lower_bound: float = flag(0.5, "MIS lower bound (mask mode)", type=float, group="correction")
+    mis_lower_bound: float = flag(0.5, "MIS lower bound (clip and mask modes)", type=float, group="correction")
     mis_veto_threshold: float | None = flag(None, "mask a sequence if any token ratio is below this", type=float, group="correction")
     use_icepop: bool = flag(False, "icepop: mask tokens whose ratio leaves [--tis-clip-low, --tis-clip]", group="correction")
 
@@ -281,3 +284,8 @@ def validate_config(config: MilesConfig) -> None:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if config.lr < 0:
         raise ValueError(f"--lr must be >= 0, got {config.lr}")
+    if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
+        raise ValueError(
+            f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
+            f"{config.loss_agg_mode}; give one of the two"
+        )

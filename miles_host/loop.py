@@ -22,6 +22,7 @@ import torch
 from miles_host.checkpoint import load_checkpoint, save_checkpoint
 from miles_host.data import PromptDataset
 from miles_host.evaluation import evaluate
+from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.phases import Phases
 from miles_host.progress import Progress
 from miles_host.reward import RewardScorer
@@ -139,9 +140,6 @@ class Run:
             config.rollout_seed,
         )
         self.backend = registries.rollout_backends.get(config.rollout_backend).factory(config, manager)
-        self.trainer = registries.train_backends.get(config.train_backend).factory(config, manager)
-        self.transport = registries.weight_sync_transports.get(config.weight_sync).factory(config)
-        self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*
         self.scorer = RewardScorer(config, registries.reward_functions)
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
         if max_prompt is not None:
@@ -153,6 +151,10 @@ class Run:
         self.loggers = [record.factory(config) for record in registries.loggers if record.enabled(config)]
         self.state = RunState()
         self.total = num_rollouts(config, self.dataset)
+        resolve_lr_decay_iters(config, self.total)  # before any trainer exists: they all read it
+        self.trainer = registries.train_backends.get(config.train_backend).factory(config, manager)
+        self.transport = registries.weight_sync_transports.get(config.weight_sync).factory(config)
+        self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*
         self.training_started = False
 
     # -- pieces of a step --------------------------------------------------------

@@ -1,7 +1,7 @@
 """The native PyTorch trainer over the shared model code.
 
 One :meth:`NativeTrainer.train` call per rollout: advantages, old (and reference)
-log-probs, then ``--num-steps-per-rollout`` optimizer steps over micro-batches of
+log-probs, then the optimizer steps of :func:`~miles_host.lr_schedule.step_sizes` over micro-batches of
 packed sequences, with the policy loss of :mod:`miles_host.algorithms.losses` and
 the corrections the run enabled. Parameters are fp32 masters; on GPU the forward
 runs under bf16 autocast.
@@ -19,7 +19,8 @@ import torch
 from miles_host.algorithms.advantages import AdvantageInputs
 from miles_host.algorithms.corrections import mismatch_metrics
 from miles_host.algorithms.kl import compute_approx_kl
-from miles_host.algorithms.losses import PolicyLossBatch, policy_loss
+from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share, policy_loss
+from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.rollout_backend import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.routing import RoutingHooks
@@ -101,23 +102,29 @@ def micro_batches(samples: list[Sample], config: Any) -> list[list[Sample]]:
     return batches
 
 
-def lr_lambda(config: Any, total_steps: int):
-    """Warm-up then constant / linear / cosine decay to ``--min-lr`` (as a factor of ``--lr``)."""
-    warmup = config.lr_warmup_iters
-    decay_steps = config.lr_decay_iters or total_steps
-    floor = config.min_lr / config.lr if config.lr > 0 else 0.0
+def scalar_reward(reward: Any, config: Any) -> float:
+    """A sample's reward as one number (``--reward-key`` of a dict reward, default ``score``)."""
+    if isinstance(reward, dict):
+        return float(reward[config.reward_key or "score"])
+    return float(reward)
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if config.lr_decay_style == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
-        if config.lr_decay_style == "linear":
-            return floor + (1 - floor) * (1 - progress)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return factor
+def advantage_inputs(samples: list[Sample], ref_log_probs, old_log_probs, values, config: Any) -> AdvantageInputs:
+    """The advantage estimator's inputs for ``samples``: rewards, groups, loss masks, critic
+    ``values`` (or None) and, with ``--kl-coef`` and reference log-probs, the per-token KL
+    of the old policy to the reference by the ``--kl-loss-type`` estimator (as slime shapes
+    rewards)."""
+    token_kl = None
+    if config.kl_coef and ref_log_probs is not None:
+        token_kl = [compute_approx_kl(o, r, config.kl_loss_type).cpu() for o, r in zip(old_log_probs, ref_log_probs)]
+    return AdvantageInputs(
+        rewards=torch.tensor([scalar_reward(s.reward, config) for s in samples], dtype=torch.float32),
+        group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
+        response_lengths=[s.response_length for s in samples],
+        token_kl=token_kl,
+        loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+        values=[v.cpu() for v in values] if values is not None else None,
+    )
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -222,8 +229,8 @@ class NativeTrainer:
             weight_decay=config.weight_decay,
             fused=self.device.type == "cuda" if fused is None else fused,
         )
-        total = (config.num_rollout or 1) * (config.num_steps_per_rollout or 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.last_step_lr: float | None = None  # the learning rate of the last optimizer step taken
 
     def load_model(self, path: str, routing: RoutingHooks) -> torch.nn.Module:
         """The policy (and reference) model of an HF checkpoint directory, fp32 on
@@ -323,25 +330,9 @@ class NativeTrainer:
 
     def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs, values=None):
         """Per-token advantages (and value targets) from the registry's estimator."""
-        rewards = torch.tensor([self._scalar(s.reward) for s in samples], dtype=torch.float32)
-        token_kl = None
-        if self.config.kl_coef and ref_log_probs is not None:
-            token_kl = [compute_approx_kl(o, r, "k1") for o, r in zip(old_log_probs, ref_log_probs)]
-        inputs = AdvantageInputs(
-            rewards=rewards,
-            group_index=torch.tensor([s.group_index for s in samples], dtype=torch.long),
-            response_lengths=[s.response_length for s in samples],
-            token_kl=[t.cpu() for t in token_kl] if token_kl else None,
-            loss_masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
-            values=[v.cpu() for v in values] if values is not None else None,
-        )
+        inputs = advantage_inputs(samples, ref_log_probs, old_log_probs, values, self.config)
         outputs = self.estimator.fn(inputs, self.config)
         return outputs.advantages, outputs.returns
-
-    def _scalar(self, reward: Any) -> float:
-        if isinstance(reward, dict):
-            return float(reward[self.config.reward_key or "score"])
-        return float(reward)
 
     def rank_counters(self) -> dict[str, float]:
         """This process's plugin counters of the step (:func:`~miles_host.hookspecs.miles_rank_counters`)."""
@@ -361,11 +352,10 @@ class NativeTrainer:
         samples = [s for s in samples if trainable(s)]
         if not samples:
             return {"train/skipped_no_samples": 1.0}
-        steps = self.config.num_steps_per_rollout or 1
-        global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
+        sizes = step_sizes(len(samples), self.config)
         self.model.eval()
         old = None  # None: the training forward's own log-probs, detached, are the old policy's
-        if self._needs_old_logprob_pass(len(samples) <= global_size):
+        if self._needs_old_logprob_pass(len(sizes) == 1):
             old = self._log_probs_without_grad(self.model, samples, "old_logprob")
         ref = self._log_probs_without_grad(self.ref_model, samples, "ref") if self.ref_model is not None else None
         values = self._critic_values(samples) if self.critic is not None else None
@@ -374,8 +364,10 @@ class NativeTrainer:
             sample.metadata["_train_index"] = i
         self.model.train()
         metrics: dict[str, list[float]] = {}
-        for start in range(0, len(samples), global_size):
-            chunk = samples[start : start + global_size]
+        start = 0
+        for size in sizes:
+            chunk = samples[start : start + size]
+            start += size
             step_metrics = self._optimizer_step(chunk, old, ref, advantages)
             if self.critic is not None:
                 step_metrics.update(self._critic_step(chunk, values, returns))
@@ -398,20 +390,20 @@ class NativeTrainer:
         for sample in samples:
             sample.metadata.pop("_train_index", None)
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        if self.last_step_lr is not None:
+            out["train/lr"] = self.last_step_lr
         return out
 
     def _optimizer_step(self, samples, old, ref, advantages) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        per_token = self.config.calculate_per_token_loss
-        total_tokens = sum(sum(s.loss_mask) for s in samples) or 1
+        step_masks = [s.loss_mask for s in samples]
         # sums stay on the device (float64, the same arithmetic as Python floats): the host
         # reads them once per step, so it keeps queueing micro-batches instead of waiting
         metrics: dict[str, torch.Tensor | float] = {}
         loss_sum: torch.Tensor | float = 0.0
         for micro in micro_batches(samples, self.config):
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
-            share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(samples)
+            share = micro_batch_share(self.config, [s.loss_mask for s in micro], step_masks)
             (loss * share).backward()
             loss_sum = loss_sum + _as_float64(loss) * share
             for key, value in micro_metrics.items():
@@ -435,6 +427,7 @@ class NativeTrainer:
             out["train/nan_step_skipped"] = 1.0
             return out
         self.consecutive_nan_steps = 0
+        self.last_step_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         return out
@@ -460,7 +453,7 @@ class NativeTrainer:
             cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device).float()  # noqa: E731
             loss_mask = batch.per_token((s.loss_mask for s in micro), self.device)
             loss, micro_metrics = self.critic.loss(batch, cat(values), cat(returns), loss_mask)
-            share = len(micro) / len(samples)
+            share = micro_batch_share(self.config, [s.loss_mask for s in micro], [s.loss_mask for s in samples])
             (loss * share).backward()
             for key, value in micro_metrics.items():
                 metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value * share

@@ -16,21 +16,21 @@ group normalisation, ``slime/utils/ppo_utils.py`` for the token-level returns):
   ``gamma``, then whitened over all loss-masked tokens of the batch.
 - ``reinforce_plus_plus_baseline``: ``(r - mean_group) - kl_coef * kl_t``, whitened.
 - ``rloo``: ``r_i - mean_{j != i} r_j`` (not in slime; REINFORCE leave-one-out).
-- ``ppo``: GAE(``gamma``, ``lambd``) over the critic ``values``, token rewards as
-  for ``reinforce_plus_plus``; ``returns = advantages + values``.
+- ``ppo``: GAE(``gamma``, ``lambd``) over the critic ``values`` of the loss-masked
+  tokens (masked-out tokens are skipped, as verl does), token rewards as for
+  ``reinforce_plus_plus``; ``returns = advantages + values``.
 
-Config attributes read (slime spellings, slime defaults when absent): ``gamma``
-(1.0), ``lambd`` (1.0), ``kl_coef`` (0.0), ``disable_grpo_std_normalization``
-(False), ``rewards_normalization`` (True; False is slime's
-``--disable-rewards-normalization``: group estimators use the raw reward),
-``normalize_advantages`` (False).
+Config fields read (slime spellings): ``gamma``, ``lambd``, ``kl_coef``,
+``disable_grpo_std_normalization``, ``disable_rewards_normalization`` (group
+estimators use the raw reward: no group mean subtracted, no std division) and
+``normalize_advantages``.
 
 A group of one sample has no baseline: ``grpo``, ``rloo`` and ``reinforce_plus_plus_baseline``
 give it advantage 0 (slime turns std normalisation off for ``n_samples_per_prompt=1``).
 The KL of loss-masked-out tokens (tool outputs, which the policy did not sample) is
 ignored in reward shaping, and the final reward lands on the last loss-masked token,
-as slime's REINFORCE++ does; slime's PPO path uses the final token, the same token
-in single-turn RL.
+as slime's REINFORCE++ does, and PPO's bootstrapping ends there (slime's PPO path uses
+the final token, the same token in single-turn RL).
 """
 
 from __future__ import annotations
@@ -178,20 +178,37 @@ def shaped_token_rewards(inputs: AdvantageInputs, kl_coef: float) -> list[torch.
 
 
 def gae(
-    token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor], gamma: float, lambd: float
+    token_rewards: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    gamma: float,
+    lambd: float,
+    masks: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Generalised advantage estimation per sample; the value after the last token is 0.
+    """Generalised advantage estimation per sample over its loss-masked tokens.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}``,
-    ``returns = A + V``. Returns ``(advantages, returns)``, lists of ``[L_i]``.
+    On the masked-in tokens ``t_1 < ... < t_K`` of a sample: ``delta_k = r_k + gamma *
+    V_{k+1} - V_k`` with ``V_{K+1} = 0``, ``A_k = delta_k + gamma * lambd * A_{k+1}``.
+    A masked-out token (tool output, a tail the policy did not sample) has neither a
+    value nor a TD error in the recursion, as in verl's ``compute_gae_advantage_return``:
+    bootstrapping ends at the last trained token, and its advantage is 0. ``masks`` None:
+    every token counts. Returns ``(advantages, returns)`` with ``returns = A + V``,
+    lists of ``[L_i]``.
     """
-    lengths = [len(r) for r in token_rewards]
-    rewards_BT = _pad(token_rewards, token_rewards[0])
-    values_BT = _pad([v.detach().to(rewards_BT.dtype) for v in values], rewards_BT)
-    next_values_BT = torch.nn.functional.pad(values_BT[:, 1:], (0, 1))  # padding is 0
-    deltas_BT = rewards_BT + gamma * next_values_BT - values_BT
-    advantages_BT = discounted_cumsum(deltas_BT, gamma * lambd)
-    return _unpad(advantages_BT, lengths), _unpad(advantages_BT + values_BT, lengths)
+    like = token_rewards[0]
+    if masks is None:
+        masks = [like.new_ones(len(r)) for r in token_rewards]
+    kept = [mask.nonzero()[:, 0] for mask in masks]
+    values = [v.detach().to(like.dtype) for v in values]
+    rewards_BK = _pad([r[k] for r, k in zip(token_rewards, kept)], like)
+    values_BK = _pad([v[k] for v, k in zip(values, kept)], like)
+    next_values_BK = torch.nn.functional.pad(values_BK[:, 1:], (0, 1))  # padding is 0
+    advantages_BK = discounted_cumsum(rewards_BK + gamma * next_values_BK - values_BK, gamma * lambd)
+    advantages = []
+    for row, (reward, index) in enumerate(zip(token_rewards, kept)):
+        advantage = torch.zeros_like(reward)
+        advantage[index] = advantages_BK[row, : len(index)]
+        advantages.append(advantage)
+    return advantages, [a + v for a, v in zip(advantages, values)]
 
 
 # ----------------------------------------------------------------------------
@@ -199,17 +216,13 @@ def gae(
 # ----------------------------------------------------------------------------
 
 
-def _flag(config, name: str, default):
-    return getattr(config, name, default)
-
-
 def grpo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
     """GRPO: group-normalised reward broadcast over the response (also GSPO, CISPO)."""
     rewards = inputs.rewards
-    if _flag(config, "rewards_normalization", True):
+    if not config.disable_rewards_normalization:
         mean, std, _ = group_statistics(rewards, inputs.group_index)
         rewards = rewards - mean
-        if not _flag(config, "disable_grpo_std_normalization", False):
+        if not config.disable_grpo_std_normalization:
             rewards = rewards / (std + GRPO_STD_EPS)
     return _broadcast(rewards, inputs.response_lengths)
 
@@ -223,17 +236,17 @@ def rloo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
 
 def reinforce_plus_plus_returns(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
     """REINFORCE++: discounted returns of the KL-shaped token rewards (unwhitened)."""
-    token_rewards = shaped_token_rewards(inputs, _flag(config, "kl_coef", 0.0))
-    returns_BT = discounted_cumsum(_pad(token_rewards, inputs.rewards), _flag(config, "gamma", 1.0))
+    token_rewards = shaped_token_rewards(inputs, config.kl_coef)
+    returns_BT = discounted_cumsum(_pad(token_rewards, inputs.rewards), config.gamma)
     return _unpad(returns_BT, inputs.response_lengths)
 
 
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
     """REINFORCE++-baseline: ``(r - mean_group) - kl_coef * kl_t`` (unwhitened)."""
     rewards = inputs.rewards
-    if _flag(config, "rewards_normalization", True):
+    if not config.disable_rewards_normalization:
         rewards = rewards - group_statistics(rewards, inputs.group_index)[0]
-    kl_coef = _flag(config, "kl_coef", 0.0)
+    kl_coef = config.kl_coef
     per_token = _broadcast(rewards, inputs.response_lengths)
     return [advantage - kl_coef * kl for advantage, kl in zip(per_token, inputs.kl(kl_coef))]
 
@@ -242,8 +255,8 @@ def ppo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
     """PPO: GAE over the critic values with the KL-shaped token rewards."""
     if inputs.values is None:
         raise ValueError("advantage estimator 'ppo' needs critic values (AdvantageInputs.values)")
-    token_rewards = shaped_token_rewards(inputs, _flag(config, "kl_coef", 0.0))
-    advantages, _ = gae(token_rewards, inputs.values, _flag(config, "gamma", 1.0), _flag(config, "lambd", 1.0))
+    token_rewards = shaped_token_rewards(inputs, config.kl_coef)
+    advantages, _ = gae(token_rewards, inputs.values, config.gamma, config.lambd, inputs.masks())
     return advantages
 
 
@@ -295,6 +308,6 @@ def compute_advantages(name: str, inputs: AdvantageInputs, config) -> AdvantageO
         ) from None
     raw = estimator(inputs, config)
     returns = _value_targets(name, raw, inputs)
-    if name in ALWAYS_WHITENED or _flag(config, "normalize_advantages", False):
+    if name in ALWAYS_WHITENED or config.normalize_advantages:
         return AdvantageOutputs(normalize_advantages(raw, inputs.masks()), returns)
     return AdvantageOutputs(list(raw), returns)

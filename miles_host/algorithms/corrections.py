@@ -11,15 +11,15 @@ tokens from its numerator (denominators keep the original loss mask, as slime's
 and weights and masks never carry gradient.
 
 - ``tis`` (slime ``vanilla_tis_function``, ``--use-tis``): ``ratio = exp(train - rollout)``
-  clamped to ``[tis_clip_low, tis_clip]``; the seed's ``--tis-threshold`` overrides
-  ``tis_clip``.
+  clamped to ``[tis_clip_low, tis_clip]`` (``--tis-threshold`` is another spelling of
+  ``--tis-clip``).
 - ``mis`` (slime ``examples/train_infer_mismatch_helper/mis.py``, ``--use-mis``): the
   log-ratio at ``mis_level`` ``token`` (per token), ``sequence`` (sum over the
   sequence's loss-masked tokens: the product of ratios) or ``geometric`` (their mean:
   the geometric mean of ratios), clamped to +-20 before ``exp``; then ``mis_mode``
   ``truncate`` (weight capped at ``mis_upper_bound``), ``clip`` (weight clamped to
-  ``[lower, upper]``) or ``mask`` (weight kept, mask zeroed outside ``[lower, upper]``);
-  ``mis_lower_bound`` defaults to ``1 / mis_upper_bound``. With ``mis_veto_threshold``
+  ``[mis_lower_bound, mis_upper_bound]``) or ``mask`` (weight kept, mask zeroed outside
+  that range). With ``mis_veto_threshold``
   a sequence with any loss-masked token ratio below it is masked out entirely.
 - ``icepop`` (slime ``icepop_function``, ``--use-icepop``): tokens whose ratio lies
   outside ``[tis_clip_low, tis_clip]`` are masked out; the others keep the ratio as
@@ -110,11 +110,8 @@ def mismatch_metrics(
 
 
 def tis_bounds(config) -> tuple[float, float]:
-    """``(tis_clip_low, tis_clip)``; ``--tis-threshold`` replaces ``tis_clip`` when set."""
-    upper = getattr(config, "tis_threshold", None)
-    if upper is None:
-        upper = getattr(config, "tis_clip", 2.0)
-    return getattr(config, "tis_clip_low", 0.0), upper
+    """``(tis_clip_low, tis_clip)`` (``--tis-threshold`` is another spelling of ``--tis-clip``)."""
+    return config.tis_clip_low, config.tis_clip
 
 
 def tis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config) -> CorrectionResult:
@@ -221,16 +218,14 @@ def _lookup(registry: dict, kind: str, name: str):
 def mis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config) -> CorrectionResult:
     """Masked/truncated importance sampling at a token, sequence or geometric level."""
     log_ratio, mask = _prepare(train_log_probs, rollout_log_probs, loss_mask, response_lengths)
-    level = _lookup(MIS_LEVELS, "mis_level", getattr(config, "mis_level", "token"))
-    mode = _lookup(MIS_MODES, "mis_mode", getattr(config, "mis_mode", "truncate"))
-    upper = getattr(config, "mis_upper_bound", 2.0)
-    lower = getattr(config, "mis_lower_bound", None)
-    lower = 1.0 / upper if lower is None else lower
+    level = _lookup(MIS_LEVELS, "mis_level", config.mis_level)
+    mode = _lookup(MIS_MODES, "mis_mode", config.mis_mode)
+    upper, lower = config.mis_upper_bound, config.mis_lower_bound
     level_log_ratio = level(log_ratio, mask, response_lengths)
     raw_weights = level_log_ratio.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND).exp()
     weights, new_mask, metrics = mode(raw_weights, mask, lower, upper)
     metrics = {"mis_ratio_mean": masked_mean(raw_weights, mask).detach(), **metrics}
-    veto_threshold = getattr(config, "mis_veto_threshold", None)
+    veto_threshold = config.mis_veto_threshold
     if veto_threshold is not None:
         keep = veto_mask(log_ratio, mask, response_lengths, veto_threshold)
         metrics["mis_veto_token_fraction"] = _fraction(keep == 0, mask)
@@ -257,7 +252,7 @@ CORRECTION_FLAGS: dict[str, str] = {
 
 def enabled_corrections(config) -> list[CorrectionFn]:
     """The built-in corrections whose flag (``CORRECTION_FLAGS``) is true in ``config``."""
-    return [CORRECTIONS[name] for name, flag in CORRECTION_FLAGS.items() if getattr(config, flag, False)]
+    return [CORRECTIONS[name] for name, flag in CORRECTION_FLAGS.items() if getattr(config, flag)]
 
 
 def apply_corrections(

@@ -16,19 +16,20 @@ concatenated, ``response_lengths`` saying where each ends. Semantics follow slim
   the token ratios; clipped with the same flags (GSPO's paper uses ~3e-4/4e-4).
 - CISPO: ``-sg(clamp(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs``.
 
-Reduction (``LOSS_AGGREGATIONS``, ``config.loss_aggregation``): ``token_mean`` (sum over
-masked tokens / their count) or ``sequence_mean`` (mean over sequences of each
-sequence's masked mean). The default follows slime: ``token_mean`` when
-``calculate_per_token_loss`` else ``sequence_mean``. ``config.loss_normalizer`` (a
-fixed constant, e.g. the step's global token or sequence count for gradient
-accumulation) replaces the micro-batch's own count in the denominator of the loss;
-metrics always use the micro-batch's own count.
+Reduction (``LOSS_AGGREGATIONS``, ``--loss-agg-mode``, verl's names): ``token-mean``
+(sum over masked tokens / their count), ``seq-mean-token-mean`` (mean over sequences of
+each sequence's masked mean), ``seq-mean-token-sum`` (mean over sequences of each
+sequence's masked sum) or ``token-sum`` (the masked sum). Unset, it follows slime:
+``token-mean`` with ``--calculate-per-token-loss``, else ``seq-mean-token-mean``. The
+``normalizer`` argument of :func:`policy_loss` (a fixed constant, e.g. the step's global
+token or sequence count for gradient accumulation) replaces the micro-batch's own count
+in the denominator of the loss; metrics always use the micro-batch's own count.
 
-Other config attributes (slime defaults when absent): ``eps_clip`` (0.2),
-``eps_clip_high`` (None: ``eps_clip``), ``eps_clip_c`` (None), ``advantage_estimator``
-(``grpo``; picks the loss in ``POLICY_LOSSES``, PPO clip otherwise), ``use_kl_loss``,
-``kl_loss_coef`` (0), ``kl_loss_type`` (``k1``), ``use_unbiased_kl``, ``entropy_coef`` (0),
-``use_rollout_logprobs``, and the correction flags of ``corrections.py``.
+Config fields read: ``eps_clip``, ``eps_clip_high`` (None: ``eps_clip``), ``eps_clip_c``,
+``advantage_estimator`` (picks the loss in ``POLICY_LOSSES``, PPO clip otherwise),
+``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``, ``use_unbiased_kl``,
+``entropy_coef``, ``use_rollout_logprobs``, ``loss_agg_mode``,
+``calculate_per_token_loss`` and the correction flags of ``corrections.py``.
 """
 
 from __future__ import annotations
@@ -102,24 +103,75 @@ def sequence_mean(values, loss_mask, response_lengths, normalizer: float | None 
     return total / (max(len(response_lengths), 1) if normalizer is None else normalizer)
 
 
+def sequence_mean_token_sum(values, loss_mask, response_lengths, normalizer: float | None = None) -> torch.Tensor:
+    """``sum_i(masked sum of sequence i) / normalizer``; ``normalizer`` defaults to ``max(S, 1)``."""
+    total = (values * loss_mask).sum()
+    return total / (max(len(response_lengths), 1) if normalizer is None else normalizer)
+
+
+def token_sum(values, loss_mask, response_lengths, normalizer: float | None = None) -> torch.Tensor:
+    """``sum(x * m)`` (divided by ``normalizer`` when one is given)."""
+    total = (values * loss_mask).sum()
+    return total if normalizer is None else total / normalizer
+
+
 Aggregation = Callable[..., torch.Tensor]
 
-#: ``loss_aggregation`` -> ``fn(values, loss_mask, response_lengths, normalizer=None) -> scalar``.
-LOSS_AGGREGATIONS: dict[str, Aggregation] = {
-    "token_mean": token_mean,
-    "sequence_mean": sequence_mean,
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """A reduction of per-token values to the loss, and what the step's loss averages over.
+
+    ``unit`` (``token``, ``sequence`` or ``none``) says how micro-batch losses of one
+    optimizer step combine: weighted by their share of the step's loss-masked tokens,
+    of its sequences, or summed (see :func:`micro_batch_share`).
+    """
+
+    reduce: Aggregation
+    unit: str
+
+
+#: ``--loss-agg-mode`` (verl's names) -> its reduction over a micro-batch.
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
+    "token-mean": LossAggregation(token_mean, "token"),
+    "seq-mean-token-mean": LossAggregation(sequence_mean, "sequence"),
+    "seq-mean-token-sum": LossAggregation(sequence_mean_token_sum, "sequence"),
+    "token-sum": LossAggregation(token_sum, "none"),
 }
 
 
-def aggregation_for(config) -> Aggregation:
-    """The reducer named by ``config.loss_aggregation`` (default from ``calculate_per_token_loss``)."""
-    name = getattr(config, "loss_aggregation", None)
-    if name is None:
-        name = "token_mean" if getattr(config, "calculate_per_token_loss", False) else "sequence_mean"
+def aggregation_name(config) -> str:
+    """``--loss-agg-mode``, or from slime's ``--calculate-per-token-loss`` when unset:
+    ``token-mean`` with it, ``seq-mean-token-mean`` without (slime's two modes)."""
+    if config.loss_agg_mode is not None:
+        return config.loss_agg_mode
+    return "token-mean" if config.calculate_per_token_loss else "seq-mean-token-mean"
+
+
+def _aggregation(config) -> LossAggregation:
+    name = aggregation_name(config)
     try:
         return LOSS_AGGREGATIONS[name]
     except KeyError:
-        raise ValueError(f"unknown loss_aggregation {name!r}; choose one of {sorted(LOSS_AGGREGATIONS)}") from None
+        raise ValueError(f"unknown --loss-agg-mode {name!r}; choose one of {sorted(LOSS_AGGREGATIONS)}") from None
+
+
+def aggregation_for(config) -> Aggregation:
+    """The reducer of :func:`aggregation_name`."""
+    return _aggregation(config).reduce
+
+
+def micro_batch_share(config, micro_loss_masks: Sequence[Sequence[float]], step_loss_masks: Sequence[Sequence[float]]) -> float:
+    """The weight of a micro-batch's loss in its optimizer step's loss, so that the weighted
+    sum of micro-batch losses is the aggregation over the whole step: the micro-batch's
+    share of the step's loss-masked tokens (``token-mean``), of its sequences
+    (``seq-mean-*``), or 1 (``token-sum``)."""
+    unit = _aggregation(config).unit
+    if unit == "token":
+        return sum(map(sum, micro_loss_masks)) / (sum(map(sum, step_loss_masks)) or 1)
+    if unit == "sequence":
+        return len(micro_loss_masks) / max(len(step_loss_masks), 1)
+    return 1.0
 
 
 # ----------------------------------------------------------------------------
@@ -129,9 +181,7 @@ def aggregation_for(config) -> Aggregation:
 
 def clip_bounds(config) -> tuple[float, float, float | None]:
     """``(eps_clip, eps_clip_high, eps_clip_c)`` with ``eps_clip_high`` defaulting to ``eps_clip``."""
-    eps_clip = getattr(config, "eps_clip", 0.2)
-    eps_clip_high = getattr(config, "eps_clip_high", None)
-    eps_clip_c = getattr(config, "eps_clip_c", None)
+    eps_clip, eps_clip_high, eps_clip_c = config.eps_clip, config.eps_clip_high, config.eps_clip_c
     if eps_clip_c is not None and eps_clip_c <= 1.0:
         raise ValueError(f"eps_clip_c (dual-clip PPO) must be > 1.0, got {eps_clip_c}")
     return eps_clip, eps_clip if eps_clip_high is None else eps_clip_high, eps_clip_c
@@ -192,7 +242,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 def policy_loss_for(config) -> PolicyLossFn:
     """The policy-gradient term for ``config.advantage_estimator`` (PPO clip by default)."""
-    return POLICY_LOSSES.get(getattr(config, "advantage_estimator", "grpo"), ppo_policy_loss)
+    return POLICY_LOSSES.get(config.advantage_estimator, ppo_policy_loss)
 
 
 # ----------------------------------------------------------------------------
@@ -202,7 +252,7 @@ def policy_loss_for(config) -> PolicyLossFn:
 
 def old_log_probs_for(batch: PolicyLossBatch, config) -> torch.Tensor:
     """The denominator of the PPO ratio: rollout, recomputed, or detached current log-probs."""
-    if getattr(config, "use_rollout_logprobs", False):
+    if config.use_rollout_logprobs:
         if batch.rollout_log_probs is None:
             raise ValueError("use_rollout_logprobs needs batch.rollout_log_probs")
         return batch.rollout_log_probs.detach()
@@ -216,10 +266,10 @@ def kl_loss_per_token(batch: PolicyLossBatch, old_log_probs: torch.Tensor, confi
     if batch.ref_log_probs is None:
         raise ValueError("use_kl_loss needs batch.ref_log_probs (reference-model log-probs)")
     importance_ratio = None
-    if getattr(config, "use_unbiased_kl", False):
+    if config.use_unbiased_kl:
         importance_ratio = torch.exp(batch.log_probs - old_log_probs)
     return compute_approx_kl(
-        batch.log_probs, batch.ref_log_probs.detach(), getattr(config, "kl_loss_type", "k1"), importance_ratio
+        batch.log_probs, batch.ref_log_probs.detach(), config.kl_loss_type, importance_ratio
     )
 
 
@@ -241,7 +291,10 @@ def _corrected_pg_losses(batch, pg_losses, corrections, config, metrics) -> torc
 
 
 def policy_loss(
-    batch: PolicyLossBatch, config, corrections: Sequence[CorrectionFn] | None = None
+    batch: PolicyLossBatch,
+    config,
+    corrections: Sequence[CorrectionFn] | None = None,
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy loss of one micro-batch: ``pg - entropy_coef * entropy + kl_loss_coef * kl``.
 
@@ -251,7 +304,6 @@ def policy_loss(
     tensors (no host sync here: the trainer reads a whole step's metrics at once).
     """
     reduce = aggregation_for(config)
-    normalizer = getattr(config, "loss_normalizer", None)
     mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
     old_log_probs = old_log_probs_for(batch, config)
     terms = policy_loss_for(config)(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
@@ -267,16 +319,16 @@ def policy_loss(
     for name, values in terms.extra.items():
         metrics[name] = reduce(values, mask, lengths).detach()
 
-    entropy_coef = getattr(config, "entropy_coef", 0.0)
+    entropy_coef = config.entropy_coef
     if entropy_coef != 0 and batch.entropy is None:
         raise ValueError("entropy_coef != 0 needs batch.entropy")
     if batch.entropy is not None:
         loss = loss - entropy_coef * reduce(batch.entropy, mask, lengths, normalizer)
         metrics["entropy_loss"] = reduce(batch.entropy.detach(), mask, lengths).detach()
 
-    if getattr(config, "use_kl_loss", False):
+    if config.use_kl_loss:
         kl = kl_loss_per_token(batch, old_log_probs, config)
-        loss = loss + getattr(config, "kl_loss_coef", 0.0) * reduce(kl, mask, lengths, normalizer)
+        loss = loss + config.kl_loss_coef * reduce(kl, mask, lengths, normalizer)
         metrics["kl_loss"] = reduce(kl.detach(), mask, lengths).detach()
 
     metrics["loss"] = loss.detach() if normalizer is None else _micro_batch_loss(metrics, config)
@@ -286,5 +338,5 @@ def policy_loss(
 def _micro_batch_loss(metrics: dict, config):
     # with a fixed normalizer the returned loss is a share of the step's loss; report
     # the micro-batch mean instead so that logged losses do not depend on batching.
-    loss = metrics["pg_loss"] - getattr(config, "entropy_coef", 0.0) * metrics.get("entropy_loss", 0.0)
-    return loss + getattr(config, "kl_loss_coef", 0.0) * metrics.get("kl_loss", 0.0)
+    loss = metrics["pg_loss"] - config.entropy_coef * metrics.get("entropy_loss", 0.0)
+    return loss + config.kl_loss_coef * metrics.get("kl_loss", 0.0)

@@ -1,7 +1,11 @@
-"""The PPO critic's loss: clipped value regression (PPO / verl / slime style).
+"""The PPO critic's loss: clipped value regression, as slime's ``value_loss_function``
+(``slime/backends/megatron_utils/loss.py``).
 
-``value_loss = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``,
-aggregated over response tokens with the policy loss's aggregation.
+``value_loss = max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` per token (no
+``1/2`` factor, as in slime), aggregated over response tokens with the policy loss's
+aggregation (``--loss-agg-mode`` / ``--calculate-per-token-loss``). ``value_clipfrac``
+is the same aggregation of ``|V - V_old| > c``. Without a clip range
+(``--value-clip none``) the loss is ``(V - R)^2`` and the clip fraction 0.
 """
 
 from __future__ import annotations
@@ -23,17 +27,17 @@ def clipped_value_loss(
     config,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The critic loss over packed response tokens ``[N]`` and its metrics."""
+    reduce = aggregation_for(config)
     unclipped = (values - returns) ** 2
     if value_clip is None:
-        per_token = 0.5 * unclipped
+        per_token = unclipped
         clipped_fraction = 0.0
     else:
         clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
-        clipped = (clipped_values - returns) ** 2
-        per_token = 0.5 * torch.maximum(unclipped, clipped)
-        mask = loss_mask > 0
-        clipped_fraction = float(((clipped > unclipped) & mask).sum()) / max(1, int(mask.sum()))
-    loss = aggregation_for(config)(per_token, loss_mask, response_lengths)
+        per_token = torch.maximum(unclipped, (clipped_values - returns) ** 2)
+        outside = ((values - old_values).abs() > value_clip).to(values.dtype)
+        clipped_fraction = float(reduce(outside.detach(), loss_mask, response_lengths))
+    loss = reduce(per_token, loss_mask, response_lengths)
     metrics = {"value_loss": float(loss.detach()), "value_clipfrac": clipped_fraction,
                "values_mean": float((values.detach() * loss_mask).sum() / loss_mask.sum().clamp(min=1))}
     return loss, metrics

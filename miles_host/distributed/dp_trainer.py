@@ -15,7 +15,7 @@ N ranks compute the gradient of one process (up to fp32 summation order).
 
 from __future__ import annotations
 
-import math
+import itertools
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ import torch
 from miles_host.distributed.balance import split_by_tokens
 from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
+from miles_host.algorithms.losses import micro_batch_share
+from miles_host.lr_schedule import step_sizes
 from miles_host.trainer import NativeTrainer, read_floats, trainable
 
 
@@ -118,9 +120,8 @@ class DataParallelTrainer(NativeTrainer):
         samples = [s for s in samples if trainable(s)]
         if not samples:
             return {"train/skipped_no_samples": 1.0}
-        steps = self.config.num_steps_per_rollout or 1
-        global_size = self.config.global_batch_size or math.ceil(len(samples) / steps)
-        chunks = [samples[start : start + global_size] for start in range(0, len(samples), global_size)]
+        sizes = step_sizes(len(samples), self.config)
+        chunks = [samples[end - size : end] for end, size in zip(itertools.accumulate(sizes), sizes)]
         mine: list[int] = []  # global indices of this rank's samples, step by step
         per_step: list[list[int]] = []
         offset = 0
@@ -182,8 +183,7 @@ class DataParallelTrainer(NativeTrainer):
 
     def _optimizer_step_dp(self, local, step_samples, old, ref, advantages, source: int = 0) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        per_token = self.config.calculate_per_token_loss
-        total_tokens = sum(sum(s.loss_mask) for s in step_samples) or 1
+        step_masks = [s.loss_mask for s in step_samples]
         sums: dict[str, float] = {}
         loss_sum = 0.0
         for micro in self._forward_micro_batches(self.model, local):
@@ -191,7 +191,7 @@ class DataParallelTrainer(NativeTrainer):
                 self._placeholder_pass("train")
                 continue
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
-            share = (sum(sum(s.loss_mask) for s in micro) / total_tokens) if per_token else len(micro) / len(step_samples)
+            share = micro_batch_share(self.config, [s.loss_mask for s in micro], step_masks)
             (loss * (share * self.loss_scale)).backward()
             micro_floats = read_floats({**micro_metrics, "__loss__": loss})  # one host sync per micro-batch
             loss_sum += micro_floats.pop("__loss__") * share

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles_host.config import MilesConfig
 from miles_host.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
@@ -74,13 +74,18 @@ def ref_discounted(rewards, gamma):
     return out
 
 
-def ref_gae(rewards, values, gamma, lambd):
-    advantages, running = [0.0] * len(rewards), 0.0
+def ref_gae(rewards, values, gamma, lambd, mask=None):
+    """verl's compute_gae_advantage_return as a loop: a loss-masked-out token has no value and
+    no TD error (the next value and the running advantage pass through it); its advantage is 0."""
+    mask = [1.0] * len(rewards) if mask is None else mask
+    advantages, running, next_value = [0.0] * len(rewards), 0.0, 0.0
     for t in reversed(range(len(rewards))):
-        next_value = values[t + 1] if t + 1 < len(values) else 0.0
+        if mask[t] == 0:
+            continue
         delta = rewards[t] + gamma * next_value - values[t]
         running = delta + gamma * lambd * running
         advantages[t] = running
+        next_value = values[t]
     return advantages, [a + v for a, v in zip(advantages, values)]
 
 
@@ -115,7 +120,7 @@ def make_problem(rng, lengths=(7, 1, 12, 300, 4, 9, 140, 3, 5), groups=(3, 3, 3,
 
 def config(**overrides):
     base = dict(gamma=1.0, lambd=1.0, kl_coef=0.0, disable_grpo_std_normalization=False, normalize_advantages=False)
-    return SimpleNamespace(**{**base, **overrides})
+    return MilesConfig(**{**base, **overrides})
 
 
 def assert_lists_close(got, expected, tol=1e-10):
@@ -148,8 +153,19 @@ def test_grpo_family(rng, name, use_std):
 
 def test_grpo_without_rewards_normalization_uses_raw_reward(rng):
     inputs, rewards, *_ = make_problem(rng)
-    out = compute_advantages("grpo", inputs, config(rewards_normalization=False))
+    out = compute_advantages("grpo", inputs, config(disable_rewards_normalization=True))
     assert_lists_close(out.advantages, [[r] * n for r, n in zip(rewards, inputs.response_lengths)])
+
+
+def test_disable_rewards_normalization_flag_reaches_the_baseline_estimator(rng):
+    """``--disable-rewards-normalization`` (slime's flag): reinforce_plus_plus_baseline keeps the
+    raw reward (minus the KL), no group mean; whitened as always."""
+    inputs, rewards, _, kl, _, masks = make_problem(rng)
+    out = compute_advantages("reinforce_plus_plus_baseline", inputs,
+                             config(disable_rewards_normalization=True, kl_coef=0.1))
+    raw = [[r - 0.1 * k for k in kls] for r, kls in zip(rewards, kl)]
+    assert_lists_close(out.returns, raw)
+    assert_lists_close(out.advantages, ref_whiten(raw, masks))
 
 
 def test_grpo_normalize_advantages_whitens_tokens(rng):
@@ -196,12 +212,35 @@ def test_ppo_gae(rng, gamma, lambd, kl_coef, normalize):
     cfg = config(gamma=gamma, lambd=lambd, kl_coef=kl_coef, normalize_advantages=normalize)
     out = compute_advantages("ppo", inputs, cfg)
     pairs = [
-        ref_gae(ref_token_rewards(r, k, m, kl_coef), v, gamma, lambd)
+        ref_gae(ref_token_rewards(r, k, m, kl_coef), v, gamma, lambd, m)
         for r, k, m, v in zip(rewards, kl, masks, values)
     ]
     advantages = [a for a, _ in pairs]
     assert_lists_close(out.returns, [ret for _, ret in pairs])
     assert_lists_close(out.advantages, ref_whiten(advantages, masks) if normalize else advantages)
+
+
+def test_ppo_masked_tail_values_do_not_enter_the_trained_advantages():
+    """Trailing loss-mask zeros (a tool output after the answer): the reward sits on the last
+    trained token and bootstrapping ends there, so the critic's values of the masked tail,
+    which it never trains on, do not move the trained tokens' advantages."""
+    mask = [1.0, 1.0, 0.0, 0.0]
+
+    def trained_advantages(tail_values):
+        values = [0.3, 0.1, *tail_values]
+        inputs = AdvantageInputs(
+            rewards=torch.tensor([1.0], dtype=torch.float64), group_index=torch.tensor([0]), response_lengths=[4],
+            values=[torch.tensor(values, dtype=torch.float64)], loss_masks=[torch.tensor(mask, dtype=torch.float64)],
+        )
+        out = compute_advantages("ppo", inputs, config(gamma=0.9, lambd=0.8))
+        expected = ref_gae(ref_token_rewards(1.0, [0.0] * 4, mask, 0.0), values, 0.9, 0.8, mask)[0]
+        assert_lists_close(out.advantages, [expected])
+        return out.advantages[0][:2].tolist()
+
+    at_zero = trained_advantages([0.0, 0.0])
+    # by hand: delta_1 = 1 - 0.1 = 0.9, delta_0 = 0.9 * 0.1 - 0.3 = -0.21, A_0 = -0.21 + 0.72 * 0.9 = 0.438
+    assert at_zero == pytest.approx([0.438, 0.9], abs=1e-12)
+    assert trained_advantages([5.0, -3.0]) == pytest.approx(at_zero, abs=1e-12)
 
 
 def test_float32_matches_float64_reference(rng):
@@ -217,7 +256,7 @@ def test_float32_matches_float64_reference(rng):
     cfg = config(gamma=0.99, lambd=0.95, kl_coef=0.1)
     out = compute_advantages("ppo", as32, cfg)
     expected = [
-        ref_gae(ref_token_rewards(r, k, m, 0.1), v, 0.99, 0.95)[0] for r, k, m, v in zip(rewards, kl, masks, values)
+        ref_gae(ref_token_rewards(r, k, m, 0.1), v, 0.99, 0.95, m)[0] for r, k, m, v in zip(rewards, kl, masks, values)
     ]
     assert out.advantages[0].dtype == torch.float32
     assert_lists_close(out.advantages, expected, tol=1e-5)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from miles_host.config import MilesConfig
 from miles_host.algorithms.corrections import (
     CORRECTIONS,
     MIS_LEVELS,
@@ -23,7 +23,7 @@ from miles_host.algorithms.corrections import (
 def run(name, p, dtype=torch.float64, **flags):
     t = lambda a: torch.tensor(a, dtype=dtype)  # noqa: E731
     return CORRECTIONS[name](
-        t(p.old_log_probs), t(p.rollout_log_probs), t(p.loss_mask), p.lengths, SimpleNamespace(**flags)
+        t(p.old_log_probs), t(p.rollout_log_probs), t(p.loss_mask), p.lengths, MilesConfig(**flags)
     )
 
 
@@ -65,7 +65,7 @@ def test_registries():
 
 @pytest.mark.parametrize("flags,low,high", [
     (dict(tis_clip=1.5, tis_clip_low=0.7), 0.7, 1.5),
-    (dict(tis_clip=2.0, tis_clip_low=0.0, tis_threshold=0.9), 0.0, 0.9),
+    (dict(tis_clip=0.9, tis_clip_low=0.0), 0.0, 0.9),  # --tis-threshold 0.9 is this --tis-clip
     (dict(), 0.0, 2.0),
 ])
 def test_tis(packed, flags, low, high):
@@ -136,7 +136,7 @@ def test_mis_defaults_and_overflow_guard(packed):
     result = run("mis", packed, mis_level="sequence", mis_upper_bound=4.0, mis_mode="mask")
     assert torch.isfinite(result.weights).all()
     raw = [math.exp(min(max(x, -20.0), 20.0)) for x in ref_level_log_ratios(packed, "sequence")]
-    inside = [0.25 <= w <= 4.0 for w in raw]  # lower bound defaults to 1 / upper
+    inside = [0.5 <= w <= 4.0 for w in raw]  # --mis-lower-bound's default
     np.testing.assert_array_equal(result.mask.numpy(), [m * i for m, i in zip(packed.loss_mask, inside)])
 
 
@@ -161,9 +161,9 @@ def test_mismatch_metrics(packed):
 
 
 def test_enabled_and_combined(packed):
-    cfg = SimpleNamespace(use_tis=True, use_mis=True, tis_clip=1.5, mis_mode="mask", mis_upper_bound=1.5)
+    cfg = MilesConfig(use_tis=True, use_mis=True, tis_clip=1.5, mis_mode="mask", mis_upper_bound=1.5)
     assert enabled_corrections(cfg) == [CORRECTIONS["tis"], CORRECTIONS["mis"]]
-    assert enabled_corrections(SimpleNamespace()) == []
+    assert enabled_corrections(MilesConfig()) == []
     t = torch.tensor
     combined = apply_corrections(enabled_corrections(cfg), t(packed.old_log_probs), t(packed.rollout_log_probs),
                                  t(packed.loss_mask), packed.lengths, cfg)
@@ -180,9 +180,9 @@ def test_errors(packed):
     with pytest.raises(ValueError, match="truncate"):
         run("mis", packed, mis_mode="reject")
     with pytest.raises(ValueError, match="must match"):
-        CORRECTIONS["tis"](torch.zeros(3), torch.zeros(4), torch.ones(3), [3], SimpleNamespace())
+        CORRECTIONS["tis"](torch.zeros(3), torch.zeros(4), torch.ones(3), [3], MilesConfig())
     with pytest.raises(ValueError, match="response_lengths"):
-        CORRECTIONS["tis"](torch.zeros(3), torch.zeros(3), torch.ones(3), [2], SimpleNamespace())
+        CORRECTIONS["tis"](torch.zeros(3), torch.zeros(3), torch.ones(3), [2], MilesConfig())
 
 
 def test_veto_ignores_masked_out_tokens(packed):

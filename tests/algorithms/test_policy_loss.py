@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
+from miles_host.config import MilesConfig
 from miles_host.algorithms.losses import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     PolicyLossBatch,
+    micro_batch_share,
     policy_loss,
 )
 
@@ -45,13 +45,15 @@ def ref_ratios(p, old, kind):
 
 
 def ref_reduce(values, p, mode, normalizer=None):
-    if mode == "token_mean":
+    if mode in ("token-mean", "token-sum"):
         total = sum(v * m for v, m in zip(values, p.loss_mask))
-        return total / (normalizer if normalizer is not None else max(sum(p.loss_mask), 1))
+        default = max(sum(p.loss_mask), 1) if mode == "token-mean" else 1
+        return total / (normalizer if normalizer is not None else default)
     per_seq = []
     for seg in p.segments():
         mask = p.loss_mask[seg]
-        per_seq.append(sum(v * m for v, m in zip(values[seg], mask)) / max(sum(mask), 1))
+        token_sum = sum(v * m for v, m in zip(values[seg], mask))
+        per_seq.append(token_sum / max(sum(mask), 1) if mode == "seq-mean-token-mean" else token_sum)
     return sum(per_seq) / (normalizer if normalizer is not None else len(per_seq))
 
 
@@ -80,9 +82,9 @@ def config(**overrides):
     base = dict(
         eps_clip=0.2, eps_clip_high=None, eps_clip_c=None, advantage_estimator="grpo",
         use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="k1", entropy_coef=0.0,
-        loss_aggregation="token_mean", use_rollout_logprobs=False, use_tis=False,
+        loss_agg_mode="token-mean", use_rollout_logprobs=False, use_tis=False,
     )
-    return SimpleNamespace(**{**base, **overrides})
+    return MilesConfig(**{**base, **overrides})
 
 
 # ----------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def config(**overrides):
 
 
 def test_registries():
-    assert set(LOSS_AGGREGATIONS) == {"token_mean", "sequence_mean"}
+    assert set(LOSS_AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"}
     assert set(POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
 
 
@@ -104,11 +106,11 @@ CLIP_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CLIP_CASES))
-@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
 def test_clipped_policy_loss(packed, case, mode, estimator):
     flags = CLIP_CASES[case]
-    cfg = config(loss_aggregation=mode, advantage_estimator=estimator, **flags)
+    cfg = config(loss_agg_mode=mode, advantage_estimator=estimator, **flags)
     loss, metrics = policy_loss(as_batch(packed), cfg)
 
     eps_high = flags.get("eps_clip_high") or flags["eps_clip"]
@@ -143,7 +145,7 @@ def test_simple_ppo_gradient_is_analytic(packed):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
-@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_full_loss_gradcheck(packed, estimator, mode):
     """Finite differences through clip, dual clip, KL loss (unbiased) and corrections.
 
@@ -151,7 +153,7 @@ def test_full_loss_gradcheck(packed, estimator, mode):
     purpose; ``test_cispo_value_and_gradient`` checks it analytically.)
     """
     cfg = config(
-        advantage_estimator=estimator, loss_aggregation=mode, eps_clip=0.2, eps_clip_high=0.3, eps_clip_c=3.0,
+        advantage_estimator=estimator, loss_agg_mode=mode, eps_clip=0.2, eps_clip_high=0.3, eps_clip_c=3.0,
         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", use_unbiased_kl=True,
         entropy_coef=0.01, use_tis=True, tis_clip=1.5, tis_clip_low=0.5,
     )
@@ -165,16 +167,16 @@ def test_full_loss_gradcheck(packed, estimator, mode):
 
 
 def test_cispo_value_and_gradient(packed):
-    cfg = config(advantage_estimator="cispo", eps_clip=1.0, eps_clip_high=0.5, loss_aggregation="sequence_mean")
+    cfg = config(advantage_estimator="cispo", eps_clip=1.0, eps_clip_high=0.5, loss_agg_mode="seq-mean-token-mean")
     batch = as_batch(packed)
     loss, metrics = policy_loss(batch, cfg)
     loss.backward()
     ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
     truncated = np.array([min(max(r, 0.0), 1.5) for r in ratios])
     values = -truncated * packed.advantages * packed.log_probs
-    assert loss.item() == pytest.approx(ref_reduce(values, packed, "sequence_mean"), abs=1e-10)
+    assert loss.item() == pytest.approx(ref_reduce(values, packed, "seq-mean-token-mean"), abs=1e-10)
     assert metrics["pg_clipfrac"] == pytest.approx(
-        ref_reduce((truncated != np.array(ratios)).astype(float), packed, "sequence_mean"), abs=1e-10
+        ref_reduce((truncated != np.array(ratios)).astype(float), packed, "seq-mean-token-mean"), abs=1e-10
     )
     expected_grad = np.zeros_like(values)
     for seg in packed.segments():
@@ -185,9 +187,9 @@ def test_cispo_value_and_gradient(packed):
 
 
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
-@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_kl_and_entropy_terms(packed, kl_type, mode):
-    cfg = config(use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type=kl_type, entropy_coef=0.02, loss_aggregation=mode)
+    cfg = config(use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type=kl_type, entropy_coef=0.02, loss_agg_mode=mode)
     loss, metrics = policy_loss(as_batch(packed), cfg)
     diffs = packed.log_probs - packed.ref_log_probs
     kl = {
@@ -206,47 +208,103 @@ def test_kl_and_entropy_terms(packed, kl_type, mode):
     assert metrics["entropy_loss"] == pytest.approx(entropy_loss, abs=1e-10)
 
 
+ALL_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_loss_agg_modes(packed, mode):
+    """``--loss-agg-mode`` (verl's names) against the loop reference of each mode."""
+    loss, metrics = policy_loss(as_batch(packed), config(loss_agg_mode=mode, entropy_coef=0.01))
+    ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
+    pg = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)])
+    expected = ref_reduce(pg, packed, mode) - 0.01 * ref_reduce(packed.entropy, packed, mode)
+    assert loss.item() == pytest.approx(expected, abs=1e-10)
+    assert metrics["pg_loss"] == pytest.approx(ref_reduce(pg, packed, mode), abs=1e-10)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("split", [[2, 4], [1, 1, 1, 3], [6]])
+def test_micro_batch_shares_add_up_to_the_step_loss(packed, mode, split):
+    """The trainer's gradient accumulation: micro-batch losses weighted by ``micro_batch_share``
+    sum to the aggregation over the whole optimizer step, for every mode."""
+    cfg = config(loss_agg_mode=mode)
+    whole, _ = policy_loss(as_batch(packed), cfg)
+    starts = np.cumsum([0] + packed.lengths)
+    step_masks = [packed.loss_mask[starts[i]:starts[i + 1]] for i in range(len(packed.lengths))]
+    total, first = 0.0, 0
+    for count in split:
+        token_slice = slice(starts[first], starts[first + count])
+        sub = PolicyLossBatch(**{
+            name: (getattr(as_batch(packed), name)[token_slice] if name != "response_lengths"
+                   else packed.lengths[first:first + count])
+            for name in ("log_probs", "advantages", "loss_mask", "response_lengths", "old_log_probs",
+                         "rollout_log_probs", "ref_log_probs", "entropy")
+        })
+        loss, _ = policy_loss(sub, cfg)
+        total += loss.item() * micro_batch_share(cfg, step_masks[first:first + count], step_masks)
+        first += count
+    assert total == pytest.approx(whole.item(), abs=1e-10)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
+def test_use_unbiased_kl_weights_the_kl_by_the_ratio(packed, kl_type):
+    """``--use-unbiased-kl``: each token's KL estimate times ``pi / pi_old`` (the clamp of
+    low_var_kl after the product), as slime's compute_approx_kl with importance_ratio."""
+    cfg = config(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type=kl_type, use_unbiased_kl=True)
+    _, metrics = policy_loss(as_batch(packed), cfg)
+    _, plain = policy_loss(as_batch(packed), config(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type=kl_type))
+    diffs = packed.log_probs - packed.ref_log_probs
+    estimate = {"k1": diffs, "k2": diffs**2 / 2,
+                "k3": np.array([ref_k3(a, b) for a, b in zip(packed.log_probs, packed.ref_log_probs)])}
+    estimate["low_var_kl"] = estimate["k3"]
+    weighted = np.exp(packed.log_probs - packed.old_log_probs) * estimate[kl_type]
+    if kl_type == "low_var_kl":
+        weighted = np.clip(weighted, -10, 10)
+    assert metrics["kl_loss"] == pytest.approx(ref_reduce(weighted, packed, "token-mean"), abs=1e-10)
+    assert abs(metrics["kl_loss"] - plain["kl_loss"]) > 1e-3
+
+
 def test_rollout_logprobs_as_old_and_default_old(packed):
     cfg = config(use_rollout_logprobs=True)
     loss, metrics = policy_loss(as_batch(packed), cfg)
     ratios = ref_ratios(packed, packed.rollout_log_probs, "ppo")
     pg = [ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)]
-    assert loss.item() == pytest.approx(ref_reduce(np.array(pg), packed, "token_mean"), abs=1e-10)
+    assert loss.item() == pytest.approx(ref_reduce(np.array(pg), packed, "token-mean"), abs=1e-10)
     # metrics compare the trainer's old log-probs with the rollout's
     diff = np.abs(packed.old_log_probs - packed.rollout_log_probs)
-    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(ref_reduce(diff, packed, "token_mean"))
+    assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(ref_reduce(diff, packed, "token-mean"))
 
     on_policy = as_batch(packed, old_log_probs=None, rollout_log_probs=None)
     loss, metrics = policy_loss(on_policy, config())
-    expected = -ref_reduce(packed.advantages, packed, "token_mean")  # ratio == 1
+    expected = -ref_reduce(packed.advantages, packed, "token-mean")  # ratio == 1
     assert loss.item() == pytest.approx(expected, abs=1e-10)
     assert metrics["pg_clipfrac"] == 0.0 and "train_rollout_kl" not in metrics
 
 
 def test_loss_normalizer_replaces_the_denominator(packed):
-    token, _ = policy_loss(as_batch(packed), config(loss_aggregation="token_mean", loss_normalizer=100.0))
+    token, _ = policy_loss(as_batch(packed), config(loss_agg_mode="token-mean"), normalizer=100.0)
     ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
     pg = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)])
-    assert token.item() == pytest.approx(ref_reduce(pg, packed, "token_mean", 100.0), abs=1e-12)
-    seq, metrics = policy_loss(as_batch(packed), config(loss_aggregation="sequence_mean", loss_normalizer=64))
-    assert seq.item() == pytest.approx(ref_reduce(pg, packed, "sequence_mean", 64), abs=1e-12)
-    assert metrics["loss"] == pytest.approx(ref_reduce(pg, packed, "sequence_mean"), abs=1e-12)
+    assert token.item() == pytest.approx(ref_reduce(pg, packed, "token-mean", 100.0), abs=1e-12)
+    seq, metrics = policy_loss(as_batch(packed), config(loss_agg_mode="seq-mean-token-mean"), normalizer=64)
+    assert seq.item() == pytest.approx(ref_reduce(pg, packed, "seq-mean-token-mean", 64), abs=1e-12)
+    assert metrics["loss"] == pytest.approx(ref_reduce(pg, packed, "seq-mean-token-mean"), abs=1e-12)
 
 
 def test_calculate_per_token_loss_picks_token_mean(packed):
-    per_token = SimpleNamespace(calculate_per_token_loss=True)
-    per_sequence = SimpleNamespace(calculate_per_token_loss=False)
+    per_token = config(calculate_per_token_loss=True, loss_agg_mode=None)
+    per_sequence = config(calculate_per_token_loss=False, loss_agg_mode=None)
     ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
     pg = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)])
-    assert policy_loss(as_batch(packed), per_token)[0].item() == pytest.approx(ref_reduce(pg, packed, "token_mean"))
+    assert policy_loss(as_batch(packed), per_token)[0].item() == pytest.approx(ref_reduce(pg, packed, "token-mean"))
     assert policy_loss(as_batch(packed), per_sequence)[0].item() == pytest.approx(
-        ref_reduce(pg, packed, "sequence_mean")
+        ref_reduce(pg, packed, "seq-mean-token-mean")
     )
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_tis_and_icepop_in_the_loss(packed, mode):
-    cfg = config(loss_aggregation=mode, use_tis=True, use_icepop=True, tis_clip=1.4, tis_clip_low=0.6)
+    cfg = config(loss_agg_mode=mode, use_tis=True, use_icepop=True, tis_clip=1.4, tis_clip_low=0.6)
     loss, metrics = policy_loss(as_batch(packed), cfg)
     ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
     pg = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)])
@@ -259,15 +317,15 @@ def test_tis_and_icepop_in_the_loss(packed, mode):
 
 
 def test_float32_matches_float64_reference(packed):
-    cfg = config(eps_clip_high=0.28, eps_clip_c=3.0, loss_aggregation="sequence_mean",
+    cfg = config(eps_clip_high=0.28, eps_clip_c=3.0, loss_agg_mode="seq-mean-token-mean",
                  use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01)
     loss32, _ = policy_loss(as_batch(packed, dtype=torch.float32), cfg)
     loss64, _ = policy_loss(as_batch(packed), cfg)
     ratios = ref_ratios(packed, packed.old_log_probs, "ppo")
     pg = np.array([ref_surrogate(r, a, 0.2, 0.28, 3.0)[0] for r, a in zip(ratios, packed.advantages)])
     kl = np.array([ref_k3(a, b) for a, b in zip(packed.log_probs, packed.ref_log_probs)])
-    expected = (ref_reduce(pg, packed, "sequence_mean") - 0.01 * ref_reduce(packed.entropy, packed, "sequence_mean")
-                + 0.1 * ref_reduce(kl, packed, "sequence_mean"))
+    expected = (ref_reduce(pg, packed, "seq-mean-token-mean") - 0.01 * ref_reduce(packed.entropy, packed, "seq-mean-token-mean")
+                + 0.1 * ref_reduce(kl, packed, "seq-mean-token-mean"))
     assert loss32.dtype == torch.float32
     assert loss32.item() == pytest.approx(expected, abs=1e-5, rel=1e-5)
     assert loss64.item() == pytest.approx(expected, abs=1e-10, rel=1e-10)
@@ -276,8 +334,8 @@ def test_float32_matches_float64_reference(packed):
 def test_errors(packed):
     with pytest.raises(ValueError, match="eps_clip_c"):
         policy_loss(as_batch(packed), config(eps_clip_c=0.9))
-    with pytest.raises(ValueError, match="sequence_mean"):
-        policy_loss(as_batch(packed), config(loss_aggregation="batch_mean"))
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        policy_loss(as_batch(packed), config(loss_agg_mode="batch_mean"))
     with pytest.raises(ValueError, match="ref_log_probs"):
         policy_loss(as_batch(packed, ref_log_probs=None), config(use_kl_loss=True))
     with pytest.raises(ValueError, match="entropy"):
