@@ -21,7 +21,7 @@ class ClusterArgs:
     actor_num_gpus_per_node: int = flag(1, "GPUs per node for training", type=int, group="cluster")
     rollout_num_gpus: int | None = flag(None, "GPUs for rollout engines, one engine each (with --colocate: default one per trainer GPU; must divide their number)", type=optional_int, group="cluster")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine", type=int, group="cluster")
-    num_gpus_per_node: int = flag(8, "GPUs per node of the cluster (informational in one-process runs)", type=int, group="cluster")
+    num_gpus_per_node: int = flag(8, "slime compatibility: accepted and ignored (placement comes from --actor-num-gpus-per-node and --rollout-num-gpus)", type=int, group="cluster")
     colocate: bool = flag(False, "training and rollout share GPUs (engine i on trainer i's GPU); the engines free their KV cache and CUDA graphs while training", group="cluster")
     offload_train: bool = flag(False, "move the trainer's parameters, gradients and optimizer state to CPU during rollout", group="cluster")
     offload_rollout: bool = flag(False, "free the rollout engines' KV cache and move their weights to CPU during training", group="cluster")
@@ -33,7 +33,7 @@ class ClusterArgs:
 @dataclass
 class CheckpointArgs:
     hf_checkpoint: str | None = flag(None, "HF-format model directory (policy init, tokenizer)", type=str, group="checkpoint")
-    model_name: str | None = flag(None, "a name for the model (informational, recorded in config.json; slime compatible)", type=str, group="checkpoint")
+    model_name: str | None = flag(None, "slime compatibility: accepted and ignored (recorded in config.json)", type=str, group="checkpoint")
     ref_load: str | None = flag(None, "reference model checkpoint (default: --hf-checkpoint)", type=str, group="checkpoint")
     load: str | None = flag(None, "resume from this checkpoint directory", type=str, group="checkpoint")
     save: str | None = flag(None, "save checkpoints to this directory", type=str, group="checkpoint")
@@ -170,7 +170,7 @@ class TrainArgs:
     adam_eps: float = flag(1e-8, "AdamW eps", type=float, group="train")
     clip_grad: float = flag(1.0, "gradient norm clip", type=float, group="train")
     train_compile: bool = flag(False, "torch.compile the trainer's decoder layers (CUDA; dynamic shapes)", group="train")
-    recompute_granularity: str | None = flag(None, "activation checkpointing: full (recompute every decoder layer in backward)", type=str, choices=["full", "selective"], group="train")
+    recompute_granularity: str | None = flag(None, "activation checkpointing: full (recompute every decoder layer in backward)", type=str, choices=["full"], group="train")
     recompute_method: str | None = flag(None, "activation checkpointing method (megatron compatible)", type=str, group="train")
     recompute_num_layers: int | None = flag(None, "activation checkpointing layers (megatron compatible)", type=optional_int, group="train")
     tensor_model_parallel_size: int = flag(1, "tensor parallelism", type=int, group="parallel")
@@ -203,6 +203,10 @@ class OutputArgs:
     no_progress: bool = flag(False, "no progress bar", group="output")
 
 
+#: MilesConfig fields that are not flags
+NON_FLAG_FIELDS = ("plugins", "plugin_args", "user_set")
+
+
 @dataclass
 class MilesConfig(
     OutputArgs,
@@ -220,6 +224,9 @@ class MilesConfig(
 
     plugins: list[str] = field(default_factory=list)
     plugin_args: dict[str, Any] = field(default_factory=dict)
+    #: fields the user gave (command line or ``--config`` file), recorded by the CLI; plugins
+    #: leave them alone. None for a config built in Python: every non-default field counts.
+    user_set: list[str] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not fields: plugin flags.
@@ -238,7 +245,7 @@ class MilesConfig(
     @classmethod
     def field_names(cls) -> list[str]:
         """All flag-backed field names."""
-        return [f.name for f in dataclasses.fields(cls) if f.name not in ("plugins", "plugin_args")]
+        return [f.name for f in dataclasses.fields(cls) if f.name not in NON_FLAG_FIELDS]
 
 
 def _positive(config: MilesConfig, *names: str) -> None:

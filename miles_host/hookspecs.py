@@ -287,7 +287,22 @@ def miles_configure(config: "MilesConfig") -> None:
 
     Fires once, in registration order (built-ins first), after the config is
     built and before it is validated. Implementations edit ``config`` in place
-    (e.g. ``fp8`` sets ``config.precision = "fp8"``). Return value ignored.
+    (e.g. ``fp8`` sets ``config.precision = "fp8"``), but only fields the user did
+    not set: changing a field in ``config.user_set``, or setting a field another
+    plugin set to a different value, stops the run with an error naming both
+    (:mod:`miles_host.validation.plugin_settings`). Checks belong in
+    :func:`miles_validate`. Return value ignored.
+    """
+
+
+@hookspec
+def miles_validate(config: "MilesConfig", registries: Any) -> None:
+    """Check this plugin's own flags and how they combine with the run's config.
+
+    Fires once in :func:`miles_host.validation.validate`, after the host's checks
+    and the selected records' ``validate``, in ``miles run``, ``--dry-run`` and the
+    Python API alike. Raise a ValueError naming the flag and what to do (exit code 2);
+    never change ``config``. Return value ignored; all implementations are called.
     """
 
 

@@ -28,65 +28,11 @@ from miles_host.progress import Progress
 from miles_host.reward import RewardScorer
 from miles_host.rollout_manager import RolloutManager
 from miles_host.sample import Sample, Status
+from miles_host.validation import validate
 
 
 class NanLossError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
-def check_supported(config: Any, registries: Any) -> None:
-    """Stop early, with a clear message, on flags this installation cannot honour."""
-    if config.hf_checkpoint is None:
-        raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
-    if not (Path(config.hf_checkpoint) / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--hf-checkpoint {config.hf_checkpoint}: no config.json there; give a local HF-format model "
-            "directory (models are not downloaded from a hub)"
-        )
-    if config.prompt_data is None:
-        raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
-    if not Path(config.prompt_data).is_file():
-        raise FileNotFoundError(f"prompt data file {config.prompt_data} does not exist")
-    if not (config.rm_type or config.custom_rm_path or config.rm_url):
-        raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
-    from miles_host.distributed.launcher import check_placement, wants_distributed
-
-    if wants_distributed(config):
-        check_placement(config)  # trainer / engine processes (miles_host.distributed)
-    else:
-        check_single_process(config)
-    if config.sequence_parallel:
-        raise ValueError("--sequence-parallel is not supported yet in this version")
-    if config.recompute_granularity == "selective":
-        raise ValueError("--recompute-granularity selective is not supported yet; use full (every decoder layer)")
-    for flag in ("recompute_method", "recompute_num_layers", "tool_key"):
-        if getattr(config, flag) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')} is not supported yet in this version")
-    algorithm = (config.sglang_speculative_algorithm or "plain").lower()
-    registries.decoding_strategies.get(algorithm)  # EAGLE needs the spec plugin's strategy
-    if config.enable_mtp_training and not any(t.enabled(config) for t in registries.loss_terms):
-        raise ValueError("--enable-mtp-training needs a plugin providing the MTP loss term (miles-spec)")
-    registries.precisions.get(config.precision)
-    registries.weight_sync_transports.get(config.weight_sync)
-    registries.rollout_backends.get(config.rollout_backend)
-    registries.train_backends.get(config.train_backend)
-    registries.advantage_estimators.get(config.advantage_estimator)
-
-
-def check_single_process(config: Any) -> None:
-    """Placement flags a one-process run can honour."""
-    if config.actor_num_nodes != 1:
-        raise ValueError(f"--actor-num-nodes {config.actor_num_nodes}: several nodes are not supported yet")
-    if config.rollout_num_gpus_per_engine != 1:
-        raise ValueError(
-            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
-            "tensor parallelism; use 1, or the sglang backend"
-        )
-    if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
-        raise ValueError(
-            f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "
-            "use --rollout-backend process or sglang for several engines"
-        )
 
 
 def seed_everything(seed: int) -> None:
@@ -122,7 +68,7 @@ class Run:
         self.config = config
         self.manager = manager
         registries = manager.registries
-        check_supported(config, registries)
+        validate(config, registries, manager.hook)  # what --dry-run checks, for the Python API too
         if config.output_dir is None:
             config.output_dir = str(Path("outputs") / time.strftime("%Y%m%d-%H%M%S"))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)

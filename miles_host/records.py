@@ -16,11 +16,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 @dataclass(frozen=True)
 class Record:
-    """Base of all registration records: a unique ``name`` within its kind."""
+    """Base of all registration records: a unique ``name`` within its kind.
+
+    ``validate(config, registries)``: the record's own checks, run by
+    :func:`miles_host.validation.validate` when the run selects or enables the
+    record (``--precision``, ``--train-backend``, an enabled correction, ...);
+    raise a ValueError naming the flag. ``None``: nothing to check.
+    """
 
     name: str
     description: str = ""
     override: bool = False
+    validate: Callable[[Any, Any], None] | None = None
 
 
 # ----------------------------------------------------------------------------

@@ -172,18 +172,6 @@ class NativeTrainer:
     """Trains the policy in this process (CPU or one GPU)."""
 
     def __init__(self, config: Any, manager: Any):
-        unsupported = {
-            "--tensor-model-parallel-size": config.tensor_model_parallel_size,
-            "--pipeline-model-parallel-size": config.pipeline_model_parallel_size,
-            "--expert-model-parallel-size": config.expert_model_parallel_size,
-            "--context-parallel-size": config.context_parallel_size,
-        }
-        for flag, value in unsupported.items():
-            if value != 1:
-                raise ValueError(
-                    f"{flag} {value} is not supported by the native trainer (one process); "
-                    "use a training backend with model parallelism (--train-backend megatron, plugin miles-megatron)"
-                )
         self.config = config
         self.manager = manager
         self.device = resolve_device(config)

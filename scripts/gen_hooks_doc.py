@@ -38,7 +38,8 @@ CONCERNS = [
     ),
     (
         "Command line and configuration",
-        ["miles_add_arguments", "miles_activate", "miles_configure", "miles_process_start", "miles_register_commands"],
+        ["miles_add_arguments", "miles_activate", "miles_configure", "miles_validate", "miles_process_start",
+         "miles_register_commands"],
     ),
 ]
 

@@ -17,9 +17,12 @@ from typing import Any, Sequence
 
 import yaml
 
-from miles_host.config import MilesConfig, validate_config
+from miles_host.config import NON_FLAG_FIELDS, MilesConfig
 from miles_host.config_fields import flag_name
+from miles_host.distributed.placement import prepare as prepare_processes
+from miles_host.distributed.placement import wants_distributed
 from miles_host.plugin_manager import MilesPluginManager, PluginError, parse_plugin_names
+from miles_host.validation import configure_with_plugins, validate
 
 
 class UsageError(ValueError):
@@ -56,7 +59,7 @@ def build_run_parser(manager: MilesPluginManager) -> tuple[argparse.ArgumentPars
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(MilesConfig):
-        if f.name in ("plugins", "plugin_args"):
+        if f.name in NON_FLAG_FIELDS:
             continue
         meta = f.metadata
         group_name = meta.get("group") or "general"
@@ -114,8 +117,20 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
     return values
 
 
-def _explicitly_set(args: argparse.Namespace, parser: argparse.ArgumentParser, dest: str) -> bool:
-    return getattr(args, dest, None) != parser.get_default(dest)
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The dests ``argv`` names (a flag given with its default value counts too):
+    ``argv`` parsed again with every default suppressed."""
+    saved_actions = {action: action.default for action in parser._actions}
+    saved_defaults = dict(parser._defaults)
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        parser._defaults.clear()
+        return set(vars(parser.parse_args(list(argv))))
+    finally:
+        for action, default in saved_actions.items():
+            action.default = default
+        parser._defaults.update(saved_defaults)
 
 
 def resolve_run_config(
@@ -133,9 +148,10 @@ def resolve_run_config(
 
     if wants_quickstart(list(argv)):
         parser.set_defaults(**quickstart_defaults())
-    if known.config:
-        parser.set_defaults(**load_config_file(known.config, parser))
+    from_file = load_config_file(known.config, parser) if known.config else {}
+    parser.set_defaults(**from_file)
     args = parser.parse_args(list(argv))
+    given = given_dests(parser, argv) | set(from_file)
     switches = parse_plugin_names(args.plugin_switches)
     disabled = [s[3:] for s in switches if s.startswith("no:")]
     selected = [
@@ -145,7 +161,7 @@ def resolve_run_config(
     ]
     active = manager.activate(selected=selected, disabled=disabled, args=args)
     for dest, plugin in plugin_dests.items():
-        if plugin not in active and _explicitly_set(args, parser, dest):
+        if plugin not in active and dest in given:
             raise UsageError(
                 f"{flag_name(dest)} belongs to plugin {plugin!r}, which is not active; "
                 f"add --plugins {plugin}"
@@ -153,23 +169,14 @@ def resolve_run_config(
     core = {name: getattr(args, name) for name in MilesConfig.field_names()}
     plugin_args = {dest: getattr(args, dest) for dest in plugin_dests}
     feature_plugins = [name for name in active if name in manager.feature_plugin_names()]
-    config = MilesConfig(**core, plugins=feature_plugins, plugin_args=plugin_args)
-    manager.hook.miles_configure(config=config)
-    validate_config(config)
-    check_registry_names(config, manager.registries)  # builds every registry: duplicates fail here too
+    user_set = sorted(name for name in core if name in given)
+    config = MilesConfig(**core, plugins=feature_plugins, plugin_args=plugin_args, user_set=user_set)
+    configure_with_plugins(config, manager)
+    if wants_distributed(config, manager.registries):
+        prepare_processes(config, manager.registries)  # the multi-process backends the run uses, validated as such
+    validate(config, manager.registries, manager.hook)  # builds every registry: duplicates fail here too
     manager.hook.miles_process_start(config=config)
     return config, args
-
-
-def check_registry_names(config: MilesConfig, registries) -> None:
-    """Names the config picks from registries must exist (typos fail in --dry-run too)."""
-    registries.advantage_estimators.get(config.advantage_estimator)
-    registries.precisions.get(config.precision)
-    registries.weight_sync_transports.get(config.weight_sync)
-    registries.rollout_backends.get(config.rollout_backend)
-    registries.train_backends.get(config.train_backend)
-    if config.rm_type is not None:
-        registries.reward_functions.get(config.rm_type)
 
 
 def config_report(config: MilesConfig, manager: MilesPluginManager) -> str:

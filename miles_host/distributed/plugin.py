@@ -6,6 +6,7 @@ more than one process (see :mod:`miles_host.distributed.launcher`)."""
 
 from __future__ import annotations
 
+from miles_host.builtin.train import check_native_trainer
 from miles_host.records import RolloutBackend, TrainBackend, WeightSyncTransport
 
 
@@ -38,11 +39,11 @@ def miles_register_train_backends():
     return [
         TrainBackend(
             "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)",
-            factory=_dp,
+            factory=_dp, validate=check_native_trainer,
         ),
         TrainBackend(
             "fsdp", "native trainer with FSDP2 (fully_shard per decoder layer) over --actor-num-gpus-per-node processes",
-            factory=_dp,
+            factory=_dp, validate=check_native_trainer,
         ),
     ]
 

@@ -298,6 +298,30 @@ def test_miles_configure():
     assert config.rollout_batch_size == 20
 
 
+def test_miles_validate():
+    """Fires in the validation stage with the finished config and the registries; its
+    ValueError refuses the run (and --dry-run) alike."""
+    seen = []
+
+    class Checks:
+        @staticmethod
+        def miles_validate(config, registries):
+            seen.append((config.rollout_batch_size, "bf16" in registries.precisions))
+            if config.rollout_batch_size == 3:
+                raise ValueError("--rollout-batch-size 3: refused by the throwaway plugin")
+
+    def resolve(argv):
+        manager = MilesPluginManager()
+        manager.discover(entry_points=[])
+        manager.add_inline_plugin(Checks(), "checks")
+        return resolve_run_config(argv, manager)
+
+    config, _ = resolve(["--rollout-batch-size", "4"])
+    assert seen == [(4, True)]
+    with pytest.raises(ValueError, match="refused by the throwaway plugin"):
+        resolve(["--rollout-batch-size", "3"])
+
+
 def test_miles_process_start():
     """In the driver after miles_configure; in a worker once its manager is rebuilt from that config."""
     import miles_r3.plugin as r3

@@ -62,16 +62,19 @@ def miles_activate(args):
     return getattr(args, "train_backend", None) == "megatron"
 
 
-def miles_configure(config):
-    """Refuse placements the backend cannot honour before any work: one trainer process
-    per TP x EP x PP rank (``--actor-num-gpus-per-node TP*EP*PP``, data-parallel size 1)."""
-    if config.train_backend != "megatron":
-        return
-    from miles_host.distributed.launcher import num_trainers, uses_ray, wants_distributed
+def check_megatron_backend(config, registries):
+    """``TrainBackend.validate``: megatron-core is importable, the flags are ones this backend
+    runs (:func:`miles_megatron.trainer.check_supported`), and the placement is one trainer
+    process per TP x EP x PP rank (``--actor-num-gpus-per-node TP*EP*PP``, data-parallel size 1)."""
+    from miles_host.distributed.placement import num_trainers, uses_ray, wants_distributed
 
-    from miles_megatron.runtime import check_parallel_sizes, model_parallel_world
+    from miles_megatron.runtime import model_parallel_world
+    from miles_megatron.trainer import check_supported
 
-    check_parallel_sizes(config)
+    ok, why = megatron_available()
+    if not ok:
+        raise ValueError(f"--train-backend megatron: {why}")
+    check_supported(config)
     world = model_parallel_world(config)
     if world > 1:
         if num_trainers(config) != world or uses_ray(config):
@@ -83,7 +86,7 @@ def miles_configure(config):
                 f"{', --use-ray' if uses_ray(config) else ''})"
             )
         return
-    if wants_distributed(config):
+    if wants_distributed(config, registries):
         raise ValueError(
             "--train-backend megatron runs its trainer in this process at TP = EP = PP = 1: multi-process "
             "placement (--use-ray, several trainers or engines, --rollout-backend process) is wired only for "
@@ -95,5 +98,5 @@ def miles_register_train_backends():
     """The ``megatron`` training backend."""
     return [TrainBackend(
         "megatron", "Megatron-Core GPTModel (local spec; TP, EP, PP and their products over processes)",
-        factory=_megatron_trainer, trainer_class=_trainer_class,
+        factory=_megatron_trainer, trainer_class=_trainer_class, validate=check_megatron_backend,
     )]

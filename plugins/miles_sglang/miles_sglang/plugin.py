@@ -61,9 +61,22 @@ def _disk_transport(config):
     return DiskTransport(config)
 
 
+def check_sglang_backend(config, registries):
+    """``RolloutBackend.validate``: the HTTP client cannot make the servers release their memory
+    between phases, so ``--colocate`` and ``--offload-rollout`` are refused."""
+    for name in ("colocate", "offload_rollout"):
+        if getattr(config, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag}: the rollout backend 'sglang' cannot release its memory between phases; use "
+                "--rollout-backend embedded or process, or drop the flag"
+            )
+
+
 def miles_register_rollout_backends():
     """The SGLang HTTP client."""
-    return [RolloutBackend("sglang", "SGLang servers (or `miles serve`) over their HTTP API", factory=_backend)]
+    return [RolloutBackend("sglang", "SGLang servers (or `miles serve`) over their HTTP API", factory=_backend,
+                           validate=check_sglang_backend)]
 
 
 def miles_register_weight_sync_transports():

@@ -25,20 +25,21 @@ def miles_activate(args):
 
 
 def miles_configure(config):
-    """Check the speculative flags: chain drafting only, ``num_draft_tokens == num_steps + 1``."""
+    """``--sglang-speculative-num-steps`` defaults to 3 with a speculative algorithm of this plugin."""
     algorithm = (config.sglang_speculative_algorithm or "").lower()
-    if not algorithm:
-        return
+    if algorithm in ALGORITHMS and config.sglang_speculative_num_steps is None:
+        config.sglang_speculative_num_steps = 3
+
+
+def check_speculative_flags(config, registries):
+    """``DecodingStrategy.validate``: chain drafting only, ``num_draft_tokens == num_steps + 1``,
+    no batch-invariant mode (the draft/verify passes do not use it)."""
     if config.true_on_policy:
         raise ValueError(
             "--true-on-policy with --sglang-speculative-algorithm is not supported yet: the draft/verify "
             "passes do not use the batch-invariant per-token path; drop one of the two"
         )
-    if algorithm not in ALGORITHMS:
-        return  # the loop reports an unknown decoding strategy with the known names
-    if config.sglang_speculative_num_steps is None:
-        config.sglang_speculative_num_steps = 3
-    steps = config.sglang_speculative_num_steps
+    steps = 3 if config.sglang_speculative_num_steps is None else config.sglang_speculative_num_steps
     if steps < 1:
         raise ValueError(f"--sglang-speculative-num-steps must be >= 1, got {steps}")
     if config.sglang_speculative_eagle_topk not in (None, 1):
@@ -83,7 +84,8 @@ def eagle_factory(engine, config):
 def miles_register_decoding_strategies():
     """EAGLE/MTP chain drafting verified in one policy forward."""
     description = "draft k tokens (MTP head or draft model), verify in one policy forward, speculative sampling"
-    return [DecodingStrategy(name, description, factory=eagle_factory) for name in ALGORITHMS]
+    return [DecodingStrategy(name, description, factory=eagle_factory, validate=check_speculative_flags)
+            for name in ALGORITHMS]
 
 
 def _mtp_loss(model_outputs, loss_batch, config):

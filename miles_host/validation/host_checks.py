@@ -1,0 +1,165 @@
+"""Checks of the host that need more than the config: registries, files, the machine.
+
+Each ``check_*(config, registries)`` raises a ValueError (FileNotFoundError for a
+missing path) naming the flag; :data:`HOST_CHECKS` is the order
+:func:`miles_host.validation.validate` runs them in. Add a new one here and to
+the tuple.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from miles_host.config import MilesConfig
+from miles_host.config_fields import flag_name
+from miles_host.data import missing_data_file
+from miles_host.distributed.placement import check_placement, wants_distributed
+from miles_host.plugin_manager import model_family_for
+from miles_host.reward import load_function
+from miles_host.rollout_backend import resolve_device
+from miles_host.validation.output_paths import check_output_paths
+
+#: flags no backend of this version honours: refused when set
+UNSUPPORTED_FLAGS: dict[str, str] = {
+    "recompute_method": "activation checkpointing recomputes every decoder layer (--recompute-granularity full)",
+    "recompute_num_layers": "activation checkpointing recomputes every decoder layer (--recompute-granularity full)",
+    "tool_key": "tool definitions are passed by a --custom-generate-function-path",
+}
+
+#: speculative flags that only a decoding strategy other than ``plain`` reads
+SPECULATIVE_DECODING_FLAGS = (
+    "sglang_speculative_num_steps",
+    "sglang_speculative_eagle_topk",
+    "sglang_speculative_num_draft_tokens",
+    "sglang_speculative_draft_model_path",
+    "sglang_speculative_token_map",
+    "sglang_enable_draft_weights_cpu_backup",
+)
+#: MTP flags that only online draft training (``--enable-mtp-training``) or a speculative strategy reads
+MTP_FLAGS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+
+
+def decoding_strategy_name(config: Any) -> str:
+    """The decoding strategy the run asks for: ``--sglang-speculative-algorithm`` or ``plain``."""
+    return (config.sglang_speculative_algorithm or "plain").lower()
+
+
+def check_registry_names(config: Any, registries: Any) -> None:
+    """Names the config picks from registries exist (a typo names the known ones)."""
+    registries.advantage_estimators.get(config.advantage_estimator)
+    registries.precisions.get(config.precision)
+    registries.weight_sync_transports.get(config.weight_sync)
+    registries.rollout_backends.get(config.rollout_backend)
+    registries.train_backends.get(config.train_backend)
+    registries.decoding_strategies.get(decoding_strategy_name(config))
+    if config.rm_type is not None:
+        registries.reward_functions.get(config.rm_type)
+
+
+def check_required_inputs(config: Any, registries: Any) -> None:
+    """A model directory whose family is installed, a prompt file and a reward."""
+    if config.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
+    hf_config = Path(config.hf_checkpoint) / "config.json"
+    if not hf_config.is_file():
+        raise FileNotFoundError(
+            f"--hf-checkpoint {config.hf_checkpoint}: no config.json there; give a local HF-format model "
+            "directory (models are not downloaded from a hub)"
+        )
+    try:
+        model_type = json.loads(hf_config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise ValueError(f"--hf-checkpoint {config.hf_checkpoint}: config.json is not a JSON object ({error})") from error
+    if model_type is None:
+        raise ValueError(f"--hf-checkpoint {config.hf_checkpoint}: config.json has no model_type")
+    model_family_for(model_type)  # the loader's lookup: ValueError naming the supported types
+    if config.prompt_data is None:
+        raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+    if not Path(config.prompt_data).is_file():
+        raise missing_data_file(config.prompt_data, "--prompt-data")
+    if not (config.rm_type or config.custom_rm_path or config.rm_url):
+        raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+
+
+def check_user_functions(config: Any, registries: Any) -> None:
+    """``module.fn`` flags import and name a function."""
+    for name in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
+        path = getattr(config, name)
+        if path:
+            load_function(path, flag_name(name))
+
+
+def check_device(config: Any, registries: Any) -> None:
+    """``--device cuda`` needs a CUDA device."""
+    resolve_device(config)
+
+
+def check_placement_flags(config: Any, registries: Any) -> None:
+    """Trainer and engine processes this node can hold (one-process runs: their limits)."""
+    if wants_distributed(config, registries):
+        check_placement(config)
+    else:
+        check_single_process(config)
+
+
+def check_single_process(config: Any) -> None:
+    """Placement flags a one-process run can honour."""
+    if config.actor_num_nodes != 1:
+        raise ValueError(f"--actor-num-nodes {config.actor_num_nodes}: several nodes are not supported yet")
+    if config.rollout_num_gpus_per_engine != 1:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
+            "tensor parallelism; use 1, or the sglang backend"
+        )
+    if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
+        raise ValueError(
+            f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "
+            "use --rollout-backend process or sglang for several engines"
+        )
+
+
+def check_unsupported_flags(config: Any, registries: Any) -> None:
+    """Flags that no backend of this version honours are refused, never ignored."""
+    for name, instead in UNSUPPORTED_FLAGS.items():
+        if getattr(config, name) is not None:
+            raise ValueError(f"{flag_name(name)} is not supported in this version ({instead}); drop it")
+
+
+def check_speculative_flags(config: Any, registries: Any) -> None:
+    """Speculative and MTP flags are read only when a speculative strategy or MTP training is on."""
+    speculative = decoding_strategy_name(config) != "plain"
+    if not speculative:
+        for name in SPECULATIVE_DECODING_FLAGS:
+            if getattr(config, name) not in (None, False):
+                raise ValueError(
+                    f"{flag_name(name)} is read only by speculative decoding: add --sglang-speculative-algorithm "
+                    "EAGLE (plugin miles-spec), or drop it"
+                )
+    if not (speculative or config.enable_mtp_training):
+        defaults = {"mtp_num_layers": None, "mtp_loss_scaling_factor": _default("mtp_loss_scaling_factor")}
+        for name in MTP_FLAGS:
+            if getattr(config, name) != defaults[name]:
+                raise ValueError(
+                    f"{flag_name(name)} is read only by the MTP draft: add --enable-mtp-training (and "
+                    "--sglang-speculative-algorithm EAGLE to decode with it; plugin miles-spec), or drop it"
+                )
+    if config.enable_mtp_training and not any(term.enabled(config) for term in registries.loss_terms):
+        raise ValueError("--enable-mtp-training needs a plugin providing the MTP loss term (--plugins spec)")
+
+
+def _default(name: str) -> Any:
+    return MilesConfig.__dataclass_fields__[name].default
+
+
+HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
+    check_registry_names,
+    check_required_inputs,
+    check_output_paths,
+    check_user_functions,
+    check_device,
+    check_placement_flags,
+    check_unsupported_flags,
+    check_speculative_flags,
+)
