@@ -20,7 +20,7 @@ def miles_register_reward_functions():
     """The host's built-in rewards."""
     return [
         RewardFunction("math", "last \\boxed{} answer vs label (math-verify)", fn=_per_sample(answers.math_reward)),
-        RewardFunction("deepscaler", "answer after </think>, then as math", fn=_per_sample(answers.deepscaler_reward)),
+        RewardFunction("deepscaler", "answer after </think> (or ###Response), then as math", fn=_per_sample(answers.deepscaler_reward)),
         RewardFunction("f1", "token-level F1 against the label", fn=_per_sample(answers.f1_reward)),
         RewardFunction("exact", "normalised exact match against the label", fn=_per_sample(answers.exact_reward)),
     ]

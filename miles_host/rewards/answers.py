@@ -1,11 +1,16 @@
 """Answer extraction and comparison for the built-in rewards.
 
-- ``math``: the last ``\\boxed{...}`` of the response, checked against the label with
+- ``math``: the last ``\\boxed{...}`` of the response (``\\fbox{...}`` when there is no
+  ``\\boxed``, as slime's ``last_boxed_only_string``), checked against the label with
   the math-verify package when installed (symbolic equivalence), else by a
   normalised string comparison.
-- ``deepscaler``: the answer after ``</think>`` (DeepScaleR's format), then as math.
+- ``deepscaler``: the solution after ``</think>``, or else after the first
+  ``###Response`` (up to the next one), DeepScaleR's two formats as slime reads them;
+  then as math. No marker, or an empty label: 0.
 - ``f1``: token-level F1 between response and label (SQuAD style).
 - ``exact``: normalised exact match of the stripped response.
+
+A response of ``None`` (a custom generate function that produced no text) scores 0.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ except ImportError:  # pragma: no cover - exercised where math-verify is absent
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    """Content of the last ``\\boxed{...}`` (balanced braces), else of the last
+    ``\\fbox{...}``, or None."""
     start = text.rfind("\\boxed")
+    if start < 0:
+        start = text.rfind("\\fbox")
     if start < 0:
         return None
     brace = text.find("{", start)
@@ -73,21 +81,30 @@ def math_equal(predicted: str, label: Any) -> bool:
     return False
 
 
-def math_reward(response: str, label: Any) -> float:
+def math_reward(response: str | None, label: Any) -> float:
     """1.0 when the last boxed answer equals the label, else 0.0."""
+    if response is None:
+        return 0.0
     answer = last_boxed(response)
     return float(answer is not None and math_equal(answer, label))
 
 
-def deepscaler_reward(response: str, label: Any) -> float:
-    """DeepScaleR: no reward without ``</think>``; then math on the part after it."""
-    if "</think>" not in response:
+def deepscaler_reward(response: str | None, label: Any) -> float:
+    """DeepScaleR: math on the part after ``</think>``, or else on the part after the first
+    ``###Response``; 0 without either marker or with an empty label."""
+    if response is None or str(label) == "":
         return 0.0
-    return math_reward(response.split("</think>")[-1], label)
+    if "</think>" in response:
+        return math_reward(response.split("</think>")[-1], label)
+    if "###Response" in response:
+        return math_reward(response.split("###Response")[1], label)
+    return 0.0
 
 
-def f1_reward(response: str, label: Any) -> float:
-    """Token F1 between the normalised response and label."""
+def f1_reward(response: str | None, label: Any) -> float:
+    """Token F1 between the normalised response and label (0 for no response)."""
+    if response is None:
+        return 0.0
     predicted = normalize_answer(response).split()
     gold = normalize_answer(str(label)).split()
     common = Counter(predicted) & Counter(gold)
@@ -98,6 +115,8 @@ def f1_reward(response: str, label: Any) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def exact_reward(response: str, label: Any) -> float:
+def exact_reward(response: str | None, label: Any) -> float:
     """1.0 when the normalised response equals the normalised label."""
+    if response is None:
+        return 0.0
     return float(normalize_answer(response) == normalize_answer(str(label)))

@@ -51,3 +51,26 @@ def test_f1_and_exact_against_hand_computed_values():
     assert f1_reward("dog", "cat") == 0.0
     assert exact_reward("  The Answer! ", "answer") == 1.0
     assert exact_reward("answer 2", "answer") == 0.0
+
+
+def test_fbox_is_the_fallback_of_boxed():
+    """slime's last_boxed_only_string: ``\\fbox`` counts when there is no ``\\boxed``."""
+    assert last_boxed(r"answer: \fbox{7}") == "7"
+    assert last_boxed(r"\fbox{1} and later \boxed{2}") == "2"  # \boxed wins wherever it is
+    assert math_reward(r"so \fbox{\frac{1}{2}}", "0.5") == 1.0
+
+
+def test_deepscaler_recognises_the_response_separator():
+    """DeepScaleR's second format: the solution follows ``###Response``; what precedes it
+    is not graded, and without any marker there is no reward."""
+    assert deepscaler_reward(r"Scratch work \boxed{wrong}###Response\boxed{42}", "42") == 1.0
+    assert deepscaler_reward(r"Scratch \boxed{42}###Response\boxed{41}", "42") == 0.0
+    assert deepscaler_reward(r"\boxed{42}", "42") == 0.0
+    assert deepscaler_reward(r"</think>\boxed{}", "") == 0.0  # an empty label never matches
+
+
+def test_no_response_scores_zero():
+    assert f1_reward(None, "cat") == 0.0
+    assert exact_reward(None, "cat") == 0.0
+    assert math_reward(None, "1") == 0.0
+    assert deepscaler_reward(None, "1") == 0.0
