@@ -1,4 +1,10 @@
-"""Evaluation: accuracy (mean reward) of the current policy on a prompt set."""
+"""Evaluation: accuracy (mean reward) of the current policy on a prompt set.
+
+The backend is stepped only while it has unfinished work, and at most
+:func:`step_budget` times: a backend that stops reporting work before every request
+came back, or never finishes, ends the evaluation with a ``RuntimeError`` instead
+of a hang.
+"""
 
 from __future__ import annotations
 
@@ -37,15 +43,48 @@ def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: Pro
                 sample.metadata["failure"] = str(error)
                 samples[rid] = sample
     pending = {rid for rid, s in samples.items() if s.status is not Status.FAILED}
-    while pending:
-        for output in rollout.backend.step():
-            rid = output["meta_info"]["id"]
-            if rid in pending:
-                rollout.apply_output(samples[rid], output)
-                pending.discard(rid)
+    collect(rollout, samples, pending, step_budget([samples[rid] for rid in pending], max_new), path)
     scores = []
     for sample in samples.values():
         if sample.status is not Status.FAILED:
             rollout.scorer.score_group([sample])
         scores.append(0.0 if sample.status is Status.FAILED else rollout.scorer.scalar(sample.reward))
     return sum(scores) / max(1, len(scores))
+
+
+#: steps allowed per token the requests can hold, and a constant on top (see :func:`step_budget`)
+STEPS_PER_TOKEN = 2
+EXTRA_STEPS = 1000
+
+
+def step_budget(samples: list[Sample], max_new_tokens: int) -> int:
+    """How many backend steps the requests of ``samples`` may take: a working engine computes
+    at least one token (prefill or decode) per step, so twice the tokens they can hold
+    (prompt plus ``max_new_tokens`` each) plus :data:`EXTRA_STEPS` is far more than it needs."""
+    tokens = sum(len(sample.tokens) + max_new_tokens for sample in samples)
+    return STEPS_PER_TOKEN * tokens + EXTRA_STEPS
+
+
+def collect(rollout: Any, samples: dict[str, Sample], pending: set[str], max_steps: int, path: str) -> None:
+    """Step the backend until every request id in ``pending`` came back (applied to its sample).
+
+    Raises ``RuntimeError`` when the backend reports no unfinished work while requests are
+    still missing (it lost them), or after ``max_steps`` steps without all of them."""
+    steps = 0
+    while pending:
+        if not rollout.backend.has_unfinished():
+            raise RuntimeError(
+                f"evaluation of {path}: the rollout backend has nothing unfinished but {len(pending)} "
+                f"request(s) never came back (e.g. {min(pending)}); the backend dropped them"
+            )
+        if steps >= max_steps:
+            raise RuntimeError(
+                f"evaluation of {path}: {len(pending)} request(s) still unfinished after {steps} backend steps "
+                "(a working engine needs far fewer); the backend makes no progress (paused or stuck?)"
+            )
+        steps += 1
+        for output in rollout.backend.step():
+            rid = output["meta_info"]["id"]
+            if rid in pending:
+                rollout.apply_output(samples[rid], output)
+                pending.discard(rid)
