@@ -212,3 +212,28 @@ def test_gpu_autocast_float32_masters_match_loop():
     for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down"), results["auto"], results["loop"]):
         assert grouped_t.dtype == loop_t.dtype, name
         assert_close_rel(grouped_t.cpu(), loop_t.double().cpu(), 2e-2, name)
+
+
+@pytest.mark.slow
+def test_grouped_path_compiles_without_graph_breaks():
+    """``--train-compile``: the grouped path traces as one graph with dynamic T (bf16, as on the GPU)
+    and computes what eager computes, gradients included."""
+    from miles_host.models.mlp import MoE
+
+    torch.manual_seed(5)
+    layer = MoE(32, MoEConfig(num_experts=8, top_k=2, intermediate_size=16, experts_impl="grouped"), "silu", 0)
+    layer.router.reset_parameters()
+    layer.experts.reset_parameters()
+    layer = layer.bfloat16()
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True, fullgraph=True)
+    for num_tokens in (40, 17):
+        x_TH = torch.randn(num_tokens, 32, dtype=torch.bfloat16, requires_grad=True)
+        results = []
+        for module in (layer, compiled):
+            layer.zero_grad()
+            x_TH.grad = None
+            y_TH = module(x_TH)
+            y_TH.float().square().sum().backward()
+            results.append([y_TH.detach(), x_TH.grad, *(p.grad for p in layer.parameters())])
+        for eager_t, compiled_t in zip(*results):
+            torch.testing.assert_close(compiled_t, eager_t, rtol=0, atol=0)
