@@ -27,7 +27,7 @@ choice or an R3 replay); the gate weights carry the router's gradient.
 
 Which path ``Experts.forward`` takes with gradients on is ``MoEConfig.experts_impl``
 (:data:`EXPERTS_IMPLS`): ``auto`` takes this one where ``_grouped_mm`` runs its
-bf16 kernel (CUDA, compute capability >= 9.0, bf16 or bf16 autocast, H and I
+bf16 kernel (CUDA, compute capability 9.x or 10.x, bf16 or bf16 autocast, H and I
 multiples of 8) and the per-expert loop elsewhere; ``grouped`` takes it
 everywhere (CPU tests: ``_grouped_mm``'s CPU kernel, or :func:`grouped_mm_loop`
 where torch has none); ``loop`` keeps the per-expert loop (the baseline of
@@ -158,7 +158,7 @@ def _bf16_kernel_runs(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor) -> bool:
         x_TH.is_cuda
         and hasattr(torch, "_grouped_mm")
         and compute_dtype(x_TH) == torch.bfloat16
-        and torch.cuda.get_device_capability(x_TH.device) >= (9, 0)
+        and torch.cuda.get_device_capability(x_TH.device)[0] in (9, 10)  # its CUTLASS kernels: sm90, sm100
         and hidden % 8 == 0
         and (two_inter // 2) % 8 == 0
     )

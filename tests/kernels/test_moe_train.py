@@ -155,10 +155,10 @@ def test_experts_impl_choices():
 # -- GPU -------------------------------------------------------------------------------------
 
 def _cuda_sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
 
 
-gpu = pytest.mark.skipif(not _cuda_sm90(), reason="needs a CUDA GPU of compute capability >= 9.0")
+gpu = pytest.mark.skipif(not _cuda_sm90(), reason="needs a CUDA GPU of compute capability 9.x or 10.x")
 
 
 @pytest.mark.gpu
