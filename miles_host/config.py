@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_host.config_fields import flag, optional_int, size_in_bytes
+from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 
 
 @dataclass
@@ -74,6 +74,7 @@ class RolloutArgs:
     dynamic_sampling_filter_path: str | None = flag(None, "module.fn deciding whether a group is kept", type=str, group="rollout")
     partial_rollout: bool = flag(False, "abort unfinished samples once the batch is full and continue them next step", group="rollout")
     mask_offpolicy_in_partial_rollout: bool = flag(False, "mask tokens produced by an older policy in continued samples", group="rollout")
+    max_failed_sample_fraction: float = flag(0.5, "stop the run after a rollout in which more than this fraction of the samples failed (reward errors, prompts too long, ...), with the first failure's message; 1: never", type=float, group="rollout")
     custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools)", type=str, group="rollout")
     sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
     sglang_disable_overlap_schedule: bool = flag(False, "read each decode step's tokens before launching the next (SGLang's --disable-overlap-schedule; by default on CUDA step N+1 is launched before step N's tokens are read)", group="rollout")
@@ -291,8 +292,44 @@ def validate_config(config: MilesConfig) -> None:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if config.lr < 0:
         raise ValueError(f"--lr must be >= 0, got {config.lr}")
+    check_learning_settings(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
             f"{config.loss_agg_mode}; give one of the two"
+        )
+
+
+def check_learning_settings(config: MilesConfig) -> None:
+    """Values that would make a run silently learn nothing, learn backwards, or never
+    stop on trouble; ValueError naming the flag and what to give instead."""
+    if config.clip_grad <= 0:
+        raise ValueError(
+            f"--clip-grad must be positive (the bound on the gradient norm), got {config.clip_grad:g}: 0 zeroes "
+            "every update and a negative value reverses it; to clip effectively never, give a large value (1e9)"
+        )
+    for name in ("eps_clip", "eps_clip_high"):
+        value = getattr(config, name)
+        if value is not None and value < 0:
+            raise ValueError(f"{flag_name(name)} must be >= 0 (a PPO clip range), got {value:g}")
+    if config.kl_loss_coef != 0 and not config.use_kl_loss:
+        raise ValueError(
+            f"--kl-loss-coef {config.kl_loss_coef:g} has no effect without --use-kl-loss; add --use-kl-loss, or drop "
+            "--kl-loss-coef (--kl-coef shapes the reward instead)"
+        )
+    if config.save_interval is not None:
+        if config.save_interval <= 0:
+            raise ValueError(f"--save-interval must be a positive number of rollouts, got {config.save_interval}")
+        if not (config.save or config.save_hf):
+            raise ValueError("--save-interval needs --save (or --save-hf): there is nowhere to save to")
+    if config.max_consecutive_nan_steps < 1:
+        raise ValueError(
+            f"--max-consecutive-nan-steps must be >= 1, got {config.max_consecutive_nan_steps}: the run stops after "
+            "that many optimizer steps in a row with a NaN/Inf loss"
+        )
+    if not config.worker_timeout > 0:
+        raise ValueError(f"--worker-timeout must be a positive number of seconds, got {config.worker_timeout:g}")
+    if not 0 <= config.max_failed_sample_fraction <= 1:
+        raise ValueError(
+            f"--max-failed-sample-fraction must be between 0 and 1, got {config.max_failed_sample_fraction:g}"
         )

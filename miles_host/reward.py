@@ -19,6 +19,8 @@ import asyncio
 import importlib
 import inspect
 import json
+import math
+import numbers
 import os
 import sys
 import threading
@@ -131,10 +133,13 @@ class RewardScorer:
         self.timeout_s: float | None = config.rm_timeout  # in-process rewards; --rm-url times its requests itself
         if config.custom_rm_path:
             self.function = load_function(config.custom_rm_path, "--custom-rm-path")
+            self.source = f"--custom-rm-path {config.custom_rm_path}"
         elif config.rm_url:
             self.function = remote_reward(config.rm_url, config.rm_timeout, config.rm_max_retries)
             self.timeout_s = None
+            self.source = f"--rm-url {config.rm_url}"
         elif config.rm_type:
+            self.source = f"--rm-type {config.rm_type}"
             record = registry.get(config.rm_type)
             self.function = record.fn
             self.group = self.group or record.group
@@ -148,13 +153,26 @@ class RewardScorer:
         return call_with_timeout(self.function, (samples, self.config), self.timeout_s)
 
     def scalar(self, reward: Any) -> float:
-        """The number the advantages use (``--reward-key`` picks it from a dict)."""
+        """The number the advantages use (``--reward-key`` picks it from a dict).
+
+        TypeError unless it is a real number (bool and numpy scalars included), ValueError
+        when it is NaN or infinite: such a sample fails alone instead of poisoning the step."""
+        value = reward
         if isinstance(reward, dict):
             key = self.config.reward_key or "score"
             if key not in reward:
                 raise ValueError(f"reward dict {reward} has no key {key!r}; set --reward-key")
-            return float(reward[key])
-        return float(reward)
+            value = reward[key]
+        if not isinstance(value, numbers.Real):
+            hint = " (return float(x) or x.item())" if hasattr(value, "item") else ""
+            raise TypeError(
+                f"a reward must be a number, or a dict holding one under --reward-key; got "
+                f"{type(value).__name__} {_short(value)}{hint}"
+            )
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"the reward is {number}; a reward must be a finite number")
+        return number
 
     def score_group(self, samples: list[Sample]) -> None:
         """Set ``sample.reward`` for every sample of one prompt, in place."""
@@ -167,7 +185,13 @@ class RewardScorer:
                     sample.reward = reward
             except Exception as error:  # noqa: BLE001 - one failing group must not stop the run
                 for sample in samples:
-                    _fail(sample, error)
+                    _fail(sample, error, self.source)
+                return
+            for sample in samples:
+                try:
+                    self.scalar(sample.reward)
+                except (TypeError, ValueError) as error:  # one bad reward of the group fails its sample
+                    _fail(sample, error, self.source)
             return
         for sample in samples:
             if sample.status is Status.FAILED:
@@ -176,10 +200,15 @@ class RewardScorer:
                 sample.reward = self.call(sample)
                 self.scalar(sample.reward)
             except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
-                _fail(sample, error)
+                _fail(sample, error, self.source)
 
 
-def _fail(sample: Sample, error: Exception) -> None:
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fail(sample: Sample, error: Exception, source: str) -> None:
     sample.status = Status.FAILED
     sample.reward = None
-    sample.metadata["failure"] = f"reward: {type(error).__name__}: {error}"
+    sample.metadata["failure"] = f"reward ({source}): {type(error).__name__}: {error}"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles_host.data import PromptDataset, PromptRecord
+from miles_host.health import check_failed_fraction
 from miles_host.reward import RewardScorer, load_function
 from miles_host.sample import Sample, Status, compact_expert_ids
 
@@ -50,6 +51,8 @@ class RolloutStats:
     dropped_samples: int = 0
     buffered_samples: int = 0
     failed_samples: int = 0
+    finished_samples: int = 0  # of groups that finished (kept or filtered): the failure rate's denominator
+    first_failure: str | None = None
     generated_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -149,6 +152,8 @@ class RolloutManager:
                 self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
         max_groups = max(64 * target, 1024)
         while len(kept) < target:
+            if stats.finished_samples >= target * config.n_samples_per_prompt:
+                self._check_failures(rollout_id, stats)  # a filter dropping failed groups would resubmit forever
             if stats.submitted_groups > max_groups:
                 raise RuntimeError(
                     f"rollout {rollout_id}: {stats.submitted_groups} groups submitted but only {len(kept)} of "
@@ -168,7 +173,12 @@ class RolloutManager:
             for output in self.backend.step():
                 self._absorb(output, in_flight, waiting, kept, stats)
         self._wind_down(kept[target:], in_flight, waiting, stats)
+        self._check_failures(rollout_id, stats)
         return kept[:target], stats
+
+    def _check_failures(self, rollout_id: int, stats: RolloutStats) -> None:
+        check_failed_fraction(rollout_id, stats.failed_samples, stats.finished_samples, stats.first_failure,
+                              self.config.max_failed_sample_fraction)
 
     def _custom_group(self, group: list[Sample], rollout_id: int, kept: list, stats: RolloutStats) -> None:
         """``--custom-generate-function-path``: ``fn(args, sample, sampling_params, session)``
@@ -268,7 +278,11 @@ class RolloutManager:
 
     def _finish_group(self, group: list[Sample], kept: list, stats: RolloutStats) -> None:
         self.scorer.score_group(group)
-        stats.failed_samples += sum(s.status is Status.FAILED for s in group)
+        failed = [s for s in group if s.status is Status.FAILED]
+        stats.failed_samples += len(failed)
+        stats.finished_samples += len(group)
+        if failed and stats.first_failure is None:
+            stats.first_failure = failed[0].metadata.get("failure", "no reason recorded")
         if self.keep_group is not None and not self.keep_group(group, self.scorer.scalar):
             stats.filtered_groups += 1
             return

@@ -65,12 +65,15 @@ def masked_whiten(values_N: torch.Tensor, mask_N: torch.Tensor, eps: float = 1e-
     Same statistics as slime's ``distributed_masked_whiten(shift_mean=True)``
     (Bessel's correction when at least two tokens count, ``eps`` inside the root),
     computed here over the tokens given; a caller that shards a batch over ranks
-    must pass the whole batch. Every token is transformed, masked out or not.
+    must pass the whole batch. Every token is transformed, masked out or not. The
+    statistics are taken in float64 (float32 squares of values near 1e20 overflow); the
+    result has the input's dtype.
     """
-    count = mask_N.to(values_N.dtype).sum()
+    values64_N, mask64_N = values_N.double(), mask_N.double()
+    count = mask64_N.sum()
     if count.item() == 0:
         raise ValueError("cannot whiten advantages: the loss mask selects no token")
-    mean = (values_N * mask_N).sum() / count
-    squared_error = ((values_N - mean) ** 2 * mask_N).sum()
+    mean = (values64_N * mask64_N).sum() / count
+    squared_error = ((values64_N - mean) ** 2 * mask64_N).sum()
     variance = squared_error / (count - 1) if count.item() >= 2 else squared_error / count
-    return (values_N - mean) * torch.rsqrt(variance + eps)
+    return ((values64_N - mean) * torch.rsqrt(variance + eps)).to(values_N.dtype)

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,6 +55,9 @@ def build_run_parser(manager: MilesPluginManager) -> tuple[argparse.ArgumentPars
         description="Run RL post-training (rollout, reward, advantages, train, weight sync).",
         allow_abbrev=False,
     )
+    # "--lr -1e-4" is a value (refused by validation), not an unknown option: Python 3.13's rule,
+    # where older versions read only -1 and -1.5 as numbers
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
     add_plugin_selection_arguments(parser)
     parser.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")

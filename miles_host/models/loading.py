@@ -80,7 +80,8 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time; corrupt files raise naming the file."""
+    """Yield ``(name, tensor)`` one tensor at a time; corrupt files, and tensors holding NaN
+    or infinity, raise naming the file and the tensor."""
     from safetensors import safe_open
 
     for file in files:
@@ -94,7 +95,20 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 tensor = handle.get_tensor(name)
             except Exception as exc:  # noqa: BLE001
                 raise ValueError(f"corrupt safetensors file {file}: cannot read tensor {name!r}: {exc}") from exc
+            if not all_finite(tensor):
+                raise ValueError(
+                    f"{file}: tensor {name!r} holds NaN or infinite values; the checkpoint is damaged or was saved "
+                    "from a diverged run (use an earlier checkpoint)"
+                )
             yield name, tensor
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in a floating-point tensor (other dtypes: always True)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    readable = tensor if tensor.element_size() > 1 else tensor.float()  # no isfinite kernels for float8
+    return bool(torch.isfinite(readable).all())
 
 
 def _native_targets(family: Any, name: str, tensor: torch.Tensor, config: ModelConfig):

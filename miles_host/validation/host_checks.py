@@ -149,6 +149,21 @@ def check_speculative_flags(config: Any, registries: Any) -> None:
         raise ValueError("--enable-mtp-training needs a plugin providing the MTP loss term (--plugins spec)")
 
 
+def check_batch_split(config: Any, registries: Any) -> None:
+    """``--global-batch-size`` divides the rollout's samples: a remainder makes a last optimizer
+    step of a few samples (16 samples in steps of 5: 5, 5, 5 and 1), a noisy step with the
+    weight of a full one. (Not in ``validate_config``: a config of any split can be built, and
+    :func:`miles_host.lr_schedule.step_sizes` splits the fewer samples that failures leave.)"""
+    size, per_rollout = config.global_batch_size, config.rollout_batch_size * config.n_samples_per_prompt
+    if size is not None and per_rollout % size:
+        divisors = [d for d in range(1, per_rollout + 1) if per_rollout % d == 0]
+        raise ValueError(
+            f"--global-batch-size {size} does not divide the {per_rollout} samples of a rollout (--rollout-batch-size "
+            f"{config.rollout_batch_size} x --n-samples-per-prompt {config.n_samples_per_prompt}); give one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+
+
 def _default(name: str) -> Any:
     return MilesConfig.__dataclass_fields__[name].default
 
@@ -162,4 +177,5 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_placement_flags,
     check_unsupported_flags,
     check_speculative_flags,
+    check_batch_split,
 )

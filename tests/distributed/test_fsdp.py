@@ -24,14 +24,33 @@ def _assert_same_metrics(expected: list[dict], got: list[dict]) -> None:
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
 
 
-def test_two_fsdp_trainers_match_one_process(tiny_task, tmp_path, signal_reward):
-    """2 rollouts x 4 optimizer steps of 5, 5, 5 and 1 samples (a rank with no sample
-    only joins the collectives; micro-batches of 1 leave the ranks unequal): metrics,
-    checkpoint weights and --save-hf weights of 2 FSDP2 trainers equal one process."""
+@pytest.fixture
+def reward_failing_three(tmp_path, monkeypatch):
+    """A reward with variance in each group that fails the last 3 of each rollout's 16 samples."""
+    import sys
+    import textwrap
+
+    (tmp_path / "fsdp_rewards.py").write_text(textwrap.dedent(
+        """
+        def odd_first_char_13_of_16(sample, config):
+            if sample.index % 16 >= 13:
+                raise RuntimeError("not scored")
+            return float(sample.response[:1] in ("1", "3", "5", "7", "9", "+"))
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("fsdp_rewards", None)
+    return ["--custom-rm-path", "fsdp_rewards.odd_first_char_13_of_16"]
+
+
+def test_two_fsdp_trainers_match_one_process(tiny_task, tmp_path, reward_failing_three):
+    """2 rollouts x 4 optimizer steps of 4, 4, 4 and 1 samples (13 of 16 samples scored; a rank
+    with no sample only joins the collectives; micro-batches of 1 leave the ranks unequal):
+    metrics, checkpoint weights and --save-hf weights of 2 FSDP2 trainers equal one process."""
     from miles_host.models import load_pretrained
 
     model, data = tiny_task
-    common = ("--num-rollout", "2", "--global-batch-size", "5", "--micro-batch-size", "1", *signal_reward)
+    common = ("--num-rollout", "2", "--global-batch-size", "4", "--micro-batch-size", "1", *reward_failing_three)
     one = base_args(model, data, tmp_path / "one", *common, "--save", str(tmp_path / "c1"))
     many = base_args(
         model, data, tmp_path / "fsdp", *common, "--save", str(tmp_path / "c2"),
@@ -40,6 +59,7 @@ def test_two_fsdp_trainers_match_one_process(tiny_task, tmp_path, signal_reward)
     assert run_one_process(one) == 0
     assert run_launched(many, worker_timeout=90, **TWO_FSDP_TRAINERS) == 0
     _assert_same_metrics(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp"))
+    assert [m["rollout/failed_samples"] for m in read_metrics(tmp_path / "fsdp")] == [3, 3]  # steps of 4, 4, 4, 1
     a = load_checkpoint(str(tmp_path / "c1"))["trainer"]
     b = load_checkpoint(str(tmp_path / "c2"))["trainer"]
     start = load_pretrained(str(model), dtype=torch.float32, device="cpu").state_dict()

@@ -110,10 +110,21 @@ def test_reward_that_raises_fails_the_sample_not_the_run(tiny_task, tmp_path, re
     assert "judge unavailable" in dumped and '"failed"' in dumped
 
 
-def test_nan_loss_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tiny_task, tmp_path, reward_module, capsys):
+def test_nan_loss_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tiny_task, tmp_path, reward_module, capsys,
+                                                                          monkeypatch):
+    from miles_host.trainer import NativeTrainer
+
+    # a NaN reward now fails its sample; a NaN loss comes from the loss itself
+    micro_loss = NativeTrainer._micro_loss
+
+    def nan_loss(self, *args):
+        loss, metrics = micro_loss(self, *args)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(NativeTrainer, "_micro_loss", nan_loss)
     model, data = tiny_task
     out, ckpt = tmp_path / "o", tmp_path / "ckpt"
-    args = base_args(model, data, out, "--num-rollout", "5", "--custom-rm-path", f"{reward_module}.nan_reward",
+    args = base_args(model, data, out, "--num-rollout", "5", "--custom-rm-path", f"{reward_module}.length_reward",
                      "--save", str(ckpt), "--max-consecutive-nan-steps", "2")
     assert main(args) == 1
     assert "NaN" in capsys.readouterr().err
