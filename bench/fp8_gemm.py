@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "miles_
 
 from bench import small_m  # noqa: E402
 from miles_fp8 import gemm  # noqa: E402
+from miles_host.kernels import switches  # noqa: E402
 from miles_fp8.quant import quantize_act, quantize_weight  # noqa: E402
 
 FP8_BOUND, BF16_BOUND = 1468.0, 808.0
@@ -94,8 +95,6 @@ def _backends(device: torch.device) -> list[str]:
 
 def bench_shape(name, m, n, k, device, iters, warmup) -> dict:
     """One row: bf16 and FP8 timings for ``y[M, N] = x[M, K] @ w[N, K]^T``."""
-    import os
-
     flops = 2 * m * n * k
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -106,8 +105,8 @@ def bench_shape(name, m, n, k, device, iters, warmup) -> dict:
 
     def with_backend(backend, fn):
         def call():
-            os.environ["MILES_FP8_GEMM"] = backend
-            return fn()
+            with switches.switched(fp8_gemm=backend):
+                return fn()
         return call
 
     fns = {"bf16": lambda: torch.matmul(x, w_t), "act_quant": lambda: quantize_act(x)}
@@ -122,7 +121,6 @@ def bench_shape(name, m, n, k, device, iters, warmup) -> dict:
     row["act_quant_tb_per_s"] = (m * k * 2 + m * k + m * (k // 128) * 4) / quant_s / 1e12  # bf16 in, fp8 + scales out
     for key, value in seconds.items():
         row[f"fp8_{key}_tflops"] = flops / value / 1e12
-    os.environ.pop("MILES_FP8_GEMM", None)
     best = max(v for key, v in row.items() if key.startswith("fp8_") and "with_act" not in key)
     row["fp8_over_bf16"] = best / row["bf16_tflops"]
     return row
@@ -161,14 +159,9 @@ def _check_fused(x, w_q, w_s) -> float:
 
 def _old_path_us(x, weights, device, repeats) -> float:
     """quantize_act + block_scaled_mm (auto: cuBLAS when its self-check passed, else Triton), two launches."""
-    import os
-
-    os.environ["MILES_FP8_GEMM"] = "auto"
-    try:
+    with switches.switched(fp8_gemm="auto"):
         return small_m.per_gemm_us(lambda w: gemm.block_scaled_mm(*quantize_act(x), *w, torch.bfloat16),
                                    weights, device, repeats)
-    finally:
-        os.environ.pop("MILES_FP8_GEMM", None)
 
 
 def sweep_variants(k: int) -> list[tuple]:

@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "plugins", "miles_int4"))
 
 from bench import small_m  # noqa: E402
+from miles_host.kernels import switches  # noqa: E402
 from miles_int4.kernels import halves_rows, int4_mm, kernel_supports, pack_for_kernel, reference_mm  # noqa: E402
 from miles_int4.quant import dequantize_packed, pack_int32, quantize  # noqa: E402
 
@@ -74,12 +75,9 @@ def gemm_fns(x: torch.Tensor) -> dict:
 
 
 def _without_gemv(fn):
-    """``fn()`` with one-token inputs on the tensor-core kernel (``MILES_INT4_GEMV=0``): the kernel before the GEMV."""
-    os.environ["MILES_INT4_GEMV"] = "0"
-    try:
+    """``fn()`` with one-token inputs on the tensor-core kernel (``--int4-gemv 0``): the kernel before the GEMV."""
+    with switches.switched(int4_gemv=0):
         return fn()
-    finally:
-        os.environ.pop("MILES_INT4_GEMV")
 
 
 def check(weights: list[dict], x: torch.Tensor) -> float:

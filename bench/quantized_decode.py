@@ -20,11 +20,11 @@ recipes the plugins register, exactly as a run's rollout backend does it
   inside the GEMM (``miles_fp8.decode_gemm``).
 
 The paths they replaced can run in the same table: ``int4:tinygemm`` (torch's
-``_weight_int4pack_mm``, ``MILES_INT4_CUDA_LAYOUT=tinygemm``), ``int4:rows`` (the ``halves``
-bytes row by row instead of in 128-row tiles, ``MILES_INT4_TILE_ROWS=0``) and ``fp8:unfused``
-(a quantize kernel + ``block_scaled_mm`` per linear, ``MILES_FP8_SMALL_M=0``) and
+``_weight_int4pack_mm``, ``--int4-cuda-layout tinygemm``), ``int4:rows`` (the ``halves``
+bytes row by row instead of in 128-row tiles, ``--int4-tile-rows 0``) and ``fp8:unfused``
+(a quantize kernel + ``block_scaled_mm`` per linear, ``--fp8-small-m 0``) and
 ``fp8:fp16-products`` (the fused kernel with fp16 products and fp32 sums instead of
-FP8 tensor-core products, ``MILES_FP8_SMALL_M_MMA=0``), e.g.
+FP8 tensor-core products, ``--fp8-small-m-mma 0``), e.g.
 ``--precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused``.
 
 Before an engine is built, one quantized linear of the prepared model is checked
@@ -94,33 +94,24 @@ class Unusable(Exception):
     """A precision that cannot run here; the message says why."""
 
 
-#: precision variants: the environment that selects the path each one measures
+#: precision variants: the kernel switches that select the path each one measures
 VARIANTS = {
-    "int4:tinygemm": {"MILES_INT4_CUDA_LAYOUT": "tinygemm"},
-    "int4:rows": {"MILES_INT4_TILE_ROWS": "0"},
-    "fp8:unfused": {"MILES_FP8_SMALL_M": "0"},
-    "fp8:fp16-products": {"MILES_FP8_SMALL_M_MMA": "0"},
+    "int4:tinygemm": {"int4_cuda_layout": "tinygemm"},
+    "int4:rows": {"int4_tile_rows": 0},
+    "fp8:unfused": {"fp8_small_m": 0},
+    "fp8:fp16-products": {"fp8_small_m_mma": 0},
 }
 
 
-class variant_env:
-    """Set a variant's environment variables for the duration of its engine (restored after)."""
+def variant_switches(label: str):
+    """A variant's kernel switches for the duration of its engine (restored after)."""
+    import importlib
 
-    def __init__(self, label: str):
-        self.values = VARIANTS.get(label, {})
-        self.saved: dict = {}
+    from miles_host.kernels import switches
 
-    def __enter__(self):
-        for key, value in self.values.items():
-            self.saved[key] = os.environ.get(key)
-            os.environ[key] = value
-
-    def __exit__(self, *exc):
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    for module in ("miles_fp8.kernel_switches", "miles_int4.kernel_switches"):
+        importlib.import_module(module)  # declares the plugins' switches
+    return switches.switched(**VARIANTS.get(label, {}))
 
 
 # ---------------------------------------------------------------------- checkpoint
@@ -348,7 +339,7 @@ def decode_bound_tok_s(batch: int, prompt_len: int, new_tokens: int, step_bytes:
 
 def bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
     """Build the engine for one precision (``name`` or ``name:variant``), check it, time every batch; free it."""
-    with variant_env(label):
+    with variant_switches(label):
         return _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs)
 
 

@@ -181,6 +181,9 @@ class TrainArgs:
     sequence_parallel: bool = flag(False, "sequence parallelism", group="parallel")
     weight_sync: str = flag("inprocess", "trainer -> rollout transport (registry: miles plugins); with engine processes the default becomes broadcast, or cuda_ipc when colocated on GPUs", type=str, group="train")
     update_weight_buffer_size: int = flag(512 << 20, "bucket size of weight sync", type=size_in_bytes, group="train")
+    split_k_reduce: str = flag(
+        "kernel", "kernel switch: where split-K partials of the small-M GEMMs are summed: kernel, or torch "
+        "(debugging)", type=str, choices=["kernel", "torch"], group="kernels")
     max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")
 
 

@@ -3,6 +3,7 @@ bf16 on GPU, float32 on CPU), which every other precision recipe replaces."""
 
 from __future__ import annotations
 
+from miles_host.kernels import split_k, switches
 from miles_host.records import Precision
 
 
@@ -12,6 +13,11 @@ def _unchanged(model, config):
 
 def _pass_through(named_tensors, config):
     return named_tensors
+
+
+def miles_process_start(config):
+    """The host's kernel switches (``--split-k-reduce``) from the config, in every process."""
+    switches.apply_config(config, [split_k.REDUCE])
 
 
 def miles_register_precisions():

@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import time
 from typing import Any, Mapping
 
 import torch
 
 from miles_host.distributed.comm import WorkerHandle, broadcast_, new_group, rebuild_manager, serve
-
-#: test hooks: the rollout worker kills itself (SIGKILL) / hangs at its first ``step``
-#: after this many weight updates (2 = in the second rollout: the initial sync, then one)
-DIE_AFTER_ENV = "MILES_TEST_ROLLOUT_DIE_AFTER_SYNCS"
-HANG_AFTER_ENV = "MILES_TEST_ROLLOUT_HANG_AFTER_SYNCS"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -42,9 +35,8 @@ class RolloutProcess:
         self.backend = EmbeddedRolloutBackend(config, rebuild_manager(config))
         self.engine = self.backend.engine
         self.weight_group = None
+        #: weight updates received (the initial sync included)
         self.syncs = 0
-        self.die_after = int(os.environ.get(DIE_AFTER_ENV, "0") or 0)
-        self.hang_after = int(os.environ.get(HANG_AFTER_ENV, "0") or 0)
 
     # -- the backend interface ------------------------------------------------------
 
@@ -52,11 +44,6 @@ class RolloutProcess:
         return self.backend.submit(rid, input_ids, sampling_params, return_routed_experts)
 
     def step(self):
-        if self.die_after and self.syncs >= self.die_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.hang_after and self.syncs >= self.hang_after:
-            while True:
-                time.sleep(3600)
         return self.backend.step()
 
     def has_unfinished(self):

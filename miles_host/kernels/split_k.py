@@ -14,18 +14,19 @@ the counters need no clearing between launches (CUDA graphs replay them as is).
 autotuning: the same shape always runs the same code, and nothing is measured
 while a CUDA graph is captured). :func:`semaphores` hands out the zeroed
 counters, one buffer per (device, stream) so GEMMs on concurrent streams never
-share a counter. ``MILES_SPLIT_K_REDUCE=torch`` makes the kernels leave the
+share a counter. The switch ``--split-k-reduce torch`` makes the kernels leave the
 partials to a ``sum`` in PyTorch instead (a debugging fallback).
 The Triton side is :mod:`miles_host.kernels._split_k_triton`.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from miles_host.kernels import switches
 
 #: counters per (device, stream) buffer; a GEMM with more output tiles grows it
 SEMAPHORE_CAPACITY = 1 << 14
@@ -136,12 +137,14 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
     return buffer
 
 
+#: where split-K partials are summed: ``kernel`` (the last program of a tile) or ``torch`` (debugging)
+REDUCE = switches.declare("split_k_reduce", "kernel", ("kernel", "torch"),
+                          "where split-K partials of the small-M GEMMs are summed: kernel, or torch (debugging)")
+
+
 def reduce_in_kernel() -> bool:
-    """False under ``MILES_SPLIT_K_REDUCE=torch`` (partials summed by PyTorch, for debugging)."""
-    mode = os.environ.get("MILES_SPLIT_K_REDUCE", "kernel")
-    if mode not in ("kernel", "torch"):
-        raise ValueError(f"MILES_SPLIT_K_REDUCE={mode!r}; use 'kernel' (default) or 'torch'")
-    return mode == "kernel"
+    """False under ``--split-k-reduce torch`` (partials summed by PyTorch, for debugging)."""
+    return switches.value(REDUCE) == "kernel"
 
 
 def workspace(

@@ -8,7 +8,6 @@ the tuple.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ from miles_host.config import MilesConfig
 from miles_host.config_fields import flag_name
 from miles_host.data import missing_data_file
 from miles_host.distributed.placement import check_placement, wants_distributed
+from miles_host.models.loading import native_config, read_hf_config
 from miles_host.plugin_manager import model_family_for
 from miles_host.reward import load_function
 from miles_host.rollout_backend import resolve_device
@@ -62,25 +62,25 @@ def check_required_inputs(config: Any, registries: Any) -> None:
     """A model directory whose family is installed, a prompt file and a reward."""
     if config.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required (an HF-format model directory)")
-    hf_config = Path(config.hf_checkpoint) / "config.json"
-    if not hf_config.is_file():
+    if not (Path(config.hf_checkpoint) / "config.json").is_file():
         raise FileNotFoundError(
             f"--hf-checkpoint {config.hf_checkpoint}: no config.json there; give a local HF-format model "
             "directory (models are not downloaded from a hub)"
         )
-    try:
-        model_type = json.loads(hf_config.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ValueError(f"--hf-checkpoint {config.hf_checkpoint}: config.json is not a JSON object ({error})") from error
-    if model_type is None:
-        raise ValueError(f"--hf-checkpoint {config.hf_checkpoint}: config.json has no model_type")
-    model_family_for(model_type)  # the loader's lookup: ValueError naming the supported types
+    model_config(config)  # the loader's reading: family installed, required fields present
     if config.prompt_data is None:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not Path(config.prompt_data).is_file():
         raise missing_data_file(config.prompt_data, "--prompt-data")
     if not (config.rm_type or config.custom_rm_path or config.rm_url):
         raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+
+
+def model_config(config: Any) -> Any:
+    """The native model config of ``--hf-checkpoint`` (ValueError as the loader raises it), for checks
+    that depend on the model (e.g. routing replay needs MoE layers)."""
+    hf = read_hf_config(config.hf_checkpoint)
+    return native_config(hf, model_family_for(hf["model_type"]))
 
 
 def check_user_functions(config: Any, registries: Any) -> None:

@@ -59,3 +59,18 @@ def signal_reward(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("dist_rewards", None)
     return ["--custom-rm-path", "dist_rewards.odd_first_char"]
+
+
+@pytest.fixture
+def fault_plugin(tmp_path, monkeypatch):
+    """The ``faults`` test plugin (tests/fault_plugin), installed as a distribution with a
+    ``miles.plugins`` entry point that the driver and the spawned workers discover."""
+    from pathlib import Path
+
+    info = tmp_path / "site" / "miles_test_faults-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-test-faults\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[miles.plugins]\nfaults = miles_test_faults\n")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fault_plugin"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return ["--plugins", "faults"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles_host.checkpoint import load_checkpoint
-from miles_host.distributed.rollout_worker import DIE_AFTER_ENV, HANG_AFTER_ENV, packed_log_probs
+from miles_host.distributed.rollout_worker import packed_log_probs
 from tests.distributed.conftest import base_args, read_metrics, resolve, run_launched, run_one_process
 
 TWO_TRAINERS = dict(actor_num_gpus_per_node=2, rollout_num_gpus=1)
@@ -81,10 +81,10 @@ def test_rollout_process_logprobs_equal_trainer_after_each_sync(tiny_task, tmp_p
         stop_workers(run)
 
 
-def test_killing_the_rollout_process_stops_the_run_with_a_checkpoint(tiny_task, tmp_path, monkeypatch, capsys):
+def test_killing_the_rollout_process_stops_the_run_with_a_checkpoint(tiny_task, tmp_path, fault_plugin, capsys):
     model, data = tiny_task
-    monkeypatch.setenv(DIE_AFTER_ENV, "2")  # SIGKILL at the first engine step of the second rollout
-    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"))
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
+                     *fault_plugin, "--test-rollout-die-after-syncs", "2")  # SIGKILL at the first step of rollout 1
     started = time.monotonic()
     assert run_launched(argv, worker_timeout=20, **TWO_TRAINERS) == 3
     assert time.monotonic() - started < 60
@@ -94,16 +94,15 @@ def test_killing_the_rollout_process_stops_the_run_with_a_checkpoint(tiny_task, 
     state = load_checkpoint(str(tmp_path / "ckpt"))
     assert state["rollout_id"] == 0
     # usable: a one-process run resumes from it and finishes
-    monkeypatch.delenv(DIE_AFTER_ENV)
     resume = base_args(model, data, tmp_path / "r", "--num-rollout", "2", "--load", str(tmp_path / "ckpt"))
     assert run_one_process(resume) == 0
     assert [m["rollout_id"] for m in read_metrics(tmp_path / "r")] == [1]
 
 
-def test_a_hung_rollout_process_is_reported_after_the_timeout(tiny_task, tmp_path, monkeypatch, capsys):
+def test_a_hung_rollout_process_is_reported_after_the_timeout(tiny_task, tmp_path, fault_plugin, capsys):
     model, data = tiny_task
-    monkeypatch.setenv(HANG_AFTER_ENV, "1")  # hangs at its first step
-    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "1")
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "1",
+                     *fault_plugin, "--test-rollout-hang-after-syncs", "1")  # hangs at its first step
     started = time.monotonic()
     assert run_launched(argv, worker_timeout=3, rollout_num_gpus=1) == 3
     assert time.monotonic() - started < 45

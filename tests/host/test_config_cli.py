@@ -14,7 +14,7 @@ from miles_host.cli.args import build_run_parser
 from miles_host.cli.main import main
 from miles_host.plugin_manager import MilesPluginManager
 from tests.host.seed_commands import SEED_COMMANDS
-from tests.run_inputs import run_inputs
+from tests.run_inputs import run_inputs, write_model_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,15 +26,16 @@ def _dry_run(capsys, *argv):
     return json.loads(out.out)
 
 
-#: seed command lines this version refuses (index -> the flag the refusal names): one CPU
-#: process has no model parallelism for the native trainer, the embedded engine no tensor
-#: parallelism, and speculative flags without a speculative algorithm are read by nothing
+#: seed command lines this version refuses (index -> what the refusal names): one CPU process
+#: has no model parallelism for the native trainer, the embedded engine no tensor parallelism,
+#: speculative flags without a speculative algorithm are read by nothing, routing replay needs MoE
 REFUSED_SEED_COMMANDS = {
     1: "--tensor-model-parallel-size 8",
     4: "--rollout-num-gpus-per-engine 2",
     5: "--tensor-model-parallel-size 8",
     9: "--sglang-speculative-num-steps",
     10: "--sglang-enable-draft-weights-cpu-backup",
+    12: "the model has no MoE layers",  # no --hf-checkpoint: the quickstart's dense model, nothing to replay
 }
 
 
@@ -43,7 +44,7 @@ def test_every_seed_command_line_parses_and_passes_dry_run_or_is_refused_by_name
     """Every flag of the seed parses; --dry-run accepts the line (then the run starts) or
     refuses it with exit code 2 and a message naming the flag it cannot honour."""
     (tmp_path / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    write_model_config(tmp_path, moe=True)  # the seed's Qwen3-30B-A3B, tiny
     argv = shlex.split(command.format(ckpt=tmp_path, data=tmp_path / "data.jsonl"))
     assert argv[:2] in (["python", "train.py"], ["miles", "run"])
     flags = argv[2:]
@@ -83,15 +84,20 @@ def test_speculative_flags_activate_the_spec_plugin(capsys):
 
 
 def test_plugins_flag_activates_and_configures(capsys):
-    config = _dry_run(capsys, "--plugins", "fp8,r3", "--plugins", "spec")["config"]
+    config = _dry_run(capsys, *run_inputs(moe=True), "--plugins", "fp8,r3", "--plugins", "spec")["config"]
     assert config["plugins"] == ["fp8", "r3", "spec"] or set(config["plugins"]) == {"fp8", "r3", "spec"}
     assert config["precision"] == "fp8"
     assert config["plugin_args"]["use_rollout_routing_replay"] is True
 
 
 def test_slime_routing_replay_flag_activates_r3(capsys):
-    config = _dry_run(capsys, "--use-rollout-routing-replay")["config"]
+    config = _dry_run(capsys, *run_inputs(moe=True), "--use-rollout-routing-replay")["config"]
     assert config["plugins"] == ["r3"]
+
+
+def test_routing_replay_on_a_dense_model_is_refused_by_dry_run(capsys):
+    assert main(["run", *run_inputs(), "--use-rollout-routing-replay", "--dry-run"]) == 2
+    assert "the model has no MoE layers" in capsys.readouterr().err
 
 
 def test_config_file_with_flags_overriding(tmp_path, capsys):

@@ -17,6 +17,7 @@ from miles_host.cli.main import plugin_commands
 from miles_host.models.context import RoutingContext
 from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.routing import RoutingHooks
+from tests.run_inputs import run_inputs
 
 
 def manager_with(plugin, name="throwaway") -> MilesPluginManager:
@@ -331,7 +332,8 @@ def test_miles_process_start():
     config, _ = _resolve(["--plugins", "flags", "--throwaway-k", "3"])
     assert FlagsPlugin.started == [30]  # the configured value
     # a worker process: R2 configured by the driver reaches r3's module state there
-    config, _ = resolve_run_config(["--plugins", "r3", "--use-routing-replay"], MilesPluginManager())
+    config, _ = resolve_run_config([*run_inputs(moe=True), "--plugins", "r3", "--use-routing-replay"],
+                                   MilesPluginManager())
     r3.STATE.mode = "r3"  # what a fresh worker process starts with
     rebuild_manager(config)
     assert r3.STATE.mode == "r2" and config.old_logprob_pass == "always"

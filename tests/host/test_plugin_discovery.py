@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.host.conftest import dry_run_config
+from tests.run_inputs import run_inputs
 
 FEATURE_PLUGINS = {"fp8", "int4", "r3", "spec"}
 MODEL_FAMILIES = {"qwen", "llama", "deepseek", "glm", "minimax", "gemma"}
@@ -91,7 +92,7 @@ def test_third_party_plugin_flags_config_and_records(run_miles):
 
 
 def test_miles_plugins_environment_variable_selects(run_miles):
-    result = run_miles("run", "--dry-run", env={"MILES_PLUGINS": "goodplug,r3"})
+    result = run_miles("run", *run_inputs(moe=True), "--dry-run", env={"MILES_PLUGINS": "goodplug,r3"})
     assert dry_run_config(result)["config"]["plugins"] == ["r3", "goodplug"] or set(
         dry_run_config(result)["config"]["plugins"]
     ) == {"goodplug", "r3"}

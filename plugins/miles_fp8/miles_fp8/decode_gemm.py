@@ -21,7 +21,7 @@ Design (the weight is streamed once from HBM; everything else is small):
   sums one 128-deep block at reduced precision inside the MMA, as DeepGEMM and cuBLAS
   do: relative error ~1e-4 against the fp32 sums, far below the FP8 rounding itself;
   1.1-1.35x faster than the fp16 route on Qwen3-8B's decode linears on the H200);
-  ``MILES_FP8_SMALL_M_MMA=0`` (and the interpreter) converts both to float16 (every
+  ``--fp8-small-m-mma 0`` (and the interpreter) converts both to float16 (every
   E4M3 value is exact there) for a dot with fp32 accumulation, the reference's sums;
   then ``acc += dot * w_scale[n] * x_scale[m]`` (each 128-deep block promoted to fp32
   with its two scales, as the reference's dequantized product sums them);
@@ -36,13 +36,13 @@ Tensor legend: M tokens, N out features, K in features.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels import split_k
+from miles_fp8 import kernel_switches
+from miles_host.kernels import split_k, switches
 from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
 from miles_fp8.quant import BLOCK, FP8_DTYPE
@@ -63,12 +63,8 @@ def small_m_config(m: int, fp8_mma: bool = False) -> SmallMConfig:
 
 
 def use_fp8_mma(device: torch.device) -> bool:
-    """Whether the launch multiplies on FP8 tensor cores (see the module doc; ``MILES_FP8_SMALL_M_MMA``)."""
-    value = os.environ.get("MILES_FP8_SMALL_M_MMA", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"MILES_FP8_SMALL_M_MMA={value!r}; use 1 (FP8 tensor-core products) or 0 (fp16 products, "
-                         "fp32 sums)")
-    if value == "0" or device.type != "cuda" or emulate_rounding():
+    """Whether the launch multiplies on FP8 tensor cores (see the module doc; ``--fp8-small-m-mma``)."""
+    if switches.value(kernel_switches.SMALL_M_MMA) == 0 or device.type != "cuda" or emulate_rounding():
         return False
     return _has_fp8_mma(device.index if device.index is not None else torch.cuda.current_device())
 

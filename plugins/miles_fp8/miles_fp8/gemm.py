@@ -12,10 +12,10 @@ activations). Backends:
   numerical self-check on this GPU;
 - ``triton``: :mod:`miles_fp8.triton_kernels`, for everything else on CUDA.
 
-``MILES_FP8_GEMM=reference|triton|scaled_mm|auto`` overrides the choice.
+The switch ``--fp8-gemm reference|triton|scaled_mm|auto`` overrides the choice.
 
 A linear's forward (:func:`quantized_linear_mm`) takes one more route: on CUDA,
-with ``auto``, up to ``MILES_FP8_SMALL_M`` token rows (default 64, 0 turns it
+with ``auto``, up to ``--fp8-small-m`` token rows (default 64, 0 turns it
 off) run :mod:`miles_fp8.decode_gemm`, which quantizes the activations inside
 the GEMM (one launch per linear at decode instead of two).
 """
@@ -23,12 +23,13 @@ the GEMM (one launch per linear at decode instead of two).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from miles_fp8 import kernel_switches
 from miles_fp8.quant import BLOCK, dequantize, use_reference
+from miles_host.kernels import switches
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +121,7 @@ def gemm_backend(a_q: torch.Tensor, b_scale: torch.Tensor, n: int) -> str:
     """Which backend :func:`block_scaled_mm` uses for these operands."""
     if not a_q.is_cuda or use_reference():
         return "reference"
-    choice = os.environ.get("MILES_FP8_GEMM", "auto")
-    if choice not in ("auto", "triton", "scaled_mm", "reference"):
-        raise ValueError(f"MILES_FP8_GEMM={choice!r}; use auto, triton, scaled_mm or reference")
+    choice = switches.value(kernel_switches.GEMM)
     block_scaled_b = b_scale.shape[0] != n
     if choice == "auto":
         return "scaled_mm" if block_scaled_b and scaled_mm_usable(a_q.device) else "triton"
@@ -132,20 +131,15 @@ def gemm_backend(a_q: torch.Tensor, b_scale: torch.Tensor, n: int) -> str:
 
 
 def small_m_limit() -> int:
-    """Most token rows the fused small-M kernel takes (``MILES_FP8_SMALL_M``, default and cap 64)."""
+    """Most token rows the fused small-M kernel takes (``--fp8-small-m``, default and cap 64)."""
     from miles_fp8.decode_gemm import MAX_M
 
-    value = os.environ.get("MILES_FP8_SMALL_M", str(MAX_M))
-    try:
-        limit = int(value)
-    except ValueError:
-        raise ValueError(f"MILES_FP8_SMALL_M={value!r}; give a token count (0 turns the small-M kernel off)") from None
-    return max(0, min(limit, MAX_M))
+    return max(0, min(switches.value(kernel_switches.SMALL_M), MAX_M))
 
 
 def uses_small_m_kernel(x_MK: torch.Tensor, weight_scale: torch.Tensor, n: int) -> bool:
     """Whether :func:`quantized_linear_mm` runs the fused small-M kernel for these operands."""
-    if not x_MK.is_cuda or use_reference() or os.environ.get("MILES_FP8_GEMM", "auto") != "auto":
+    if not x_MK.is_cuda or use_reference() or switches.value(kernel_switches.GEMM) != "auto":
         return False
     return 0 < x_MK.shape[0] <= small_m_limit() and weight_scale.shape[0] * BLOCK == n
 

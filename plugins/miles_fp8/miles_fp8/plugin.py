@@ -10,6 +10,8 @@ It also offers ``miles convert --to fp8 SRC DST`` (see :mod:`miles_fp8.convert`)
 
 from __future__ import annotations
 
+from miles_fp8 import kernel_switches
+from miles_host.kernels import switches
 from miles_host.records import CheckpointConverter, Precision
 
 
@@ -21,11 +23,25 @@ def miles_add_arguments(parser):
     group.add_argument(
         "--fp8-power-of-two-scales", action="store_true", help="round FP8 scales to powers of two"
     )
+    switches.add_flags(group, kernel_switches.SWITCHES)
+
+
+def miles_process_start(config):
+    """The FP8 kernel switches (``--fp8-gemm``, ...) from the config, in every process of the run."""
+    switches.apply_config(config, kernel_switches.SWITCHES)
 
 
 def miles_configure(config):
     """An active fp8 plugin selects the ``fp8`` precision recipe."""
     config.precision = "fp8"
+
+
+def check_fp8_run(config, registries):
+    """``Precision.validate``: the run's device has FP8 tensor cores (CPU: float32 emulation)."""
+    from miles_fp8.device import check_fp8_device
+    from miles_host.rollout_backend import resolve_device
+
+    check_fp8_device(resolve_device(config))
 
 
 def miles_register_precisions():
@@ -39,6 +55,7 @@ def miles_register_precisions():
             prepare_train_model=recipe.prepare_train_model,
             prepare_rollout_model=recipe.prepare_rollout_model,
             convert_for_rollout=recipe.convert_for_rollout,
+            validate=check_fp8_run,
         )
     ]
 

@@ -18,9 +18,10 @@ Triton kernels in :mod:`miles_fp8.triton_kernels` compute bitwise the same resul
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from miles_fp8 import kernel_switches
+from miles_host.kernels import switches
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -96,8 +97,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 def use_reference() -> bool:
-    """``MILES_FP8_REFERENCE=1`` forces the plain-PyTorch path on the GPU (debugging)."""
-    return os.environ.get("MILES_FP8_REFERENCE", "0") == "1"
+    """``--fp8-reference 1`` forces the plain-PyTorch path on the GPU (debugging)."""
+    return switches.value(kernel_switches.REFERENCE) == 1
 
 
 def quantize_act(x: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

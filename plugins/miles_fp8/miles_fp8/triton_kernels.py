@@ -20,7 +20,7 @@ try:
 except ImportError as error:  # pragma: no cover - only on a GPU machine without triton
     raise ValueError(
         "miles-fp8 needs triton for its GPU kernels (pip install triton); "
-        "set MILES_FP8_REFERENCE=1 to use the slow plain-PyTorch path instead"
+        "run with --fp8-reference 1 to use the slow plain-PyTorch path instead"
     ) from error
 
 

@@ -25,7 +25,7 @@ Design (the packed weight, 0.5 byte per weight, is streamed once from HBM):
   same launch in every captured CUDA graph).
 
 One token (batch-1 decode) takes a CUDA-core GEMV instead (:func:`_int4_gemv_kernel`,
-``MILES_INT4_GEMV=0`` turns it off): the same bytes read as int32 words, each word's
+``--int4-gemv 0`` turns it off): the same bytes read as int32 words, each word's
 eight weights dequantized two at a time (``lop3`` into the bf16 pair ``128 + nibble``,
 ``sub.bf16x2``, ``mul.bf16x2``: the same bf16 weights) and multiplied into fp32 lanes
 by FMAs in inline PTX, the next group's words requested before this group's arithmetic.
@@ -44,15 +44,14 @@ Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels import split_k
+from miles_host.kernels import split_k, switches
 from miles_host.kernels.split_k import SmallMConfig
 from miles_host.kernels._split_k_triton import cast_rne, dot, emulate_rounding, split_k_epilogue
+from miles_int4 import kernel_switches
 
 MAX_M = 64
 #: float32 bits of 2^23 (a nibble OR-ed into its mantissa gives 2^23 + nibble exactly)
@@ -275,8 +274,8 @@ def gemv_config(k: int) -> tuple[int, int]:
 
 
 def gemv_enabled() -> bool:
-    """``MILES_INT4_GEMV=0`` sends one-token inputs to the tensor-core kernel too (comparisons)."""
-    return os.environ.get("MILES_INT4_GEMV", "1") != "0"
+    """``--int4-gemv 0`` sends one-token inputs to the tensor-core kernel too (comparisons)."""
+    return switches.value(kernel_switches.GEMV) == 1
 
 
 def weight_addressing(packed: torch.Tensor, group_size: int, unit: torch.dtype, block_n: int) -> tuple:

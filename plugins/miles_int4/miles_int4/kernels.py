@@ -6,12 +6,12 @@ Three layouts of the same ``(q int8 [N, K], scale bf16 [N, K/gs])`` (:mod:`miles
   of ``gs`` input columns, byte ``j`` holds column ``j`` in its low nibble and
   column ``j + gs/2`` in its high nibble, both as ``q + 8``; ``scales`` is the
   bf16 ``[N, K/gs]`` scale itself. Read by :mod:`miles_int4.decode_gemm` (a Triton
-  kernel for up to ``MILES_INT4_SMALL_M`` = 64 token rows: decode) and, for more
+  kernel for up to ``--int4-small-m`` = 64 token rows: decode) and, for more
   rows (prefill), dequantized with the QAT formula then multiplied by ``F.linear``.
   Same bytes as the compressed-tensors form: 0.5 byte per weight + the scales.
   Stored tile by tile when N is a multiple of :data:`HALVES_TILE_ROWS` (:func:`tile_halves`:
   int32 words ``[N/T, K/gs, T, gs/8]``, so the T rows' bytes of one group, what one
-  decode program reads per step, are one contiguous run; ``MILES_INT4_TILE_ROWS=0``
+  decode program reads per step, are one contiguous run; ``--int4-tile-rows 0``
   keeps ``[N, K/2]`` rows, for comparisons).
 - ``cpu``: torch's CPU kernel, ``_convert_weight_to_int4pack_for_cpu(u int32 [N, K], 1)
   -> uint8 [N, K/2]`` and ``_weight_int4pack_mm_for_cpu(x, packed, gs, sz [K/gs, N, 2])``
@@ -31,18 +31,19 @@ and sums in fp32, so it differs from :func:`reference_mm` only in the order of t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from miles_host.kernels import switches
+from miles_int4 import kernel_switches
 from miles_int4.quant import QMIN, dequantize
 
 LAYOUTS = ("halves", "cpu", "tinygemm")
 #: rows of one tile of the ``halves`` layout (the GEMV's rows per program; two tensor-core programs)
 HALVES_TILE_ROWS = 128
-#: most token rows of the Triton small-M kernel (``MILES_INT4_SMALL_M`` may lower it; 0 turns it off)
+#: most token rows of the Triton small-M kernel (``--int4-small-m`` may lower it; 0 turns it off)
 SMALL_M_MAX = 64
 
 
@@ -64,13 +65,10 @@ class PackedInt4:
 
 
 def default_layout(device: torch.device) -> str:
-    """``cpu`` on CPU; on CUDA ``halves``, or ``tinygemm`` under ``MILES_INT4_CUDA_LAYOUT=tinygemm`` (comparisons)."""
+    """``cpu`` on CPU; on CUDA ``halves``, or ``tinygemm`` under ``--int4-cuda-layout tinygemm`` (comparisons)."""
     if device.type == "cpu":
         return "cpu"
-    layout = os.environ.get("MILES_INT4_CUDA_LAYOUT", "halves")
-    if layout not in ("halves", "tinygemm"):
-        raise ValueError(f"MILES_INT4_CUDA_LAYOUT={layout!r}; use halves (default) or tinygemm")
-    return layout
+    return switches.value(kernel_switches.CUDA_LAYOUT)
 
 
 def kernel_supports(out_features: int, in_features: int, device: torch.device, layout: str | None = None) -> bool:
@@ -135,7 +133,7 @@ def halves_rows(packed: "PackedInt4") -> torch.Tensor:
 
 def halves_tile_rows(out_features: int) -> int:
     """Rows per tile of a ``halves`` weight with ``out_features`` rows (0: stored as rows)."""
-    if os.environ.get("MILES_INT4_TILE_ROWS", "1") == "0" or out_features % HALVES_TILE_ROWS:
+    if switches.value(kernel_switches.TILE_ROWS) == 0 or out_features % HALVES_TILE_ROWS:
         return 0
     return HALVES_TILE_ROWS
 
@@ -165,12 +163,8 @@ def pack_for_kernel(q_NK: torch.Tensor, scale_NG: torch.Tensor, act_dtype: torch
 
 
 def small_m_limit() -> int:
-    """Most token rows the Triton small-M kernel takes (``MILES_INT4_SMALL_M``, default and cap 64)."""
-    value = os.environ.get("MILES_INT4_SMALL_M", str(SMALL_M_MAX))
-    try:
-        return max(0, min(int(value), SMALL_M_MAX))
-    except ValueError:
-        raise ValueError(f"MILES_INT4_SMALL_M={value!r}; give a token count (0 turns the small-M kernel off)") from None
+    """Most token rows the Triton small-M kernel takes (``--int4-small-m``, default and cap 64)."""
+    return max(0, min(switches.value(kernel_switches.SMALL_M), SMALL_M_MAX))
 
 
 def uses_small_m_kernel(x_MK: torch.Tensor) -> bool:

@@ -17,7 +17,9 @@ SGLang/vLLM) and ``miles memory`` (BF16 vs INT4 weight memory of a config).
 
 from __future__ import annotations
 
+from miles_host.kernels import switches
 from miles_host.records import CheckpointConverter, Command, Precision
+from miles_int4 import kernel_switches
 from miles_int4.convert import add_convert_arguments, run_convert
 from miles_int4.memory import add_memory_arguments, run_memory
 from miles_int4.qat import apply_fake_quant
@@ -38,6 +40,12 @@ def miles_add_arguments(parser):
         "dequantize + matmul at prefill; CPU: torch's int4 kernel), dequant (bit-identical to the QAT forward), "
         "auto (packed on CUDA unless --true-on-policy)",
     )
+    switches.add_flags(group, kernel_switches.SWITCHES)
+
+
+def miles_process_start(config):
+    """The INT4 kernel switches (``--int4-cuda-layout``, ...) from the config, in every process of the run."""
+    switches.apply_config(config, kernel_switches.SWITCHES)
 
 
 def miles_configure(config):
@@ -61,6 +69,7 @@ def miles_register_precisions():
             prepare_train_model=prepare_train_model,
             prepare_rollout_model=prepare_rollout_model,
             convert_for_rollout=convert_for_rollout,
+            validate=lambda config, registries: int4_settings(config),  # --int4-* values a run can use
         )
     ]
 

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from miles_host.validation.host_checks import model_config
 from miles_r3.replay import ReplayState, replay_ids_for_batch
 
 STATE = ReplayState()
+NO_MOE_LAYERS = ("--plugins r3 / routing replay is on, but the model has no MoE layers: there is nothing to "
+                 "replay; drop --plugins r3 for dense models")
 
 
 def miles_add_arguments(parser):
@@ -51,6 +54,12 @@ def miles_configure(config):
         config.rollout_return_routed_experts = True
     else:
         config.old_logprob_pass = "always"  # R2 records the routes it replays in that pass
+
+
+def miles_validate(config, registries):
+    """Replay needs MoE layers: a dense model is refused before the run starts."""
+    if not any(model_config(config).moe_layers):
+        raise ValueError(NO_MOE_LAYERS)
 
 
 def miles_process_start(config):
@@ -87,10 +96,7 @@ def miles_train_batch_prepared(batch, samples, config):
     model_config = batch.model_config
     moe_layers = [i for i, is_moe in enumerate(getattr(model_config, "moe_layers", []) or []) if is_moe]
     if not moe_layers:
-        raise ValueError(
-            "--plugins r3 / routing replay is on, but the model has no MoE layers: there is nothing to "
-            "replay; drop --plugins r3 for dense models"
-        )
+        raise ValueError(NO_MOE_LAYERS)
     topk = model_config.moe.top_k
     phase = batch.routing.phase
     if STATE.mode == "r2":

@@ -13,6 +13,7 @@ import torch
 from miles_fp8.quant import quantize_act_ref
 from miles_host.kernels import split_k
 from tests.plugins.fp8.test_decode_gemm import _activations, _assert_matches, _operands
+from tests.kernel_switches import use_switches
 from tests.plugins.triton_interpret import interpreted_module
 
 
@@ -59,7 +60,7 @@ def test_fused_gemm_other_activation_dtypes(kernels, dtype):
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_split_k_reductions(kernels, split, reduce, monkeypatch):
     """Every split and both reductions give the reference; the in-kernel one leaves its counters at zero."""
-    monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
+    use_switches(monkeypatch, split_k_reduce=reduce)
     counters = torch.zeros(64, dtype=torch.int32)
     monkeypatch.setattr(split_k, "semaphores", lambda device, count: counters)
     x, w_q, w_s, expected = _operands(7, 256, 1024)

@@ -17,6 +17,7 @@ import torch
 from miles_fp8.gemm import block_scaled_mm_ref
 from miles_fp8.quant import quantize_act_ref, quantize_weight_ref
 from miles_host.kernels import split_k
+from tests.kernel_switches import use_switches
 from tests.plugins.triton_interpret import run_interpreted
 from tests.plugins.triton_sm90 import compile_sm90
 
@@ -113,10 +114,10 @@ cuda_fp8 = pytest.mark.skipif(
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 32, 64])
 @pytest.mark.parametrize("name,n,k", SHAPES_1_7B)
 def test_gpu_fused_gemm_on_decode_shapes(name, n, k, m, power_of_two, monkeypatch):
-    """fp16 products (``MILES_FP8_SMALL_M_MMA=0``): the reference's numbers up to the order of fp32 sums."""
+    """fp16 products (``--fp8-small-m-mma 0``): the reference's numbers up to the order of fp32 sums."""
     from miles_fp8 import decode_gemm
 
-    monkeypatch.setenv("MILES_FP8_SMALL_M_MMA", "0")
+    use_switches(monkeypatch, fp8_small_m_mma=0)
     x, w_q, w_s, expected = _operands(m, n, k, power_of_two=power_of_two)
     x, w_q, w_s = x.cuda(), w_q.cuda(), w_s.cuda()
     got32 = decode_gemm.fused_act_quant_mm(x, w_q, w_s, power_of_two, out_dtype=torch.float32)
@@ -151,9 +152,8 @@ def test_fp8_products_switch(monkeypatch):
     from miles_fp8 import decode_gemm
 
     assert not decode_gemm.use_fp8_mma(torch.device("cpu"))
-    monkeypatch.setenv("MILES_FP8_SMALL_M_MMA", "yes")
-    with pytest.raises(ValueError, match="MILES_FP8_SMALL_M_MMA"):
-        decode_gemm.use_fp8_mma(torch.device("cpu"))
+    with pytest.raises(ValueError, match="--fp8-small-m-mma 'yes'"):
+        use_switches(monkeypatch, fp8_small_m_mma="yes")
 
 
 @pytest.mark.gpu
@@ -163,8 +163,7 @@ def test_fp8_products_switch(monkeypatch):
 def test_gpu_split_k_and_fp8_mma_variants(split, reduce, monkeypatch):
     from miles_fp8 import decode_gemm
 
-    monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
-    monkeypatch.setenv("MILES_FP8_SMALL_M_MMA", "0")  # the table's fp16 products: exact fp32 sums
+    use_switches(monkeypatch, split_k_reduce=reduce, fp8_small_m_mma=0)  # the table's fp16 products: exact fp32 sums
     x, w_q, w_s, expected = _operands(8, 2048, 6144)
     x, w_q, w_s = x.cuda(), w_q.cuda(), w_s.cuda()
     got = decode_gemm.fused_act_quant_mm(x, w_q, w_s, out_dtype=torch.float32, split=split)

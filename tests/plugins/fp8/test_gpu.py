@@ -11,6 +11,7 @@ import torch
 
 from miles_fp8.quant import quantize_act_ref, quantize_weight_ref
 from miles_fp8.gemm import block_scaled_mm_ref
+from tests.kernel_switches import use_switches
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +110,7 @@ def test_triton_gemm_matches_reference(m, b_rows, out_dtype):
 def test_gemm_transposed_weight_blocks_for_dgrad(backend, monkeypatch):
     from miles_fp8 import gemm
 
-    monkeypatch.setenv("MILES_FP8_GEMM", backend)
+    use_switches(monkeypatch, fp8_gemm=backend)
     a_q, a_s, b_q, b_s = _operands(200, 512, 384, 128, transpose_b=True)
     expected = block_scaled_mm_ref(a_q, a_s, b_q, b_s, torch.float32)
     got = gemm.block_scaled_mm(a_q.cuda(), a_s.cuda(), b_q.cuda(), b_s.cuda(), torch.float32)

@@ -13,6 +13,7 @@ import torch
 from miles_host.kernels import split_k
 from miles_int4.quant import dequantize
 from tests.plugins.int4.test_decode_gemm import _assert_matches, _expected, _weights, _x
+from tests.kernel_switches import use_switches
 from tests.plugins.triton_interpret import interpreted_module
 
 
@@ -55,7 +56,7 @@ def test_float16_activations_and_ragged_n(kernels):
 @pytest.mark.parametrize("reduce", ["kernel", "torch"])
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_split_k_reductions(kernels, split, reduce, monkeypatch):
-    monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
+    use_switches(monkeypatch, split_k_reduce=reduce)
     counters = torch.zeros(64, dtype=torch.int32)
     monkeypatch.setattr(split_k, "semaphores", lambda device, count: counters)
     q, scale, packed = _weights(128, 1024, 64)

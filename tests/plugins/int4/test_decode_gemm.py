@@ -19,6 +19,7 @@ from miles_int4.kernels import (
     halves_rows, int4_mm, pack_for_kernel, pack_halves, reference_mm, tile_halves, unpack_halves,
 )
 from miles_int4.quant import dequantize, quantize
+from tests.kernel_switches import use_switches
 from tests.plugins.triton_interpret import run_interpreted
 from tests.plugins.triton_sm90 import compile_sm90
 
@@ -73,7 +74,7 @@ def test_halves_are_stored_in_tiles_of_128_rows_when_they_divide_n(monkeypatch):
     assert torch.equal(halves_rows(tiled), packed)
     assert torch.equal(tiled.weight, tile_halves(packed, 64, 128))
     assert pack_for_kernel(q[:96], scale[:96], torch.bfloat16, layout="halves").tile_rows == 0  # 96 rows: rows
-    monkeypatch.setenv("MILES_INT4_TILE_ROWS", "0")
+    use_switches(monkeypatch, int4_tile_rows=0)
     rows = pack_for_kernel(q, scale, torch.bfloat16, layout="halves")
     assert rows.tile_rows == 0 and torch.equal(rows.weight, packed)
 
@@ -197,7 +198,7 @@ def test_gpu_gemv_reads_every_weight_exactly(name, n, k, group_size, tiled):
 def test_gpu_split_k_variants(split, reduce, monkeypatch):
     from miles_int4 import decode_gemm
 
-    monkeypatch.setenv("MILES_SPLIT_K_REDUCE", reduce)
+    use_switches(monkeypatch, split_k_reduce=reduce)
     q, scale, packed = _weights(2048, 6144, 128)
     x = _x(8, 6144)
     got = decode_gemm.int4_small_m_mm(x.cuda(), packed.cuda(), scale.cuda(), 128, out_dtype=torch.float32, split=split)
