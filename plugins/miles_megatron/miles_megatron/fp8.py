@@ -68,7 +68,7 @@ def apply_fp8(gpt: torch.nn.Module, native_config: Any, config: Any) -> set[str]
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from miles_fp8.recipe import Fp8Recipe, is_fp8_weight
 
-    if int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+    if config.tensor_model_parallel_size > 1:
         raise ValueError("--plugins fp8 with --train-backend megatron needs --tensor-model-parallel-size 1")
     power_of_two = Fp8Recipe.from_config(config).power_of_two_scales
     impl = functools.partial(_fp8_forward_impl, power_of_two=power_of_two)

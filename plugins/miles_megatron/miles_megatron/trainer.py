@@ -39,10 +39,10 @@ _NATIVE_ONLY = {
 def check_supported(config: Any) -> None:
     """What the megatron backend cannot do yet, named (ValueError)."""
     check_parallel_sizes(config)
-    problems = [what for flag, what in _NATIVE_ONLY.items() if getattr(config, flag, False)]
+    problems = [what for flag, what in _NATIVE_ONLY.items() if getattr(config, flag)]
     if config.precision not in ("bf16", "fp8"):
         problems.append(f"--precision {config.precision} (only bf16 and fp8 are wired for Megatron)")
-    if config.precision == "fp8" and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+    if config.precision == "fp8" and config.tensor_model_parallel_size > 1:
         problems.append("--precision fp8 with --tensor-model-parallel-size > 1 (the FP8 GEMMs replace Megatron's "
                         "linear compute, whose tensor-parallel gradient all-reduce is not wired)")
     if problems:
@@ -113,7 +113,7 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.policy import MegatronPolicy
 
         recompute = self.config.recompute_granularity == "full"
-        sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
+        sequence_parallel = self.config.sequence_parallel
         if sequence_parallel and self.sizes.tp == 1:
             logger.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (it splits the "
                            "sequence over the tensor-parallel ranks)")
