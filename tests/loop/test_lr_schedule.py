@@ -67,11 +67,14 @@ def optimizer_steps(monkeypatch):
     ("one epoch of 8 prompts", ("--num-epoch", "1"), 1),
     ("global batch below the rollout", ("--num-rollout", "2", "--global-batch-size", "4"), 4),
     ("steps per rollout", ("--num-rollout", "2", "--num-steps-per-rollout", "3"), 3),
+    ("megatron trainer", ("--num-epoch", "1", "--global-batch-size", "8", "--train-backend", "megatron"), 2),
 ])
 def test_linear_decay_spans_exactly_the_steps_taken(tiny_task, tmp_path, optimizer_steps, name, flags, steps_per_rollout):
     """``train/lr`` is the learning rate of each rollout's last optimizer step. Linear decay to 0
     over ``T`` steps gives step ``s`` the rate ``lr * (1 - s / T)``: the logged rates give back
     ``T``, which must be the number of steps the run took (and the last rate is above 0)."""
+    if "megatron" in flags:
+        pytest.importorskip("miles_megatron")
     model, _ = tiny_task
     data = write_addition_data(tmp_path / "eight.jsonl", 8)  # rollout batch 4 x 4 samples: 2 rollouts per epoch
     out = tmp_path / "out"
