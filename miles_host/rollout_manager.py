@@ -74,8 +74,6 @@ class RolloutManager:
         self._next_group_index = 0
         self.custom_generate = None
         if config.custom_generate_function_path:
-            if config.partial_rollout:
-                raise ValueError("--custom-generate-function-path cannot be combined with --partial-rollout yet")
             self.custom_generate = load_function(config.custom_generate_function_path, "--custom-generate-function-path")
 
     # -- building requests --------------------------------------------------

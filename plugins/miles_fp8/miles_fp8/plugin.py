@@ -37,10 +37,13 @@ def miles_configure(config):
 
 
 def check_fp8_run(config, registries):
-    """``Precision.validate``: the run's device has FP8 tensor cores (CPU: float32 emulation)."""
+    """``Precision.validate``: the FP8 flags are ones the recipe implements, and the run's device
+    has FP8 tensor cores (CPU: float32 emulation)."""
     from miles_fp8.device import check_fp8_device
+    from miles_fp8.recipe import Fp8Recipe
     from miles_host.rollout_backend import resolve_device
 
+    Fp8Recipe.from_config(config)
     check_fp8_device(resolve_device(config))
 
 

@@ -85,17 +85,16 @@ def test_fp8_refuses_what_it_cannot_make_unified(models):
         make_trainer(models, "head_dim_64", "megatron", "--plugins", "fp8")
     from miles_host.cli.args import resolve_run_config
     from miles_host.plugin_manager import MilesPluginManager
-    from miles_megatron.trainer import check_supported
 
     manager = MilesPluginManager()
     manager.discover()
     paths, data = models
-    config, _ = resolve_run_config([
-        "--hf-checkpoint", str(paths["qwen3"]), "--prompt-data", str(data), "--train-backend", "megatron",
-        "--plugins", "fp8", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
-    ], manager)
-    with pytest.raises(ValueError, match="fp8 with --tensor-model-parallel-size > 1"):
-        check_supported(config)
+    with pytest.raises(ValueError, match="fp8 with --tensor-model-parallel-size > 1"):  # the backend record's check
+        resolve_run_config([
+            "--hf-checkpoint", str(paths["qwen3"]), "--prompt-data", str(data), "--rm-type", "exact",
+            "--train-backend", "megatron", "--plugins", "fp8", "--tensor-model-parallel-size", "2",
+            "--actor-num-gpus-per-node", "2",
+        ], manager)
 
 
 def test_fp8_with_two_expert_parallel_ranks_gives_the_one_process_loss(models, tmp_path):

@@ -17,6 +17,7 @@ from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.sample import Sample
 from miles_r3.replay import replay_ids_for_batch
 from tests.loop.conftest import write_addition_data
+from tests.run_inputs import run_inputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,12 +143,13 @@ def test_r3_on_a_dense_model_says_there_is_nothing_to_replay(tmp_path):
     model = build_tiny_policy(tmp_path / "dense")
     data = write_addition_data(tmp_path / "data.jsonl", 8)
     with pytest.raises(ValueError, match="no MoE layers: there is nothing to replay"):
-        _run(model, data, tmp_path / "out", "--plugins", "r3")
+        _run(model, data, tmp_path / "out", "--plugins", "r3")  # refused by the validation stage
+    assert not (tmp_path / "out").exists()
 
 
 def test_slime_flag_activates_r3_and_routing_capture():
     manager = MilesPluginManager()
-    config, _ = resolve_run_config(["--use-rollout-routing-replay"], manager)
+    config, _ = resolve_run_config([*run_inputs(moe=True), "--use-rollout-routing-replay"], manager)
     assert "r3" in config.plugins and config.rollout_return_routed_experts
 
 
