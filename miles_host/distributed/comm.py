@@ -146,10 +146,11 @@ class WorkerHandle:
         try:
             self.conn.send((method, args))
         except (BrokenPipeError, ConnectionError, EOFError) as error:
-            raise WorkerFailed(self.name, f"(pid {self.process.pid}) is unreachable: {error}") from error
+            raise WorkerFailed(self.name, f"(pid {self.process.pid}) is unreachable: {error}", "died") from error
 
     def recv(self, what: str = "a reply", timeout_s: float | None = None) -> Any:
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         while True:
             try:
                 ready = self.conn.poll(0.05)
@@ -161,15 +162,15 @@ class WorkerHandle:
                     status, payload = self.conn.recv()
                 except (EOFError, ConnectionError, OSError) as error:
                     self._check_alive(grace=True)
-                    raise WorkerFailed(self.name, f"(pid {self.process.pid}) closed its pipe: {error}") from error
+                    raise WorkerFailed(self.name, f"(pid {self.process.pid}) closed its pipe: {error}", "died") from error
                 if status == "error":
                     raise WorkerFailed(self.name, f"raised an error:\n{payload}")
                 return payload
             self._check_alive()
             if time.monotonic() > deadline:
+                within = f"--worker-timeout {limit:g} s" if timeout_s is None else f"{limit:g} s"
                 raise WorkerFailed(
-                    self.name,
-                    f"(pid {self.process.pid}) did not answer {what} within --worker-timeout {self.timeout_s:g} s (hung?)",
+                    self.name, f"(pid {self.process.pid}) did not answer {what} within {within} (hung or stopped?)", "hung"
                 )
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -182,7 +183,7 @@ class WorkerHandle:
         if not self.process.is_alive():
             code = self.process.exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            raise WorkerFailed(self.name, f"(pid {self.process.pid}) {how}")
+            raise WorkerFailed(self.name, f"(pid {self.process.pid}) {how}", "died")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not."""
