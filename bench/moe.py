@@ -251,6 +251,11 @@ def bench_engine(shape, precision, kernel, args, dtype, device) -> list[dict]:
                              tok_s=decode, bound_tok_s=bound, fraction=decode / bound, weight_bytes=weight_bytes))
             print(f"[{label}] decode batch {batch:>3}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
                   f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
+        if args.profile_batch and device == "cuda":
+            from bench.quantized_decode import profile_decode
+
+            prompts = torch.randint(1, vocab - 1, (args.profile_batch, args.prompt_len), generator=generator).tolist()
+            profile_decode(engine, prompts, args.new_tokens, label, top=10)
         if args.prefill_seqs:
             prompts = torch.randint(1, vocab - 1, (args.prefill_seqs, args.prefill_len), generator=generator).tolist()
             t_prefill = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
@@ -386,6 +391,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mem-fraction", type=float, default=0.85)
+    parser.add_argument("--profile-batch", type=int, default=0, help="GPU kernel time per token at this batch "
+                        "(torch.profiler, after the timed cases)")
     parser.add_argument("--sweep", action="store_true", help="tile sweep instead of the engine benchmark")
     parser.add_argument("--sweep-shape", default="qwen3_30b")
     parser.add_argument("--sweep-precision", default="bf16")

@@ -131,8 +131,12 @@ class DecodeGraphs:
         self.staged[: self.fields_end].copy_(self.host[: self.fields_end])
         self._record((size, capture_routes), lambda: self._graph_body(size, capture_routes))
 
+    @torch.no_grad()
     def _record(self, key, body) -> None:
-        """Capture ``body()`` (all in the shared pool) as the graph of ``key``; its result is ``outputs[key]``."""
+        """Capture ``body()`` (all in the shared pool) as the graph of ``key``; its result is ``outputs[key]``.
+
+        Without autograd, as the eager steps run (``inference_mode``): the model's inference
+        paths (the fused MoE kernels) check ``torch.is_grad_enabled()``."""
         body()  # warm-up: Triton compilation, allocator
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):

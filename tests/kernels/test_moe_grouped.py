@@ -152,8 +152,8 @@ def test_tile_table_lookup(monkeypatch):
     from miles_host.kernels import moe_configs
 
     assert [moe_configs.token_bucket(t) for t in (0, 1, 3, 128, 129, 10**6)] == [1, 1, 4, 128, 256, 8192]
-    default = moe_configs.moe_tiles(4, 8, 128, 2048, 768, torch.bfloat16, "bf16")
-    assert default == moe_configs.default_tiles(4, 8, 128, 2048, 768, torch.bfloat16)
+    default = moe_configs.moe_tiles(4, 8, 64, 2048, 768, torch.bfloat16, "bf16")  # not in the table
+    assert default == moe_configs.default_tiles(4, 8, 64, 2048, 768, torch.bfloat16)
     monkeypatch.setitem(moe_configs.TUNED, (128, 2048, 768, "bf16"), {1: (16, (32, 128, 4, 3), (64, 64, 4, 4)),
                                                                       256: (32, (64, 64, 4, 3), (128, 64, 8, 3))})
     tiles = moe_configs.moe_tiles(3, 8, 128, 2048, 768, torch.bfloat16, "bf16")  # bucket 4: nearest is 1
@@ -297,3 +297,18 @@ def test_gpu_speed_report():
                 fns["dense"] = lambda: _dense_over_experts(x, ids, weights, num_experts, experts.expert_mlp)
             times = {name: _timed(fn) * 1e6 for name, fn in fns.items()}
             print(f"T={num_tokens}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_graphs_capture_the_fused_path(monkeypatch):
+    """The engine captures its decode graphs without autograd, so the fused MoE (an inference path) is in them."""
+    from bench.moe import build_model
+    from miles_host.kernels import moe_grouped
+    from miles_host.rollout import Engine
+
+    calls = []
+    original = moe_grouped.fused_moe
+    monkeypatch.setattr(moe_grouped, "fused_moe", lambda *a, **k: calls.append(torch.is_grad_enabled()) or original(*a, **k))
+    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64)
+    assert engine.runner.graphs is not None and calls and not any(calls)
