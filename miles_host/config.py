@@ -106,7 +106,7 @@ class RewardArgs:
     custom_rm_path: str | None = flag(None, "module.fn reward (sync or async)", type=str, group="reward")
     group_rm: bool = flag(False, "the reward function scores a whole group at once", group="reward")
     rm_url: str | None = flag(None, "remote reward: HTTP POST endpoint", type=str, group="reward")
-    rm_timeout: float = flag(30.0, "remote reward timeout, seconds", type=float, group="reward")
+    rm_timeout: float = flag(30.0, "seconds a reward may take: per HTTP attempt of --rm-url, per call (per group with --group-rm) of a custom or built-in reward, whose sample then fails", type=float, group="reward")
     rm_max_retries: int = flag(3, "remote reward retries", type=int, group="reward")
     reward_key: str | None = flag(None, "key of the reward when the reward is a dict", type=str, group="reward")
 
@@ -276,6 +276,7 @@ def validate_config(config: MilesConfig) -> None:
         "expert_model_parallel_size",
         "actor_num_nodes",
         "actor_num_gpus_per_node",
+        "rm_timeout",
     )
     if config.rollout_temperature < 0:
         raise ValueError(f"--rollout-temperature must be >= 0, got {config.rollout_temperature}")
