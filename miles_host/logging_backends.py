@@ -32,7 +32,7 @@ class JsonlLogger:
     def __init__(self, config: Any):
         self.path = Path(config.output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh_metrics_file(self.path, resuming=bool(getattr(config, "load", None)))
+        fresh_metrics_file(self.path, resuming=bool(config.load))
 
     def log(self, metrics: dict, step: int) -> None:
         line = (json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n").encode()
