@@ -16,13 +16,15 @@ from typing import Any, Iterable
 
 import torch
 
-from miles_host.algorithms.advantages import AdvantageInputs
+from miles_host.algorithms.advantages import AdvantageInputs, compute_advantages
 from miles_host.algorithms.corrections import mismatch_metrics
 from miles_host.algorithms.kl import compute_approx_kl
-from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share, policy_loss
+from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share, policy_loss, ppo_policy_loss
 from miles_host.lr_schedule import lr_lambda, step_sizes
+from miles_host import offload
 from miles_host.rollout_backend import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
+from miles_host.protocols import TrainerBase
 from miles_host.routing import RoutingHooks
 from miles_host.sample import Sample, Status
 
@@ -168,8 +170,13 @@ def read_floats(values: dict) -> dict[str, float]:
     return {key: read[key] if key in read else float(v) for key, v in values.items()}
 
 
-class NativeTrainer:
+class NativeTrainer(TrainerBase):
     """Trains the policy in this process (CPU or one GPU)."""
+
+    #: ``--offload-train``: the policy, reference model, critic and optimizers move to CPU
+    can_offload_train_state = True
+    #: the state is on the CPU now (between ``offload_train_state`` and ``onload_train_state``)
+    train_state_offloaded = False
 
     def __init__(self, config: Any, manager: Any):
         self.config = config
@@ -319,12 +326,26 @@ class NativeTrainer:
     def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs, values=None):
         """Per-token advantages (and value targets) from the registry's estimator."""
         inputs = advantage_inputs(samples, ref_log_probs, old_log_probs, values, self.config)
-        outputs = self.estimator.fn(inputs, self.config)
+        outputs = compute_advantages(self.estimator, inputs, self.config)  # whitening, value targets: the record's
         return outputs.advantages, outputs.returns
 
     def rank_counters(self) -> dict[str, float]:
         """This process's plugin counters of the step (:func:`~miles_host.hookspecs.miles_rank_counters`)."""
         return self.manager.rank_counters(self.config)
+
+    # -- phases (--offload-train, --colocate) --------------------------------------
+
+    def offload_train_state(self) -> None:
+        """Parameters, gradients and optimizer state to CPU for the rollout phase."""
+        offload.offload_train_state(self)
+
+    def onload_train_state(self) -> None:
+        """Back on the trainer's device before training (no-op unless offloaded)."""
+        offload.onload_train_state(self)
+
+    def empty_device_cache(self) -> None:
+        """Hand the allocator's free blocks back to the device (a colocated engine resumes)."""
+        offload.empty_device_cache(self.device)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns ``train/*`` metrics."""
@@ -391,11 +412,13 @@ class NativeTrainer:
         loss_sum: torch.Tensor | float = 0.0
         for micro in micro_batches(samples, self.config):
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
-            share = micro_batch_share(self.config, [s.loss_mask for s in micro], step_masks)
+            micro_masks = [s.loss_mask for s in micro]
+            share = micro_batch_share(self.config, micro_masks, step_masks)
             (loss * share).backward()
             loss_sum = loss_sum + _as_float64(loss) * share
+            metric_share = micro_batch_share(self.config, micro_masks, step_masks, for_metrics=True)
             for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + _as_float64(value) * share
+                metrics[key] = metrics.get(key, 0.0) + _as_float64(value) * metric_share
         return self._clip_and_step({f"train/{key}": value for key, value in metrics.items()}, loss_sum)
 
     def _clip_grads(self) -> torch.Tensor:
@@ -441,10 +464,13 @@ class NativeTrainer:
             cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device).float()  # noqa: E731
             loss_mask = batch.per_token((s.loss_mask for s in micro), self.device)
             loss, micro_metrics = self.critic.loss(batch, cat(values), cat(returns), loss_mask)
-            share = micro_batch_share(self.config, [s.loss_mask for s in micro], [s.loss_mask for s in samples])
+            micro_masks, step_masks = [s.loss_mask for s in micro], [s.loss_mask for s in samples]
+            share = micro_batch_share(self.config, micro_masks, step_masks)
             (loss * share).backward()
+            metric_share = micro_batch_share(self.config, micro_masks, step_masks, for_metrics=True)
             for key, value in micro_metrics.items():
-                metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value * share
+                share_of = share if key == "value_loss" else metric_share  # the loss sums as the loss does
+                metrics[f"critic/{key}"] = metrics.get(f"critic/{key}", 0.0) + value * share_of
         grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.clip_grad)
         metrics["critic/grad_norm"] = float(grad_norm)
         if math.isfinite(float(grad_norm)):
@@ -466,7 +492,8 @@ class NativeTrainer:
             ref_log_probs=cat(ref) if ref is not None else None,
             entropy=entropy.float() if entropy is not None else None,
         )
-        loss, metrics = policy_loss(loss_batch, self.config, corrections=self.corrections)
+        loss, metrics = policy_loss(loss_batch, self.config, corrections=self.corrections,
+                                    pg_loss=self.estimator.policy_loss or ppo_policy_loss)
         metrics = dict(metrics)
         old_B = cat(old) if old is not None else log_probs.detach().float()
         mismatch = mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask)

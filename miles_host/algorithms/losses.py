@@ -23,7 +23,9 @@ sequence's masked sum) or ``token-sum`` (the masked sum). Unset, it follows slim
 ``token-mean`` with ``--calculate-per-token-loss``, else ``seq-mean-token-mean``. The
 ``normalizer`` argument of :func:`policy_loss` (a fixed constant, e.g. the step's global
 token or sequence count for gradient accumulation) replaces the micro-batch's own count
-in the denominator of the loss; metrics always use the micro-batch's own count.
+in the denominator of the loss; metrics always use the micro-batch's own count, and
+the mean-type counterpart of a summing mode (``token-sum`` reports token means,
+``seq-mean-token-sum`` sequence means), so clip fractions stay fractions.
 
 Config fields read: ``eps_clip``, ``eps_clip_high`` (None: ``eps_clip``), ``eps_clip_c``,
 ``advantage_estimator`` (picks the loss in ``POLICY_LOSSES``, PPO clip otherwise),
@@ -124,19 +126,22 @@ class LossAggregation:
 
     ``unit`` (``token``, ``sequence`` or ``none``) says how micro-batch losses of one
     optimizer step combine: weighted by their share of the step's loss-masked tokens,
-    of its sequences, or summed (see :func:`micro_batch_share`).
+    of its sequences, or summed (see :func:`micro_batch_share`). ``metric`` names the
+    mean-type aggregation that reports per-token metrics (clip fractions, KL, entropy,
+    the policy-gradient term), so that they stay means whatever sums the loss takes.
     """
 
     reduce: Aggregation
     unit: str
+    metric: str
 
 
 #: ``--loss-agg-mode`` (verl's names) -> its reduction over a micro-batch.
 LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
-    "token-mean": LossAggregation(token_mean, "token"),
-    "seq-mean-token-mean": LossAggregation(sequence_mean, "sequence"),
-    "seq-mean-token-sum": LossAggregation(sequence_mean_token_sum, "sequence"),
-    "token-sum": LossAggregation(token_sum, "none"),
+    "token-mean": LossAggregation(token_mean, "token", "token-mean"),
+    "seq-mean-token-mean": LossAggregation(sequence_mean, "sequence", "seq-mean-token-mean"),
+    "seq-mean-token-sum": LossAggregation(sequence_mean_token_sum, "sequence", "seq-mean-token-mean"),
+    "token-sum": LossAggregation(token_sum, "none", "token-mean"),
 }
 
 
@@ -161,12 +166,24 @@ def aggregation_for(config) -> Aggregation:
     return _aggregation(config).reduce
 
 
-def micro_batch_share(config, micro_loss_masks: Sequence[Sequence[float]], step_loss_masks: Sequence[Sequence[float]]) -> float:
+def metric_aggregation_for(config) -> Aggregation:
+    """The mean-type reducer that reports per-token metrics under :func:`aggregation_name`."""
+    return LOSS_AGGREGATIONS[_aggregation(config).metric].reduce
+
+
+def micro_batch_share(
+    config,
+    micro_loss_masks: Sequence[Sequence[float]],
+    step_loss_masks: Sequence[Sequence[float]],
+    for_metrics: bool = False,
+) -> float:
     """The weight of a micro-batch's loss in its optimizer step's loss, so that the weighted
     sum of micro-batch losses is the aggregation over the whole step: the micro-batch's
     share of the step's loss-masked tokens (``token-mean``), of its sequences
-    (``seq-mean-*``), or 1 (``token-sum``)."""
-    unit = _aggregation(config).unit
+    (``seq-mean-*``), or 1 (``token-sum``). ``for_metrics``: the share under the metrics'
+    aggregation (:func:`metric_aggregation_for`), which combines the micro-batch metrics."""
+    aggregation = _aggregation(config)
+    unit = LOSS_AGGREGATIONS[aggregation.metric].unit if for_metrics else aggregation.unit
     if unit == "token":
         return sum(map(sum, micro_loss_masks)) / (sum(map(sum, step_loss_masks)) or 1)
     if unit == "sequence":
@@ -241,7 +258,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 
 def policy_loss_for(config) -> PolicyLossFn:
-    """The policy-gradient term for ``config.advantage_estimator`` (PPO clip by default)."""
+    """The policy-gradient term of a built-in ``config.advantage_estimator`` (PPO clip by
+    default), for callers without the estimator's record; the host passes the record's
+    ``policy_loss`` to :func:`policy_loss` instead."""
     return POLICY_LOSSES.get(config.advantage_estimator, ppo_policy_loss)
 
 
@@ -295,41 +314,44 @@ def policy_loss(
     config,
     corrections: Sequence[CorrectionFn] | None = None,
     normalizer: float | None = None,
+    pg_loss: PolicyLossFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy loss of one micro-batch: ``pg - entropy_coef * entropy + kl_loss_coef * kl``.
 
     ``corrections`` defaults to the built-ins switched on in ``config``
-    (:func:`~miles_host.algorithms.corrections.enabled_corrections`); the host passes
-    the registry's enabled ones. Returns the scalar loss and its metrics as detached 0-dim
+    (:func:`~miles_host.algorithms.corrections.enabled_corrections`) and ``pg_loss`` to
+    :func:`policy_loss_for`; the host passes the registry's enabled corrections and the
+    advantage estimator record's ``policy_loss``. Returns the scalar loss and its metrics as detached 0-dim
     tensors (no host sync here: the trainer reads a whole step's metrics at once).
     """
-    reduce = aggregation_for(config)
+    reduce, report = aggregation_for(config), metric_aggregation_for(config)
     mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
     old_log_probs = old_log_probs_for(batch, config)
-    terms = policy_loss_for(config)(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
+    pg_loss = pg_loss or policy_loss_for(config)
+    terms = pg_loss(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
     metrics: dict[str, torch.Tensor | float] = {}
     corrections = enabled_corrections(config) if corrections is None else list(corrections)
     pg_losses = _corrected_pg_losses(batch, terms.losses, corrections, config, metrics)
 
     pg_loss = reduce(pg_losses, mask, lengths, normalizer)
     loss = pg_loss
-    metrics["pg_loss"] = reduce(pg_losses.detach(), mask, lengths).detach()
-    metrics["pg_clipfrac"] = reduce(terms.clipfrac, mask, lengths).detach()
-    metrics["ppo_kl"] = reduce(terms.ppo_kl.detach(), mask, lengths).detach()
+    metrics["pg_loss"] = report(pg_losses.detach(), mask, lengths).detach()
+    metrics["pg_clipfrac"] = report(terms.clipfrac, mask, lengths).detach()
+    metrics["ppo_kl"] = report(terms.ppo_kl.detach(), mask, lengths).detach()
     for name, values in terms.extra.items():
-        metrics[name] = reduce(values, mask, lengths).detach()
+        metrics[name] = report(values, mask, lengths).detach()
 
     entropy_coef = config.entropy_coef
     if entropy_coef != 0 and batch.entropy is None:
         raise ValueError("entropy_coef != 0 needs batch.entropy")
     if batch.entropy is not None:
         loss = loss - entropy_coef * reduce(batch.entropy, mask, lengths, normalizer)
-        metrics["entropy_loss"] = reduce(batch.entropy.detach(), mask, lengths).detach()
+        metrics["entropy_loss"] = report(batch.entropy.detach(), mask, lengths).detach()
 
     if config.use_kl_loss:
         kl = kl_loss_per_token(batch, old_log_probs, config)
         loss = loss + config.kl_loss_coef * reduce(kl, mask, lengths, normalizer)
-        metrics["kl_loss"] = reduce(kl.detach(), mask, lengths).detach()
+        metrics["kl_loss"] = report(kl.detach(), mask, lengths).detach()
 
     metrics["loss"] = loss.detach() if normalizer is None else _micro_batch_loss(metrics, config)
     return loss, metrics

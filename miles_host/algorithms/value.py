@@ -4,7 +4,8 @@
 ``value_loss = max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`` per token (no
 ``1/2`` factor, as in slime), aggregated over response tokens with the policy loss's
 aggregation (``--loss-agg-mode`` / ``--calculate-per-token-loss``). ``value_clipfrac``
-is the same aggregation of ``|V - V_old| > c``. Without a clip range
+is the fraction of ``|V - V_old| > c`` under that aggregation's mean-type counterpart
+(the same one for slime's two modes). Without a clip range
 (``--value-clip none``) the loss is ``(V - R)^2`` and the clip fraction 0.
 """
 
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from miles_host.algorithms.losses import aggregation_for
+from miles_host.algorithms.losses import aggregation_for, metric_aggregation_for
 
 
 def clipped_value_loss(
@@ -36,7 +37,7 @@ def clipped_value_loss(
         clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
         per_token = torch.maximum(unclipped, (clipped_values - returns) ** 2)
         outside = ((values - old_values).abs() > value_clip).to(values.dtype)
-        clipped_fraction = float(reduce(outside.detach(), loss_mask, response_lengths))
+        clipped_fraction = float(metric_aggregation_for(config)(outside.detach(), loss_mask, response_lengths))
     loss = reduce(per_token, loss_mask, response_lengths)
     metrics = {"value_loss": float(loss.detach()), "value_clipfrac": clipped_fraction,
                "values_mean": float((values.detach() * loss_mask).sum() / loss_mask.sum().clamp(min=1))}

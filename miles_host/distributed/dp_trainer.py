@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from miles_host.distributed.balance import split_by_tokens
-from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.algorithms.losses import micro_batch_share
 from miles_host.lr_schedule import step_sizes
@@ -41,7 +40,7 @@ class DataParallelTrainer(NativeTrainer):
         self.group = group
         self.rank = rank
         self.world = world
-        if world > 1 and getattr(self, "critic", None) is not None:
+        if world > 1 and self.critic is not None:
             raise ValueError(
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the data-parallel trainer "
                 "does not all-reduce yet; use one trainer process or a critic-free estimator (grpo, gspo, rloo, ...)"
@@ -93,20 +92,6 @@ class DataParallelTrainer(NativeTrainer):
         tensor = torch.tensor(values, dtype=torch.float64)
         allreduce_sum_(self.group, tensor)
         return tensor.tolist()
-
-    # -- phases (--offload-train, --colocate) --------------------------------------
-
-    def offload_train_state(self) -> None:
-        """Parameters, gradients and optimizer state to CPU for the rollout phase."""
-        offload.offload_train_state(self)
-
-    def onload_train_state(self) -> None:
-        """Back on this rank's device before training."""
-        offload.onload_train_state(self)
-
-    def empty_device_cache(self) -> None:
-        """Hand the allocator's free blocks back to the device (a colocated engine resumes)."""
-        offload.empty_device_cache(self.device)
 
     # -- training ---------------------------------------------------------------
 
@@ -191,12 +176,14 @@ class DataParallelTrainer(NativeTrainer):
                 self._placeholder_pass("train")
                 continue
             loss, micro_metrics = self._micro_loss(micro, old, ref, advantages)
-            share = micro_batch_share(self.config, [s.loss_mask for s in micro], step_masks)
+            micro_masks = [s.loss_mask for s in micro]
+            share = micro_batch_share(self.config, micro_masks, step_masks)
             (loss * (share * self.loss_scale)).backward()
             micro_floats = read_floats({**micro_metrics, "__loss__": loss})  # one host sync per micro-batch
             loss_sum += micro_floats.pop("__loss__") * share
+            metric_share = micro_batch_share(self.config, micro_masks, step_masks, for_metrics=True)
             for key, value in micro_floats.items():
-                sums[key] = sums.get(key, 0.0) + value * share
+                sums[key] = sums.get(key, 0.0) + value * metric_share
         self._allreduce_grads()
         keys = self._agree_on_keys(sorted(sums), source)
         reduced = self._allreduce_floats([loss_sum, *[sums.get(k, 0.0) for k in keys]])

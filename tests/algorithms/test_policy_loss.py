@@ -209,6 +209,9 @@ def test_kl_and_entropy_terms(packed, kl_type, mode):
 
 
 ALL_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"]
+#: the mean-type mode that reports metrics under each loss mode
+METRIC_MODE = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+               "seq-mean-token-sum": "seq-mean-token-mean", "token-sum": "token-mean"}
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -219,16 +222,21 @@ def test_loss_agg_modes(packed, mode):
     pg = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[0] for r, a in zip(ratios, packed.advantages)])
     expected = ref_reduce(pg, packed, mode) - 0.01 * ref_reduce(packed.entropy, packed, mode)
     assert loss.item() == pytest.approx(expected, abs=1e-10)
-    assert metrics["pg_loss"] == pytest.approx(ref_reduce(pg, packed, mode), abs=1e-10)
+    assert metrics["pg_loss"] == pytest.approx(ref_reduce(pg, packed, METRIC_MODE[mode]), abs=1e-10)
+    clipped = np.array([ref_surrogate(r, a, 0.2, 0.2, None)[1] for r, a in zip(ratios, packed.advantages)])
+    assert metrics["pg_clipfrac"] == pytest.approx(ref_reduce(clipped, packed, METRIC_MODE[mode]), abs=1e-10)
+    assert 0 < metrics["pg_clipfrac"] < 1  # a fraction whatever the loss sums
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("split", [[2, 4], [1, 1, 1, 3], [6]])
 def test_micro_batch_shares_add_up_to_the_step_loss(packed, mode, split):
     """The trainer's gradient accumulation: micro-batch losses weighted by ``micro_batch_share``
-    sum to the aggregation over the whole optimizer step, for every mode."""
+    sum to the aggregation over the whole optimizer step, for every mode; so do the metrics
+    weighted by their own share."""
     cfg = config(loss_agg_mode=mode)
-    whole, _ = policy_loss(as_batch(packed), cfg)
+    whole, whole_metrics = policy_loss(as_batch(packed), cfg)
+    clipfrac = 0.0
     starts = np.cumsum([0] + packed.lengths)
     step_masks = [packed.loss_mask[starts[i]:starts[i + 1]] for i in range(len(packed.lengths))]
     total, first = 0.0, 0
@@ -240,10 +248,13 @@ def test_micro_batch_shares_add_up_to_the_step_loss(packed, mode, split):
             for name in ("log_probs", "advantages", "loss_mask", "response_lengths", "old_log_probs",
                          "rollout_log_probs", "ref_log_probs", "entropy")
         })
-        loss, _ = policy_loss(sub, cfg)
+        loss, metrics = policy_loss(sub, cfg)
         total += loss.item() * micro_batch_share(cfg, step_masks[first:first + count], step_masks)
+        clipfrac += metrics["pg_clipfrac"].item() * micro_batch_share(
+            cfg, step_masks[first:first + count], step_masks, for_metrics=True)
         first += count
     assert total == pytest.approx(whole.item(), abs=1e-10)
+    assert clipfrac == pytest.approx(whole_metrics["pg_clipfrac"].item(), abs=1e-10)
 
 
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
