@@ -5,9 +5,10 @@ Replicated: every rank holds the whole model and optimizer, and one fp32 gradien
 all-reduce gives bit-level agreement with one process. ``--train-backend fsdp``
 (:mod:`miles_host.distributed.fsdp_trainer`) shards them with FSDP2 instead.
 
-Loss normalisation: the one-process trainer weights each micro-batch's mean loss
-by ``micro_tokens / step_tokens`` (``--calculate-per-token-loss``) or
-``micro_samples / step_samples``. Here the denominators are the *global* counts of
+Loss normalisation: the one-process trainer weights each micro-batch's loss by its
+share of the step (:func:`~miles_host.algorithms.losses.micro_batch_share`:
+``micro_tokens / step_tokens`` for ``token-mean``, ``micro_samples / step_samples`` for
+the ``seq-mean-*`` modes, 1 for ``token-sum``). Here the denominators are the *global* counts of
 the step (every rank sees all the step's samples), each rank back-propagates its
 own micro-batches with those shares, and the gradient all-reduce is a plain SUM, so
 N ranks compute the gradient of one process (up to fp32 summation order).
