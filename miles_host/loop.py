@@ -1,6 +1,8 @@
 """The RL loop: rollout -> reward -> advantages -> train -> weight sync, repeated.
 
-``run_training(config, manager)`` is what ``miles run`` calls. Every component
+:class:`Run` is one ``miles run`` in this process;
+:func:`miles_host.distributed.launcher.run_training` starts it (over trainer and engine
+processes when the run needs them). Every component
 comes from a registry that plugins fill (rollout backend, trainer, weight-sync
 transport, reward, advantage estimator, corrections, loggers).
 """
@@ -25,6 +27,7 @@ from miles_host.evaluation import evaluate
 from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.phases import Phases
 from miles_host.progress import Progress
+from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightSyncTransport, build
 from miles_host.reward import RewardScorer
 from miles_host.rollout_manager import RolloutManager
 from miles_host.sample import Sample, Status
@@ -85,7 +88,7 @@ class Run:
             config.rollout_shuffle,
             config.rollout_seed,
         )
-        self.backend = registries.rollout_backends.get(config.rollout_backend).factory(config, manager)
+        self.backend = build(registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
         self.scorer = RewardScorer(config, registries.reward_functions)
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
         if max_prompt is not None:
@@ -94,14 +97,17 @@ class Run:
             ]
             if not self.dataset.prompts:
                 raise ValueError(f"every prompt is longer than --rollout-max-prompt-len {max_prompt}")
-        self.loggers = [record.factory(config) for record in registries.loggers if record.enabled(config)]
+        self.loggers = [build(registries.loggers, record.name, MetricsLogger, config)
+                        for record in registries.loggers if record.enabled(config)]
         self.state = RunState()
         self.total = num_rollouts(config, self.dataset)
         resolve_lr_decay_iters(config, self.total)  # before any trainer exists: they all read it
-        self.trainer = registries.train_backends.get(config.train_backend).factory(config, manager)
-        self.transport = registries.weight_sync_transports.get(config.weight_sync).factory(config)
+        self.trainer = build(registries.train_backends, config.train_backend, Trainer, config, manager)
+        self.transport = build(registries.weight_sync_transports, config.weight_sync, WeightSyncTransport, config)
         self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*
         self.training_started = False
+        #: the trainer moved past the last logged rollout (a checkpoint written now would mix states)
+        self.trained_unlogged = False
 
     # -- pieces of a step --------------------------------------------------------
 
@@ -135,8 +141,8 @@ class Run:
             from miles_host.models import save_pretrained
 
             path = self.config.save_hf.format(rollout_id=rollout_id)
-            full_state = getattr(self.trainer, "full_state_dict", None)  # a sharded trainer's gathered weights
-            save_pretrained(self.trainer.model, path, state_dict=full_state() if full_state is not None else None)
+            # a sharded trainer's gathered weights; None: the model's own state dict is whole
+            save_pretrained(self.trainer.model, path, state_dict=self.trainer.full_state_dict())
             self.tokenizer.save_pretrained(path)
 
     def resume(self) -> None:
@@ -184,7 +190,7 @@ class Run:
             self.dump(rollout_id, samples)
         self.phases.to_train()
         train_start = time.perf_counter()
-        self.training_started = True
+        self.training_started = self.trained_unlogged = True
         train_metrics = self.trainer.train(samples)
         counters = self.rank_counters()
         train_time = time.perf_counter() - train_start
@@ -227,15 +233,14 @@ class Run:
         return metrics
 
     def rank_counters(self) -> dict[str, float]:
-        """The step's plugin counters of every trainer process (a trainer group adds its ranks' up;
-        a plugin trainer without ``rank_counters`` runs in this process)."""
-        of_trainer = getattr(self.trainer, "rank_counters", None)
-        return of_trainer() if of_trainer is not None else self.manager.rank_counters(self.config)
+        """The step's plugin counters of every trainer process (a trainer group adds its ranks' up)."""
+        return self.trainer.rank_counters()
 
     def log(self, metrics: dict, step: int) -> None:
         """Record the step's metrics; a logger that fails is warned about and dropped
         (metrics.jsonl of the jsonl logger is the record of last resort)."""
         self.state.history.append(metrics)
+        self.trained_unlogged = False
         for logger in list(self.loggers):
             try:
                 logger.log(metrics, step)
@@ -303,17 +308,3 @@ class Run:
             print(f"miles: curves written to {path}", file=sys.stderr)
         else:
             print("miles: no curves.png (pip install matplotlib to get one)", file=sys.stderr)
-
-
-def run_training(config: Any, manager: Any) -> int:
-    """Entry point of ``miles run`` (after the config is resolved)."""
-    from miles_host.distributed.launcher import run_distributed, wants_distributed
-
-    if wants_distributed(config):
-        return run_distributed(config, manager)
-    run = Run(config, manager)
-    try:
-        return run.run()
-    except NanLossError as error:
-        print(f"miles: error: {error}", file=sys.stderr)
-        return 1

@@ -85,7 +85,7 @@ def train_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
 
 def offload_train_state(trainer: Any) -> None:
     """Parameters, gradients and optimizer state of ``trainer`` to CPU (idempotent)."""
-    if getattr(trainer, "train_state_offloaded", False):
+    if trainer.train_state_offloaded:
         return
     move_modules(train_modules(trainer), "cpu")
     for optimizer in train_optimizers(trainer):
@@ -96,7 +96,7 @@ def offload_train_state(trainer: Any) -> None:
 
 def onload_train_state(trainer: Any) -> None:
     """Back to ``trainer.device`` after :func:`offload_train_state` (no-op otherwise)."""
-    if not getattr(trainer, "train_state_offloaded", False):
+    if not trainer.train_state_offloaded:
         return
     move_modules(train_modules(trainer), trainer.device)
     for optimizer in train_optimizers(trainer):

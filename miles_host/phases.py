@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from miles_host import offload
+from miles_host.protocols import RolloutBackend, Trainer
 
 
 @dataclass(frozen=True)
@@ -56,36 +56,26 @@ class PhasePlan:
 class Phases:
     """Runs a :class:`PhasePlan` over a trainer and a rollout backend."""
 
-    def __init__(self, plan: PhasePlan, trainer: Any, backend: Any, config: Any = None):
+    def __init__(self, plan: PhasePlan, trainer: Trainer, backend: RolloutBackend, config: Any = None):
         self.plan = plan
         self.trainer = trainer
         self.backend = backend
         #: seconds spent moving memory since the last :meth:`pop_switch_time`
         self.switch_time_s = 0.0
         self._rollout_released = False
-        if plan.rollout_tags and not hasattr(backend, "release_memory_occupation"):
-            name = getattr(config, "rollout_backend", type(backend).__name__)
+        if plan.rollout_tags and not backend.releases_memory:
+            name = config.rollout_backend if config is not None else type(backend).__name__
             raise ValueError(
                 f"--colocate / --offload-rollout: the rollout backend {name!r} cannot release its memory between "
                 "phases; use --rollout-backend embedded or process"
             )
-        if plan.offload_train and not (hasattr(trainer, "offload_train_state") or offload.train_modules(trainer)):
-            name = getattr(config, "train_backend", type(trainer).__name__)
+        if plan.offload_train and not trainer.can_offload_train_state:
+            name = config.train_backend if config is not None else type(trainer).__name__
             raise ValueError(f"--offload-train: the training backend {name!r} cannot offload its state")
 
     @classmethod
-    def from_config(cls, config: Any, trainer: Any, backend: Any) -> "Phases":
+    def from_config(cls, config: Any, trainer: Trainer, backend: RolloutBackend) -> "Phases":
         return cls(PhasePlan.from_config(config), trainer, backend, config)
-
-    def _trainer(self, method: str) -> None:
-        """``trainer.<method>()``, or the generic version for a trainer without it (the native one)."""
-        own = getattr(self.trainer, method, None)
-        if own is not None:
-            own()
-        elif method == "empty_device_cache":
-            offload.empty_device_cache(getattr(self.trainer, "device", None))
-        else:
-            getattr(offload, method)(self.trainer)
 
     def to_train(self) -> None:
         """Rollout is over: the engines release their memory, the trainer's state comes back."""
@@ -94,7 +84,7 @@ class Phases:
             self.backend.release_memory_occupation(list(self.plan.rollout_tags))
             self._rollout_released = True
         if self.plan.offload_train:
-            self._trainer("onload_train_state")
+            self.trainer.onload_train_state()
         self.switch_time_s += time.perf_counter() - start
 
     def to_rollout(self, sync: Callable[[], float]) -> float:
@@ -102,14 +92,14 @@ class Phases:
         (the weight sync, which returns its seconds); returns ``sync()``'s result."""
         start = time.perf_counter()
         if self.plan.offload_train:
-            self._trainer("offload_train_state")
+            self.trainer.offload_train_state()
         if self._rollout_released and "weights" in self.plan.rollout_tags:
             self.backend.resume_memory_occupation(["weights"])
         before_sync = time.perf_counter()
         sync_time = sync()
         after_sync = time.perf_counter()
         if self.plan.empty_train_cache:
-            self._trainer("empty_device_cache")
+            self.trainer.empty_device_cache()
         if self._rollout_released:
             self.backend.resume_memory_occupation(None)
             self._rollout_released = False

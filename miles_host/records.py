@@ -11,7 +11,7 @@ a built-in of the same name on purpose.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class Record:
     record (``--precision``, ``--train-backend``, an enabled correction, ...);
     raise a ValueError naming the flag. ``None``: nothing to check.
     """
+
+    #: fields that must hold a callable: a record without one is refused at registration
+    required: ClassVar[tuple[str, ...]] = ()
 
     name: str
     description: str = ""
@@ -59,13 +62,21 @@ class Precision(Record):
 
 @dataclass(frozen=True)
 class RolloutBackend(Record):
-    """A rollout backend: ``factory(config, plugin_manager) -> backend``.
+    """A rollout backend: ``factory(config, plugin_manager) -> backend``, an object that
+    implements :class:`miles_host.protocols.RolloutBackend`.
 
-    The backend object exposes ``generate``/``abort``/``update_weights``; see
-    ``miles_host.rollout``.
+    ``multi_process``: its engines run in processes that the host's launcher starts
+    (``--rollout-backend process``), so the run goes through
+    :mod:`miles_host.distributed.launcher`. ``distributed_variant``: the backend that does
+    this one's work from other processes when the run needs several (``embedded`` ->
+    ``process``); empty: this backend serves multi-process runs as it is.
     """
 
     factory: Callable[..., Any] | None = None
+    multi_process: bool = False
+    distributed_variant: str = ""
+
+    required = ("factory",)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ class Correction(Record):
 
     fn: Callable[..., Any] | None = None
     enabled: Callable[[Any], bool] = lambda config: False
+
+    required = ("fn",)
 
 
 # ----------------------------------------------------------------------------
@@ -141,12 +154,18 @@ class ModelFamily(Record):
 
 @dataclass(frozen=True)
 class WeightSyncTransport(Record):
-    """A way to move weights from trainer to rollout: ``factory(config) -> transport``.
+    """A way to move weights from trainer to rollout: ``factory(config) -> transport``, an
+    object that implements :class:`miles_host.protocols.WeightSyncTransport`
+    (``push(named_tensors, backend, weight_version)``).
 
-    The transport has ``push(named_tensors, engine, weight_version)``.
+    ``in_process_only``: it needs trainer and engine in one process; a multi-process run
+    replaces it with the host's CUDA IPC (colocated on GPUs) or broadcast transport.
     """
 
     factory: Callable[..., Any] | None = None
+    in_process_only: bool = False
+
+    required = ("factory",)
 
 
 # ----------------------------------------------------------------------------
@@ -165,18 +184,31 @@ class RewardFunction(Record):
     fn: Callable[..., Any] | None = None
     group: bool = False
 
+    required = ("fn",)
+
 
 @dataclass(frozen=True)
 class AdvantageEstimator(Record):
-    """An advantage estimator: ``fn(inputs: AdvantageInputs, config) -> AdvantageOutputs``
-    (per-token advantages, and returns for critic-based estimators); see
-    :mod:`miles_host.algorithms.advantages`.
+    """An advantage estimator, and everything the host does around it.
 
-    ``needs_critic``: the trainer must build a value model (PPO).
+    - ``fn(inputs: AdvantageInputs, config) -> list[Tensor]``: per-sample ``[L_i]``
+      advantages before any whitening (:mod:`miles_host.algorithms.advantages`).
+    - ``whiten``: the host always whitens them over the batch's loss-masked tokens (as
+      slime requires ``--normalize-advantages`` for REINFORCE++); otherwise only with
+      ``--normalize-advantages``.
+    - ``needs_critic``: the trainer builds a value model (PPO); value targets are the
+      unwhitened advantages plus the critic's values.
+    - ``policy_loss``: the policy-gradient term the loss uses with these advantages,
+      ``fn(log_probs, old_log_probs, advantages, loss_mask, response_lengths, config) ->
+      PolicyLossTerms`` (:mod:`miles_host.algorithms.losses`); ``None``: PPO's clipped surrogate.
     """
 
     fn: Callable[..., Any] | None = None
     needs_critic: bool = False
+    whiten: bool = False
+    policy_loss: Callable[..., Any] | None = None
+
+    required = ("fn",)
 
 
 @dataclass(frozen=True)
@@ -190,25 +222,39 @@ class LossTerm(Record):
     fn: Callable[..., Any] | None = None
     enabled: Callable[[Any], bool] = lambda config: True
 
+    required = ("fn",)
+
 
 @dataclass(frozen=True)
 class TrainBackend(Record):
-    """A training backend: ``factory(config, plugin_manager) -> trainer``.
+    """A training backend: ``factory(config, plugin_manager) -> trainer``, an object that
+    implements :class:`miles_host.protocols.Trainer`.
+
     ``trainer_class``: optional ``() -> class``, the class each rank of the host's
     trainer group builds as ``cls(config, manager, group, rank, world)``
-    (:mod:`miles_host.distributed.trainer_group`)."""
+    (:mod:`miles_host.distributed.trainer_group`). ``multi_process``: its trainers run in
+    processes that the host's launcher starts (``native_dp``, ``fsdp``).
+    ``distributed_variant``: the backend that does this one's work over processes when the
+    run needs several (``native`` -> ``native_dp``); empty: it serves such runs as it is.
+    """
 
     factory: Callable[..., Any] | None = None
     trainer_class: Callable[[], type] | None = None
+    multi_process: bool = False
+    distributed_variant: str = ""
+
+    required = ("factory",)
 
 
 @dataclass(frozen=True)
 class Logger(Record):
     """A metrics logger: ``factory(config) -> obj`` with ``log(metrics, step)``
-    and ``close()``. ``enabled(config) -> bool``."""
+    and ``close()`` (:class:`miles_host.protocols.MetricsLogger`). ``enabled(config) -> bool``."""
 
     factory: Callable[..., Any] | None = None
     enabled: Callable[[Any], bool] = lambda config: True
+
+    required = ("factory",)
 
 
 @dataclass(frozen=True)
@@ -217,6 +263,8 @@ class Command(Record):
 
     add_arguments: Callable[[Any], None] | None = None
     run: Callable[[Any], int] | None = None
+
+    required = ("run",)
 
 
 @dataclass(frozen=True)
@@ -229,6 +277,8 @@ class CheckpointConverter(Record):
 
     add_arguments: Callable[[Any], None] | None = None
     convert: Callable[[str, str, Any], None] | None = None
+
+    required = ("convert",)
 
 
 #: record type -> registration hook name; the plugin manager builds one registry each.

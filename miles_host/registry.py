@@ -38,6 +38,13 @@ class Registry(Generic[R]):
                 f"plugin {plugin!r} ({distribution}) registered {record!r} as a {self.kind}; "
                 "registration hooks must return records from miles_host.records with a non-empty name"
             )
+        missing = [name for name in record.required if not callable(getattr(record, name))]
+        if missing:
+            raise TypeError(
+                f"plugin {plugin!r} ({distribution}) registered the {self.kind} {record.name!r} without "
+                f"{' and '.join(missing)}: give {type(record).__name__}({', '.join(f'{m}=...' for m in missing)}) "
+                "a callable (see miles_host.records and miles_host.protocols)"
+            )
         existing = self._entries.get(record.name)
         if existing is not None:
             if record.override and existing.distribution == "miles-host":

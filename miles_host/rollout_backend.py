@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from miles_host.protocols import RolloutBackendBase
 from miles_host.routing import RoutingHooks
 
 
@@ -34,8 +35,10 @@ def resolve_dtype(config: Any, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-class EmbeddedRolloutBackend:
+class EmbeddedRolloutBackend(RolloutBackendBase):
     """The in-process engine (``miles_host.rollout.Engine``) as a rollout backend."""
+
+    releases_memory = True
 
     def __init__(self, config: Any, manager: Any, model_path: str | None = None):
         from miles_host.rollout import Engine

@@ -2,8 +2,9 @@
 
 Each estimator is ``fn(inputs: AdvantageInputs, config) -> list[Tensor]``: one
 per-token advantage tensor ``[L_i]`` per sample, before any global whitening.
-:func:`compute_advantages` looks the estimator up in ``ADVANTAGE_ESTIMATORS``,
-whitens when asked, and also returns the value targets (``returns``).
+:data:`ADVANTAGE_ESTIMATORS` holds their records (whitening, critic, policy loss);
+:func:`compute_advantages` runs one, whitens when its record or the config asks, and
+also returns the value targets (``returns``).
 
 Semantics follow slime (``slime/ray/rollout.py::_post_process_rewards`` for the
 group normalisation, ``slime/utils/ppo_utils.py`` for the token-level returns):
@@ -40,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_host.algorithms.losses import cispo_policy_loss, gspo_policy_loss
 from miles_host.algorithms.masked_ops import masked_whiten
+from miles_host.records import AdvantageEstimator
 
 GRPO_STD_EPS = 1e-6
 DISCOUNT_CHUNK = 128
@@ -262,23 +265,36 @@ def ppo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
 
 AdvantageEstimatorFn = Callable[[AdvantageInputs, object], list[torch.Tensor]]
 
-#: ``--advantage-estimator`` -> ``fn(inputs, config) -> list[Tensor]`` (unwhitened).
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimatorFn] = {
-    "grpo": grpo_advantages,
-    "gspo": grpo_advantages,
-    "cispo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_plus_plus": reinforce_plus_plus_returns,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
-    "ppo": ppo_advantages,
+#: ``--advantage-estimator`` -> the host's estimator records (``miles_host.builtin.advantages``
+#: registers them): what each computes, whether the host whitens it, whether it needs a
+#: critic, and which policy loss it pairs with. The records are the one place that says so.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    record.name: record
+    for record in (
+        AdvantageEstimator(
+            "grpo", "group-normalised rewards (Dr.GRPO with --disable-grpo-std-normalization)", fn=grpo_advantages
+        ),
+        AdvantageEstimator(
+            "gspo", "GRPO advantages with GSPO's sequence-level ratio in the loss",
+            fn=grpo_advantages, policy_loss=gspo_policy_loss,
+        ),
+        AdvantageEstimator(
+            "cispo", "GRPO advantages with CISPO's clipped-IS-weight policy loss",
+            fn=grpo_advantages, policy_loss=cispo_policy_loss,
+        ),
+        # slime requires --normalize-advantages for the REINFORCE++ family: always whitened here
+        AdvantageEstimator(
+            "reinforce_plus_plus", "discounted returns with KL shaping, globally whitened",
+            fn=reinforce_plus_plus_returns, whiten=True,
+        ),
+        AdvantageEstimator(
+            "reinforce_plus_plus_baseline", "group-mean baseline, globally whitened",
+            fn=reinforce_plus_plus_baseline_advantages, whiten=True,
+        ),
+        AdvantageEstimator("rloo", "leave-one-out baseline", fn=rloo_advantages),
+        AdvantageEstimator("ppo", "GAE over a learned critic (--gamma, --lambd)", fn=ppo_advantages, needs_critic=True),
+    )
 }
-
-#: Estimators whose advantages are always whitened (slime requires
-#: ``--normalize-advantages`` for them).
-ALWAYS_WHITENED: frozenset[str] = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
-
-#: Estimators that learn a critic: their value targets are ``advantages + values``.
-NEEDS_CRITIC: frozenset[str] = frozenset({"ppo"})
 
 
 def normalize_advantages(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -288,26 +304,27 @@ def normalize_advantages(advantages: Sequence[torch.Tensor], loss_masks: Sequenc
     return list(flat.split(lengths))
 
 
-def _value_targets(name: str, advantages, inputs: AdvantageInputs) -> list[torch.Tensor]:
-    if name not in NEEDS_CRITIC:
+def _value_targets(estimator: AdvantageEstimator, advantages, inputs: AdvantageInputs) -> list[torch.Tensor]:
+    if not estimator.needs_critic:
         return list(advantages)
     return [a + v.detach().to(a.dtype) for a, v in zip(advantages, inputs.values)]
 
 
-def compute_advantages(name: str, inputs: AdvantageInputs, config) -> AdvantageOutputs:
-    """Run estimator ``name`` and whiten when it or ``config.normalize_advantages`` asks.
+def compute_advantages(estimator: AdvantageEstimator | str, inputs: AdvantageInputs, config) -> AdvantageOutputs:
+    """Run ``estimator`` (a record, or the name of one of :data:`ADVANTAGE_ESTIMATORS`) and
+    whiten when its record (``whiten``) or ``config.normalize_advantages`` asks.
 
     ``returns`` are the unwhitened advantages (slime's convention), plus the critic
-    values for estimators in ``NEEDS_CRITIC``.
+    values for an estimator whose record ``needs_critic``.
     """
-    try:
-        estimator = ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
-    raw = estimator(inputs, config)
-    returns = _value_targets(name, raw, inputs)
-    if name in ALWAYS_WHITENED or config.normalize_advantages:
+    if isinstance(estimator, str):
+        if estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"unknown advantage estimator {estimator!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
+            )
+        estimator = ADVANTAGE_ESTIMATORS[estimator]
+    raw = estimator.fn(inputs, config)
+    returns = _value_targets(estimator, raw, inputs)
+    if estimator.whiten or config.normalize_advantages:
         return AdvantageOutputs(normalize_advantages(raw, inputs.masks()), returns)
     return AdvantageOutputs(list(raw), returns)

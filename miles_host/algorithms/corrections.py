@@ -43,6 +43,7 @@ from miles_host.algorithms.masked_ops import (
     per_sequence_masked_mean,
     per_sequence_sum,
 )
+from miles_host.records import Correction
 
 #: slime's SAFETY_BOUND: log-ratios are clamped to +-20 before exp in MIS.
 LOG_RATIO_SAFETY_BOUND = 20.0
@@ -235,24 +236,24 @@ def mis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengt
 
 CorrectionFn = Callable[..., CorrectionResult]
 
-#: correction name -> ``fn(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config)``.
-CORRECTIONS: dict[str, CorrectionFn] = {
-    "tis": tis_correction,
-    "mis": mis_correction,
-    "icepop": icepop_correction,
-}
+#: the host's corrections (``miles_host.builtin.corrections`` registers them): what each
+#: computes and which flag switches it on. The records are the one place that says so.
+CORRECTION_RECORDS: tuple[Correction, ...] = (
+    Correction("tis", "truncated importance sampling (--use-tis)", fn=tis_correction, enabled=lambda c: c.use_tis),
+    Correction("mis", "masked importance sampling (--use-mis)", fn=mis_correction, enabled=lambda c: c.use_mis),
+    Correction(
+        "icepop", "mask tokens with extreme ratios (--use-icepop)", fn=icepop_correction, enabled=lambda c: c.use_icepop
+    ),
+)
 
-#: correction name -> the boolean config flag that switches it on.
-CORRECTION_FLAGS: dict[str, str] = {
-    "tis": "use_tis",
-    "mis": "use_mis",
-    "icepop": "use_icepop",
-}
+#: correction name -> ``fn(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config)``.
+CORRECTIONS: dict[str, CorrectionFn] = {record.name: record.fn for record in CORRECTION_RECORDS}
 
 
 def enabled_corrections(config) -> list[CorrectionFn]:
-    """The built-in corrections whose flag (``CORRECTION_FLAGS``) is true in ``config``."""
-    return [CORRECTIONS[name] for name, flag in CORRECTION_FLAGS.items() if getattr(config, flag)]
+    """The built-in corrections whose record is ``enabled`` by ``config`` (the host instead
+    applies every registered correction record that is, plugins' included)."""
+    return [record.fn for record in CORRECTION_RECORDS if record.enabled(config)]
 
 
 def apply_corrections(

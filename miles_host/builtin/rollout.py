@@ -13,7 +13,8 @@ def _embedded(config, manager):
 
 def miles_register_rollout_backends():
     """The in-process engine over the shared model code."""
-    return [RolloutBackend("embedded", "in-process engine (continuous batching, paged KV cache)", factory=_embedded)]
+    return [RolloutBackend("embedded", "in-process engine (continuous batching, paged KV cache)", factory=_embedded,
+                           distributed_variant="process")]
 
 
 def miles_register_decoding_strategies():

@@ -20,6 +20,7 @@ def _disk(config):
 def miles_register_weight_sync_transports():
     """Transports of the host."""
     return [
-        WeightSyncTransport("inprocess", "same process: tensors handed over, no copy through disk", factory=_inprocess),
+        WeightSyncTransport("inprocess", "same process: tensors handed over, no copy through disk", factory=_inprocess,
+                            in_process_only=True),
         WeightSyncTransport("disk", "safetensors files in the output directory (fallback)", factory=_disk),
     ]

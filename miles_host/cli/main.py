@@ -28,7 +28,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     if args.dry_run:
         print(config_report(config, manager))
         return 0
-    from miles_host.loop import run_training  # heavy imports only when running
+    from miles_host.distributed.launcher import run_training  # heavy imports only when running
 
     return run_training(config, manager)
 

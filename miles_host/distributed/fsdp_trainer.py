@@ -125,7 +125,7 @@ class Fsdp2Trainer(DataParallelTrainer):
     @contextlib.contextmanager
     def _resident(self):
         """The sharded state on the device for a collective (NCCL needs device tensors)."""
-        offloaded = getattr(self, "train_state_offloaded", False)
+        offloaded = self.train_state_offloaded
         self.onload_train_state()
         try:
             yield

@@ -27,102 +27,37 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
-import torch
+import torch.multiprocessing as mp
 
-from miles_host.distributed.comm import WorkerHandle, free_port
+from miles_host.checkpoint import LATEST
+from miles_host.distributed import ray_workers
+from miles_host.distributed.comm import WorkerHandle, free_port, leave_default_group, new_group
 from miles_host.distributed.errors import WorkerFailed
+from miles_host.distributed.placement import (
+    engine_gpu,
+    num_engines,
+    num_trainers,
+    on_gpus,
+    prepare,
+    uses_ray,
+    wants_distributed,
+    worker_timeout,
+)
+from miles_host.distributed.ray_workers import rendezvous_address
+from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter, rollout_main
+from miles_host.distributed.trainer_group import TrainerGroup, device_for_rank, group_backend, trainer_class_for, trainer_main
+from miles_host.loop import NanLossError, Run
 
-DEFAULT_WORKER_TIMEOUT_S = 120.0
 #: exit code of a run stopped by a worker failure
 WORKER_FAILED_EXIT = 3
 
 
-def worker_timeout(config: Any) -> float:
-    return float(getattr(config, "worker_timeout", None) or DEFAULT_WORKER_TIMEOUT_S)
-
-
-def num_trainers(config: Any) -> int:
-    return int(config.actor_num_nodes) * int(config.actor_num_gpus_per_node)
-
-
-def num_engines(config: Any) -> int:
-    """Rollout engines: ``--rollout-num-gpus`` / per engine; colocated, one per trainer GPU by default."""
-    gpus = config.rollout_num_gpus or (num_trainers(config) if config.colocate else 0)
-    return max(1, gpus // max(1, config.rollout_num_gpus_per_engine)) if gpus else 0
-
-
-def on_gpus(config: Any) -> bool:
-    return torch.cuda.is_available() and str(config.device) != "cpu"
-
-
-def engine_gpu(config: Any, index: int) -> int:
-    """The GPU of rollout engine ``index``: after the trainers' (disaggregated), or shared
-    with trainer ``index * trainers / engines`` (``--colocate``, engines spread evenly)."""
-    if config.colocate:
-        return index * (num_trainers(config) // max(1, num_engines(config)))
-    return num_trainers(config) + index
-
-
-def wants_distributed(config: Any) -> bool:
-    """True when the run needs more than this one process."""
-    return (
-        uses_ray(config)
-        or num_trainers(config) > 1
-        or (config.rollout_num_gpus or 0) > 1
-        or config.rollout_backend == "process"
-        or config.train_backend in ("native_dp", "fsdp")
-    )
-
-
-def check_placement(config: Any) -> None:
-    """The placement flags this launcher can honour (raises ValueError otherwise)."""
-    if uses_ray(config):
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "--use-ray / --actor-num-nodes > 1 place workers with Ray placement groups: pip install ray"
-            ) from None
-    if config.rollout_num_gpus_per_engine != 1:
-        raise ValueError(
-            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
-            "tensor parallelism; use 1 (one engine per GPU) or the sglang backend"
-        )
-    if config.colocate:
-        check_colocation(config)
-    if on_gpus(config):
-        trainers, engines = num_trainers(config), num_engines(config)
-        need = trainers if config.colocate else trainers + engines  # shared GPUs count once
-        if need > torch.cuda.device_count():
-            what = f"{trainers} trainer(s) sharing their GPUs with {engines} engine(s)" if config.colocate else (
-                f"{trainers} trainer(s) + {engines} engine(s)")
-            raise ValueError(f"{what} need {need} GPUs, this node has {torch.cuda.device_count()}")
-
-
-def check_colocation(config: Any) -> None:
-    """``--colocate``: every engine shares a trainer's GPU, and the engines spread evenly."""
-    if uses_ray(config):
-        raise ValueError("--colocate with --use-ray / several nodes is not supported yet; colocate on one node without Ray")
-    trainers, gpus = num_trainers(config), config.rollout_num_gpus
-    if gpus and (gpus > trainers or trainers % gpus):
-        raise ValueError(
-            f"--colocate puts the rollout engines on the trainers' GPUs: --rollout-num-gpus {gpus} cannot share "
-            f"the {trainers} trainer GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node) evenly; use {trainers} "
-            "(one engine per trainer GPU, the default with --colocate) or a number that divides it"
-        )
-    if on_gpus(config) and config.weight_sync == "broadcast":
-        raise ValueError(
-            "--colocate --weight-sync broadcast: NCCL cannot broadcast between two processes on one GPU; "
-            "use --weight-sync cuda_ipc (the default with --colocate) or disk"
-        )
-
-
 def _threads(config: Any) -> int:
-    import os
-
     return max(1, (os.cpu_count() or 1) // max(1, num_trainers(config) + num_engines(config)))
 
 
@@ -130,29 +65,10 @@ def _threads(config: Any) -> int:
 _LIVE: list[WorkerHandle] = []
 
 
-def rendezvous_address(config: Any) -> str:
-    """Where process groups meet (the driver's TCP store): an address of this host that
-    workers on other nodes reach when the run spans nodes, loopback otherwise."""
-    if int(config.actor_num_nodes) > 1:
-        from miles_host.distributed.ray_workers import driver_address
-
-        return driver_address()
-    return "127.0.0.1"
-
-
-def uses_ray(config: Any) -> bool:
-    """Workers as Ray actors: ``--use-ray`` or more than one node."""
-    return bool(getattr(config, "use_ray", False)) or config.actor_num_nodes > 1
-
-
 def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None, index: int = 0):
     if config is not None and uses_ray(config):
-        from miles_host.distributed.ray_workers import spawn_ray
-
-        process, parent = spawn_ray(target, name, args, timeout_s, config, index)
+        process, parent = ray_workers.spawn_ray(target, name, args, timeout_s, config, index)
     else:
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
@@ -167,10 +83,8 @@ def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None,
 
 
 def make_trainer(config: Any, manager: Any):
-    """``--train-backend native_dp`` / ``fsdp``: N data-parallel trainers (``--actor-num-gpus-per-node``),
-    replicated or FSDP2-sharded."""
-    from miles_host.distributed.trainer_group import TrainerGroup, device_for_rank, group_backend, trainer_class_for
-
+    """A trainer group of ``--actor-num-gpus-per-node`` ranks of the training backend's
+    ``trainer_class`` (``native_dp``: replicated, ``fsdp``: FSDP2-sharded, a plugin's own)."""
     trainer_class = trainer_class_for(config, manager)
     world, timeout_s = num_trainers(config), worker_timeout(config)
     if world == 1 and not trainer_class.collective_state_dict:
@@ -184,8 +98,6 @@ def make_trainer(config: Any, manager: Any):
             # trainer_main(config, rank, world, (address, port), conn, num_threads, timeout_s): conn goes last via _spawn
             handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, (address, port), _threads(config), timeout_s),
                                   timeout_s, config, rank - 1))
-        from miles_host.distributed.comm import new_group
-
         group = new_group(address, port, 0, world, group_backend(config), timeout_s,
                           as_default=trainer_class.collective_state_dict)
         local = trainer_class(rank0_config, manager, group, 0, world)
@@ -212,21 +124,15 @@ def _await_startup(handles: list) -> None:
 
 
 def _trainer_entry(config, rank, world, store_address, num_threads, timeout_s, conn):
-    from miles_host.distributed.trainer_group import trainer_main
-
     trainer_main(config, rank, world, store_address, conn, num_threads, timeout_s)
 
 
 def _rollout_entry(config, index, num_threads, conn):
-    from miles_host.distributed.rollout_worker import rollout_main
-
     rollout_main(config, index, conn, num_threads)
 
 
 def make_rollout(config: Any, manager: Any):
     """``--rollout-backend process``: engines in their own processes behind a router."""
-    from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter
-
     count, timeout_s = max(1, num_engines(config)), worker_timeout(config)
     handles = []
     try:
@@ -253,61 +159,35 @@ def _stop_workers(run: Any = None) -> None:
         handle = _LIVE.pop()
         with contextlib.suppress(Exception):
             handle.stop()
-    from miles_host.distributed.comm import leave_default_group
-
     leave_default_group()  # a sharded trainer's group in this process
-    import sys
-
-    if "miles_host.distributed.ray_workers" in sys.modules:
-        sys.modules["miles_host.distributed.ray_workers"].shutdown()
+    ray_workers.shutdown()  # no-op unless this run placed workers with Ray
 
 
-def prepare(config: Any) -> None:
-    """The process defaults: engines in processes, data-parallel trainers, broadcast sync
-    (CUDA IPC when colocated on GPUs: trainer rank 0 and engine 0 share a device)."""
-    if config.rollout_backend == "embedded":
-        config.rollout_backend = "process"
-    if config.train_backend == "native":
-        config.train_backend = "native_dp"
-    if config.weight_sync == "inprocess":
-        config.weight_sync = "cuda_ipc" if config.colocate and on_gpus(config) else "broadcast"
-
-
-def make_run(config: Any, manager: Any):
+def make_run(config: Any, manager: Any) -> Run:
     """A :class:`miles_host.loop.Run` over processes (call ``stop_workers(run)`` after)."""
-    from miles_host.loop import Run
-
-    prepare(config)
-    run = Run(config, manager)
-    _track_trained(run)
-    return run
-
-
-def _track_trained(run: Any) -> None:
-    """``run._trained_unlogged``: the trainer moved past the last logged rollout
-    (a checkpoint written now would mix states)."""
-    run._trained_unlogged = False
-    train, log = run.trainer.train, run.log
-
-    def tracked_train(samples):
-        run._trained_unlogged = True
-        return train(samples)
-
-    def tracked_log(metrics, step):
-        log(metrics, step)
-        run._trained_unlogged = False
-
-    run.trainer.train, run.log = tracked_train, tracked_log
+    prepare(config, manager.registries)
+    return Run(config, manager)
 
 
 def stop_workers(run: Any) -> None:
     _stop_workers(run)
 
 
+def run_training(config: Any, manager: Any) -> int:
+    """Entry point of ``miles run`` (after the config is resolved): the loop in this
+    process, or over trainer and engine processes when the run needs them."""
+    if wants_distributed(config, manager.registries):
+        return run_distributed(config, manager)
+    run = Run(config, manager)
+    try:
+        return run.run()
+    except NanLossError as error:
+        print(f"miles: error: {error}", file=sys.stderr)
+        return 1
+
+
 def run_distributed(config: Any, manager: Any) -> int:
     """``miles run`` with trainers and / or engines in other processes."""
-    from miles_host.loop import NanLossError
-
     run = None
     try:
         run = make_run(config, manager)
@@ -325,17 +205,14 @@ def run_distributed(config: Any, manager: Any) -> int:
         _stop_workers(run)
 
 
-def _final_checkpoint(run: Any, config: Any) -> str:
-    """Write the checkpoint of the last completed rollout when the state is clean;
-    say where the newest usable checkpoint is."""
-    from pathlib import Path
-
-    from miles_host.checkpoint import LATEST
-
+def _final_checkpoint(run: Run, config: Any) -> str:
+    """Write the checkpoint of the last completed rollout when the state is clean (the
+    trainer has not moved past the last logged rollout); say where the newest usable
+    checkpoint is."""
     last = run_last_completed(run)
     latest_file = Path(config.save) / LATEST
     on_disk = int(latest_file.read_text().strip()) if latest_file.is_file() else -1
-    if last >= 0 and last > on_disk and not run._trained_unlogged:
+    if last >= 0 and last > on_disk and not run.trained_unlogged:
         try:
             run.checkpoint(last)
             return f"checkpoint of rollout {last} written to {config.save} (resume with --load {config.save})"

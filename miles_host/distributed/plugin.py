@@ -16,6 +16,18 @@ def _dp(config, manager):
     return make_trainer(config, manager)
 
 
+def _replicated():
+    from miles_host.distributed.dp_trainer import DataParallelTrainer
+
+    return DataParallelTrainer
+
+
+def _sharded():
+    from miles_host.distributed.fsdp_trainer import Fsdp2Trainer
+
+    return Fsdp2Trainer
+
+
 def _process(config, manager):
     from miles_host.distributed.launcher import make_rollout
 
@@ -39,18 +51,19 @@ def miles_register_train_backends():
     return [
         TrainBackend(
             "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)",
-            factory=_dp, validate=check_native_trainer,
+            factory=_dp, trainer_class=_replicated, multi_process=True, validate=check_native_trainer,
         ),
         TrainBackend(
             "fsdp", "native trainer with FSDP2 (fully_shard per decoder layer) over --actor-num-gpus-per-node processes",
-            factory=_dp, validate=check_native_trainer,
+            factory=_dp, trainer_class=_sharded, multi_process=True, validate=check_native_trainer,
         ),
     ]
 
 
 def miles_register_rollout_backends():
     """``process``."""
-    return [RolloutBackend("process", "embedded engines in their own processes (--rollout-num-gpus), RPC over pipes", factory=_process)]
+    return [RolloutBackend("process", "embedded engines in their own processes (--rollout-num-gpus), RPC over pipes",
+                           factory=_process, multi_process=True)]
 
 
 def miles_register_weight_sync_transports():

@@ -15,6 +15,8 @@ import threading
 from multiprocessing.connection import Listener
 from typing import Any
 
+from miles_host.distributed.placement import num_engines, num_trainers
+
 _GROUP = None
 _STARTED_HERE = False
 
@@ -27,6 +29,12 @@ def driver_address() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - not in a Ray cluster
         return socket.gethostbyname(socket.gethostname())
+
+
+def rendezvous_address(config: Any) -> str:
+    """Where process groups meet (the driver's TCP store): an address of this host that
+    workers on other nodes reach when the run spans nodes, loopback otherwise."""
+    return driver_address() if int(config.actor_num_nodes) > 1 else "127.0.0.1"
 
 
 def ensure_ray(config: Any) -> None:
@@ -66,8 +74,6 @@ def ray_address_given() -> bool:
 
 
 def _workers(config: Any) -> int:
-    from miles_host.distributed.launcher import num_engines, num_trainers
-
     return num_trainers(config) + max(1, num_engines(config))
 
 

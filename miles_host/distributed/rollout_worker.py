@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from miles_host.distributed.comm import WorkerHandle, broadcast_, new_group, rebuild_manager, serve
+from miles_host.protocols import RolloutBackendBase
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -210,9 +211,11 @@ class RolloutClient:
         return self._version
 
 
-class RolloutRouter:
+class RolloutRouter(RolloutBackendBase):
     """Several engine processes behind one rollout backend: each request goes to the
     engine with the fewest samples in flight; ``step`` steps all of them at once."""
+
+    releases_memory = True
 
     def __init__(self, clients: list[RolloutClient], processes=None):
         self.clients = clients

@@ -1,7 +1,6 @@
 """The driver's view of N data-parallel trainers: rank 0 in this process, ranks
 1..N-1 spawned, each a :class:`DataParallelTrainer`; one object with the
-trainer interface the loop uses (``train``, ``named_weights_for_rollout``,
-``state_dict``, ``load_state_dict``, ``consecutive_nan_steps``, ``model``)."""
+trainer interface the loop uses (:class:`miles_host.protocols.Trainer`)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import torch
 from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager, serve
 from miles_host.distributed.errors import WorkerFailed
 from miles_host.plugin_manager import sum_counters
+from miles_host.protocols import TrainerBase
 
 
 def group_backend(config: Any) -> str:
@@ -27,20 +27,16 @@ def device_for_rank(config: Any, rank: int) -> str:
     return config.device
 
 
-def trainer_class_for(config: Any, manager: Any = None):
-    """The trainer class of ``--train-backend``: a plugin backend's ``trainer_class``,
-    FSDP2-sharded (``fsdp``) or replicated."""
-    if manager is not None:
-        record = manager.registries.train_backends.get(config.train_backend)
-        if getattr(record, "trainer_class", None) is not None:
-            return record.trainer_class()
-    if config.train_backend == "fsdp":
-        from miles_host.distributed.fsdp_trainer import Fsdp2Trainer
-
-        return Fsdp2Trainer
-    from miles_host.distributed.dp_trainer import DataParallelTrainer
-
-    return DataParallelTrainer
+def trainer_class_for(config: Any, manager: Any) -> type:
+    """The class each rank of ``--train-backend``'s trainer group builds: its record's
+    ``trainer_class``."""
+    record = manager.registries.train_backends.get(config.train_backend)
+    if record.trainer_class is None:
+        raise ValueError(
+            f"--train-backend {config.train_backend} has no trainer_class: it cannot run as a group of "
+            "trainer processes; use one trainer process or --train-backend native_dp / fsdp"
+        )
+    return record.trainer_class()
 
 
 class _TrainerTarget:
@@ -114,15 +110,39 @@ def trainer_main(
     serve(conn, _TrainerTarget(trainer))
 
 
-class TrainerGroup:
+class TrainerGroup(TrainerBase):
     """Rank 0 here, the other ranks behind pipes."""
 
     def __init__(self, local, handles: list[WorkerHandle]):
         self.local = local
         self.handles = handles
 
-    def __getattr__(self, name: str) -> Any:  # model, config, consecutive_nan_steps, ...
-        return getattr(self.__dict__["local"], name)
+    # -- rank 0's view -------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Rank 0's model (a shard of it in a sharded trainer: see :meth:`full_state_dict`)."""
+        return self.local.model
+
+    @property
+    def config(self) -> Any:
+        return self.local.config
+
+    @property
+    def consecutive_nan_steps(self) -> int:
+        """Every rank skips the same steps (the loss and norm are reduced), so rank 0's count."""
+        return self.local.consecutive_nan_steps
+
+    @property
+    def can_offload_train_state(self) -> bool:
+        return self.local.can_offload_train_state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.local.full_state_dict()
+
+    def named_weights_for_rollout(self):
+        """Rank 0's weights (whole: a sharded trainer gathers them after each ``train``)."""
+        return self.local.named_weights_for_rollout()
 
     def _check_workers(self) -> None:
         for handle in self.handles:
@@ -150,7 +170,7 @@ class TrainerGroup:
 
     def state_dict(self) -> dict:
         """Rank 0's checkpoint state; a sharded trainer's is gathered with every rank."""
-        if not getattr(self.local, "collective_state_dict", False):
+        if not self.local.collective_state_dict:
             return self.local.state_dict()
         for handle in self.handles:
             handle.send("join_state_dict")
@@ -188,6 +208,7 @@ class TrainerGroup:
     def stop(self) -> None:
         for handle in self.handles:
             handle.stop()
-        close = getattr(self.local, "close", None)
-        if close is not None:
-            close()
+        self.local.close()
+
+    def close(self) -> None:
+        self.stop()

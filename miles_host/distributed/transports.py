@@ -25,6 +25,9 @@ from typing import Any, Iterable
 import torch
 
 from miles_host.distributed.comm import broadcast_, free_port, new_group
+from miles_host.distributed.placement import worker_timeout
+from miles_host.distributed.ray_workers import rendezvous_address
+from miles_host.distributed.rollout_worker import RolloutRouter
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +47,8 @@ def bucketize(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[
     return buckets
 
 
-def _engines(backend: Any):
-    if not hasattr(backend, "clients"):
+def _engines(backend: Any) -> RolloutRouter:
+    if not isinstance(backend, RolloutRouter):
         raise TypeError(
             f"this weight-sync transport needs rollout engines in separate processes (--rollout-backend process), "
             f"got {type(backend).__name__}"
@@ -59,15 +62,13 @@ class BroadcastTransport:
     def __init__(self, config: Any):
         self.config = config
         self.bucket_bytes = int(config.update_weight_buffer_size)
-        self.timeout_s = float(getattr(config, "worker_timeout", None) or 300.0)
+        self.timeout_s = worker_timeout(config)
         self.backend_name = "nccl" if torch.cuda.is_available() and str(config.device) != "cpu" else "gloo"
         self.group = None
 
     def _ensure_group(self, router) -> None:
         if self.group is not None:
             return
-        from miles_host.distributed.launcher import rendezvous_address
-
         address, port, world = rendezvous_address(self.config), free_port(), len(router.clients) + 1
         for rank, client in enumerate(router.clients, start=1):
             client.handle.send("init_weight_group", address, port, rank, world, self.backend_name, self.timeout_s)

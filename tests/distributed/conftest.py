@@ -30,7 +30,7 @@ def resolve(argv: list[str], **overrides):
 
 
 def run_one_process(argv: list[str]) -> int:
-    from miles_host.loop import run_training
+    from miles_host.distributed.launcher import run_training
 
     config, manager = resolve(argv)
     return run_training(config, manager)

@@ -112,7 +112,7 @@ def test_one_process_colocated_and_offloaded_run_matches_the_plain_run(tiny_task
 
 
 def _placement(tiny_task, tmp_path, *flags, **fields):
-    from miles_host.distributed.launcher import check_placement
+    from miles_host.distributed.placement import check_placement
 
     model, data = tiny_task
     config, _ = resolve(base_args(model, data, tmp_path / "o", *flags), **fields)
@@ -145,11 +145,12 @@ def test_gpu_checks_count_shared_gpus_once_and_default_to_cuda_ipc(tiny_task, tm
     """With (pretended) 2 GPUs: 2 colocated trainers + 2 engines fit, disaggregated they do
     not; colocated weights go by CUDA IPC (NCCL broadcast cannot reach a process on one's own GPU)."""
     from miles_host.distributed.launcher import prepare
+    from miles_host.plugin_manager import load_registries
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     config = _placement(tiny_task, tmp_path, "--colocate", device="cuda", actor_num_gpus_per_node=2)
-    prepare(config)
+    prepare(config, load_registries())
     assert config.weight_sync == "cuda_ipc" and config.rollout_backend == "process"
     with pytest.raises(ValueError, match=r"2 trainer\(s\) \+ 2 engine\(s\) need 4 GPUs, this node has 2"):
         _placement(tiny_task, tmp_path, device="cuda", actor_num_gpus_per_node=2, rollout_num_gpus=2)

@@ -47,7 +47,7 @@ def test_miles_register_precisions():
 
 
 def test_miles_register_rollout_backends():
-    registry = _registry_test("miles_register_rollout_backends", records.RolloutBackend("fake"), "rollout_backends")
+    registry = _registry_test("miles_register_rollout_backends", records.RolloutBackend("fake", factory=lambda config, manager: None), "rollout_backends")
     assert "embedded" in registry
 
 
@@ -59,7 +59,7 @@ def test_miles_register_decoding_strategies():
 
 
 def test_miles_register_corrections():
-    registry = _registry_test("miles_register_corrections", records.Correction("mycorr"), "corrections")
+    registry = _registry_test("miles_register_corrections", records.Correction("mycorr", fn=lambda *args: None), "corrections")
     assert {"tis", "mis", "icepop"} <= set(registry.names())
 
 
@@ -86,7 +86,7 @@ def test_miles_register_model_families():
 
 def test_miles_register_weight_sync_transports():
     registry = _registry_test(
-        "miles_register_weight_sync_transports", records.WeightSyncTransport("carrier-pigeon"), "weight_sync_transports"
+        "miles_register_weight_sync_transports", records.WeightSyncTransport("carrier-pigeon", factory=lambda config: None), "weight_sync_transports"
     )
     assert {"inprocess", "disk"} <= set(registry.names())
 
@@ -100,23 +100,23 @@ def test_miles_register_reward_functions():
 
 def test_miles_register_advantage_estimators():
     registry = _registry_test(
-        "miles_register_advantage_estimators", records.AdvantageEstimator("mine"), "advantage_estimators"
+        "miles_register_advantage_estimators", records.AdvantageEstimator("mine", fn=lambda inputs, config: []), "advantage_estimators"
     )
     assert {"grpo", "gspo", "rloo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"} <= set(registry.names())
     assert registry.get("ppo").needs_critic
 
 
 def test_miles_register_loss_terms():
-    _registry_test("miles_register_loss_terms", records.LossTerm("aux"), "loss_terms")
+    _registry_test("miles_register_loss_terms", records.LossTerm("aux", fn=lambda outputs, batch, config: (0.0, {})), "loss_terms")
 
 
 def test_miles_register_train_backends():
-    registry = _registry_test("miles_register_train_backends", records.TrainBackend("jax"), "train_backends")
+    registry = _registry_test("miles_register_train_backends", records.TrainBackend("jax", factory=lambda config, manager: None), "train_backends")
     assert "native" in registry
 
 
 def test_miles_register_loggers():
-    registry = _registry_test("miles_register_loggers", records.Logger("stdout"), "loggers")
+    registry = _registry_test("miles_register_loggers", records.Logger("stdout", factory=lambda config: None), "loggers")
     assert "jsonl" in registry
 
 

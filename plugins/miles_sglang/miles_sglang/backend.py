@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import numpy as np
+from miles_host.protocols import RolloutBackendBase
 
 from miles_sglang.client import SGLangClient, SGLangHTTPError
 from miles_sglang.protocol import decode_routed_experts, encode_cuda_ipc_payload, encode_tensor_payload
@@ -54,8 +55,9 @@ def failed_output(rid: str, index: int, message: str, num_prompt_tokens: int, we
     }
 
 
-class SGLangRolloutBackend:
-    """A client of one or more SGLang (or ``miles serve``) servers."""
+class SGLangRolloutBackend(RolloutBackendBase):
+    """A client of one or more SGLang (or ``miles serve``) servers (the servers keep their
+    memory: ``--colocate`` / ``--offload-rollout`` are refused with this backend)."""
 
     def __init__(self, config: Any, manager: Any = None):
         self.config = config
