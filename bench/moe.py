@@ -3,7 +3,7 @@
     python bench/moe.py                                  # H200: Qwen3-30B-A3B shape, 8 layers, bf16 loop+fused, fp8, int4
     python bench/moe.py --shapes dsv3 --precisions bf16  # DeepSeek-V3 shape (MLA, 256 experts, 4 layers)
     python bench/moe.py --sweep --json $OUT/moe_sweep.json   # tile sweep: prints the TUNED entries
-    python bench/moe.py --tiny                           # CPU smoke run of the same code (float32, tiny shape)
+    python bench/moe.py --tiny [--shapes qwen3_30b,dsv3] # CPU smoke run of the same code (float32, tiny shapes)
     python bench/moe.py --train                          # also run bench/moe_train.py (training half), when present
 
 Models are random-init miles models built from an HF config dict through the model
@@ -58,6 +58,14 @@ SHAPES = {
         num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
         max_position_embeddings=4096, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    ),
+    "tiny_dsv3": dict(
+        model_type="deepseek_v3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=128, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        tie_word_embeddings=False, num_nextn_predict_layers=0,
     ),
     "tiny": dict(
         model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -404,7 +412,9 @@ def parse_args(argv=None):
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
     if args.tiny:
-        args.shapes, args.batches, args.prompt_len, args.new_tokens = "tiny", [1, 4], 8, 4
+        tiny = {"qwen3_30b": "tiny", "dsv3": "tiny_dsv3"}
+        args.shapes = ",".join(tiny.get(shape, shape) for shape in args.shapes.split(","))
+        args.batches, args.prompt_len, args.new_tokens = [1, 4], 8, 4
         args.prefill_seqs, args.prefill_len, args.repeats = 2, 16, 1
     return args
 

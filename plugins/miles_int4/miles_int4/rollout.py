@@ -199,7 +199,7 @@ class Int4Experts(_Int4Weights):
     def _fused_operands(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_kernel:
             if self._staged:
-                self.refresh()
+                self.refresh(self._act_dtype)
             return self._compressed[name]
         return getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
 

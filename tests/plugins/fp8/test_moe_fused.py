@@ -95,3 +95,19 @@ def test_gpu_qwen3_30b_expert_shape(num_tokens):
     if num_tokens <= 32:
         expected = float64_reference(experts, x, ids, weights)
         torch.testing.assert_close(fused.double(), expected, rtol=0, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_kernel_compiles_for_sm90_on_fp8_tensor_cores(gated):
+    """The GPU branch builds for the H200 and multiplies E4M3 operands on the tensor cores."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_fp8 import moe_fused
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    signature = {"A": "*bf16", "RowToken": "*i64", "BlockExpert": "*i32", "W": "*fp8e4nv", "WS": "*fp32",
+                 "C": "*bf16", "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                 "stride_wse": "i32", "stride_wsn": "i32", "stride_cm": "i32"}
+    constexprs = dict(K_BLOCKS=16, GATHER=gated, GATED=gated, ACT=0, POW2=False, FP8_MMA=True, EMULATE=False,
+                      BLOCK_M=16, BLOCK_N=64)
+    ptx = compile_sm90(moe_fused._fp8_moe_gemm_kernel, signature, constexprs, 4, 3, unaligned=())
+    assert "e4m3" in ptx and ("wgmma" in ptx or "mma" in ptx)

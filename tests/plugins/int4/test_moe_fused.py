@@ -84,3 +84,21 @@ def test_gpu_qwen3_30b_expert_shape(num_tokens):
     if num_tokens <= 32:
         expected = float64_reference(experts, 128, x, ids, weights)
         torch.testing.assert_close(fused.double(), expected, rtol=0, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_kernel_compiles_for_sm90(gated):
+    """The GPU branch builds for the H200 with bf16 tensor-core products of the dequantized tiles."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    import re
+
+    from miles_int4 import moe_fused
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    signature = {"A": "*bf16", "RowToken": "*i64", "BlockExpert": "*i32", "W": "*i32", "S": "*bf16", "C": "*bf16",
+                 "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
+                 "stride_sn": "i32", "stride_cm": "i32"}
+    constexprs = dict(K_BLOCKS=16, GROUP=128, GATHER=gated, GATED=gated, ACT=0, IEEE=False, EMULATE=False,
+                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    ptx = compile_sm90(moe_fused._int4_moe_gemm_kernel, signature, constexprs, 4, 3, unaligned=())
+    assert re.search(r"(wgmma|mma)\.\S*bf16", ptx)
