@@ -24,6 +24,7 @@ import torch
 from miles_host.checkpoint import load_checkpoint, save_checkpoint
 from miles_host.data import PromptDataset
 from miles_host.evaluation import evaluate
+from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.phases import Phases
 from miles_host.progress import Progress
@@ -31,10 +32,11 @@ from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightS
 from miles_host.reward import RewardScorer
 from miles_host.rollout_manager import RolloutManager
 from miles_host.sample import Sample, Status
+from miles_host.tokenizer_loading import load_tokenizer
 from miles_host.validation import validate
 
 
-class NanLossError(RuntimeError):
+class NanLossError(RunStopped):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
@@ -66,8 +68,6 @@ class Run:
     """One ``miles run``: components built from the registries, then the loop."""
 
     def __init__(self, config: Any, manager: Any):
-        from transformers import AutoTokenizer
-
         self.config = config
         self.manager = manager
         registries = manager.registries
@@ -78,7 +78,8 @@ class Run:
         print(f"miles: output directory {config.output_dir}", file=sys.stderr)
         (Path(config.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
         seed_everything(config.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+        self.tokenizer = load_tokenizer(config.hf_checkpoint)  # an empty tokenizer is refused here
+        self.zero_gradients = ZeroGradientWatch(config)  # warns when the policy stops changing
         max_prompt = config.rollout_max_prompt_len
         self.dataset = PromptDataset.from_file(
             config.prompt_data,
@@ -225,6 +226,7 @@ class Run:
             metrics["perf/phase_switch_time_s"] = self.phases.pop_switch_time()
         if config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
+        self.zero_gradients.observe(metrics, groups, self.scorer.scalar)
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         failed = self.manager.call_isolated("miles_step_end", rollout_id=rollout_id, metrics=metrics, config=config,
                                             counters=counters)
@@ -275,6 +277,13 @@ class Run:
                 progress.update(rollout_id + 1, metrics.get("rollout/reward_mean"))
                 if config.save_interval and (rollout_id + 1) % config.save_interval == 0:
                     self.checkpoint(rollout_id)
+        except TooManyFailedSamples:
+            progress.close()
+            saved = bool(config.save_interval) and rollout_id % config.save_interval == 0
+            if config.save and last_logged == rollout_id - 1 >= 0 and not saved:
+                # the failing rollout trained nothing: keep the last completed one, and redo this one on resume
+                self.checkpoint(rollout_id - 1, step_start)
+            raise
         except KeyboardInterrupt:
             progress.close()
             if config.save:

@@ -36,6 +36,7 @@ the final token, the same token in single-turn RL).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -118,7 +119,10 @@ def _broadcast(per_sample_S: torch.Tensor, response_lengths: Sequence[int]) -> l
 
 
 def group_statistics(rewards_S: torch.Tensor, group_index_S: torch.Tensor):
-    """Per sample: its group's mean, unbiased std (0 for a singleton) and size, each ``[S]``."""
+    """Per sample: its group's mean, unbiased std (0 for a singleton) and size, each ``[S]``
+    in float64 (in float32 the squared deviation of a reward of 1e20 or more overflows, the
+    std becomes inf and every advantage of the group 0)."""
+    rewards_S = rewards_S.double()
     _, inverse_S = torch.unique(group_index_S, return_inverse=True)
     num_groups = int(inverse_S.max().item()) + 1 if len(inverse_S) else 0
     counts_G = torch.bincount(inverse_S, minlength=num_groups).to(rewards_S.dtype)
@@ -227,14 +231,43 @@ def grpo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
         rewards = rewards - mean
         if not config.disable_grpo_std_normalization:
             rewards = rewards / (std + GRPO_STD_EPS)
-    return _broadcast(rewards, inputs.response_lengths)
+    return _broadcast(rewards.to(inputs.rewards.dtype), inputs.response_lengths)
+
+
+def check_group_baseline(config, registries=None) -> None:
+    """``validate`` of the estimators whose baseline is the mean reward of the prompt's group
+    (GRPO, GSPO, CISPO, REINFORCE++-baseline): a prompt's only sample is its own baseline and
+    every advantage is 0, unless ``--disable-rewards-normalization`` trains on the raw reward."""
+    if config.n_samples_per_prompt < 2 and not config.disable_rewards_normalization:
+        _refuse_one_sample(config, ", or --disable-rewards-normalization to use the raw reward")
+
+
+def check_leave_one_out(config, registries=None) -> None:
+    """``validate`` of RLOO: the baseline is the other samples of the prompt, there must be some."""
+    if config.n_samples_per_prompt < 2:
+        _refuse_one_sample(config, "")
+
+
+def _refuse_one_sample(config, alternative: str) -> None:
+    """ValueError when the user gave ``--n-samples-per-prompt 1``; a warning when it is the
+    default (a run that sets nothing about sampling is told, not refused)."""
+    message = (
+        f"--advantage-estimator {config.advantage_estimator} compares each sample with the other samples of its "
+        f"prompt: --n-samples-per-prompt 1 makes every advantage 0 and nothing is learned; give "
+        f"--n-samples-per-prompt 2 or more{alternative}"
+    )
+    recorded = config.user_set  # the fields the user gave (None: a config built in Python)
+    default = type(config).__dataclass_fields__["n_samples_per_prompt"].default
+    if "n_samples_per_prompt" in (recorded or ()) or (recorded is None and config.n_samples_per_prompt != default):
+        raise ValueError(message)
+    print(f"miles: warning: {message} (1 is the default)", file=sys.stderr)
 
 
 def rloo_advantages(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``; 0 for a singleton group."""
     mean, _, count = group_statistics(inputs.rewards, inputs.group_index)
     scale = torch.where(count > 1, count / (count - 1).clamp_min(1), torch.zeros_like(count))
-    return _broadcast(scale * (inputs.rewards - mean), inputs.response_lengths)
+    return _broadcast((scale * (inputs.rewards - mean)).to(inputs.rewards.dtype), inputs.response_lengths)
 
 
 def reinforce_plus_plus_returns(inputs: AdvantageInputs, config) -> list[torch.Tensor]:
@@ -248,7 +281,7 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs, config) -> 
     """REINFORCE++-baseline: ``(r - mean_group) - kl_coef * kl_t`` (unwhitened)."""
     rewards = inputs.rewards
     if not config.disable_rewards_normalization:
-        rewards = rewards - group_statistics(rewards, inputs.group_index)[0]
+        rewards = (rewards - group_statistics(rewards, inputs.group_index)[0]).to(inputs.rewards.dtype)
     kl_coef = config.kl_coef
     per_token = _broadcast(rewards, inputs.response_lengths)
     return [advantage - kl_coef * kl for advantage, kl in zip(per_token, inputs.kl(kl_coef))]
@@ -272,15 +305,16 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     record.name: record
     for record in (
         AdvantageEstimator(
-            "grpo", "group-normalised rewards (Dr.GRPO with --disable-grpo-std-normalization)", fn=grpo_advantages
+            "grpo", "group-normalised rewards (Dr.GRPO with --disable-grpo-std-normalization)", fn=grpo_advantages,
+            validate=check_group_baseline,
         ),
         AdvantageEstimator(
             "gspo", "GRPO advantages with GSPO's sequence-level ratio in the loss",
-            fn=grpo_advantages, policy_loss=gspo_policy_loss,
+            fn=grpo_advantages, policy_loss=gspo_policy_loss, validate=check_group_baseline,
         ),
         AdvantageEstimator(
             "cispo", "GRPO advantages with CISPO's clipped-IS-weight policy loss",
-            fn=grpo_advantages, policy_loss=cispo_policy_loss,
+            fn=grpo_advantages, policy_loss=cispo_policy_loss, validate=check_group_baseline,
         ),
         # slime requires --normalize-advantages for the REINFORCE++ family: always whitened here
         AdvantageEstimator(
@@ -289,9 +323,9 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         ),
         AdvantageEstimator(
             "reinforce_plus_plus_baseline", "group-mean baseline, globally whitened",
-            fn=reinforce_plus_plus_baseline_advantages, whiten=True,
+            fn=reinforce_plus_plus_baseline_advantages, whiten=True, validate=check_group_baseline,
         ),
-        AdvantageEstimator("rloo", "leave-one-out baseline", fn=rloo_advantages),
+        AdvantageEstimator("rloo", "leave-one-out baseline", fn=rloo_advantages, validate=check_leave_one_out),
         AdvantageEstimator("ppo", "GAE over a learned critic (--gamma, --lambd)", fn=ppo_advantages, needs_critic=True),
     )
 }

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from miles_host import __version__
 from miles_host.cli.args import UsageError, config_report, resolve_run_config
+from miles_host.health import RunStopped
 from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.records import Command
 
@@ -147,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(error), 2)
     except (ValueError, FileNotFoundError) as error:
         return _error(str(error), 2)
+    except RunStopped as error:  # the run stopped itself: too many failed samples, NaN losses
+        return _error(str(error), 1)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
 

@@ -6,6 +6,7 @@ more than one process (see :mod:`miles_host.distributed.launcher`)."""
 
 from __future__ import annotations
 
+from miles_host.builtin.rollout import check_engine_sequences
 from miles_host.builtin.train import check_native_trainer
 from miles_host.records import RolloutBackend, TrainBackend, WeightSyncTransport
 
@@ -63,7 +64,7 @@ def miles_register_train_backends():
 def miles_register_rollout_backends():
     """``process``."""
     return [RolloutBackend("process", "embedded engines in their own processes (--rollout-num-gpus), RPC over pipes",
-                           factory=_process, multi_process=True)]
+                           factory=_process, multi_process=True, validate=check_engine_sequences)]
 
 
 def miles_register_weight_sync_transports():
