@@ -57,10 +57,13 @@ REWARDS = textwrap.dedent(
     def group_raises(samples, config):
         raise KeyError("answer")
 
-    def fails_from_rollout_1(sample, config):
-        if sample.metadata["rollout_id"] >= 1:
+    JUDGE = {"away_from_rollout": None}
+
+    def judge_that_goes_away(sample, config):
+        away = JUDGE["away_from_rollout"]
+        if away is not None and sample.metadata["rollout_id"] >= away:
             raise RuntimeError("judge went away")
-        return float(sample.response == sample.label)
+        return float(sample.response[:1] in ("1", "3", "5", "7", "9", "+"))
 
     def half_nan(sample, config):
         return float(len(sample.response)) if sample.index % 2 else math.nan
@@ -175,16 +178,31 @@ def test_a_tolerated_fraction_of_failures_trains_on_the_rest(tiny_task, tmp_path
 
 
 def test_failures_after_good_rollouts_stop_with_the_last_completed_rollout_saved(tiny_task, tmp_path, rewards, capsys):
+    """The judge goes away in rollout 1: exit 1 with rollout 0 saved; once it is back, the
+    resumed run gives the metrics of a run that never failed."""
+    import importlib
+
+    judge = importlib.import_module(rewards).JUDGE
     model, data = tiny_task
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    code = main(base_args(model, data, out, "--num-rollout", "4", "--custom-rm-path", f"{rewards}.fails_from_rollout_1",
-                          "--save", str(ckpt)))
+    straight, failed, resumed, ckpt = tmp_path / "straight", tmp_path / "failed", tmp_path / "resumed", tmp_path / "ckpt"
+    reward = ("--custom-rm-path", f"{rewards}.judge_that_goes_away")
+    assert main(base_args(model, data, straight, "--num-rollout", "3", *reward)) == 0
+    judge["away_from_rollout"] = 1
+    assert main(base_args(model, data, failed, "--num-rollout", "3", *reward, "--save", str(ckpt))) == 1
     err = capsys.readouterr().err
-    assert code == 1 and "rollout 1:" in err and "judge went away" in err, err
-    assert [r["rollout_id"] for r in read_metrics(out)] == [0]
+    assert "rollout 1:" in err and "judge went away" in err and "--max-failed-sample-fraction" in err, err
+    assert [r["rollout_id"] for r in read_metrics(failed)] == [0]
     state = load_checkpoint(str(ckpt))
-    # rollout 0 is kept; the data position is where rollout 1 began, so a resumed run redoes it
-    assert state["rollout_id"] == 0 and state["data"]["offset"] == 4
+    assert state["rollout_id"] == 0 and state["data"]["offset"] == 4  # rollout 1's prompts are redone
+    judge["away_from_rollout"] = None
+    assert main(base_args(model, data, resumed, "--num-rollout", "3", *reward, "--load", str(ckpt))) == 0
+    expected = read_metrics(straight)
+    got = read_metrics(failed) + read_metrics(resumed)
+    assert [r["rollout_id"] for r in got] == [0, 1, 2]
+    for want, have in zip(expected, got):
+        for key in want:
+            if not key.startswith("perf/"):
+                assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
 
 
 def test_an_hf_directory_without_tokenizer_files_is_refused_at_load(tiny_task, tmp_path, capsys):
