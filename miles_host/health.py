@@ -44,6 +44,11 @@ def _scored(group: list[Any]) -> list[Any]:
 def likely_zero_gradient_cause(groups: list[list[Any]], scalar: Callable[[Any], float], config: Any) -> str:
     """Why a rollout's gradient is exactly 0, read from its groups of samples."""
     scored = [g for g in (_scored(group) for group in groups) if g]
+    if scored and all(len(group) == 1 for group in scored):
+        return (
+            "each prompt has one scored sample, which is its own group baseline, so every advantage is 0: give "
+            "--n-samples-per-prompt 2 or more"
+        )
     if scored and all(len({tuple(s.tokens) for s in group}) == 1 for group in scored):
         return (
             "every sample of a prompt is the same response, so rewards and advantages within each group are "

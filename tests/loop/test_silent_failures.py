@@ -259,3 +259,6 @@ def test_a_collapsed_policy_is_named_as_the_cause_of_a_zero_gradient():
     assert messages[:2] == [None, None]
     assert "the policy has collapsed (too large a step: --lr 10?)" in messages[2]
     assert watch.observe({"train/grad_norm": 0.5}, collapsed, float) is None and watch.streak == 0
+    singletons = [group([5, 6], [1.0]), group([7], [0.0])]
+    messages = [watch.observe({"train/grad_norm": 0.0}, singletons, float) for _ in range(3)]
+    assert "each prompt has one scored sample" in messages[2]
