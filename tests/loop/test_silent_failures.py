@@ -262,3 +262,15 @@ def test_a_collapsed_policy_is_named_as_the_cause_of_a_zero_gradient():
     singletons = [group([5, 6], [1.0]), group([7], [0.0])]
     messages = [watch.observe({"train/grad_norm": 0.0}, singletons, float) for _ in range(3)]
     assert "each prompt has one scored sample" in messages[2]
+
+
+def test_failing_samples_stop_the_run_under_dynamic_sampling_too(tiny_task, tmp_path, rewards, capsys):
+    """The filter drops every failed group, so the rollout would resubmit prompts until its
+    limit; it stops as soon as a batch's worth of samples has finished."""
+    model, data = tiny_task
+    out = tmp_path / "out"
+    code = main(base_args(model, data, out, "--num-rollout", "2", "--custom-rm-path", f"{rewards}.async_raises",
+                          "--over-sampling-batch-size", "8"))
+    err = capsys.readouterr().err
+    _assert_stopped(code, err, out, "RuntimeError: judge unavailable")
+    assert "32 of 32 samples failed" in err  # the first chunk of 8 prompts, not 64 x 4 groups later
