@@ -65,6 +65,9 @@ REWARDS = textwrap.dedent(
             raise RuntimeError("judge went away")
         return float(sample.response[:1] in ("1", "3", "5", "7", "9", "+"))
 
+    def huge(sample, config):
+        return 1e30 * float(sample.response[:1] in ("1", "3", "5", "7", "9", "+"))
+
     def half_nan(sample, config):
         return float(len(sample.response)) if sample.index % 2 else math.nan
     """
@@ -274,3 +277,13 @@ def test_failing_samples_stop_the_run_under_dynamic_sampling_too(tiny_task, tmp_
     err = capsys.readouterr().err
     _assert_stopped(code, err, out, "RuntimeError: judge unavailable")
     assert "32 of 32 samples failed" in err  # the first chunk of 8 prompts, not 64 x 4 groups later
+
+
+def test_rewards_of_1e30_still_train(tiny_task, tmp_path, rewards):
+    """GRPO's group statistics in float64: a float32 variance of 1e60 would be inf and zero
+    every advantage (grad_norm 0)."""
+    model, data = tiny_task
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-rollout", "2", "--custom-rm-path", f"{rewards}.huge")) == 0
+    rows = read_metrics(out)
+    assert all(r["rollout/reward_mean"] > 1e28 and 0 < r["train/grad_norm"] < 1e6 for r in rows), rows
