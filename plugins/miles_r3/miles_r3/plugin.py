@@ -86,8 +86,9 @@ def miles_select_experts(layer_index, scores, topk, router_ids, routing_context)
     ids = torch.where(valid_T[:, None], replay, router_ids)
     if routing_context.phase == "train":
         same_T = (torch.sort(router_ids, dim=-1).values == torch.sort(replay, dim=-1).values).all(dim=-1)
-        STATE.agree += int((same_T & valid_T).sum())
-        STATE.total += int(valid_T.sum())
+        # counted on the router's device: the host reads the step's sums once (miles_rank_counters)
+        STATE.agree = STATE.agree + (same_T & valid_T).sum()
+        STATE.total = STATE.total + valid_T.sum()
     return ids
 
 
@@ -114,7 +115,9 @@ def miles_train_batch_prepared(batch, samples, config):
 
 def miles_rank_counters(config):
     """This process's agreeing and compared token-layers of the step; its per-step state dropped."""
-    counts = {"r3/agree": float(STATE.agree), "r3/total": float(STATE.total)}
+    agree, total = torch.as_tensor(STATE.agree).double(), torch.as_tensor(STATE.total).double()
+    agree_total = torch.stack([agree, total.to(agree.device)]).tolist()  # the step's one host read
+    counts = {"r3/agree": agree_total[0], "r3/total": agree_total[1]}
     STATE.reset_step()
     return counts
 

@@ -14,8 +14,9 @@ class ReplayState:
     """Per-run plugin state: R2 recordings and agreement counters of one step."""
 
     mode: str = "r3"
-    agree: int = 0
-    total: int = 0
+    #: agreeing / compared token-layers of the step: device tensors once a train pass replayed
+    agree: int | torch.Tensor = 0
+    total: int | torch.Tensor = 0
     pending: list = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
 

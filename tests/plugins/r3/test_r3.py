@@ -192,3 +192,29 @@ def test_partial_rollout_keeps_the_routes_of_earlier_tokens():
     merge_routed_experts(sample, second)
     assert sample.rollout_routed_experts.tolist() == first.tolist() + [[[1, 2]], [[3, 4]]]
     assert sample.rollout_routed_experts.dtype == np.uint8
+
+
+def test_agreement_is_counted_on_the_device_and_read_once_per_step(monkeypatch):
+    """Each replayed MoE layer adds to device tensors (no host read per layer and
+    micro-batch); miles_rank_counters reads the step's sums once and starts the next step."""
+    from types import SimpleNamespace
+
+    from miles_r3 import plugin
+    from miles_r3.replay import ReplayState
+
+    state = ReplayState()
+    monkeypatch.setattr(plugin, "STATE", state)
+    torch.manual_seed(0)
+    agree = total = 0
+    for layer in range(3):
+        router_ids = torch.randint(0, 8, (6, 2))
+        replay = torch.where(torch.rand(6, 1) < 0.5, router_ids.flip(-1), torch.randint(0, 8, (6, 2)))
+        replay[0] = -1  # a row without a recorded route keeps the router's choice and is not compared
+        context = SimpleNamespace(phase="train", replay_expert_ids={layer: replay})
+        plugin.miles_select_experts(layer, None, 2, router_ids, context)
+        assert isinstance(state.agree, torch.Tensor) and isinstance(state.total, torch.Tensor)
+        for row in range(1, 6):
+            total += 1
+            agree += sorted(router_ids[row].tolist()) == sorted(replay[row].tolist())
+    assert plugin.miles_rank_counters(None) == {"r3/agree": float(agree), "r3/total": float(total)}
+    assert state.agree == 0 and state.total == 0
