@@ -9,6 +9,7 @@ transport, reward, advantage estimator, corrections, loggers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -23,7 +24,7 @@ import torch
 
 from miles_host.checkpoint import load_checkpoint, save_checkpoint
 from miles_host.data import PromptDataset
-from miles_host.evaluation import evaluate
+from miles_host.evaluation import evaluate, load_eval_data
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.phases import Phases
@@ -31,9 +32,11 @@ from miles_host.progress import Progress
 from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightSyncTransport, build
 from miles_host.reward import RewardScorer
 from miles_host.rollout_manager import RolloutManager
+from miles_host.run_control import SaveLock, Stopped, StopSignals, remove_partial_files
 from miles_host.sample import Sample, Status
 from miles_host.tokenizer_loading import load_tokenizer
 from miles_host.validation import validate
+from miles_host.validation.output_paths import save_hf_path
 
 
 class NanLossError(RunStopped):
@@ -72,6 +75,11 @@ class Run:
         self.manager = manager
         registries = manager.registries
         validate(config, registries, manager.hook)  # what --dry-run checks, for the Python API too
+        self.stops = StopSignals()  # SIGINT / SIGTERM / SIGHUP: a checkpoint, then exit 128 + signal
+        self.save_lock = SaveLock(config.save) if config.save else None  # one run per --save directory
+        if config.save:
+            for path in remove_partial_files(Path(config.save)):
+                print(f"miles: removed {path}, left by a save that did not finish", file=sys.stderr)
         if config.output_dir is None:
             config.output_dir = str(Path("outputs") / time.strftime("%Y%m%d-%H%M%S"))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
@@ -88,7 +96,10 @@ class Run:
             config.metadata_key,
             config.rollout_shuffle,
             config.rollout_seed,
+            apply_chat_template=config.apply_chat_template,
         )
+        pairs = config.eval_prompt_data or []
+        self.eval_datasets = {name: load_eval_data(config, path) for name, path in zip(pairs[::2], pairs[1::2])}
         self.backend = build(registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
         self.scorer = RewardScorer(config, registries.reward_functions)
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
@@ -109,6 +120,10 @@ class Run:
         self.training_started = False
         #: the trainer moved past the last logged rollout (a checkpoint written now would mix states)
         self.trained_unlogged = False
+        #: the last rollout whose training finished
+        self.trained_rollout = -1
+        #: data and buffer positions where the step under way began (None between steps)
+        self.step_start: dict | None = None
 
     # -- pieces of a step --------------------------------------------------------
 
@@ -120,11 +135,21 @@ class Run:
         self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, self.state.weight_version)
         return time.perf_counter() - start
 
-    def checkpoint(self, rollout_id: int, positions: dict | None = None) -> None:
+    def checkpoint(self, rollout_id: int, positions: dict | None = None, stopping: bool = False) -> None:
         """Write a resumable checkpoint (``--save``) and HF weights (``--save-hf``).
 
         ``positions`` (data and rollout-buffer state) overrides the current ones: an
-        interrupted step saves where that step began, so its prompts are not skipped."""
+        interrupted step saves where that step began, so its prompts are not skipped.
+        A stop signal that arrives meanwhile waits for the write (and, unless
+        ``stopping``, stops the run after it)."""
+        if not (self.config.save or self.config.save_hf):
+            return
+        where = " and ".join(str(p) for p in (self.config.save, self.config.save_hf) if p)
+        print(f"miles: saving checkpoint of rollout {rollout_id} to {where} ...", file=sys.stderr, flush=True)
+        with self.stops.saving(stopping):
+            self._write_checkpoint(rollout_id, positions)
+
+    def _write_checkpoint(self, rollout_id: int, positions: dict | None) -> None:
         positions = positions or {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
         if self.config.save:
             save_checkpoint(
@@ -141,7 +166,7 @@ class Run:
         if self.config.save_hf:
             from miles_host.models import save_pretrained
 
-            path = self.config.save_hf.format(rollout_id=rollout_id)
+            path = save_hf_path(self.config.save_hf, rollout_id)
             # a sharded trainer's gathered weights; None: the model's own state dict is whole
             save_pretrained(self.trainer.model, path, state_dict=self.trainer.full_state_dict())
             self.tokenizer.save_pretrained(path)
@@ -159,18 +184,24 @@ class Run:
 
     def dump(self, rollout_id: int, samples: list[Sample]) -> None:
         """``--dump-rollouts``: the step's samples as JSONL."""
-        folder = Path(self.config.output_dir) / "rollouts"
-        folder.mkdir(exist_ok=True)
-        with (folder / f"rollout_{rollout_id:05d}.jsonl").open("w") as handle:
-            for sample in samples:
-                handle.write(json.dumps(sample.to_dict(), default=str) + "\n")
+        path = Path(self.config.output_dir) / "rollouts" / f"rollout_{rollout_id:05d}.jsonl"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with path.open("w") as handle:
+                for sample in samples:
+                    handle.write(json.dumps(sample.to_dict(), default=str) + "\n")
+        except OSError as error:  # a dump is a copy for inspection: the run goes on without it
+            with contextlib.suppress(OSError):
+                path.unlink()
+            print(f"miles: warning: --dump-rollouts could not write {path} ({error.strerror or error}); "
+                  "rollout not dumped, the run continues", file=sys.stderr)
 
     def run_eval(self, rollout_id: int) -> dict[str, float]:
         """``--eval-prompt-data``: accuracy (mean reward) per named data set."""
         pairs = self.config.eval_prompt_data or []
         metrics = {}
         for name, path in zip(pairs[::2], pairs[1::2]):
-            accuracy = evaluate(self.config, self.rollout, path, rollout_id)
+            accuracy = evaluate(self.config, self.rollout, path, rollout_id, self.eval_datasets.get(name))
             metrics[f"eval/{name}/accuracy"] = accuracy
         if metrics:
             print(
@@ -193,6 +224,7 @@ class Run:
         train_start = time.perf_counter()
         self.training_started = self.trained_unlogged = True
         train_metrics = self.trainer.train(samples)
+        self.trained_rollout = rollout_id
         counters = self.rank_counters()
         train_time = time.perf_counter() - train_start
         train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
@@ -247,13 +279,28 @@ class Run:
             try:
                 logger.log(metrics, step)
             except Exception as error:  # noqa: BLE001 - a logger never takes the run down
+                if getattr(logger, "required", False):
+                    raise  # metrics.jsonl: the run does not go on unrecorded
                 print(f"miles: warning: logger {type(logger).__name__} failed and is disabled: {error}", file=sys.stderr)
                 self.loggers.remove(logger)
 
     # -- the loop -----------------------------------------------------------------
 
     def run(self) -> int:
-        """Run every rollout; returns the process exit code."""
+        """Run every rollout; returns the process exit code. A stop signal ends it with
+        a checkpoint (``run_control.Stopped``, a KeyboardInterrupt)."""
+        try:
+            with self.stops:
+                return self._run()
+        finally:
+            self.release_save_lock()
+
+    def release_save_lock(self) -> None:
+        """Let another run use ``--save`` (idempotent)."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+
+    def _run(self) -> int:
         config = self.config
         if config.load:
             self.resume()
@@ -269,11 +316,11 @@ class Run:
             last_logged = self.state.rollout_id - 1
             step_start = None
             for rollout_id in range(self.state.rollout_id, self.total):
-                step_start = {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
+                self.step_start = step_start = {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
                 self.training_started = False
                 metrics = self.step(rollout_id)
                 self.log(metrics, rollout_id)
-                last_logged = rollout_id
+                last_logged, self.step_start = rollout_id, None
                 progress.update(rollout_id + 1, metrics.get("rollout/reward_mean"))
                 if config.save_interval and (rollout_id + 1) % config.save_interval == 0:
                     self.checkpoint(rollout_id)
@@ -284,17 +331,21 @@ class Run:
                 # the failing rollout trained nothing: keep the last completed one, and redo this one on resume
                 self.checkpoint(rollout_id - 1, step_start)
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             progress.close()
-            if config.save:
+            reason = f"stopped by {stop.signal_name}" if isinstance(stop, Stopped) else "interrupted"
+            if config.save and last_logged < 0 and last_logged != rollout_id:
+                print(f"miles: {reason} in the first rollout; no rollout completed, no checkpoint written",
+                      file=sys.stderr)
+            elif config.save:
                 if last_logged == rollout_id:
-                    self.checkpoint(rollout_id)
+                    self.checkpoint(rollout_id, stopping=True)
                 else:  # mid-step: resume at the step's first prompt, not after the prompts it consumed
-                    self.checkpoint(rollout_id - 1, step_start)
+                    self.checkpoint(rollout_id - 1, step_start, stopping=True)
                     if self.training_started:
                         print("miles: warning: interrupted during training: the saved weights include part "
                               f"of rollout {rollout_id}'s update, which a resumed run repeats", file=sys.stderr)
-                print(f"miles: interrupted; checkpoint written to {config.save}", file=sys.stderr)
+                print(f"miles: {reason}; checkpoint written to {config.save}", file=sys.stderr)
             raise
         progress.close()
         if config.save and not (config.save_interval and self.total % config.save_interval == 0):

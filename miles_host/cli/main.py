@@ -13,6 +13,7 @@ from miles_host.cli.args import UsageError, config_report, resolve_run_config
 from miles_host.health import RunStopped
 from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.records import Command
+from miles_host.run_control import OutputWriteError, Stopped
 
 HOST_COMMANDS = ("run", "plugins", "convert")
 
@@ -150,7 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(error), 2)
     except RunStopped as error:  # the run stopped itself: too many failed samples, NaN losses
         return _error(str(error), 1)
-    except KeyboardInterrupt:
+    except OutputWriteError as error:  # a full disk, a vanished mount: the message names the path
+        return _error(str(error), 1)
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM / SIGHUP (run_control.Stopped): 128 + signal
+        if isinstance(error, Stopped):
+            return _error(f"stopped by {error.signal_name}", error.exit_code)
         return _error("interrupted", 130)
 
 
