@@ -46,7 +46,8 @@ class Trainer(Protocol):
     (optimizer steps in a row skipped on a NaN/Inf loss), ``train``, ``rank_counters``,
     ``named_weights_for_rollout``, ``state_dict`` / ``load_state_dict``.
     Optional (:class:`TrainerBase`): ``full_state_dict``, ``can_offload_train_state`` with
-    ``offload_train_state`` / ``onload_train_state``, ``empty_device_cache``, ``close``.
+    ``offload_train_state`` / ``onload_train_state``, ``empty_device_cache``, ``optimizer_steps``,
+    ``close``.
     """
 
     model: torch.nn.Module
@@ -105,6 +106,11 @@ class TrainerBase:
         raise NotImplementedError(f"{type(self).__name__} cannot offload its training state")
 
     def empty_device_cache(self) -> None:
+        return None
+
+    def optimizer_steps(self) -> int | None:
+        """Optimizer steps taken so far (a failure between two readings that give the same
+        count left the trainer's state unchanged); ``None``: not known."""
         return None
 
     def close(self) -> None:

@@ -347,6 +347,10 @@ class NativeTrainer(TrainerBase):
         """Hand the allocator's free blocks back to the device (a colocated engine resumes)."""
         offload.empty_device_cache(self.device)
 
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (the learning-rate schedule counts each one)."""
+        return int(self.scheduler.last_epoch)
+
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Train on one rollout's samples; returns ``train/*`` metrics."""
         if self.config.true_on_policy and self.device.type != "cuda":

@@ -38,6 +38,7 @@ from miles_host.checkpoint import LATEST
 from miles_host.distributed import ray_workers
 from miles_host.distributed.comm import WorkerHandle, free_port, leave_default_group, new_group
 from miles_host.distributed.errors import WorkerFailed
+from miles_host.distributed.failures import failed_worker
 from miles_host.distributed.placement import (
     engine_gpu,
     num_engines,
@@ -98,9 +99,12 @@ def make_trainer(config: Any, manager: Any):
             # trainer_main(config, rank, world, (address, port), conn, num_threads, timeout_s): conn goes last via _spawn
             handles.append(_spawn(_trainer_entry, f"trainer-{rank}", (config, rank, world, (address, port), _threads(config), timeout_s),
                                   timeout_s, config, rank - 1))
-        group = new_group(address, port, 0, world, group_backend(config), timeout_s,
-                          as_default=trainer_class.collective_state_dict)
-        local = trainer_class(rank0_config, manager, group, 0, world)
+        try:
+            group = new_group(address, port, 0, world, group_backend(config), timeout_s,
+                              as_default=trainer_class.collective_state_dict)
+            local = trainer_class(rank0_config, manager, group, 0, world)
+        except RuntimeError as error:  # DistStoreError / a broken broadcast: a rank died or never joined
+            raise failed_worker(handles, "its start-up", error, "trainer-0") from error
     except BaseException:
         _stop_all(handles)
         raise
@@ -195,7 +199,7 @@ def run_distributed(config: Any, manager: Any) -> int:
     except WorkerFailed as error:
         message = f"miles: error: {error}; the run stopped"
         if run is not None and config.save:
-            message += "; " + _final_checkpoint(run, config)
+            message += "; " + _final_checkpoint(run, config, error)
         print(message, file=sys.stderr)
         return WORKER_FAILED_EXIT
     except NanLossError as error:
@@ -205,16 +209,22 @@ def run_distributed(config: Any, manager: Any) -> int:
         _stop_workers(run)
 
 
-def _final_checkpoint(run: Run, config: Any) -> str:
-    """Write the checkpoint of the last completed rollout when the state is clean (the
-    trainer has not moved past the last logged rollout); say where the newest usable
-    checkpoint is."""
+def _final_checkpoint(run: Run, config: Any, failure: WorkerFailed) -> str:
+    """Write the checkpoint of the last completed rollout when the trainer's state is
+    that rollout's (it has not trained since, or ``failure`` came before its first
+    optimizer step of the next one), or of the next rollout when its training finished
+    and only what came after failed; say where the newest usable checkpoint is."""
     last = run_last_completed(run)
     latest_file = Path(config.save) / LATEST
     on_disk = int(latest_file.read_text().strip()) if latest_file.is_file() else -1
-    if last >= 0 and last > on_disk and not run.trained_unlogged:
+    positions = run.step_start  # mid-step: the data position where the unfinished step began
+    if run.trained_unlogged and run.trained_rollout == last + 1:  # trained, then failed (weight sync)
+        last, positions = last + 1, None
+    elif run.trained_unlogged and not failure.trainer_state_unchanged:
+        last = -1  # the trainer took part of a rollout's optimizer steps: its state is of no rollout
+    if last >= 0 and last > on_disk:
         try:
-            run.checkpoint(last)
+            run.checkpoint(last, positions)
             return f"checkpoint of rollout {last} written to {config.save} (resume with --load {config.save})"
         except Exception as error:  # noqa: BLE001
             return f"writing the checkpoint of rollout {last} failed ({error})"

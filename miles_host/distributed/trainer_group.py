@@ -12,6 +12,7 @@ import torch
 
 from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager, serve
 from miles_host.distributed.errors import WorkerFailed
+from miles_host.distributed.failures import failed_worker
 from miles_host.plugin_manager import sum_counters
 from miles_host.protocols import TrainerBase
 
@@ -144,21 +145,30 @@ class TrainerGroup(TrainerBase):
         """Rank 0's weights (whole: a sharded trainer gathers them after each ``train``)."""
         return self.local.named_weights_for_rollout()
 
-    def _check_workers(self) -> None:
-        for handle in self.handles:
-            handle._check_alive(grace=True)
-
     def train(self, samples) -> dict[str, float]:
-        for handle in self.handles:
-            handle.send("train", samples)
+        """Every rank trains on ``samples``. A rank that fails, before or under a collective,
+        is named (:func:`~miles_host.distributed.failures.failed_worker`); the error says
+        whether rank 0 had taken an optimizer step of this rollout yet."""
+        steps_before = self.optimizer_steps()
+        try:
+            for handle in self.handles:
+                handle.send("train", samples)
+        except WorkerFailed as failed:  # nothing has trained yet
+            failed.trainer_state_unchanged = steps_before is not None
+            raise
         try:
             metrics = self.local.train(samples)
-        except RuntimeError as error:  # a peer vanished under a collective
-            self._check_workers()
-            raise WorkerFailed("trainer-0", f"failed in a collective: {error}") from error
+        except RuntimeError as error:  # a peer died, stopped or failed under a collective
+            failed = failed_worker(self.handles, "'train'", error, "trainer-0")
+            failed.trainer_state_unchanged = steps_before is not None and self.optimizer_steps() == steps_before
+            raise failed from error
         for handle in self.handles:
             handle.recv("'train'")
         return metrics
+
+    def optimizer_steps(self) -> int | None:
+        """Rank 0's (every rank steps together)."""
+        return self.local.optimizer_steps()
 
     def rank_counters(self) -> dict[str, float]:
         """The step's :func:`~miles_host.hookspecs.miles_rank_counters`, summed over every rank."""

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from miles_host.distributed.comm import broadcast_, free_port, new_group
+from miles_host.distributed.failures import failed_worker
 from miles_host.distributed.placement import worker_timeout
 from miles_host.distributed.ray_workers import rendezvous_address
 from miles_host.distributed.rollout_worker import RolloutRouter
@@ -72,9 +73,13 @@ class BroadcastTransport:
         address, port, world = rendezvous_address(self.config), free_port(), len(router.clients) + 1
         for rank, client in enumerate(router.clients, start=1):
             client.handle.send("init_weight_group", address, port, rank, world, self.backend_name, self.timeout_s)
-        self.group = new_group(address, port, 0, world, self.backend_name, self.timeout_s)
-        for client in router.clients:
-            client.handle.recv("'init_weight_group'")
+        handles = [client.handle for client in router.clients]
+        try:
+            self.group = new_group(address, port, 0, world, self.backend_name, self.timeout_s)
+        except RuntimeError as error:  # DistStoreError: an engine never joined
+            raise failed_worker(handles, "'init_weight_group'", error, "the weight-sync group") from error
+        for handle in handles:
+            handle.recv("'init_weight_group'")
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], backend: Any, weight_version: Any) -> Any:
         router = _engines(backend)
@@ -88,9 +93,13 @@ class BroadcastTransport:
         for client in router.clients:
             client.handle.send("receive_broadcast", meta, weight_version)
         device = torch.device("cuda") if self.backend_name == "nccl" else torch.device("cpu")
-        for dtype, entries in buckets:
-            flat = torch.cat([t.reshape(-1).to(device) for _, t in entries])
-            broadcast_(self.group, flat, 0)
+        try:
+            for dtype, entries in buckets:
+                flat = torch.cat([t.reshape(-1).to(device) for _, t in entries])
+                broadcast_(self.group, flat, 0)
+        except RuntimeError as error:  # an engine died or stopped under the broadcast (gloo / NCCL error)
+            handles = [client.handle for client in router.clients]
+            raise failed_worker(handles, "'receive_broadcast'", error, "trainer-0 (weight sync)") from error
         versions = [client.handle.recv("'receive_broadcast'") for client in router.clients]
         router._version = versions[0]
         return versions[0]
