@@ -5,8 +5,10 @@ A reward function that raises marks that sample FAILED with the reason in
 ``sample.metadata["failure"]``; the other samples are scored as usual and the
 run carries on.
 
-In-process rewards (custom and built-in) run in a daemon thread of their own and
-are given ``--rm-timeout`` seconds per call (per group with ``--group-rm``): one that
+The samples of a group are scored at the same time (:func:`call_each`: one event loop
+for an ``async def`` reward, daemon threads otherwise, at most
+:data:`MAX_CONCURRENT_REWARDS` at once). In-process rewards (custom and built-in) are
+given ``--rm-timeout`` seconds per call (per group with ``--group-rm``): one that
 blocks fails its sample with a :class:`RewardTimeout` instead of hanging the run.
 ``sys.exit`` in reward code fails the sample too (:class:`RewardExited`). Python
 cannot intercept ``os._exit``, which ends the whole process: reward code that may
@@ -102,6 +104,90 @@ def call_with_timeout(function: Callable, args: tuple, timeout_s: float | None) 
     return outcome["value"]
 
 
+#: at most this many rewards of one group are in flight at once (threads, or coroutines of one event loop)
+MAX_CONCURRENT_REWARDS = 32
+
+
+def _is_async(function: Callable) -> bool:
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
+def call_each(function: Callable, args_list: list[tuple], timeout_s: float | None,
+              limit: int = MAX_CONCURRENT_REWARDS) -> list[tuple[Any, BaseException | None]]:
+    """``function(*args)`` for every ``args`` of ``args_list`` at the same time, at most ``limit``
+    at once; ``(value, None)`` or ``(None, error)`` per call, in order. Each call gets
+    ``timeout_s`` seconds (:class:`RewardTimeout`); ``sys.exit`` becomes :class:`RewardExited`.
+
+    An ``async def`` reward runs as coroutines of one event loop (in a daemon thread); a
+    plain function in daemon threads, ``limit`` at a time (a blocked one is left behind,
+    as in :func:`call_with_timeout`)."""
+    if not args_list:
+        return []
+    if _is_async(function):
+        return _gather(function, args_list, timeout_s, limit)
+    results: list[tuple[Any, BaseException | None]] = []
+    for start in range(0, len(args_list), limit):
+        window = [_start(function, args) for args in args_list[start : start + limit]]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results.extend(_finish(call, deadline, timeout_s) for call in window)
+    return results
+
+
+def _start(function: Callable, args: tuple) -> tuple[dict, threading.Event]:
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = _call(function, *args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"miles-reward-{getattr(function, '__name__', 'fn')}", daemon=True).start()
+    return outcome, done
+
+
+def _finish(call: tuple[dict, threading.Event], deadline: float | None, timeout_s: float | None):
+    outcome, done = call
+    if not done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        return None, RewardTimeout(f"no answer within --rm-timeout {timeout_s:g} s (the reward blocks?)")
+    return outcome.get("value"), _as_reward_error(outcome.get("error"))
+
+
+def _as_reward_error(error: BaseException | None, timeout_s: float | None = None) -> BaseException | None:
+    if isinstance(error, SystemExit):
+        exited = RewardExited(f"the reward code called sys.exit({error.code!r})")
+        exited.__cause__ = error
+        return exited
+    if isinstance(error, asyncio.TimeoutError) and not isinstance(error, RewardTimeout):
+        return RewardTimeout(f"no answer within --rm-timeout {timeout_s:g} s (the reward blocks?)")
+    return error
+
+
+def _gather(function: Callable, args_list: list[tuple], timeout_s: float | None, limit: int):
+    """The coroutines of an ``async def`` reward, ``limit`` at once, on one event loop."""
+
+    async def all_calls():
+        semaphore = asyncio.Semaphore(limit)
+
+        async def one(args):
+            async with semaphore:
+                return await asyncio.wait_for(function(*args), timeout_s)
+
+        return await asyncio.gather(*(one(args) for args in args_list), return_exceptions=True)
+
+    # a coroutine that blocks the loop (time.sleep inside async def) is caught by the overall deadline
+    rounds = -(-len(args_list) // limit)
+    overall = None if timeout_s is None else timeout_s * rounds + 1.0
+    value, error = _finish(_start(lambda: asyncio.run(all_calls()), ()), None if overall is None
+                           else time.monotonic() + overall, overall)
+    if error is not None:
+        return [(None, error)] * len(args_list)
+    return [(None, _as_reward_error(r, timeout_s)) if isinstance(r, BaseException) else (r, None) for r in value]
+
+
 def remote_reward(url: str, timeout: float, retries: int) -> Callable:
     """POST the sample as JSON to ``url``; the response is the reward (a number or
     a JSON object). Retries with backoff on network errors."""
@@ -152,6 +238,10 @@ class RewardScorer:
             return _call(self.function, samples, self.config)
         return call_with_timeout(self.function, (samples, self.config), self.timeout_s)
 
+    def call_each(self, samples: list[Sample]) -> list[tuple[Any, BaseException | None]]:
+        """The rewards of several samples, scored concurrently (:func:`call_each`)."""
+        return call_each(self.function, [(sample, self.config) for sample in samples], self.timeout_s)
+
     def scalar(self, reward: Any) -> float:
         """The number the advantages use (``--reward-key`` picks it from a dict).
 
@@ -193,14 +283,19 @@ class RewardScorer:
                 except (TypeError, ValueError) as error:  # one bad reward of the group fails its sample
                     _fail(sample, error, self.source)
             return
-        for sample in samples:
-            if sample.status is Status.FAILED:
-                continue
-            try:
-                sample.reward = self.call(sample)
-                self.scalar(sample.reward)
-            except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
-                _fail(sample, error, self.source)
+        # the group's samples are scored at the same time (an async or remote reward waits once, not n times)
+        pending = [sample for sample in samples if sample.status is not Status.FAILED]
+        for sample, (reward, error) in zip(pending, self.call_each(pending)):
+            if error is None:
+                try:
+                    sample.reward = reward
+                    self.scalar(reward)
+                    continue
+                except (TypeError, ValueError) as bad:  # not a finite number: this sample fails alone
+                    error = bad
+            if not isinstance(error, Exception):  # KeyboardInterrupt in reward code stops the run
+                raise error
+            _fail(sample, error, self.source)
 
 
 def _short(value: Any, limit: int = 60) -> str:
