@@ -9,9 +9,26 @@ observe them (``miles_experts_selected``, e.g. R3 capture in rollout).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass
+class RoutingContext:
+    """What MoE layers of one forward pass need to know about routing.
+
+    ``phase``: ``"rollout"``, ``"train"``, ``"old_logprob"`` or ``"ref"``.
+    ``replay_expert_ids``: optional per-layer LongTensor ``[T, K]`` ids to replay
+    (filled by a routing plugin). ``captured``: per-layer ids observed in this
+    pass (filled by a routing plugin that captures). ``extra``: free-form data.
+    """
+
+    phase: str = "train"
+    replay_expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 
@@ -46,8 +63,6 @@ class RoutingHooks:
         computed it (group-limited routing); otherwise plain top-k of ``scores``.
         """
         if routing_context is None:
-            from miles_host.models.context import RoutingContext  # lazy: models imports this module
-
             routing_context = RoutingContext()
         context = routing_context
         if default_ids_TK is None:

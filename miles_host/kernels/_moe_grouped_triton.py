@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
-from miles_host.kernels.moe_grouped import max_row_blocks
+from miles_host.kernels.moe_configs import max_row_blocks
 
 #: activation code of the GATED epilogue, by config name
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}

@@ -110,3 +110,8 @@ def moe_tiles(
         block_m, gate_up, down = entries[nearest]
         return MoETiles(block_m, GemmConfig(block_m, *gate_up), GemmConfig(block_m, *down))
     return default_tiles(num_tokens, top_k, num_experts, hidden, inter, dtype)
+
+
+def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks of the layout: every expert's rows padded to ``block_m``; never more than one per pair."""
+    return min(num_pairs, -(-(num_pairs + num_experts * (block_m - 1)) // block_m))

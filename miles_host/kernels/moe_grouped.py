@@ -42,9 +42,11 @@ from typing import Protocol
 
 import torch
 
+from miles_host.kernels.eager_ops import activation as eager_activation
+
 # DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
-from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, moe_tiles, pick_block_m
+from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, max_row_blocks, moe_tiles, pick_block_m
 
 __all__ = [
     "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe", "gemm_config",
@@ -126,11 +128,6 @@ class DenseExpertGemms:
 
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,
                                      config, gather=False, activation=None)
-
-
-def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Row blocks of the layout: every expert's rows padded to ``block_m``; never more than one per pair."""
-    return min(num_pairs, -(-(num_pairs + num_experts * (block_m - 1)) // block_m))
 
 
 def route(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
@@ -285,7 +282,6 @@ def grouped_moe_forward_reference(
     activation: str = "silu",
 ) -> torch.Tensor:
     """Plain PyTorch, one expert at a time in float64, rounded once to x's dtype (the oracle)."""
-    from miles_host.models.mlp import activation as eager_activation
 
     act = eager_activation(activation)
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)

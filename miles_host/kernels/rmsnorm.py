@@ -4,7 +4,7 @@
 with ``s = residual + x`` rounded to the activation dtype (``s = x`` and no
 second output when ``residual`` is None): the residual stream of a pre-norm
 decoder, one kernel instead of the eager add + eight norm kernels.
-Reference: :func:`rmsnorm_reference` (the eager :class:`~miles_host.models.norm.RMSNorm` math).
+Reference: :func:`rmsnorm_reference` (:func:`miles_host.kernels.eager_ops.rms_norm_eager`, the eager RMSNorm math).
 Tensor legend: T rows (tokens), H hidden.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_host.models.norm import rms_norm_eager
+from miles_host.kernels.eager_ops import rms_norm_eager
 
 
 def rmsnorm_reference(

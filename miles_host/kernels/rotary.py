@@ -4,15 +4,14 @@
 ``[T, Nk * D]`` (row-strided views of the fused qkv projection are fine) and
 returns contiguous ``q_TND, k_TND``: each head optionally RMS-normed with its
 weight (Qwen3's ``q_norm`` / ``k_norm``), then rotated like
-:func:`~miles_host.models.rope.apply_rotary` (interleaved pairs come out
+:func:`~miles_host.kernels.eager_ops.apply_rotary` (interleaved pairs come out
 de-interleaved; dims past the rotary dims pass through). Replaces about thirty
 eager kernels per layer by one. Reference: :func:`qk_norm_rope_reference`.
 """
 
 from __future__ import annotations
 
-from miles_host.models.norm import rms_norm_eager
-from miles_host.models.rope import apply_rotary
+from miles_host.kernels.eager_ops import apply_rotary, rms_norm_eager
 
 
 def qk_norm_rope_reference(

@@ -13,9 +13,11 @@ E = experts, K = top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+
+from miles_host.routing import RoutingContext
 
 
 class AttentionContext(Protocol):
@@ -40,22 +42,6 @@ class AttentionContext(Protocol):
     ) -> torch.Tensor:
         """Return ``[T, Hq, Dv]`` attention output (causal within each sequence)."""
         ...
-
-
-@dataclass
-class RoutingContext:
-    """What MoE layers of one forward pass need to know about routing.
-
-    ``phase``: ``"rollout"``, ``"train"``, ``"old_logprob"`` or ``"ref"``.
-    ``replay_expert_ids``: optional per-layer LongTensor ``[T, K]`` ids to replay
-    (filled by a routing plugin). ``captured``: per-layer ids observed in this
-    pass (filled by a routing plugin that captures). ``extra``: free-form data.
-    """
-
-    phase: str = "train"
-    replay_expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
-    captured: dict[int, torch.Tensor] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

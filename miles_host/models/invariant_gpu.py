@@ -12,7 +12,7 @@ vs training):
   (tile shape fixed per weight, fp32 accumulation over K from 0, no split-K);
 - attention is the engine's paged Triton kernel with one tile shape for decode,
   prefill and training, key blocks from position 0 and no split over keys
-  (:func:`~miles_host.rollout.triton_attention.paged_attention_triton`,
+  (:func:`~miles_host.kernels.paged_attention.paged_attention_triton`,
   ``invariant=True``); training hands it its packed keys as a cache of one-token
   pages, so a query at position ``t`` reduces over exactly the blocks a decode
   step of that token does;
@@ -100,8 +100,8 @@ class InvariantPackedAttention:
 
 def _one_token_pages(packed, num_q_heads: int, num_kv_heads: int, device: torch.device):
     """Attention metadata that presents packed keys as one-token pages of a cache."""
-    from miles_host.rollout.attention import AttentionMetadata
-    from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+    from miles_host.kernels.attention_metadata import AttentionMetadata
+    from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
 
     cu_host = [int(c) for c in packed.cu_seqlens.tolist()]
     cu = torch.tensor(cu_host, dtype=torch.int32, device=device)
@@ -124,7 +124,7 @@ class _InvariantAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_THD, k_THD, v_THD, attention, layer_index, scale, sliding_window, logit_softcap):
-        from miles_host.rollout.triton_attention import paged_attention_triton
+        from miles_host.kernels.paged_attention import paged_attention_triton
 
         meta = attention.metadata(q_THD.shape[1], k_THD.shape[1], q_THD.device)
         out = paged_attention_triton(

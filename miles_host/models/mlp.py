@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import invariant_ops, moe_grouped, moe_train
+from miles_host.kernels.eager_ops import activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
@@ -26,17 +27,6 @@ def _linear_default_init(weight_OI: torch.Tensor) -> None:
     bound = 1.0 / weight_OI.shape[-1] ** 0.5
     with torch.no_grad():
         weight_OI.uniform_(-bound, bound)
-
-
-def activation(name: str):
-    """The elementwise activation of a gated MLP by config name."""
-    if name == "silu":
-        return F.silu
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ValueError(f"unsupported activation {name!r}")
 
 
 class GatedMLP(torch.nn.Module):

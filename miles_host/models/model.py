@@ -9,6 +9,8 @@ context. Tensor legend: B batch, L padded length, T tokens, H hidden, V vocab.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -149,6 +151,11 @@ class CausalLM(torch.nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """``[V, H]`` output projection (the embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rotary_embedding(self, rope: Any) -> RotaryEmbedding | None:
+        """The rotary table this model keeps for the rope config ``rope`` (one per distinct
+        config, shared by its layers); ``None`` when no layer uses it."""
+        return self._ropes.get(id(rope))
 
     def attention_layout(self) -> list[tuple[int, int, int, int | None]]:
         """Per layer ``(num_kv_heads, k_head_dim, v_head_dim, sliding_window or None)``."""

@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """The norm in plain PyTorch (also the reference of the fused kernel)."""
-    dtype = x.dtype
-    x_fp32 = x.float()
-    x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
-        return (x_fp32 * (1.0 + weight.float())).to(dtype)
-    return weight * x_fp32.to(dtype)
+from miles_host.kernels.eager_ops import rms_norm_eager
 
 
 class RMSNorm(torch.nn.Module):

@@ -99,23 +99,3 @@ class RotaryEmbedding(torch.nn.Module):
         if self.attention_factor != 1.0:
             cos_TR, sin_TR = cos_TR * self.attention_factor, sin_TR * self.attention_factor
         return cos_TR.to(dtype), sin_TR.to(dtype)
-
-
-def apply_rotary(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate the first ``2R`` dims of every head; the remaining dims pass through.
-
-    Interleaved pairs come out de-interleaved (rotated evens, then odds): the
-    same permutation is applied to queries and keys, so attention scores are
-    those of the interleaved layout (as transformers' DeepSeek does).
-    """
-    rotary = 2 * cos_TR.shape[-1]
-    x_rot, x_pass = x_THD[..., :rotary], x_THD[..., rotary:]
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot[..., : rotary // 2], x_rot[..., rotary // 2 :]
-    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if x_pass.shape[-1] == 0:
-        return rotated
-    return torch.cat((rotated, x_pass), dim=-1)

@@ -13,7 +13,8 @@ import torch
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import AttentionContext
 from miles_host.models.norm import RMSNorm
-from miles_host.models.rope import apply_rotary, yarn_softmax_scale_factor
+from miles_host.kernels.eager_ops import apply_rotary
+from miles_host.models.rope import yarn_softmax_scale_factor
 
 
 class GQAAttention(torch.nn.Module):

@@ -4,7 +4,7 @@ Modules, nano-vllm style: :mod:`.sampling_params` (request knobs),
 :mod:`.sequence` (per-sample state), :mod:`.block_manager` (paged KV blocks,
 prefix cache, copy-on-write), :mod:`.scheduler` (continuous batching),
 :mod:`.model_runner` (forward, CUDA graphs, sampling), :mod:`.attention` /
-:mod:`.triton_attention` (paged attention), :mod:`.sampler`, :mod:`.engine`.
+:mod:`miles_host.kernels.paged_attention` (the paged attention kernel), :mod:`.sampler`, :mod:`.engine`.
 """
 
 from miles_host.rollout.config import EngineConfig

@@ -13,36 +13,10 @@ H = heads, D = head dim, N = cache blocks, S = slots per block, M = max blocks p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from miles_host.kernels.attention_metadata import AttentionMetadata
 from miles_host.rollout.kv_cache import PagedKVCache
-
-
-@dataclass
-class AttentionMetadata:
-    """Where a step's tokens live in the cache and which context each one sees.
-
-    ``cu_seqlens_q``: [B + 1] offsets of each sequence's new tokens in the step;
-    ``context_lens``: [B] cached + new tokens of each sequence; ``block_tables``:
-    [B, M] block ids (int32); ``slot_mapping``: [T] cache slot of each new token.
-    ``tile_seq``/``tile_q_start`` (Triton only): which sequence and first token each
-    query tile of the kernel covers.
-    """
-
-    slot_mapping_T: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    context_lens_B: torch.Tensor
-    block_tables_BM: torch.Tensor
-    max_q_len: int
-    max_context_len: int
-    is_decode: bool
-    tile_seq: torch.Tensor | None = None
-    tile_q_start: torch.Tensor | None = None
-    # Host copies for the reference path (avoid a device sync per layer).
-    cu_seqlens_q_host: list[int] | None = None
-    context_lens_host: list[int] | None = None
 
 
 def paged_attention_reference(
@@ -133,7 +107,7 @@ class PagedAttention:
         slots = meta.slot_mapping_T
         triton_backend = self.backend in ("triton", "triton_invariant")
         if triton_backend and k_cache.is_cuda:
-            from miles_host.rollout.triton_attention import write_kv_cache
+            from miles_host.kernels.paged_attention import write_kv_cache
 
             write_kv_cache(k_cache, v_cache, k_THD, v_THD, slots)  # one kernel for K and V
         else:
@@ -141,7 +115,7 @@ class PagedAttention:
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
         if triton_backend:
-            from miles_host.rollout.triton_attention import paged_attention_triton
+            from miles_host.kernels.paged_attention import paged_attention_triton
 
             return paged_attention_triton(
                 q_THD, k_cache, v_cache, meta,

@@ -94,7 +94,7 @@ def paged_metadata(
         context_lens_host=context_lens,
     )
     if attention_backend in ("triton", "triton_invariant"):
-        from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+        from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
 
         per_tile = tokens_per_tile(*head_counts(), is_decode, invariant=attention_backend == "triton_invariant")
         meta.tile_seq, meta.tile_q_start = build_tiles(cu_seqlens, per_tile, device)
@@ -155,11 +155,12 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[len(seq) - n:])
         positions, meta = paged_metadata(
             [seq.block_table for seq in seqs], [len(seq) for seq in seqs], num_new, self.block_size,
-            self.device, is_decode, self.attention_backend, self._head_counts,
+            self.device, is_decode, self.attention_backend, self.head_counts,
         )
         return host_to_device(torch.tensor(input_ids, dtype=torch.long), self.device), positions, meta
 
-    def _head_counts(self) -> tuple[int, int]:
+    def head_counts(self) -> tuple[int, int]:
+        """``(query heads, KV heads)`` of the model's attention (what the paged kernels tile by)."""
         layout = self.kv_cache.layout[0]
         num_q_heads = getattr(self.model.config, "num_heads", None) or self.model.config.num_attention_heads
         return num_q_heads, layout[0]

@@ -1,4 +1,4 @@
-"""CPU tests of :mod:`miles_host.rollout.triton_attention` under Triton's interpreter (not collected by itself).
+"""CPU tests of :mod:`miles_host.kernels.paged_attention` under Triton's interpreter (not collected by itself).
 
 Run by ``test_triton_attention.py::test_cpu_kernels_under_the_triton_interpreter`` in a
 fresh process with ``TRITON_INTERPRET=1``; alone:
@@ -23,7 +23,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = interpreted_module("miles_host.rollout.triton_attention")
+    module = interpreted_module("miles_host.kernels.paged_attention")
     _scalar_loop_bounds()
     return module
 

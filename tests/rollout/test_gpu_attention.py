@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def _metadata(tables, cu, lengths_ctx, is_decode, heads_q, heads_kv):
-    from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+    from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
 
     device = tables.device
     meta = AttentionMetadata(
@@ -36,7 +36,7 @@ def _metadata(tables, cu, lengths_ctx, is_decode, heads_q, heads_kv):
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_triton_kernel_matches_reference(dtype, heads_q, heads_kv, dim, window, softcap, mode):
-    from miles_host.rollout.triton_attention import paged_attention_triton
+    from miles_host.kernels.paged_attention import paged_attention_triton
 
     if mode == "decode":
         lengths_ctx = [1, 17, 300, 64, 129, 1000]
@@ -88,7 +88,7 @@ def _decode_case(lengths_ctx, seed=0):
 @pytest.mark.parametrize("lengths_ctx", [[1], [17], [300], [2000], [1, 17, 300, 2000, 64, 129, 1000, 5]])
 @pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 30.0)])
 def test_split_decode_matches_reference(lengths_ctx, window, softcap):
-    from miles_host.rollout.triton_attention import decode_splits, paged_attention_triton
+    from miles_host.kernels.paged_attention import decode_splits, paged_attention_triton
 
     q, k_cache, v_cache, tables, cu, meta = _decode_case(lengths_ctx)
     splits = decode_splits(len(lengths_ctx), DECODE_SHAPE["heads_kv"], q.device)
@@ -109,7 +109,7 @@ def test_split_decode_matches_reference(lengths_ctx, window, softcap):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_split_decode_in_a_cuda_graph_replayed_with_growing_contexts(batch):
     """One capture (SPLITS fixed by the grid) replayed as the contexts grow: equal to eager launches."""
-    from miles_host.rollout.triton_attention import paged_attention_triton
+    from miles_host.kernels.paged_attention import paged_attention_triton
 
     q, k_cache, v_cache, tables, cu, meta = _decode_case([2000] * batch, seed=1)
     scale = DECODE_SHAPE["dim"] ** -0.5
@@ -139,7 +139,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                         (torch.float32, torch.float32)])
 @pytest.mark.parametrize("num_tokens", [1, 8, 333])
 def test_fused_kv_write_is_index_copy_bitwise(src, cache, num_tokens):
-    from miles_host.rollout.triton_attention import write_kv_cache
+    from miles_host.kernels.paged_attention import write_kv_cache
 
     heads, dim, dim_v, num_blocks, page = 8, 128, 64, 64, 16
     g = torch.Generator().manual_seed(num_tokens)
@@ -162,7 +162,7 @@ def test_fused_kv_write_is_index_copy_bitwise(src, cache, num_tokens):
 
 def test_paged_attention_writes_the_cache_with_the_fused_kernel(monkeypatch):
     """The triton backends store K/V through write_kv_cache on CUDA: same cache as index_copy_."""
-    from miles_host.rollout import triton_attention
+    from miles_host.kernels import paged_attention as triton_attention
     from miles_host.rollout.attention import PagedAttention
     from miles_host.rollout.kv_cache import PagedKVCache
 

@@ -25,7 +25,7 @@ def test_cpu_kernels_under_the_triton_interpreter(request):
 
 
 def test_decode_splits_depend_on_the_grid_only():
-    from miles_host.rollout.triton_attention import decode_splits
+    from miles_host.kernels.paged_attention import decode_splits
 
     cpu = torch.device("cpu")  # an H200's 132 SMs
     # Qwen3-8B (8 KV heads): batch 1 -> 16 splits (128 programs), 8 -> 4, 16 -> 2, 17 fills the SMs
@@ -41,7 +41,7 @@ def _signature(fn, types: dict[str, str]) -> dict[str, str]:
 
 
 def test_split_decode_kernel_compiles_for_sm90_with_its_atomics():
-    from miles_host.rollout import triton_attention
+    from miles_host.kernels import paged_attention as triton_attention
 
     pointers = ["Q", "K_cache", "V_cache", "Out", "block_tables", "context_lens", "cu_seqlens_q", "tile_seq",
                 "tile_q_start"]
@@ -62,7 +62,7 @@ def test_split_decode_kernel_compiles_for_sm90_with_its_atomics():
 
 @pytest.mark.parametrize("src, cache", [("bf16", "bf16"), ("fp32", "bf16")])
 def test_kv_write_kernel_compiles_for_sm90(src, cache):
-    from miles_host.rollout import triton_attention
+    from miles_host.kernels import paged_attention as triton_attention
 
     types = {"K": f"*{src}", "V": f"*{src}", "K_cache": f"*{cache}", "V_cache": f"*{cache}", "slots": "*i64"}
     signature = _signature(triton_attention._kv_write_kernel, types)

@@ -44,7 +44,7 @@ import triton.language as tl
 from miles_fp8 import kernel_switches
 from miles_host.kernels import split_k, switches
 from miles_host.kernels.split_k import SmallMConfig
-from miles_host.kernels._split_k_triton import emulate_rounding, split_k_epilogue
+from miles_host.kernels.triton_common import emulate_rounding, split_k_epilogue
 from miles_fp8.quant import BLOCK, FP8_DTYPE
 from miles_fp8.triton_kernels import _quantize_rows
 

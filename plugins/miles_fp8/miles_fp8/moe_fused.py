@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels._moe_grouped_triton import ACTIVATIONS, act_and_mul, block_rows
-from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
+from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, block_rows
+from miles_host.kernels.triton_common import cast_rne, emulate_rounding
 from miles_fp8.decode_gemm import use_fp8_mma
 from miles_fp8.quant import BLOCK
 from miles_fp8.triton_kernels import _quantize_rows

@@ -24,8 +24,8 @@ except ImportError as error:  # pragma: no cover - only on a GPU machine without
     ) from error
 
 
-from miles_host.kernels._split_k_triton import emulate_rounding  # noqa: E402 - needs triton, checked above
-from miles_host.kernels._triton_common import grouped_tile  # noqa: E402 - needs triton, checked above
+from miles_host.kernels.triton_common import emulate_rounding  # noqa: E402 - needs triton, checked above
+from miles_host.kernels.triton_common import grouped_tile  # noqa: E402 - needs triton, checked above
 
 AMAX_EPS_C = tl.constexpr(AMAX_EPS)
 #: activation rows one quantize program takes (one 1x128 group column of each): 8 KB of bf16

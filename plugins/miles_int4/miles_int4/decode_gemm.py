@@ -50,7 +50,7 @@ import triton.language as tl
 
 from miles_host.kernels import split_k, switches
 from miles_host.kernels.split_k import SmallMConfig
-from miles_host.kernels._split_k_triton import cast_rne, dot, emulate_rounding, split_k_epilogue
+from miles_host.kernels.triton_common import cast_rne, dot, emulate_rounding, split_k_epilogue
 from miles_int4 import kernel_switches
 
 MAX_M = 64

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels._split_k_triton import emulate_rounding
+from miles_host.kernels.triton_common import emulate_rounding
 from miles_int4.decode_gemm import _dequantize, _row_offsets, weight_addressing
 
 #: rows per program (one program: BLOCK_R rows of one group)

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels._moe_grouped_triton import ACTIVATIONS, _mma, act_and_mul, block_rows
-from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
+from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, block_rows, mma
+from miles_host.kernels.triton_common import cast_rne, emulate_rounding
 from miles_int4.quant import PACK_FACTOR
 
 
@@ -56,12 +56,12 @@ def _int4_moe_gemm_kernel(
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=row_ok[:, None], other=0.0)
             w = _dequantized_tile(w_ptrs + kb * (BLOCK_K // 8), s_ptrs + kb * BLOCK_K // GROUP, shifts,
                                   A.dtype.element_ty, EMULATE, BLOCK_K, BLOCK_N)
-            acc = _mma(a, w, acc, IEEE, EMULATE)
+            acc = mma(a, w, acc, IEEE, EMULATE)
             if GATED:
                 w_up = _dequantized_tile(w_ptrs + N * stride_wn + kb * (BLOCK_K // 8),
                                          s_ptrs + N * stride_sn + kb * BLOCK_K // GROUP, shifts,
                                          A.dtype.element_ty, EMULATE, BLOCK_K, BLOCK_N)
-                acc_up = _mma(a, w_up, acc_up, IEEE, EMULATE)
+                acc_up = mma(a, w_up, acc_up, IEEE, EMULATE)
         if GATED:
             out = act_and_mul(acc, acc_up, ACT, C.dtype.element_ty, EMULATE)
         else:

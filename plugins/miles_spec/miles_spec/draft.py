@@ -119,7 +119,7 @@ class MTPDraft:
             self.hot = HotVocabHead(token_map, lambda: policy.lm_head_weight, policy.config.final_logit_softcap)
         layer = policy.mtp[0]
         rope = policy.config.rope_of(layer.layer_index)
-        self.rope = policy._ropes.get(id(rope)) or RotaryEmbedding(rope)
+        self.rope = policy.rotary_embedding(rope) or RotaryEmbedding(rope)
         self.feature_size = policy.config.hidden_size
 
     @property

@@ -143,7 +143,7 @@ class SpecGraphs(DecodeGraphs):
         self.layout = field_layout(strategy.num_steps)
         self.padding = padding_values(strategy.num_steps)
         self.num_fields = sum(width for _, width in self.layout.values())
-        self.head_counts = runner._head_counts
+        self.head_counts = runner.head_counts
         #: start features of prompt rows ``[max_bs, H']``, written before each replay
         self.prompt_feature = torch.zeros(
             config.max_num_seqs, self.draft.feature_size, dtype=strategy.feature_dtype, device=engine.device
@@ -164,7 +164,7 @@ class SpecGraphs(DecodeGraphs):
         self.cu_seqlens_j = torch.arange(bs + 1, dtype=torch.int32, device=self.device) * count
         self.tiles_j = None
         if self.attention_backend == "triton":
-            from miles_host.rollout.triton_attention import build_tiles, tokens_per_tile
+            from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
 
             per_tile = tokens_per_tile(*self.head_counts(), True)
             self.tiles_j = build_tiles(list(range(0, (bs + 1) * count, count)), per_tile, self.device)

@@ -215,7 +215,7 @@ class EagleStrategy:
         runner = self.engine.runner
         positions_T, meta = paged_metadata(
             [s.block_table for s in seqs], context_lens, num_new, cache.block_size, self.engine.device,
-            is_decode, runner.attention_backend, runner._head_counts,
+            is_decode, runner.attention_backend, runner.head_counts,
         )
         return Forward(positions_T, PagedAttention(cache, meta, runner.attention_backend))
 

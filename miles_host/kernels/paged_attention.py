@@ -24,7 +24,7 @@ import triton.language as tl
 
 from miles_host.kernels import split_k
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
-from miles_host.rollout.attention import AttentionMetadata
+from miles_host.kernels.attention_metadata import AttentionMetadata
 
 PREFILL_ROWS = 64   # query rows (tokens x heads of a group) per program in prefill
 DECODE_ROWS = 16    # tl.dot needs at least 16 rows
