@@ -19,7 +19,7 @@ linear shapes, default Qwen3-1.7B, back to back in a CUDA graph): per-GEMM micro
 (``quantize_act`` + ``block_scaled_mm``, two launches; cuBLAS when usable, else
 Triton), and the fused small-M kernel (:mod:`miles_fp8.decode_gemm`, one launch),
 with its % of the HBM bound (FP8 weight + scales) and its speedup over bf16 (the
-issue's goal: >= 1.4x). Every fused output is checked against the float reference.
+goal: >= 1.4x). Every fused output is checked against the float reference.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything this project checks on a lent GPU machine, in priority order, each step under
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
-# out of time loses only itself). Usage on the device (see /work/.library/device):
+# out of time loses only itself). Usage on the GPU machine:
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
-#        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: issue 8/13's goal)
+#        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: the INT4 >= 1.5x bf16 goal)
 #        int4_profile_8b (batch-1 decode of both, GPU kernel time per token by kernel)
 #        quantized_8b fp8_gemm_8b int4_gemm_8b (the Qwen3-8B shape: where the decode goals are measured)
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
@@ -18,7 +18,7 @@
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2 against one process; x4 adds TP2xPP2, EP2xPP2)
-#        scale_x8 / scale_x4 (issue 13/13: bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
+#        scale_x8 / scale_x4 (bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
 #        scale_x1 (the reduced one-GPU version; SCALE_VARIANT=fp8_r3|no_fp8|no_r3, one per call)
 set -uo pipefail
 cd "$(dirname "$0")/.."

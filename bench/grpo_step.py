@@ -1,6 +1,6 @@
 """One GRPO step (rollout + reward + train + weight sync): miles vs TRL, same run.
 
-Qwen3-0.6B-shaped random-init model (DEVICE.md), bf16, 32 prompts x 8 samples,
+Qwen3-0.6B-shaped random-init model, bf16, 32 prompts x 8 samples,
 128-token prompts, 512 new tokens (EOS ignored / min_new_tokens=512). miles runs
 its real loop pieces (``Run.step``: embedded engine, native trainer, in-process
 weight sync); TRL runs ``GRPOTrainer`` with transformers generation. Steady-state

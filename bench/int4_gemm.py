@@ -15,7 +15,7 @@ QAT forward; the rollout's path above 64 rows); ``triton`` (:mod:`miles_int4.dec
 on the ``halves`` layout, the rollout's packed path at M <= 64: a CUDA-core GEMV at M = 1, the
 tensor-core kernel above); ``mma``: the tensor-core kernel at every M (the M = 1 path before the GEMV). The HBM bound is the
 INT4 bytes read once at 4.24 TB/s (0.5 byte/param + a bf16 scale per group); the
-issue's goal is INT4 >= 1.5x bf16 at batch 1. Before timing, every INT4 output is
+goal is INT4 >= 1.5x bf16 at batch 1. Before timing, every INT4 output is
 checked against its float reference. A last table sums the four linears (one layer).
 """
 

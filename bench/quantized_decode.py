@@ -66,7 +66,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HBM_BYTES_PER_S = 4.24e12
-#: INT4 goal of the issue: linear weights of the rollout model >= 3.5x smaller than bf16
+#: INT4 goal: linear weights of the rollout model >= 3.5x smaller than bf16
 INT4_GOAL = 3.5
 
 def full_shape(model: str) -> dict:

@@ -1,4 +1,4 @@
-"""The scale run of issue [13/13]: a random Qwen3-30B-A3B-shaped MoE trained by GRPO with
+"""The scale run: a random Qwen3-30B-A3B-shaped MoE trained by GRPO with
 Megatron-Core expert parallelism on half of the GPUs while engine processes on the
 other half roll out, with FP8 and R3; then the same run without FP8 and without R3.
 

@@ -4,7 +4,7 @@ For each mode (default fast kernels, then ``--true-on-policy``) miles runs real 
 steps (``Run.step``: embedded engine, native trainer, in-process weight sync) on a
 random-init model and reports the steady-state rollout tok/s and training tok/s
 (median over the steps after the first) and ``train/train_rollout_logprob_abs_diff``
-(mean over the steps) and its max. The goal of issue 6: abs diff == 0.0 exactly
+(mean over the steps) and its max. The goal: abs diff == 0.0 exactly
 with the flag, at most 1.3x slower.
 
     python bench/true_on_policy.py                     # H200: Qwen3-0.6B-shaped, bf16, 64 x 8 samples

@@ -1,6 +1,6 @@
 """``Sample``: one prompt + one response, everything an RL step needs about it.
 
-Same fields as slime's ``Sample`` (the seed's list plus group_index, index,
+Same fields as slime's ``Sample`` (slime's fields plus group_index, index,
 label, response_length, weight_versions, spec_info). JSON-serialisable without
 loss, so a rollout can be dumped, inspected and replayed; MoE routes
 (``rollout_routed_experts``, ``[len(tokens) - 1, num_moe_layers, topk]``) are kept

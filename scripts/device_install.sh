@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install miles-host and every plugin on the offline GPU machine (DEVICE.md): no network,
+# Install miles-host and every plugin on the offline GPU machine: no network,
 # no build isolation, no dependency resolution; wheels carried in .whl/ are installed too.
 set -euo pipefail
 cd "$(dirname "$0")/.."

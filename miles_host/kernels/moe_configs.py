@@ -43,8 +43,8 @@ class MoETiles:
 MAX_BUCKET = 8192
 
 #: (E, H, I, weight format) -> {token bucket: (block_m, gate_up (bn, bk, warps, stages), down (...))}.
-#: Qwen3-30B-A3B experts, bf16: ``bench/moe.py --sweep`` on the H200 (graph-timed; T=1: 20.1 us per layer
-#: for both GEMMs, 3.7 TB/s of the 8 experts' weights; T=128: 295 us, 4.1 TB/s of all 128 experts').
+#: Qwen3-30B-A3B experts, bf16: the fastest of ``bench/moe.py --sweep`` on the H200 (graph-timed; the
+#: timings are in ``bench/RESULTS.md``).
 TUNED: dict[tuple[int, int, int, str], dict[int, tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]]]] = {
     (128, 2048, 768, "bf16"): {
         1: (16, (64, 128, 4, 4), (128, 128, 8, 3)),

@@ -1,4 +1,5 @@
-"""Every command line of ../shared/seed/miles-skill.txt, paths replaced.
+"""Every command line of the miles / slime usage guide the flags follow (its quick start,
+FP8, INT4, R3, speculative and true-on-policy sections), paths replaced.
 
 Kept as data so the dry-run test and the docs agree on what "slime compatible"
 means. ``{ckpt}`` and ``{data}`` are replaced by real paths in the test.
@@ -40,6 +41,6 @@ SEED_COMMANDS = [
     """miles run --sglang-speculative-num-steps 2""",
     """miles run --sglang-enable-draft-weights-cpu-backup""",
     """miles run --use-tis --tis-threshold 0.9""",
-    # the brief's own example
+    # several feature plugins at once
     """miles run --plugins fp8,r3,spec""",
 ]

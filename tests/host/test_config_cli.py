@@ -1,4 +1,4 @@
-"""``miles run`` flags, --config files, --dry-run and the seed's command lines."""
+"""``miles run`` flags, --config files, --dry-run and the usage guide's command lines."""
 
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ REFUSED_SEED_COMMANDS = {
 
 @pytest.mark.parametrize("command", SEED_COMMANDS, ids=range(len(SEED_COMMANDS)))
 def test_every_seed_command_line_parses_and_passes_dry_run_or_is_refused_by_name(command, tmp_path, capsys):
-    """Every flag of the seed parses; --dry-run accepts the line (then the run starts) or
+    """Every flag of the usage guide's command lines parses; --dry-run accepts the line (then the run starts) or
     refuses it with exit code 2 and a message naming the flag it cannot honour."""
     (tmp_path / "data.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
-    write_model_config(tmp_path, moe=True)  # the seed's Qwen3-30B-A3B, tiny
+    write_model_config(tmp_path, moe=True)  # the guide's Qwen3-30B-A3B, tiny
     argv = shlex.split(command.format(ckpt=tmp_path, data=tmp_path / "data.jsonl"))
     assert argv[:2] in (["python", "train.py"], ["miles", "run"])
     flags = argv[2:]
-    if "--hf-checkpoint" in flags:  # the seed leaves data and reward out of some lines
+    if "--hf-checkpoint" in flags:  # the guide leaves data and reward out of some lines
         flags += [] if "--prompt-data" in flags else ["--prompt-data", str(tmp_path / "data.jsonl")]
         flags += ["--rm-type", "exact"]
     index = SEED_COMMANDS.index(command)

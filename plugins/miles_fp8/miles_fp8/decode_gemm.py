@@ -20,7 +20,7 @@ Design (the weight is streamed once from HBM; everything else is small):
   (compute capability >= 8.9) the two FP8 tiles go straight into an FP8 ``dot`` (Hopper
   sums one 128-deep block at reduced precision inside the MMA, as DeepGEMM and cuBLAS
   do: relative error ~1e-4 against the fp32 sums, far below the FP8 rounding itself;
-  1.1-1.35x faster than the fp16 route on Qwen3-8B's decode linears on the H200);
+  faster than the fp16 route on the H200: ``bench/history/2026-12-01-2.md``);
   ``--fp8-small-m-mma 0`` (and the interpreter) converts both to float16 (every
   E4M3 value is exact there) for a dot with fp32 accumulation, the reference's sums;
   then ``acc += dot * w_scale[n] * x_scale[m]`` (each 128-deep block promoted to fp32

@@ -29,15 +29,14 @@ One token (batch-1 decode) takes a CUDA-core GEMV instead (:func:`_int4_gemv_ker
 eight weights dequantized two at a time (``lop3`` into the bf16 pair ``128 + nibble``,
 ``sub.bf16x2``, ``mul.bf16x2``: the same bf16 weights) and multiplied into fp32 lanes
 by FMAs in inline PTX, the next group's words requested before this group's arithmetic.
-No padding of one token to 16 MMA rows, no shared-memory round trip of the operands:
-on the H200 (Qwen3-8B layer, M = 1, tiled bytes) 61 us per layer against 71 for the
-tensor-core kernel and 107 for bf16 (``bench/RESULTS.md``, fifth session of 2026-12-01).
+No padding of one token to 16 MMA rows, no shared-memory round trip of the operands
+(its timing against the tensor-core kernel and bf16: ``bench/RESULTS.md``, INT4 rollout decode).
 
 Both kernels read the bytes row by row (``[N, K/2]``) or in the tiles the rollout stores
 (:func:`miles_int4.kernels.tile_halves`: 128 rows' bytes of one group in one contiguous 8 KB run
 at group 128, instead of 128 runs of 64 bytes a row apart): the addresses come from
-:func:`_row_offsets` and a group stride, the arithmetic is the same. On the H200 the tiles
-took the 8B layer's GEMVs from 64.2 to 60.6 us (``bench/RESULTS.md``).
+:func:`_row_offsets` and a group stride, the arithmetic is the same; the tiles are the faster layout on the H200
+(``bench/history/2026-12-01-5.md``).
 
 Tensor legend: M tokens, N out features, K in features, G = K / gs scale groups.
 """

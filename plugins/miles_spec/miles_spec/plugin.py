@@ -1,6 +1,6 @@
 """miles-spec (entry point ``spec``): speculative rollout with an online-trained draft.
 
-Activated by ``--plugins spec`` or by the seed's ``--sglang-speculative-algorithm``
+Activated by ``--plugins spec`` or by slime's ``--sglang-speculative-algorithm``
 / ``--enable-mtp-training`` flags (declared by the host for slime compatibility).
 
 - decoding strategy ``eagle`` (aliases ``mtp``, ``nextn``) for the embedded
@@ -20,7 +20,7 @@ ALGORITHMS = ("eagle", "mtp", "nextn")
 
 
 def miles_activate(args):
-    """The seed's speculative flags switch the plugin on."""
+    """slime's speculative flags (``--sglang-speculative-algorithm``) switch the plugin on."""
     return bool(args.sglang_speculative_algorithm or args.enable_mtp_training)
 
 

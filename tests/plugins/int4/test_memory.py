@@ -79,7 +79,7 @@ def test_big_model_memory_matches_hand_computation(config, counts, capsys):
         assert memory.bf16_bytes == 2 * total
         assert memory.int4_bytes == int4_bytes(quantized[target], total)
     everything = weight_memory(config, 128, "all")
-    # the seed's table says ~3.1x for 70B/235B/671B; real counts give 3.5-3.9x for the weights
+    # the usage guide's table says ~3.1x for 70B/235B/671B; real counts give 3.5-3.9x for the weights
     assert 3.4 < everything.ratio < 3.9
     assert everything.quantized_ratio == pytest.approx(4 / (1 + 4 / 128))
     print(f"\n{config['_name_or_path']}: {total / 1e9:.2f}B params, BF16 {everything.bf16_bytes / 1e9:.1f} GB, "

@@ -1,4 +1,4 @@
-"""Online MTP training raises acceptance; abort mid-speculation; `miles run` with the seed's flags."""
+"""Online MTP training raises acceptance; abort mid-speculation; `miles run` with slime's speculative flags."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_abort_mid_speculation(policy, bad_draft):
 
 
 def test_miles_run_with_the_seed_flags(tiny_task, tmp_path):
-    """The seed's speculative flags, and an FR-Spec token map (the first half of the vocabulary)."""
+    """slime's speculative flags (--sglang-speculative-*), and an FR-Spec token map (the first half of the vocabulary)."""
     model, data = tiny_task
     out = tmp_path / "out"
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
