@@ -327,8 +327,8 @@ def policy_loss(
     reduce, report = aggregation_for(config), metric_aggregation_for(config)
     mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
     old_log_probs = old_log_probs_for(batch, config)
-    pg_loss = pg_loss or policy_loss_for(config)
-    terms = pg_loss(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
+    pg_term = pg_loss or policy_loss_for(config)
+    terms = pg_term(batch.log_probs, old_log_probs, batch.advantages, mask, lengths, config)
     metrics: dict[str, torch.Tensor | float] = {}
     corrections = enabled_corrections(config) if corrections is None else list(corrections)
     pg_losses = _corrected_pg_losses(batch, terms.losses, corrections, config, metrics)

@@ -13,6 +13,7 @@ from miles_host.cli.args import UsageError, config_report, resolve_run_config
 from miles_host.health import RunStopped
 from miles_host.plugin_manager import MilesPluginManager, PluginError
 from miles_host.records import Command
+from miles_host.registry import DuplicateNameError, Registry
 from miles_host.run_control import OutputWriteError, Stopped
 
 HOST_COMMANDS = ("run", "plugins", "convert")
@@ -62,15 +63,27 @@ def cmd_plugins(argv: Sequence[str]) -> int:
     return 0
 
 
+def installed_records(manager: MilesPluginManager, hook_name: str, kind: str, reserved: Sequence[str] = ()) -> dict[str, Any]:
+    """Name -> record of ``hook_name`` over every importable plugin (active or not: a command
+    or converter is offered before any ``--plugins``), through a :class:`Registry`, so a
+    duplicate name or a record without its callable is refused as at run registration."""
+    registry = Registry(kind)
+    for plugin, records in manager.call_each(hook_name).items():
+        info = manager.plugins.get(plugin)
+        distribution = info.distribution if info else plugin
+        for record in records or ():
+            if record.name in reserved:
+                raise PluginError(f"plugin {plugin!r} ({distribution}) registers a {kind} {record.name!r} that already exists")
+            try:
+                registry.add(record, plugin, distribution)
+            except (DuplicateNameError, TypeError) as error:
+                raise PluginError(str(error)) from error
+    return {record.name: record for record in registry}
+
+
 def checkpoint_converters(manager: MilesPluginManager) -> dict[str, Any]:
     """``--to`` formats offered by every importable plugin (active or not)."""
-    converters: dict[str, Any] = {}
-    for plugin, records in manager.call_each("miles_register_checkpoint_converters").items():
-        for record in records or ():
-            if record.name in converters:
-                raise PluginError(f"two plugins register a checkpoint converter {record.name!r} (one is {plugin!r})")
-            converters[record.name] = record
-    return converters
+    return installed_records(manager, "miles_register_checkpoint_converters", "checkpoint converter")
 
 
 def cmd_convert(argv: Sequence[str]) -> int:
@@ -101,13 +114,7 @@ def cmd_convert(argv: Sequence[str]) -> int:
 
 def plugin_commands(manager: MilesPluginManager) -> dict[str, Command]:
     """Sub-commands offered by every importable plugin (active or not)."""
-    commands: dict[str, Command] = {}
-    for plugin, records in manager.call_each("miles_register_commands").items():
-        for record in records or ():
-            if record.name in commands or record.name in HOST_COMMANDS:
-                raise PluginError(f"plugin {plugin!r} registers a command {record.name!r} that already exists")
-            commands[record.name] = record
-    return commands
+    return installed_records(manager, "miles_register_commands", "command", reserved=HOST_COMMANDS)
 
 
 def cmd_plugin_command(command: Command, argv: Sequence[str]) -> int:

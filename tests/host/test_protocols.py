@@ -258,3 +258,29 @@ def test_builtin_corrections_are_registered_from_their_records():
     config = SimpleNamespace(use_tis=False, use_mis=True, use_icepop=True)
     assert enabled_corrections(config) == [CORRECTIONS["mis"], CORRECTIONS["icepop"]]
     assert [r.fn for r in registered if r.enabled(config)] == enabled_corrections(config)
+
+
+def test_cli_commands_and_converters_go_through_a_registry():
+    from miles_host.cli.main import checkpoint_converters, plugin_commands
+
+    class NoRun:
+        @staticmethod
+        def miles_register_commands():
+            return [records.Command("idle")]
+
+    manager = MilesPluginManager()
+    manager.discover(entry_points=[])
+    manager.add_inline_plugin(NoRun(), "lazy")
+    with pytest.raises(PluginError, match=r"plugin 'lazy'.*command 'idle' without run"):
+        plugin_commands(manager)
+
+    def converter(name):
+        return type(name, (), {"miles_register_checkpoint_converters": staticmethod(
+            lambda: [records.CheckpointConverter("int3", convert=lambda src, dst, args: None)])})()
+
+    manager = MilesPluginManager()
+    manager.discover(entry_points=[])
+    manager.add_inline_plugin(converter("A"), "first")
+    manager.add_inline_plugin(converter("B"), "second")
+    with pytest.raises(PluginError, match="checkpoint converter named 'int3': 'first'.*'second'"):
+        checkpoint_converters(manager)
