@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from miles_host.protocols import MetricsLoggerBase
 from miles_host.run_control import fresh_metrics_file, write_error
 
 
@@ -19,7 +20,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class JsonlLogger:
+class JsonlLogger(MetricsLoggerBase):
     """One JSON object per rollout step in ``<output_dir>/metrics.jsonl``.
 
     The record of last resort: the loop stops when it cannot be written (``required``).
@@ -55,7 +56,7 @@ class JsonlLogger:
         pass
 
 
-class TensorBoardLogger:
+class TensorBoardLogger(MetricsLoggerBase):
     """TensorBoard event files under ``<output_dir>/tensorboard`` (needs tensorboard)."""
 
     def __init__(self, config: Any):
@@ -79,7 +80,7 @@ class TensorBoardLogger:
             self.writer.close()
 
 
-class WandbLogger:
+class WandbLogger(MetricsLoggerBase):
     """Weights & Biases (needs wandb and a login)."""
 
     def __init__(self, config: Any):

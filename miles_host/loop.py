@@ -279,7 +279,7 @@ class Run:
             try:
                 logger.log(metrics, step)
             except Exception as error:  # noqa: BLE001 - a logger never takes the run down
-                if getattr(logger, "required", False):
+                if logger.required:
                     raise  # metrics.jsonl: the run does not go on unrecorded
                 print(f"miles: warning: logger {type(logger).__name__} failed and is disabled: {error}", file=sys.stderr)
                 self.loggers.remove(logger)

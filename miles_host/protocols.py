@@ -190,13 +190,24 @@ class WeightSyncTransport(Protocol):
 
 @runtime_checkable
 class MetricsLogger(Protocol):
-    """What ``Logger.factory(config)`` returns."""
+    """What ``Logger.factory(config)`` returns. Optional (:class:`MetricsLoggerBase`):
+    ``required``, whether the run stops when the logger fails (otherwise it is dropped
+    with a warning)."""
+
+    required: bool
 
     def log(self, metrics: dict, step: int) -> None:
         """Record one step's metrics."""
 
     def close(self) -> None:
         """Flush and release at the end of the run."""
+
+
+class MetricsLoggerBase:
+    """Defaults of the optional :class:`MetricsLogger` members: a logger that fails is dropped."""
+
+    #: the run stops when this logger cannot write (the metrics.jsonl record of last resort)
+    required: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -225,7 +236,7 @@ def check_conforms(obj: Any, protocol: type, what: str) -> Any:
     record and the plugin that registered it) and the missing members otherwise."""
     missing = missing_members(obj, protocol)
     if missing:
-        base = {Trainer: "TrainerBase", RolloutBackend: "RolloutBackendBase"}.get(protocol)
+        base = {Trainer: "TrainerBase", RolloutBackend: "RolloutBackendBase", MetricsLogger: "MetricsLoggerBase"}.get(protocol)
         hint = f"; subclass miles_host.protocols.{base} for the optional ones' defaults" if base else ""
         raise TypeError(
             f"{what} returned a {type(obj).__name__} without {', '.join(missing)}: it must implement "

@@ -342,7 +342,9 @@ def test_a_failing_plugin_hook_or_logger_does_not_stop_the_run(tiny_task, tmp_pa
         def miles_step_end(rollout_id, metrics, config):
             metrics["good/seen"] = rollout_id
 
-    class ExplodingLogger:
+    from miles_host.protocols import MetricsLoggerBase
+
+    class ExplodingLogger(MetricsLoggerBase):
         def log(self, metrics, step):
             raise OSError("disk full")
 
