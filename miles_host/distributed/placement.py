@@ -94,7 +94,11 @@ def check_colocation(config: Any) -> None:
             f"the {trainers} trainer GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node) evenly; use {trainers} "
             "(one engine per trainer GPU, the default with --colocate) or a number that divides it"
         )
-    if on_gpus(config) and config.weight_sync == "broadcast":
+
+
+def check_broadcast(config: Any, registries: Any) -> None:
+    """``WeightSyncTransport.validate`` of ``broadcast``: NCCL cannot reach a process on one's own GPU."""
+    if config.colocate and on_gpus(config):
         raise ValueError(
             "--colocate --weight-sync broadcast: NCCL cannot broadcast between two processes on one GPU; "
             "use --weight-sync cuda_ipc (the default with --colocate) or disk"

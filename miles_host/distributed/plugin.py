@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles_host.builtin.rollout import check_engine_sequences
 from miles_host.builtin.train import check_native_trainer
+from miles_host.distributed.placement import check_broadcast
 from miles_host.records import RolloutBackend, TrainBackend, WeightSyncTransport
 
 
@@ -70,6 +71,7 @@ def miles_register_rollout_backends():
 def miles_register_weight_sync_transports():
     """``broadcast`` and ``cuda_ipc``."""
     return [
-        WeightSyncTransport("broadcast", "bucketed torch.distributed broadcast (NCCL on GPU, gloo on CPU)", factory=_broadcast),
+        WeightSyncTransport("broadcast", "bucketed torch.distributed broadcast (NCCL on GPU, gloo on CPU)", factory=_broadcast,
+                            validate=check_broadcast),
         WeightSyncTransport("cuda_ipc", "CUDA IPC memory handles (shared memory on CPU)", factory=_ipc),
     ]
