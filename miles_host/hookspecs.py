@@ -93,7 +93,10 @@ def miles_register_rollout_backends() -> Iterable["records.RolloutBackend"]:
     """Register rollout backends (``embedded``, ``sglang``, ...).
 
     Fires once when registries are built. Returns an iterable of
-    :class:`~miles_host.records.RolloutBackend`; ``--rollout-backend`` picks one.
+    :class:`~miles_host.records.RolloutBackend`; ``--rollout-backend`` picks one. Its
+    ``factory`` returns an object with every member of
+    :class:`miles_host.protocols.RolloutBackend` (a record without ``factory`` is refused
+    here, an object missing a member when the run builds it, naming the plugin).
     """
 
 
@@ -157,7 +160,8 @@ def miles_register_weight_sync_transports() -> Iterable["records.WeightSyncTrans
     """Register trainer -> rollout weight transports (``inprocess``, ``disk``, ...).
 
     Fires once when registries are built. Returns an iterable of
-    :class:`~miles_host.records.WeightSyncTransport`; ``--weight-sync`` picks one.
+    :class:`~miles_host.records.WeightSyncTransport`; ``--weight-sync`` picks one. Its
+    ``factory`` returns a :class:`miles_host.protocols.WeightSyncTransport`.
     """
 
 
@@ -209,7 +213,9 @@ def miles_register_loss_terms() -> Iterable["records.LossTerm"]:
 def miles_register_train_backends() -> Iterable["records.TrainBackend"]:
     """Register training backends (``native``, ``megatron``).
 
-    Fires once when registries are built. ``--train-backend`` picks one.
+    Fires once when registries are built. ``--train-backend`` picks one. Its ``factory``
+    returns an object with every member of :class:`miles_host.protocols.Trainer`
+    (subclass :class:`~miles_host.protocols.TrainerBase` for the optional ones).
     """
 
 
@@ -218,7 +224,8 @@ def miles_register_loggers() -> Iterable["records.Logger"]:
     """Register metric loggers (``jsonl``, ``tensorboard``, ``wandb``).
 
     Fires once when registries are built. Every logger whose ``enabled(config)``
-    is true receives each step's metrics.
+    is true receives each step's metrics; its ``factory`` returns a
+    :class:`miles_host.protocols.MetricsLogger`.
     """
 
 
