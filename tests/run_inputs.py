@@ -43,7 +43,8 @@ def run_input_folder() -> Path:
 
 
 def run_inputs(moe: bool = False) -> list[str]:
-    """``--hf-checkpoint DIR --prompt-data FILE --rm-type exact`` (``moe``: an MoE model's directory)."""
+    """``--hf-checkpoint DIR --prompt-data FILE --rm-type exact --n-samples-per-prompt 2`` (a group to
+    compare within, as the default estimator needs); ``moe``: an MoE model's directory."""
     folder = run_input_folder()
     return ["--hf-checkpoint", str(folder / ("moe_model" if moe else "model")),
-            "--prompt-data", str(folder / "prompts.jsonl"), "--rm-type", "exact"]
+            "--prompt-data", str(folder / "prompts.jsonl"), "--rm-type", "exact", "--n-samples-per-prompt", "2"]

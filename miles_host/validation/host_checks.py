@@ -23,8 +23,6 @@ from miles_host.validation.output_paths import check_output_paths
 
 #: flags no backend of this version honours: refused when set
 UNSUPPORTED_FLAGS: dict[str, str] = {
-    "recompute_method": "activation checkpointing recomputes every decoder layer (--recompute-granularity full)",
-    "recompute_num_layers": "activation checkpointing recomputes every decoder layer (--recompute-granularity full)",
     "tool_key": "tool definitions are passed by a --custom-generate-function-path",
 }
 
@@ -130,6 +128,23 @@ def check_unsupported_flags(config: Any, registries: Any) -> None:
             raise ValueError(f"{flag_name(name)} is not supported in this version ({instead}); drop it")
 
 
+def check_recompute_flags(config: Any, registries: Any) -> None:
+    """Activation checkpointing (``--recompute-granularity full``) recomputes every decoder layer,
+    each its own checkpoint: Megatron's ``--recompute-method uniform --recompute-num-layers 1``,
+    which slime scripts spell out. Other methods are refused."""
+    method, layers = config.recompute_method, config.recompute_num_layers
+    if method is None and layers is None:
+        return
+    if config.recompute_granularity != "full":
+        raise ValueError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if method not in (None, "uniform") or layers not in (None, 1):
+        raise ValueError(
+            f"--recompute-method {method} --recompute-num-layers {layers}: this version recomputes every decoder "
+            "layer on its own (uniform, one layer per checkpoint); use --recompute-method uniform "
+            "--recompute-num-layers 1, or drop them"
+        )
+
+
 def check_speculative_flags(config: Any, registries: Any) -> None:
     """Speculative and MTP flags are read only when a speculative strategy or MTP training is on."""
     speculative = decoding_strategy_name(config) != "plain"
@@ -179,6 +194,7 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_device,
     check_placement_flags,
     check_unsupported_flags,
+    check_recompute_flags,
     check_speculative_flags,
     check_batch_split,
 )

@@ -51,6 +51,7 @@ def test_every_seed_command_line_parses_and_passes_dry_run_or_is_refused_by_name
     if "--hf-checkpoint" in flags:  # the guide leaves data and reward out of some lines
         flags += [] if "--prompt-data" in flags else ["--prompt-data", str(tmp_path / "data.jsonl")]
         flags += ["--rm-type", "exact"]
+        flags += [] if "--n-samples-per-prompt" in flags else ["--n-samples-per-prompt", "8"]
     index = SEED_COMMANDS.index(command)
     if index in REFUSED_SEED_COMMANDS:
         assert main(["run", *flags, "--dry-run"]) == 2

@@ -17,6 +17,7 @@ from miles_host.config import MilesConfig
 from miles_host.plugin_manager import MilesPluginManager
 from miles_host.validation import ACCEPTED_AND_IGNORED, validate
 from miles_host.validation import ignored_flags
+from miles_megatron.plugin import megatron_available
 from tests.run_inputs import run_input_folder, run_inputs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,9 @@ REFUSED = [
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported by --train-backend native"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2"),
-    (["--recompute-method", "uniform"], "--recompute-method is not supported"),
+    (["--recompute-method", "uniform"], "need --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "4"], "--recompute-num-layers 4"),
     (["--tool-key", "tools"], "--tool-key is not supported"),
     (["--sglang-speculative-num-steps", "2"], "--sglang-speculative-num-steps is read only by speculative decoding"),
     (["--sglang-enable-draft-weights-cpu-backup"], "--sglang-enable-draft-weights-cpu-backup is read only"),
@@ -53,12 +56,8 @@ REFUSED = [
 ]
 if not torch.cuda.is_available():
     REFUSED.append((["--device", "cuda"], "--device cuda asked for, but no CUDA device is available"))
-try:
-    import megatron.core  # noqa: F401
-
-    MEGATRON = True
-except ImportError:
-    MEGATRON = False
+MEGATRON = megatron_available()[0]
+if not MEGATRON:
     REFUSED.append((["--train-backend", "megatron"], "megatron-core is not installed"))
 
 
@@ -126,6 +125,8 @@ def test_accepted_settings_pass_dry_run(capsys):
     for argv in (["--plugins", "fp8", "--precision", "fp8"], ["--plugins", "fp8"], ["--plugins", "int4"],
                  ["--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2"],
                  ["--enable-mtp-training", "--mtp-num-layers", "1"],
+                 # what full recomputation does, as slime scripts spell it
+                 ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
                  # --sequence-parallel reaches the backend that has tensor-parallel ranks
                  ["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
                   "--actor-num-gpus-per-node", "2", "--sequence-parallel"]):
@@ -226,7 +227,8 @@ def test_validate_is_the_stage_of_the_python_api(tmp_path):
     manager = MilesPluginManager()
     manager.activate()
     config = MilesConfig(hf_checkpoint=str(run_input_folder() / "model"),
-                         prompt_data=str(run_input_folder() / "prompts.jsonl"), rm_type="exact")
+                         prompt_data=str(run_input_folder() / "prompts.jsonl"), rm_type="exact",
+                         n_samples_per_prompt=2)
     validate(config, manager.registries, manager.hook)
     with pytest.raises(ValueError, match="--sequence-parallel"):
         validate(dataclasses.replace(config, sequence_parallel=True), manager.registries, manager.hook)
