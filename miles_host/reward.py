@@ -82,26 +82,11 @@ def call_with_timeout(function: Callable, args: tuple, timeout_s: float | None) 
     given ``timeout_s`` seconds. A thread cannot be killed: one that times out is left
     blocked (a daemon, so it never holds up the exit). ``KeyboardInterrupt`` raised in
     the reward reaches the caller as it is."""
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            outcome["value"] = _call(function, *args)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
-            outcome["error"] = error
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"miles-reward-{getattr(function, '__name__', 'fn')}", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise RewardTimeout(f"no answer within --rm-timeout {timeout_s:g} s (the reward blocks?)")
-    error = outcome.get("error")
-    if isinstance(error, SystemExit):
-        raise RewardExited(f"the reward code called sys.exit({error.code!r})") from error
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    value, error = _finish(_start(function, args), deadline, timeout_s)
     if error is not None:
         raise error
-    return outcome["value"]
+    return value
 
 
 #: at most this many rewards of one group are in flight at once (threads, or coroutines of one event loop)
