@@ -295,6 +295,11 @@ class Run:
         finally:
             self.release_save_lock()
 
+    def close(self) -> None:
+        """Release what the trainer holds (process groups, parallel state): the run's end,
+        however it ended."""
+        self.trainer.close()
+
     def release_save_lock(self) -> None:
         """Let another run use ``--save`` (idempotent)."""
         if self.save_lock is not None:

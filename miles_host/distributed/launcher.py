@@ -188,6 +188,8 @@ def run_training(config: Any, manager: Any) -> int:
     except NanLossError as error:
         print(f"miles: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        run.close()
 
 
 def run_distributed(config: Any, manager: Any) -> int:

@@ -51,6 +51,18 @@ def stop_rewards(tmp_path, monkeypatch):
     return folder, block, marker
 
 
+@pytest.fixture
+def one_thread():
+    """The in-process runs use one thread, as the subprocess runs do (``OMP_NUM_THREADS=1``):
+    a reduction split over another number of threads rounds differently."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _start(argv: list[str], reward_folder: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(reward_folder), str(REPO)]), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "miles_host.cli.main", *argv], env=env,
@@ -71,7 +83,7 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_checkpoints_the_last_completed_rollout_and_resume_is_exact(
-        tiny_task, tmp_path, stop_rewards, signum):
+        tiny_task, tmp_path, stop_rewards, one_thread, signum):
     model, data = tiny_task
     folder, block, marker = stop_rewards
     reward = ("--custom-rm-path", "stop_rewards.odd_first_char")
@@ -133,6 +145,7 @@ def test_a_second_signal_during_the_final_save_waits_for_it(tiny_task, tmp_path,
         """
     ))
     sys.modules.pop("terminating_reward", None)
+    handler_before = signal.getsignal(signal.SIGTERM)  # another test's library (ray) may have set one
     real_save = loop.save_checkpoint
 
     def save_hit_by_a_signal(*args, **kwargs):
@@ -148,7 +161,7 @@ def test_a_second_signal_during_the_final_save_waits_for_it(tiny_task, tmp_path,
     err = capsys.readouterr().err
     assert "SIGTERM received while a checkpoint is being written" in err, err
     assert load_checkpoint(str(ckpt))["rollout_id"] == 0
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handlers are gone
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the run's handlers are gone
 
 
 @pytest.fixture

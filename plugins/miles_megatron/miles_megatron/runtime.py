@@ -97,6 +97,8 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
             )
         backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        global _OWNS_ONE_RANK_GROUP
+        _OWNS_ONE_RANK_GROUP = True
     elif dist.get_world_size() != world:
         raise ValueError(
             f"--train-backend megatron with {what} runs {world} trainer process(es), but "
@@ -125,6 +127,24 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
 
 #: the default group Megatron's parallel state was built on (weak: it may be destroyed)
 _STATE_ON: "weakref.ref | None" = None
+#: :func:`init_model_parallel` created the one-rank default group (it destroys it on leave)
+_OWNS_ONE_RANK_GROUP = False
+
+
+def leave_model_parallel() -> None:
+    """Undo :func:`init_model_parallel`: Megatron's parallel state, and the one-rank
+    default group if it created one (a process may run another trainer, or build its own
+    parallel state, afterwards)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    global _STATE_ON, _OWNS_ONE_RANK_GROUP
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    _STATE_ON = None
+    if _OWNS_ONE_RANK_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_ONE_RANK_GROUP = False
 
 
 def seed_rng(seed: int, device: torch.device) -> None:

@@ -25,7 +25,14 @@ import torch
 
 from miles_host.rollout_backend import resolve_device
 from miles_host.trainer import NativeTrainer
-from miles_megatron.runtime import PARALLEL_FLAGS, check_parallel_sizes, init_model_parallel, on_device, seed_rng
+from miles_megatron.runtime import (
+    PARALLEL_FLAGS,
+    check_parallel_sizes,
+    init_model_parallel,
+    leave_model_parallel,
+    on_device,
+    seed_rng,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +98,13 @@ class MegatronTrainer(NativeTrainer):
             self._gather_full_state()
 
     def close(self) -> None:
-        """Under TP/EP/PP: leave Megatron's parallel state and the trainers' default group."""
-        if not self.sizes.parallel:
-            return
-        from megatron.core import parallel_state
-
+        """Leave Megatron's parallel state, and the default group the trainer created (the
+        one-rank group, or under TP/EP/PP the trainers' group)."""
         from miles_host.distributed.comm import leave_default_group
 
-        parallel_state.destroy_model_parallel()
-        leave_default_group()
+        leave_model_parallel()
+        if self.sizes.parallel:
+            leave_default_group()
 
     def apply_precision(self, model: torch.nn.Module, precision: Any) -> torch.nn.Module:
         """fp8: Megatron's linears through miles-fp8's FP8 GEMMs (:mod:`miles_megatron.fp8`)."""
