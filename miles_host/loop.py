@@ -84,7 +84,6 @@ class Run:
             config.output_dir = str(Path("outputs") / time.strftime("%Y%m%d-%H%M%S"))
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         print(f"miles: output directory {config.output_dir}", file=sys.stderr)
-        (Path(config.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
         seed_everything(config.seed)
         self.tokenizer = load_tokenizer(config.hf_checkpoint)  # an empty tokenizer is refused here
         self.zero_gradients = ZeroGradientWatch(config)  # warns when the policy stops changing
@@ -114,6 +113,8 @@ class Run:
         self.state = RunState()
         self.total = num_rollouts(config, self.dataset)
         resolve_lr_decay_iters(config, self.total)  # before any trainer exists: they all read it
+        # the resolved config (the schedule's length included): what this run trains with
+        (Path(config.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
         self.trainer = build(registries.train_backends, config.train_backend, Trainer, config, manager)
         self.transport = build(registries.weight_sync_transports, config.weight_sync, WeightSyncTransport, config)
         self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -97,3 +98,13 @@ def test_cosine_lr_above_zero_at_the_last_step_of_an_epoch_run(tiny_task, tmp_pa
     rows = read_metrics(out)
     # 2 rollouts x 2 steps: the last step is step 3 of 4, cos(pi * 3/4) gives 0.146 of the rate
     assert rows[-1]["train/lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-9)
+
+
+def test_config_json_records_the_resolved_schedule_length(tiny_task, tmp_path):
+    model, _ = tiny_task
+    data = write_addition_data(tmp_path / "eight.jsonl", 8)
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-epoch", "1", "--global-batch-size", "8",
+                          "--lr-decay-style", "cosine")) == 0
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["lr_decay_iters"] == 4  # 2 rollouts x 2 optimizer steps
