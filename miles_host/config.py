@@ -75,7 +75,8 @@ class RolloutArgs:
     partial_rollout: bool = flag(False, "abort unfinished samples once the batch is full and continue them next step", group="rollout")
     mask_offpolicy_in_partial_rollout: bool = flag(False, "mask tokens produced by an older policy in continued samples", group="rollout")
     max_failed_sample_fraction: float = flag(0.5, "stop the run after a rollout in which more than this fraction of the samples failed (reward errors, prompts too long, ...), with the first failure's message; 1: never", type=float, group="rollout")
-    custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools)", type=str, group="rollout")
+    custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools): fn(args, sample, sampling_params, session), sync or async; trajectories run concurrently", type=str, group="rollout")
+    sglang_server_concurrency: int = flag(512, "at most this many trajectories of a --custom-generate-function-path function at once (requests in flight to the rollout engine)", type=int, group="rollout")
     sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
     sglang_disable_overlap_schedule: bool = flag(False, "read each decode step's tokens before launching the next (SGLang's --disable-overlap-schedule; by default on CUDA step N+1 is launched before step N's tokens are read)", group="rollout")
     rollout_max_num_seqs: int | None = flag(None, "max concurrent sequences in the embedded engine", type=optional_int, group="rollout")
@@ -277,6 +278,7 @@ def validate_config(config: MilesConfig) -> None:
         "actor_num_nodes",
         "actor_num_gpus_per_node",
         "rm_timeout",
+        "sglang_server_concurrency",
     )
     if config.rollout_temperature < 0:
         raise ValueError(f"--rollout-temperature must be >= 0, got {config.rollout_temperature}")

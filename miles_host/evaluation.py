@@ -23,16 +23,18 @@ def load_eval_data(config: Any, path: str) -> PromptDataset:
 
 def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: PromptDataset | None = None) -> float:
     """Generate ``--n-samples-per-eval-prompt`` answers per prompt of ``path`` (``dataset``:
-    the file already loaded) and return the mean reward (failed samples count as 0)."""
+    the file already loaded) and return the mean reward (failed samples count as 0).
+    With ``--custom-generate-function-path`` the function generates them, as in training."""
     if dataset is None:
         dataset = load_eval_data(config, path)
     max_new = config.eval_max_response_len or config.rollout_max_response_len
+    if config.custom_generate_function_path:
+        return mean_score(rollout, evaluate_custom(config, rollout, dataset, rollout_id, max_new))
     samples = {}
     for record in dataset.prompts:
         tokens = rollout.prompt_ids(record.prompt)
         for k in range(config.n_samples_per_eval_prompt):
-            sample = Sample(prompt=record.prompt, tokens=list(tokens), label=record.label,
-                            metadata=dict(record.metadata), loss_mask=[], rollout_log_probs=[])
+            sample = eval_sample(record, tokens)
             rid = f"eval-{rollout_id}-{record.index}-{k}"
             params = rollout.sampling_params(max_new, sampling_seed("eval", config.rollout_seed, record.index, k), eval_mode=True)
             try:
@@ -44,8 +46,33 @@ def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: Pro
                 samples[rid] = sample
     pending = {rid for rid, s in samples.items() if s.status is not Status.FAILED}
     collect(rollout, samples, pending, step_budget([samples[rid] for rid in pending], max_new), path)
+    return mean_score(rollout, list(samples.values()))
+
+
+def eval_sample(record: Any, tokens: list[int]) -> Sample:
+    """A fresh sample of an eval prompt (``tokens``: the prompt's ids)."""
+    return Sample(prompt=record.prompt, tokens=list(tokens), label=record.label, metadata=dict(record.metadata),
+                  loss_mask=[], rollout_log_probs=[])
+
+
+def evaluate_custom(config: Any, rollout: Any, dataset: PromptDataset, rollout_id: int, max_new: int) -> list[Sample]:
+    """The eval samples filled by the ``--custom-generate-function-path`` function (all
+    trajectories at once, as in training)."""
+    samples, params, prefixes = [], [], []
+    for record in dataset.prompts:
+        tokens = rollout.prompt_ids(record.prompt)
+        for k in range(config.n_samples_per_eval_prompt):
+            samples.append(eval_sample(record, tokens))
+            seed = sampling_seed("eval", config.rollout_seed, record.index, k)
+            params.append(rollout.sampling_params(max_new, seed, eval_mode=True))
+            prefixes.append(f"eval-{rollout_id}-{record.index}-{k}")
+    return rollout.run_custom_samples(samples, params, prefixes)
+
+
+def mean_score(rollout: Any, samples: list[Sample]) -> float:
+    """Score each sample that did not fail; the mean reward, failed samples counted as 0."""
     scores = []
-    for sample in samples.values():
+    for sample in samples:
         if sample.status is not Status.FAILED:
             rollout.scorer.score_group([sample])
         scores.append(0.0 if sample.status is Status.FAILED else rollout.scorer.scalar(sample.reward))

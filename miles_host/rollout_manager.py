@@ -10,18 +10,27 @@ groups of ``--n-samples-per-prompt`` samples:
   ``--partial-rollout`` the unfinished samples (and finished groups beyond the
   batch) go to a buffer and continue first in the next call, so nothing is lost
   or counted twice; without it they are dropped and counted in the metrics.
+
+With ``--custom-generate-function-path`` the same happens with the function's
+trajectories, run concurrently (:mod:`miles_host.custom_generate`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from miles_host.custom_generate import EngineDriver, GenerateSession, TrajectoryRunner  # noqa: F401 - GenerateSession re-exported
 from miles_host.data import PromptDataset, PromptRecord
 from miles_host.health import check_failed_fraction
 from miles_host.reward import RewardScorer, load_function
 from miles_host.sample import Sample, Status, compact_expert_ids
+
+
+#: statuses of a sample that is done generating
+FINAL = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
 
 
 def rewards_all_equal(group: list[Sample], scalar: Callable[[Any], float]) -> bool:
@@ -135,6 +144,8 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list[list[Sample]], RolloutStats]:
         """Fill a batch of ``--rollout-batch-size`` scored groups."""
+        if self.custom_generate is not None:
+            return asyncio.run(self._generate_custom(rollout_id))
         config = self.config
         stats = RolloutStats()
         target = config.rollout_batch_size
@@ -144,28 +155,17 @@ class RolloutManager:
         waiting: dict[int, list[Sample]] = {}  # group_index -> group with samples in flight
         carried, self.buffer = self.buffer, []
         for group in carried:
-            if all(s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED) for s in group):
+            if all(s.status in FINAL for s in group):
                 kept.append(group)  # a surplus group of the last rollout: already scored and kept
             else:
                 self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
-        max_groups = max(64 * target, 1024)
         while len(kept) < target:
-            if stats.finished_samples >= target * config.n_samples_per_prompt:
-                self._check_failures(rollout_id, stats)  # a filter dropping failed groups would resubmit forever
-            if stats.submitted_groups > max_groups:
-                raise RuntimeError(
-                    f"rollout {rollout_id}: {stats.submitted_groups} groups submitted but only {len(kept)} of "
-                    f"{target} kept ({stats.filtered_groups} filtered by dynamic sampling); the filter drops "
-                    "nearly everything: check the reward or the --dynamic-sampling-filter-path function"
-                )
+            self._check_progress(rollout_id, kept, stats)
             if not in_flight:
                 for record in self.dataset.next_batch(chunk):
                     group = self.new_group(record, rollout_id)
                     stats.submitted_groups += 1
-                    if self.custom_generate is not None:
-                        self._custom_group(group, rollout_id, kept, stats)
-                    else:
-                        self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
+                    self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
                 if not in_flight:
                     continue  # every new group failed at submission (counted) or was kept
             for output in self.backend.step():
@@ -174,30 +174,104 @@ class RolloutManager:
         self._check_failures(rollout_id, stats)
         return kept[:target], stats
 
+    def _check_progress(self, rollout_id: int, kept: list, stats: RolloutStats) -> None:
+        """Stop a rollout that cannot fill its batch: too many failed samples, or a dynamic
+        sampling filter that drops nearly every group."""
+        target = self.config.rollout_batch_size
+        if stats.finished_samples >= target * self.config.n_samples_per_prompt:
+            self._check_failures(rollout_id, stats)  # a filter dropping failed groups would resubmit forever
+        if stats.submitted_groups > max(64 * target, 1024):
+            raise RuntimeError(
+                f"rollout {rollout_id}: {stats.submitted_groups} groups submitted but only {len(kept)} of "
+                f"{target} kept ({stats.filtered_groups} filtered by dynamic sampling); the filter drops "
+                "nearly everything: check the reward or the --dynamic-sampling-filter-path function"
+            )
+
     def _check_failures(self, rollout_id: int, stats: RolloutStats) -> None:
         check_failed_fraction(rollout_id, stats.failed_samples, stats.finished_samples, stats.first_failure,
                               self.config.max_failed_sample_fraction)
 
-    def _custom_group(self, group: list[Sample], rollout_id: int, kept: list, stats: RolloutStats) -> None:
-        """``--custom-generate-function-path``: ``fn(args, sample, sampling_params, session)``
-        (sync or async) fills each sample, e.g. over several turns with tool output
-        appended by ``session.append_tokens(sample, ids, loss_mask=0)``."""
-        session = GenerateSession(self, rollout_id)
-        for position, sample in enumerate(group):
-            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, position, 0)
-            params = self.sampling_params(self.config.rollout_max_response_len, seed)
+    # -- custom generate functions ----------------------------------------------
+
+    async def _generate_custom(self, rollout_id: int) -> tuple[list[list[Sample]], RolloutStats]:
+        """:meth:`generate` with ``--custom-generate-function-path``: the trajectories of every
+        group run concurrently (:mod:`miles_host.custom_generate`); a new chunk of prompts is
+        started once none is running, as in the engine path. When the batch is full, running
+        trajectories are aborted: with ``--partial-rollout`` their groups continue first in the
+        next rollout (the function is called again on their ABORTED samples)."""
+        config = self.config
+        stats = RolloutStats()
+        target = config.rollout_batch_size
+        chunk = config.over_sampling_batch_size or target
+        kept: list[list[Sample]] = []
+        running: dict[asyncio.Task, list[Sample]] = {}
+        carried, self.buffer = self.buffer, []
+        async with EngineDriver(self.backend, config.rollout_return_routed_experts) as driver:
+            runner = TrajectoryRunner(self, self.custom_generate, driver, config.sglang_server_concurrency)
             try:
-                result = _call_maybe_async(self.custom_generate, self.config, sample, params, session)
-                if result is not None and result is not sample:
-                    group[position] = sample = result
-                if sample.status is Status.PENDING:
-                    sample.status = Status.COMPLETED
-                sample.validate()
-            except Exception as error:  # noqa: BLE001 - one failing sample must not stop the run
-                sample.status = Status.FAILED
-                sample.metadata["failure"] = f"custom generate: {type(error).__name__}: {error}"
-            stats.generated_tokens += sample.response_length
-        self._finish_group(group, kept, stats)
+                for group in carried:
+                    if all(s.status in FINAL for s in group):
+                        kept.append(group)  # a surplus group of the last rollout: already scored and kept
+                    else:
+                        running[self._start_custom_group(runner, group, rollout_id)] = group
+                while len(kept) < target:
+                    self._check_progress(rollout_id, kept, stats)
+                    if not running:
+                        for record in self.dataset.next_batch(chunk):
+                            group = self.new_group(record, rollout_id)
+                            stats.submitted_groups += 1
+                            running[self._start_custom_group(runner, group, rollout_id)] = group
+                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        await asyncio.to_thread(self._finish_group, running.pop(task), kept, stats)
+                surplus, unfinished = kept[target:], []
+                await driver.abort()
+                for task, group in running.items():
+                    await task
+                    if any(s.status is Status.ABORTED for s in group):
+                        unfinished.append(group)
+                    else:  # finished while the batch filled up: scored, kept for the next rollout
+                        await asyncio.to_thread(self._finish_group, group, surplus, stats)
+            finally:
+                runner.close()
+            stats.generated_tokens = driver.generated_tokens
+        self._carry_over(surplus, unfinished, stats)
+        self._check_failures(rollout_id, stats)
+        # trajectories finish in any order: the batch in prompt order, the same for the same groups
+        return sorted(kept[:target], key=lambda group: group[0].group_index), stats
+
+    def _start_custom_group(self, runner: TrajectoryRunner, group: list[Sample], rollout_id: int) -> asyncio.Task:
+        """A task running the trajectories of the group's unfinished samples at once."""
+        calls = []
+        for position, sample in enumerate(group):
+            if sample.status not in (Status.PENDING, Status.ABORTED):
+                continue
+            seed = sampling_seed(self.config.rollout_seed, rollout_id, sample.group_index, position,
+                                 sample.response_length)
+            params = self.sampling_params(max(self.config.rollout_max_response_len - sample.response_length, 1), seed)
+            prefix = f"custom-r{rollout_id}-g{sample.group_index}-s{position}-{sample.response_length}"
+            calls.append((position, runner.run(sample, params, prefix)))
+
+        async def run_group() -> None:
+            results = await asyncio.gather(*(call for _, call in calls))
+            for (position, _), sample in zip(calls, results):
+                group[position] = sample
+
+        return asyncio.create_task(run_group())
+
+    def run_custom_samples(self, samples: list[Sample], sampling_params: list[dict], rid_prefixes: list[str]) -> list[Sample]:
+        """The custom generate function over ``samples`` at once (evaluation); the filled samples."""
+
+        async def run_all() -> list[Sample]:
+            async with EngineDriver(self.backend, self.config.rollout_return_routed_experts) as driver:
+                runner = TrajectoryRunner(self, self.custom_generate, driver, self.config.sglang_server_concurrency)
+                try:
+                    return await asyncio.gather(*(runner.run(sample, params, prefix) for sample, params, prefix
+                                                  in zip(samples, sampling_params, rid_prefixes)))
+                finally:
+                    runner.close()
+
+        return asyncio.run(run_all())
 
     def _submit_group(self, group, rollout_id, in_flight, waiting, kept=None, stats=None) -> None:
         """Submit a group's unfinished samples: a fresh group as one request with
@@ -299,6 +373,11 @@ class RolloutManager:
             for sample in group:
                 if sample.status is Status.PENDING:
                     sample.status = Status.ABORTED
+        self._carry_over(surplus, unfinished, stats)
+
+    def _carry_over(self, surplus: list[list[Sample]], unfinished: list[list[Sample]], stats: RolloutStats) -> None:
+        """Groups beyond the batch and unfinished groups: buffered with ``--partial-rollout``,
+        dropped (and counted) otherwise."""
         if self.config.partial_rollout:
             self.buffer = surplus + unfinished
             stats.buffered_samples = sum(len(g) for g in self.buffer)
@@ -316,55 +395,6 @@ class RolloutManager:
         """Restore :meth:`state_dict`."""
         self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]
         self._next_group_index = int(state["next_group_index"])
-
-
-class GenerateSession:
-    """What a custom generate function gets to talk to the rollout backend."""
-
-    def __init__(self, manager: RolloutManager, rollout_id: int):
-        self.manager = manager
-        self.tokenizer = manager.tokenizer
-        self.rollout_id = rollout_id
-        self._count = 0
-
-    def generate(self, input_ids: list[int], sampling_params: dict) -> dict:
-        """One request (n=1); blocks until its SGLang-shaped output is back."""
-        self._count += 1
-        rid = f"custom-r{self.rollout_id}-{self._count}"
-        self.manager.backend.submit(rid, list(input_ids), {**sampling_params, "n": 1},
-                                    self.manager.config.rollout_return_routed_experts)
-        while True:
-            for output in self.manager.backend.step():
-                if output["meta_info"]["id"] == rid:
-                    return output
-            if not self.manager.backend.has_unfinished():
-                raise RuntimeError(f"request {rid} finished without an output")
-
-    def append_generation(self, sample: Sample, output: dict) -> None:
-        """Append a :meth:`generate` result to the sample (trained tokens, logprobs)."""
-        self.manager.apply_output(sample, output)
-
-    def append_tokens(self, sample: Sample, token_ids: list[int], loss_mask: int = 0) -> None:
-        """Append tokens the policy did not sample (tool output, user turn): not trained
-        (``loss_mask`` 0) and with a 0.0 placeholder log-prob."""
-        sample.tokens.extend(token_ids)
-        sample.response_length += len(token_ids)
-        sample.loss_mask.extend([loss_mask] * len(token_ids))
-        sample.rollout_log_probs.extend([0.0] * len(token_ids))
-        sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :], skip_special_tokens=True)
-
-
-def _call_maybe_async(function: Callable, *args: Any) -> Any:
-    import asyncio
-    import inspect
-
-    result = function(*args)
-    if inspect.isawaitable(result):
-        async def wait():
-            return await result
-
-        result = asyncio.run(wait())
-    return result
 
 
 def merge_routed_experts(sample: Sample, routed: Any) -> None:

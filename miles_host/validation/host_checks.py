@@ -82,14 +82,11 @@ def model_config(config: Any) -> Any:
 
 
 def check_user_functions(config: Any, registries: Any) -> None:
-    """``module.fn`` flags import and name a function; a custom generate function cannot be
-    continued by partial rollout (the manager resumes only its own generation)."""
+    """``module.fn`` flags import and name a function."""
     for name in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
         path = getattr(config, name)
         if path:
             load_function(path, flag_name(name))
-    if config.custom_generate_function_path and config.partial_rollout:
-        raise ValueError("--custom-generate-function-path cannot be combined with --partial-rollout yet")
 
 
 def check_device(config: Any, registries: Any) -> None:

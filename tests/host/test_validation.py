@@ -44,7 +44,6 @@ REFUSED = [
     (["--sglang-speculative-algorithm", "medusa"], "unknown decoding strategy 'medusa'"),
     (["--custom-rm-path", "no_such_module_anywhere.reward"], "--custom-rm-path 'no_such_module_anywhere.reward'"),
     (["--dynamic-sampling-filter-path", "os.no_such_function"], "--dynamic-sampling-filter-path"),
-    (["--custom-generate-function-path", "json.dumps", "--partial-rollout"], "cannot be combined with --partial"),
     (["--rollout-backend", "sglang", "--colocate"], "--colocate: the rollout backend 'sglang' cannot release"),
     (["--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine 2"),
     (["--advantage-estimator", "ppo", "--actor-num-gpus-per-node", "2"], "trains a critic"),
