@@ -1,55 +1,39 @@
-"""``miles serve``: the embedded engine behind SGLang's native HTTP endpoints.
+"""``miles serve``: the embedded engine behind SGLang's HTTP API, on uvicorn.
 
-Standard library only (``ThreadingHTTPServer``): each connection gets a thread,
-the engine has its own (:class:`~miles_sglang.service.EngineWorker`). Request and
-response fields follow SGLang's ``io_struct.py`` / ``http_server.py``; errors are
-``{"error": {"message": ...}}`` with HTTP 400; with an API key every endpoint but
-``/health*`` needs ``Authorization: Bearer <key>`` (401 otherwise), as SGLang's
-``add_api_key_middleware``.
+:func:`start_server` starts the engine thread (:class:`~miles_sglang.service.EngineWorker`)
+and a uvicorn server, in a background thread with its own event loop, over the
+FastAPI app of :mod:`miles_sglang.app`. It binds the listening socket itself
+(``port=0`` picks a free port, so the URL is known at once) with SGLang's backlog
+of 2048. Slow clients are bounded: the request line and headers must arrive
+within ``header_timeout_s`` (:class:`_HeaderTimeoutH11Protocol`), the body within
+``body_timeout_s`` (the app's guard), idle keep-alive connections close after
+``timeout_keep_alive_s``.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import ipaddress
-import json
 import logging
+import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from miles_sglang import __version__, endpoints
-from miles_sglang.protocol import error_body
-from miles_sglang.service import EngineWorker
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from miles_sglang.app import ServerLimits, build_app
+from miles_sglang.service import EngineWorker, ServerState, new_rid
+
+__all__ = ["ServerHandle", "ServerLimits", "ServerState", "is_loopback", "new_rid", "start_server", "wait_forever"]
 
 logger = logging.getLogger(__name__)
 
-
-class HTTPError(Exception):
-    """An error answered with ``status`` and SGLang's error JSON."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class ServerState:
-    """What the handlers share: the engine worker and the server's settings."""
-
-    worker: EngineWorker
-    model_path: str
-    api_key: str | None = None
-    incremental_streaming_output: bool = False
-    server_args: dict[str, Any] = field(default_factory=dict)
-    family: Any = None
-    released_tags: set[str] = field(default_factory=set)
-    weight_groups: dict[str, Any] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+#: the weight version of a fresh server, as SGLang's ``--weight-version`` default
+DEFAULT_WEIGHT_VERSION = "default"
 
 
 def is_loopback(host: str) -> bool:
@@ -62,127 +46,83 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def new_rid() -> str:
-    return uuid.uuid4().hex
+class _HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose request line and headers do
+    not arrive within ``header_timeout_s`` (uvicorn bounds only idle keep-alive time,
+    so a client trickling header bytes would hold a connection forever)."""
 
+    header_timeout_s = 10.0
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    state: ServerState  # set on the subclass made per server
-    server_version = f"miles-serve/{__version__}"
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
 
-    # -- plumbing ----------------------------------------------------------------
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
-        logger.debug("%s " + format, self.address_string(), *args)
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._dispatch("GET")
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self._arm_header_timer()  # part of a next request's head is in: it gets the same bound
+        elif self.conn.their_state is not h11.IDLE:
+            self._disarm_header_timer()
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm_header_timer()  # idle until the next request: the keep-alive timeout applies
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
 
-    def _dispatch(self, method: str) -> None:
-        path = self.path.split("?", 1)[0]
-        route = endpoints.ROUTES.get(path)
-        try:
-            body = self._read_body()
-            if route is None:
-                raise HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint {path}")
-            methods, handler = route
-            if method not in methods:
-                raise HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {'/'.join(methods)}")
-            self._authorize(path)
-            handler(self, self._parse_json(body))
-        except HTTPError as error:
-            self.send_json(error_body(str(error)) if error.status != 401 else {"error": "Unauthorized"}, error.status)
-        except ValueError as error:
-            self.send_json(error_body(str(error)), HTTPStatus.BAD_REQUEST)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as error:  # noqa: BLE001 - a server bug answers 500, the server lives on
-            logger.exception("%s failed", path)
-            self.send_json(error_body(f"internal error: {type(error).__name__}: {error}"), HTTPStatus.INTERNAL_SERVER_ERROR)
-
-    def _read_body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length > 0 else b""
-
-    @staticmethod
-    def _parse_json(body: bytes) -> dict:
-        if not body.strip():
-            return {}
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"the request body is not valid JSON: {error}") from error
-        if not isinstance(data, dict):
-            raise ValueError(f"the request body must be a JSON object, got {type(data).__name__}")
-        return data
-
-    def _authorize(self, path: str) -> None:
-        key = self.state.api_key
-        if key is None or path.startswith("/health"):
-            return
-        given = self.headers.get("Authorization") or ""
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise HTTPError(HTTPStatus.UNAUTHORIZED, "Unauthorized")
-
-    # -- responses -----------------------------------------------------------------
-
-    def send_json(self, payload: Any, status: int = HTTPStatus.OK) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def send_text(self, text: str, status: int = HTTPStatus.OK) -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def start_sse(self) -> None:
-        """Server-sent events: ``data: {json}\\n\\n`` chunks, connection closed at the end."""
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-
-    def send_event(self, payload: Any) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        self.wfile.write(b"data: " + data.encode() + b"\n\n")
-        self.wfile.flush()
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.info("closing a connection whose request headers took over %.0fs", self.header_timeout_s)
+            self.transport.close()
 
 
 @dataclass
 class ServerHandle:
     """A running ``miles serve``: its URL, and :meth:`shutdown`."""
 
-    httpd: ThreadingHTTPServer
+    server: uvicorn.Server
     state: ServerState
     thread: threading.Thread
+    host: str
+    port: int
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def shutdown(self) -> None:
         """Stop accepting requests, abort generation, end the threads."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.state.worker.stop()
-        self.thread.join(10)
+        self.state.worker.stop()  # in-flight requests finish as aborted, so handlers return
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error} (pick another --port, or 0 for a free one)") from error
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
 
 
 def start_server(
@@ -193,8 +133,11 @@ def start_server(
     api_key: str | None = None,
     incremental_streaming_output: bool = False,
     server_args: dict | None = None,
+    limits: ServerLimits | None = None,
+    routers: list | None = None,
 ) -> ServerHandle:
-    """Serve ``engine`` in background threads; ``port=0`` picks a free port."""
+    """Serve ``engine`` in background threads; ``port=0`` picks a free port. ``routers``
+    are extra FastAPI routers (default: the OpenAI API of :mod:`miles_sglang.openai_api`)."""
     if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to serve on non-loopback host {host!r} without --api-key: weight-update endpoints "
@@ -202,20 +145,50 @@ def start_server(
         )
     from miles_sglang.weights import family_and_config
 
+    limits = limits or ServerLimits()
+    server_args = dict(server_args or {})
+    if not isinstance(engine.weight_version, str) or engine.weight_version == "0":
+        engine.weight_version = str(server_args.get("weight_version") or DEFAULT_WEIGHT_VERSION)
     worker = EngineWorker(engine).start()
     state = ServerState(
         worker=worker, model_path=model_path, api_key=api_key,
         incremental_streaming_output=incremental_streaming_output,
-        server_args=dict(server_args or {}), family=family_and_config(model_path)[0],
+        server_args=server_args, family=family_and_config(model_path)[0],
     )
-    handler = type("MilesServeHandler", (_Handler,), {"state": state})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
+    sock = _bind(host, port, limits.backlog)
+    bound_port = sock.getsockname()[1]
+    state.server_args.update({"host": host, "port": bound_port, "model_path": model_path})
+    app = build_app(state, default_routers(state) if routers is None else routers, limits)
+    protocol = type("MilesServeH11Protocol", (_HeaderTimeoutH11Protocol,), {"header_timeout_s": limits.header_timeout_s})
+    config = uvicorn.Config(
+        app, http=protocol, loop="asyncio", lifespan="off", log_level="warning", access_log=False,
+        backlog=limits.backlog, timeout_keep_alive=int(max(1, limits.timeout_keep_alive_s)),
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])),
                               name="miles-serve-http", daemon=True)
     thread.start()
-    state.server_args.update({"host": host, "port": httpd.server_address[1], "model_path": model_path})
-    return ServerHandle(httpd, state, thread)
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        worker.stop()
+        sock.close()
+        raise RuntimeError(f"miles serve did not start on {host}:{bound_port} (see the log above)")
+    return ServerHandle(server, state, thread, host, bound_port)
+
+
+def default_routers(state: ServerState) -> list:
+    """The routers served next to SGLang's native endpoints: the OpenAI API, when the
+    package has it."""
+    import importlib.util
+
+    if importlib.util.find_spec("miles_sglang.openai_api") is None:
+        return []
+    from miles_sglang.openai_api import build_openai_router
+
+    return [build_openai_router(state)]
 
 
 def wait_forever(handle: ServerHandle, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -1,21 +1,25 @@
 """The engine behind ``miles serve``: one thread owns the engine and steps it.
 
-The embedded :class:`~miles_host.rollout.Engine` is single-threaded. HTTP handler
-threads never touch it: they hand closures to :meth:`EngineWorker.call` (run in
-the engine thread between steps) and wait on a :class:`GenerateJob` for results
-or stream chunks. While requests are in flight the thread steps the engine; when
-idle it sleeps on the command queue.
+The embedded :class:`~miles_host.rollout.Engine` is single-threaded. The HTTP
+server (an asyncio loop) never touches it: it hands closures to the engine thread
+(:meth:`EngineWorker.call_async`, run between steps) and awaits a
+:class:`GenerateJob` for results or stream chunks (:func:`wait_job`,
+:func:`iter_chunks`), woken by the job's ``notify`` callback, so no event-loop
+thread ever blocks on the engine. While requests are in flight the thread steps
+the engine; when idle it sleeps on the command queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pluggy
 import torch
@@ -65,10 +69,54 @@ class GenerateJob:
     done: threading.Event = field(default_factory=threading.Event)
     sent_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
     sent_text: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: called from the engine thread after each new result or chunk (wakes an awaiting loop)
+    notify: Callable[[], None] | None = None
 
     def ordered_results(self) -> list[dict]:
         """Results in request order (prompt-major, then sample index)."""
         return [self.results[key] for key in self.keys]
+
+    def wake(self) -> None:
+        if self.notify is not None:
+            self.notify()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        """An event the engine thread sets (thread-safely) whenever this job progresses."""
+        event = asyncio.Event()
+
+        def notify() -> None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+
+        self.notify = notify
+        return event
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share: the engine worker and the server's settings."""
+
+    worker: EngineWorker
+    model_path: str
+    api_key: str | None = None
+    incremental_streaming_output: bool = False
+    server_args: dict[str, Any] = field(default_factory=dict)
+    family: Any = None
+    released_tags: set[str] = field(default_factory=set)
+    weight_groups: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def weight_version(self) -> str:
+        """The engine's weight version, as SGLang spells it (a string)."""
+        return str(self.worker.engine.weight_version)
+
+
+def new_rid() -> str:
+    """A fresh request id (SGLang's are uuid4 hex)."""
+    return uuid.uuid4().hex
 
 
 class EngineWorker:
@@ -103,16 +151,43 @@ class EngineWorker:
 
     # -- calls from other threads ---------------------------------------------
 
-    def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
-        """Run ``fn(engine)`` in the engine thread; its result (or its exception)."""
+    def call_future(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Queue ``fn(engine)`` for the engine thread; a future of its result."""
         if not self.alive:
             raise RuntimeError("the engine thread is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
-        return future.result(timeout)
+        return future
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = 600.0) -> Any:
+        """Run ``fn(engine)`` in the engine thread; its result (or its exception). Blocks."""
+        return self.call_future(fn).result(timeout)
+
+    def call_async(self, fn: Callable[[Any], Any]) -> Awaitable[Any]:
+        """``fn(engine)`` run in the engine thread, awaited without blocking the event loop."""
+        return asyncio.wrap_future(self.call_future(fn))
 
     def submit(self, job: GenerateJob, prompts: list[list[int]], params: list[dict], rids: list[str]) -> None:
-        """Queue the job's requests (ValueError for a bad one: none of them is queued)."""
+        """Queue the job's requests (ValueError for a bad one: none of them is queued). Blocks."""
+        self.call(self._adder(job, prompts, params, rids))
+
+    def submit_async(self, job: GenerateJob, prompts: list[list[int]], params: list[dict],
+                     rids: list[str]) -> Awaitable[None]:
+        """:meth:`submit`, awaited from an event loop."""
+        return self.call_async(self._adder(job, prompts, params, rids))
+
+    def load(self) -> dict[str, Any]:
+        """Running and waiting samples and KV-cache use, read in the engine thread (call it there)."""
+        engine = self.engine
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        waiting = sum(1 + len(getattr(seq, "children", None) or ()) for seq in scheduler.waiting)
+        used_tokens = (blocks.num_usable_blocks - blocks.num_free_blocks) * blocks.block_size
+        return {"num_running_reqs": len(scheduler.running), "num_waiting_reqs": waiting,
+                "num_used_tokens": used_tokens, "max_total_num_tokens": engine.num_kv_cache_tokens,
+                "max_running_requests": engine.config.max_num_seqs, "paused": engine.paused}
+
+    def _adder(self, job: GenerateJob, prompts: list[list[int]], params: list[dict],
+               rids: list[str]) -> Callable[[Any], None]:
 
         def add(engine):
             added = []
@@ -138,7 +213,7 @@ class EngineWorker:
                     self._jobs.pop(rid, None)
                 raise
 
-        self.call(add)
+        return add
 
     def abort(self, rid: str | None, message: str = "aborted") -> int:
         """Abort one request (or all); how many samples were stopped."""
@@ -204,6 +279,7 @@ class EngineWorker:
                 job.done.set()
                 if job.stream:
                     job.chunks.put(None)
+            job.wake()
 
     def _stream_progress(self) -> None:
         streaming = {rid: job for rid, job in self._jobs.items() if job.stream}
@@ -215,11 +291,14 @@ class EngineWorker:
                 if key in job.results or len(partial["output_ids"]) <= job.sent_tokens.get(key, 0):
                     continue
                 job.chunks.put(self._chunk(job, key, self._to_wire(job, partial, final=False), final=False))
+                job.wake()
 
     # -- response shapes -----------------------------------------------------------
 
     def _to_wire(self, job: GenerateJob, output: dict, final: bool = True) -> dict:
         meta = dict(output["meta_info"])
+        if meta.get("weight_version") is not None:
+            meta["weight_version"] = str(meta["weight_version"])  # SGLang's weight versions are strings
         if "routed_experts" in meta:
             meta["routed_experts"] = encode_routed_experts(meta["routed_experts"])
         if job.return_logprob and final and job.logprob_start_len >= 0:
@@ -255,3 +334,70 @@ class EngineWorker:
         logprobs, _ = model.packed_log_probs(ids, torch.arange(len(prompt), device=device), cu, targets)
         values = [None] + [float(v) for v in logprobs[: len(prompt) - 1].float().cpu()]
         return [[values[i], prompt[i], None] for i in range(min(start, len(prompt)), len(prompt))]
+
+
+# ----------------------------------------------------------------------------
+# awaiting a job from the server's event loop
+# ----------------------------------------------------------------------------
+
+_POLL_S = 1.0
+
+
+async def _progress(job: GenerateJob, event: asyncio.Event, worker: EngineWorker,
+                    is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+    """Wait until the engine thread signals progress (or a poll interval passes);
+    RuntimeError if the engine thread died, ConnectionAbortedError if the client left."""
+    try:
+        await asyncio.wait_for(event.wait(), _POLL_S)
+    except asyncio.TimeoutError:
+        if not worker.alive:
+            raise RuntimeError("the engine thread stopped") from None
+        if is_disconnected is not None and await is_disconnected():
+            raise ConnectionAbortedError("the client went away") from None
+    event.clear()
+
+
+async def wait_job(job: GenerateJob, worker: EngineWorker, event: asyncio.Event,
+                   is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[dict]:
+    """The job's results in request order, once all are in. A client that goes away
+    aborts the job's requests (as SGLang does) and raises ConnectionAbortedError."""
+    try:
+        while not job.done.is_set():
+            await _progress(job, event, worker, is_disconnected)
+    except (ConnectionAbortedError, asyncio.CancelledError):
+        abort_job(job, worker)
+        raise
+    return job.ordered_results()
+
+
+async def iter_chunks(job: GenerateJob, worker: EngineWorker, event: asyncio.Event) -> AsyncIterator[dict]:
+    """The stream chunks of a ``stream`` job as they come; its requests are aborted
+    if the consumer stops early (the client disconnected)."""
+    finished = False
+    try:
+        while True:
+            while True:
+                try:
+                    chunk = job.chunks.get_nowait()
+                except queue.Empty:
+                    break
+                if chunk is None:
+                    finished = True
+                    return
+                yield chunk
+            await _progress(job, event, worker, None)
+    finally:
+        if not finished:
+            abort_job(job, worker)
+
+
+def abort_job(job: GenerateJob, worker: EngineWorker) -> None:
+    """Queue the abort of every request of ``job`` still running (does not wait: safe in
+    ``finally`` blocks of cancelled tasks and closed generators)."""
+    if not worker.alive or job.done.is_set():
+        return
+    for rid in job.prompts:
+        try:
+            worker.call_future(lambda engine, rid=rid: worker.abort_here(rid, "aborted"))
+        except RuntimeError:
+            return
