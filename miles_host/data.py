@@ -127,13 +127,36 @@ def check_prompt(prompt: Any, where: str, input_key: str, apply_chat_template: b
     )
 
 
+def read_tools(record: dict, tool_key: str, where: str) -> list[dict] | None:
+    """The tool definitions of a record under ``tool_key`` (``--tool-key``): a list of OpenAI
+    tool records, or that list as a JSON string (as slime's data sets store it); None when the
+    record has no such key."""
+    tools = record.get(tool_key)
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: tools {tool_key!r} is a string but not JSON: {error.msg}") from error
+    if hasattr(tools, "tolist"):  # parquet list columns arrive as numpy arrays
+        tools = tools.tolist()
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ValueError(
+            f"{where}: tools {tool_key!r} must be a list of tool definitions ({{'type': 'function', 'function': "
+            f"{{'name', 'description', 'parameters'}}}}), got {type(tools).__name__}; check --tool-key"
+        )
+    return tools
+
+
 def to_prompt_records(
     records: Iterable, path: str, input_key: str, label_key: str | None, metadata_key: str,
-    apply_chat_template: bool | None = None,
+    apply_chat_template: bool | None = None, tool_key: str | None = None,
 ) -> list[PromptRecord]:
     """Pick the prompt, label and metadata of every record by key, checking the
     prompt's type (:func:`check_prompt`). ``records``: dicts, or ``(where, dict)``
-    pairs as :func:`iter_records` yields them."""
+    pairs as :func:`iter_records` yields them. With ``tool_key`` the record's tool
+    definitions (:func:`read_tools`) go into its metadata as ``tools``."""
     prompts = []
     for index, item in enumerate(records):
         where, record = item if isinstance(item, tuple) else (f"{path}: record {index + 1}", item)
@@ -150,6 +173,9 @@ def to_prompt_records(
         metadata = record.get(metadata_key)
         if metadata is not None and not isinstance(metadata, dict):
             raise ValueError(f"{where}: metadata {metadata_key!r} must be a JSON object, got {type(metadata).__name__}")
+        tools = read_tools(record, tool_key, where) if tool_key else None
+        if tools is not None:
+            metadata = {**(metadata or {}), "tools": tools}
         prompts.append(PromptRecord(prompt, label, metadata, index))
     if not prompts:
         raise ValueError(f"prompt data file {path} holds no records")
@@ -181,12 +207,14 @@ class PromptDataset:
         keep: Callable[[PromptRecord], bool] | None = None,
         apply_chat_template: bool | None = None,
         flag: str = "--prompt-data",
+        tool_key: str | None = None,
     ) -> "PromptDataset":
         """Load ``path`` record by record (no second copy of the file's records);
         ``keep`` filters prompts (e.g. by token length); ``apply_chat_template``
-        (``--apply-chat-template``) decides whether chat-list prompts are accepted."""
+        (``--apply-chat-template``) decides whether chat-list prompts are accepted;
+        ``tool_key`` (``--tool-key``) puts each record's tools in its metadata."""
         prompts = to_prompt_records(iter_records(path, flag), path, input_key, label_key, metadata_key,
-                                    apply_chat_template)
+                                    apply_chat_template, tool_key)
         if keep is not None:
             prompts = [p for p in prompts if keep(p)]
         return cls(prompts, shuffle, seed)

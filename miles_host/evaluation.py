@@ -18,7 +18,8 @@ from miles_host.sample import Sample, Status
 def load_eval_data(config: Any, path: str) -> PromptDataset:
     """One ``--eval-prompt-data`` file, every record checked (at start, not at the first eval)."""
     return PromptDataset.from_file(path, config.input_key, config.label_key, config.metadata_key, False, 0,
-                                   apply_chat_template=config.apply_chat_template, flag="--eval-prompt-data")
+                                   apply_chat_template=config.apply_chat_template, flag="--eval-prompt-data",
+                                   tool_key=config.tool_key)
 
 
 def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: PromptDataset | None = None) -> float:
@@ -32,7 +33,7 @@ def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: Pro
         return mean_score(rollout, evaluate_custom(config, rollout, dataset, rollout_id, max_new))
     samples = {}
     for record in dataset.prompts:
-        tokens = rollout.prompt_ids(record.prompt)
+        tokens = prompt_ids(rollout, record)
         for k in range(config.n_samples_per_eval_prompt):
             sample = eval_sample(record, tokens)
             rid = f"eval-{rollout_id}-{record.index}-{k}"
@@ -49,6 +50,12 @@ def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: Pro
     return mean_score(rollout, list(samples.values()))
 
 
+def prompt_ids(rollout: Any, record: Any) -> list[int]:
+    """The prompt's token ids (its ``--tool-key`` tools given to the chat template)."""
+    tools = record.metadata.get("tools")
+    return rollout.prompt_ids(record.prompt, tools) if tools else rollout.prompt_ids(record.prompt)
+
+
 def eval_sample(record: Any, tokens: list[int]) -> Sample:
     """A fresh sample of an eval prompt (``tokens``: the prompt's ids)."""
     return Sample(prompt=record.prompt, tokens=list(tokens), label=record.label, metadata=dict(record.metadata),
@@ -60,7 +67,7 @@ def evaluate_custom(config: Any, rollout: Any, dataset: PromptDataset, rollout_i
     trajectories at once, as in training)."""
     samples, params, prefixes = [], [], []
     for record in dataset.prompts:
-        tokens = rollout.prompt_ids(record.prompt)
+        tokens = prompt_ids(rollout, record)
         for k in range(config.n_samples_per_eval_prompt):
             samples.append(eval_sample(record, tokens))
             seed = sampling_seed("eval", config.rollout_seed, record.index, k)

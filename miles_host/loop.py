@@ -96,6 +96,7 @@ class Run:
             config.rollout_shuffle,
             config.rollout_seed,
             apply_chat_template=config.apply_chat_template,
+            tool_key=config.tool_key,
         )
         pairs = config.eval_prompt_data or []
         self.eval_datasets = {name: load_eval_data(config, path) for name, path in zip(pairs[::2], pairs[1::2])}
@@ -104,7 +105,7 @@ class Run:
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
         if max_prompt is not None:
             self.dataset.prompts = [
-                p for p in self.dataset.prompts if len(self.rollout.prompt_ids(p.prompt)) <= max_prompt
+                p for p in self.dataset.prompts if len(self.rollout.prompt_ids(p.prompt, p.metadata.get("tools"))) <= max_prompt
             ]
             if not self.dataset.prompts:
                 raise ValueError(f"every prompt is longer than --rollout-max-prompt-len {max_prompt}")

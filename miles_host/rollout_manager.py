@@ -87,11 +87,13 @@ class RolloutManager:
 
     # -- building requests --------------------------------------------------
 
-    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
-        """Token ids of a prompt (the chat template when ``--apply-chat-template``)."""
+    def prompt_ids(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt (the chat template when ``--apply-chat-template``, given the
+        record's ``--tool-key`` ``tools``)."""
         if self.config.apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            encoded = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                         tokenize=True)
             if hasattr(encoded, "keys"):  # transformers 5 returns a BatchEncoding
                 encoded = encoded["input_ids"]
             return [int(t) for t in encoded]
@@ -122,16 +124,17 @@ class RolloutManager:
         return params
 
     def new_group(self, record: PromptRecord, rollout_id: int) -> list[Sample]:
-        """``n`` fresh samples of one prompt."""
+        """``n`` fresh samples of one prompt (its ``--tool-key`` tools in ``metadata["tools"]``)."""
         group_index = self._next_group_index
         self._next_group_index += 1
-        tokens = self.prompt_ids(record.prompt)
+        metadata = record.metadata
+        tokens = self.prompt_ids(record.prompt, metadata.get("tools"))
         return [
             Sample(
                 prompt=record.prompt,
                 tokens=list(tokens),
                 label=record.label,
-                metadata={**record.metadata, "prompt_index": record.index, "rollout_id": rollout_id},
+                metadata={**metadata, "prompt_index": record.index, "rollout_id": rollout_id},
                 group_index=group_index,
                 index=group_index * self.config.n_samples_per_prompt + i,
                 loss_mask=[],

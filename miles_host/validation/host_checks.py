@@ -22,9 +22,7 @@ from miles_host.rollout_backend import resolve_device
 from miles_host.validation.output_paths import check_output_paths
 
 #: flags no backend of this version honours: refused when set
-UNSUPPORTED_FLAGS: dict[str, str] = {
-    "tool_key": "tool definitions are passed by a --custom-generate-function-path",
-}
+UNSUPPORTED_FLAGS: dict[str, str] = {}
 
 #: speculative flags that only a decoding strategy other than ``plain`` reads
 SPECULATIVE_DECODING_FLAGS = (

@@ -86,3 +86,13 @@ def blocking_generate_in_async(args, sample, sampling_params, session):
         session.generate(sample.tokens, sampling_params)
 
     return run()
+
+
+SEEN_TOOLS: list = []
+
+
+async def record_tools(args, sample, sampling_params, session):
+    """Records the tools each trajectory got, then one model turn."""
+    SEEN_TOOLS.append((sample.prompt, sample.metadata.get("tools"), list(sample.tokens)))
+    output = await session.async_generate(sample.tokens, {**sampling_params, "max_new_tokens": 1})
+    session.append_generation(sample, output)

@@ -30,7 +30,6 @@ REFUSED = [
     (["--recompute-method", "uniform"], "need --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "4"], "--recompute-num-layers 4"),
-    (["--tool-key", "tools"], "--tool-key is not supported"),
     (["--sglang-speculative-num-steps", "2"], "--sglang-speculative-num-steps is read only by speculative decoding"),
     (["--sglang-enable-draft-weights-cpu-backup"], "--sglang-enable-draft-weights-cpu-backup is read only"),
     (["--mtp-num-layers", "1"], "--mtp-num-layers is read only by the MTP draft"),
