@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 from functools import wraps
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -123,6 +125,19 @@ def sampling_params(request: BaseModel, max_new_tokens: int) -> dict[str, Any]:
     return params
 
 
+#: engine sampling_params key -> the request field it came from (beside SAMPLING_FIELDS)
+_ENGINE_KEY_FIELDS = {"max_new_tokens": "max_tokens", "stop": "stop", "logit_bias": "logit_bias",
+                      "json_schema": "response_format", **{key: field for field, key, _ in SAMPLING_FIELDS}}
+_ENGINE_KEY = re.compile(r"sampling_params: (\w+)|sampling parameter\(s\) \['(\w+)'")
+
+
+def _field_named_in(message: str) -> str | None:
+    """The request field an engine error is about (its messages name the sampling_params key)."""
+    match = _ENGINE_KEY.search(message)
+    key = match and (match.group(1) or match.group(2))
+    return _ENGINE_KEY_FIELDS.get(key) if key else None
+
+
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}`` (string keys) -> the engine's ``{token_id: bias}``."""
     try:
@@ -164,7 +179,7 @@ class OpenAIServer:
 
     def __init__(self, state: Any):
         self.state = state
-        self._parser: tuple[ToolParser | None] | None = None
+        self.parser = self._tool_parser()
 
     # -- shared ----------------------------------------------------------------
 
@@ -182,26 +197,18 @@ class OpenAIServer:
             raise OpenAIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                               param="model", code="model_not_found")
 
-    def tool_parser(self) -> ToolParser | None:
-        """The server's tool-call parser: named by ``tool_call_parser``, else detected once."""
-        if self._parser is None:
-            name = self.state.server_args.get("tool_call_parser")
-            if name:
-                self._parser = (get_tool_parser(name),)
-            else:
-                config = getattr(getattr(self.engine, "model", None), "config", None)
-                self._parser = (detect_tool_parser(
-                    model_type=self._hf_model_type() or getattr(config, "model_type", None),
-                    chat_template=getattr(self.engine.tokenizer, "chat_template", None),
-                ),)
-        return self._parser[0]
+    def _tool_parser(self) -> ToolParser | None:
+        """The server's tool-call parser: named by ``server_args["tool_call_parser"]`` (SGLang's
+        ``--tool-call-parser``), else detected from the chat template and the HF ``model_type``."""
+        name = self.state.server_args.get("tool_call_parser")
+        if name:
+            return get_tool_parser(name)
+        return detect_tool_parser(model_type=self._hf_model_type(),
+                                  chat_template=getattr(self.engine.tokenizer, "chat_template", None))
 
     def _hf_model_type(self) -> str | None:
-        from pathlib import Path
-
-        config = Path(self.state.model_path) / "config.json"
         try:
-            return json.loads(config.read_text()).get("model_type")
+            return json.loads((Path(self.state.model_path) / "config.json").read_text()).get("model_type")
         except (OSError, ValueError):
             return None
 
@@ -238,7 +245,7 @@ class OpenAIServer:
         try:
             await self.state.worker.submit_async(job, prompts, [dict(params) for _ in prompts], rids)
         except ValueError as error:
-            raise _bad(str(error)) from error
+            raise _bad(str(error), param=_field_named_in(str(error))) from error
         except RuntimeError as error:
             raise OpenAIError(503, str(error), type="service_unavailable") from error
         return job, event
@@ -307,7 +314,7 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs needs logprobs: true", param="top_logprobs")
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        parser = self.tool_parser() if use_tools else None
+        parser = self.parser if use_tools else None
         if use_tools and parser is None:
             raise _bad("this model's tool-call format is unknown, so tool calls cannot be parsed: start the server "
                         "with a tool_call_parser (qwen25, llama3, deepseekv3)", param="tools")

@@ -297,6 +297,7 @@ def test_tool_choice_none_leaves_the_text_alone(tool_client):
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ({"tools": [ADD_TOOL], "tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),  # refused by the engine's own check, named in the request's terms
 ])
 def test_bad_chat_requests_are_openai_400s(client, model_id, kwargs, param):
     with pytest.raises(openai.BadRequestError) as raised:
