@@ -169,6 +169,18 @@ def test_n_and_seed(client, model_id):
     assert first.usage.prompt_tokens == again.usage.prompt_tokens  # the prompt counts once, not per sample
 
 
+def test_streamed_samples_equal_whole_ones(client, model_id):
+    kwargs = dict(model=model_id, messages=HELLO, max_tokens=6, temperature=1.0, n=2, seed=3)
+    whole = client.chat.completions.create(**kwargs)
+    texts, usage = ["", ""], None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_greedy_is_deterministic(client, model_id):
     kwargs = dict(model=model_id, messages=HELLO, max_tokens=8, temperature=0)
     assert len({client.chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}) == 1
@@ -335,3 +347,29 @@ def test_a_body_that_is_not_json(chat_server):
         urllib.request.urlopen(request, timeout=30)
     assert raised.value.code == 400
     assert json.loads(raised.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_echo_puts_the_prompt_first(client, model_id, reference):
+    tokenizer, greedy = reference
+    prompt = "5+5="
+    plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0)
+    echoed = client.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=0)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs.tokens[:len(prompt)] == list(prompt)
+    assert logprobs.token_logprobs[0] is None  # the first prompt token has no logprob
+    ids = tokenizer(prompt)["input_ids"]
+    _, rows = greedy(ids[:1], 1)
+    assert logprobs.token_logprobs[1] == pytest.approx(rows[0][ids[1]], abs=1e-4)
+
+
+def test_the_api_key_guards_the_openai_routes(chat_model):
+    handle = serve(chat_model, api_key="sesame")
+    try:
+        url = handle.url + "/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=url, api_key="sesame", max_retries=0).models.list().data
+    finally:
+        handle.shutdown()
