@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch-invariant kernels (results independent of batch composition)")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream chunks carry only new tokens (default: cumulative, as SGLang)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id of the OpenAI API (/v1/models; default: the checkpoint path)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="tool-call format of /v1/chat/completions (qwen25, llama3, deepseekv3, ...; "
+                             "default: detected from the chat template / model type)")
 
 
 def run(args: argparse.Namespace) -> int:

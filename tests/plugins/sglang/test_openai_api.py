@@ -373,3 +373,29 @@ def test_the_api_key_guards_the_openai_routes(chat_model):
         assert openai.OpenAI(base_url=url, api_key="sesame", max_retries=0).models.list().data
     finally:
         handle.shutdown()
+
+
+def test_served_model_name_and_tool_call_parser_flags(chat_model):
+    import argparse
+
+    from miles_sglang.serve_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model-path", str(chat_model), "--served-model-name", "tiny-chat",
+                              "--tool-call-parser", "llama3"])
+    handle = serve(chat_model, server_args=vars(args))
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        assert client.chat.completions.create(model="tiny-chat", messages=HELLO, max_tokens=1).choices
+    finally:
+        handle.shutdown()
+    from types import SimpleNamespace
+
+    from miles_sglang.openai_api import build_openai_router
+
+    state = SimpleNamespace(server_args={"tool_call_parser": "nope"}, model_path=str(chat_model),
+                            worker=SimpleNamespace(engine=SimpleNamespace(tokenizer=None)))
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'"):
+        build_openai_router(state)
