@@ -65,8 +65,12 @@ def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": {"message": str(message)}}, status_code=status)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class RequestRefused(Exception):
+    """A body over its limit (413) or too slow to arrive (408), raised while it is read."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def is_authorized(api_key: str | None, path: str, authorization: bytes | None) -> bool:
@@ -119,11 +123,13 @@ class RequestGuardMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(left, 0.001))
             except asyncio.TimeoutError:
-                raise TimeoutError(f"the request body did not arrive within {self.limits.body_timeout_s:g}s") from None
+                raise RequestRefused(HTTPStatus.REQUEST_TIMEOUT,
+                                     f"the request body did not arrive within {self.limits.body_timeout_s:g}s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _BodyTooLarge(f"the request body exceeds {limit} bytes, the limit of {scope['path']}")
+                    raise RequestRefused(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                         f"the request body exceeds {limit} bytes, the limit of {scope['path']}")
                 body_done = not message.get("more_body", False)
             else:
                 body_done = True
@@ -136,11 +142,10 @@ class RequestGuardMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except (_BodyTooLarge, TimeoutError) as error:
+        except RequestRefused as error:
             if started:
                 raise
-            status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE if isinstance(error, _BodyTooLarge) else HTTPStatus.REQUEST_TIMEOUT
-            await self._refuse(send, status, str(error))
+            await self._refuse(send, error.status, str(error))
 
     @classmethod
     async def _refuse(cls, send: Callable, status: int, message: str) -> None:
@@ -185,6 +190,9 @@ def _route(state: ServerState, path: str, endpoint: Callable) -> Callable:
         try:
             body = parse_json_body(await request.body())
             result = await endpoint(state, request, body)
+        except RequestRefused as error:  # the connection's unread rest must not be parsed as a request
+            return JSONResponse({"error": {"message": str(error)}}, status_code=error.status,
+                                headers={"Connection": "close"})
         except ValueError as error:
             return _error(str(error), HTTPStatus.BAD_REQUEST)
         except ConnectionAbortedError:

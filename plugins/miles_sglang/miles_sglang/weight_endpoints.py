@@ -88,7 +88,7 @@ def contained_shards(directory: str) -> list[Path]:
     root = root.resolve()
 
     def refuse_outside(paths: list[Path]) -> None:
-        outside = [str(p) for p in paths if not p.resolve().is_relative_to(root)]
+        outside = [f"{p} -> {p.resolve()}" for p in paths if not p.resolve().is_relative_to(root)]
         if outside:
             raise ValueError(f"refusing weight files that resolve outside {root}: {outside} "
                              "(index entries and symlinks must stay inside model_path)")
@@ -197,6 +197,7 @@ async def init_weights_update_group(state: ServerState, request, body: dict) -> 
         try:
             group = await asyncio.wait_for(asyncio.shield(joining), timeout)
         except asyncio.TimeoutError:
+            joining.add_done_callback(lambda late: late.cancelled() or late.exception())  # outcome dropped
             logger.warning("joining the weight update group at %s:%s overran %.1fs; left behind", address, port, timeout)
             raise ValueError(f"could not join the weight update group at {address}:{port} within {timeout:g}s "
                              "(pass a larger 'timeout' if the trainer is slow to start)") from None

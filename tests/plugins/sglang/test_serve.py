@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import threading
 import time
@@ -33,11 +34,25 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 #   pause/continue .......... http_server.py: {"message": ..., "status": "ok"}
 #   meta_info ............... tokenizer_manager: id, finish_reason, prompt_tokens, completion_tokens, cached_tokens,
 #                             output_token_logprobs [[logprob, token_id, text|None]], weight_version, e2e_latency
+#   /server_info, /model_info  aliases of /get_server_info, /get_model_info (SGLang's newer names)
+#   /v1/loads ............... entrypoints/v1_loads.py: timestamp, version, dp_rank_count, loads, aggregate;
+#                             each load GetLoadsReqOutput (io_struct.py) + num_total_reqs
+#   /update_weight_version .. http_server.py: UpdateWeightVersionReqInput(new_version, abort_all_requests)
+#                             -> {"success", "message", "new_version"}
+MODEL_INFO = {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"}
+SERVER_INFO = {"internal_states", "version", "max_total_num_tokens"}
 PROTOCOL = {
-    "/get_model_info": ("GET", None, {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"}),
-    "/get_server_info": ("GET", None, {"internal_states", "version", "max_total_num_tokens"}),
+    "/get_model_info": ("GET", None, MODEL_INFO),
+    "/model_info": ("GET", None, MODEL_INFO),
+    "/get_server_info": ("GET", None, SERVER_INFO),
+    "/server_info": ("GET", None, SERVER_INFO),
     "/get_weight_version": ("GET", None, {"weight_version"}),
+    "/v1/loads": ("GET", None, {"timestamp", "version", "dp_rank_count", "loads", "aggregate"}),
 }
+LOAD_FIELDS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
+               "num_total_tokens", "max_total_num_tokens", "token_usage", "max_running_requests", "utilization"}
+AGGREGATE_FIELDS = {"total_running_reqs", "total_waiting_reqs", "total_reqs", "total_used_tokens", "total_tokens",
+                    "avg_token_usage", "avg_utilization"}
 META_FIELDS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs",
                "weight_version", "e2e_latency"}
 
@@ -52,6 +67,60 @@ def test_endpoint_fields(server, path):
     status, answer = http(server.url, path, body, method=method)
     assert status == 200, answer
     assert fields <= set(answer), f"{path} lacks {fields - set(answer)}"
+
+
+def test_loads_report(server):
+    _, loads = http(server.url, "/v1/loads")
+    assert loads["dp_rank_count"] == 1 and len(loads["loads"]) == 1
+    load = loads["loads"][0]
+    assert LOAD_FIELDS <= set(load) and AGGREGATE_FIELDS <= set(loads["aggregate"])
+    assert load["num_total_reqs"] == load["num_running_reqs"] + load["num_waiting_reqs"]
+    assert load["max_total_num_tokens"] == http(server.url, "/server_info")[1]["max_total_num_tokens"]
+    assert set(load["queues"]) == {"waiting", "grammar", "paused", "retracted"}
+    assert "queues" not in http(server.url, "/v1/loads?include=core")[1]["loads"][0]
+    assert http(server.url, "/v1/loads?include=nonsense")[0] == 400
+    assert http(server.url, "/v1/loads?dp_rank=3")[0] == 400
+
+
+def test_weight_version_is_a_string_everywhere(fresh_server):
+    assert http(fresh_server.url, "/get_weight_version")[1]["weight_version"] == "default"  # SGLang's default
+    status, answer = http(fresh_server.url, "/update_weight_version", {"new_version": "v2"})
+    assert status == 200 and answer["success"] and answer["new_version"] == "v2", answer
+    for path in ("/get_weight_version", "/model_info", "/server_info"):
+        assert http(fresh_server.url, path)[1]["weight_version"] == "v2", path
+    _, result = http(fresh_server.url, "/generate", {"input_ids": [2, 3], "sampling_params": GREEDY})
+    assert result["meta_info"]["weight_version"] == "v2"
+    assert http(fresh_server.url, "/update_weight_version", {"new_version": 3})[0] == 400
+
+
+def _unfinished(url: str) -> bool:
+    return http(url, "/get_server_info")[1]["internal_states"][0]["has_unfinished"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(fresh_server, stream):
+    """Generation is paused, so only an abort can finish the request once its client left."""
+    import http.client as httpclient
+
+    host, port = fresh_server.url.removeprefix("http://").rsplit(":", 1)
+    http(fresh_server.url, "/pause_generation", {"mode": "in_place"})
+    connection = httpclient.HTTPConnection(host, int(port), timeout=30)
+    body = {"input_ids": [2, 3], "stream": stream, "rid": "gone",
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 50, "ignore_eos": True}}
+    connection.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    for _ in range(300):  # bounded: until the engine holds the request
+        if _unfinished(fresh_server.url):
+            break
+        time.sleep(0.01)
+    assert _unfinished(fresh_server.url)
+    connection.sock.shutdown(2)  # the client goes away without reading
+    connection.close()
+    for _ in range(300):  # the server notices (within its 1 s poll) and aborts
+        if not _unfinished(fresh_server.url):
+            break
+        time.sleep(0.01)
+    assert not _unfinished(fresh_server.url)
+    http(fresh_server.url, "/continue_generation", {})
 
 
 def test_pause_and_continue(fresh_server):
