@@ -76,6 +76,9 @@ class RolloutArgs:
     mask_offpolicy_in_partial_rollout: bool = flag(False, "mask tokens produced by an older policy in continued samples", group="rollout")
     max_failed_sample_fraction: float = flag(0.5, "stop the run after a rollout in which more than this fraction of the samples failed (reward errors, prompts too long, ...), with the first failure's message; 1: never", type=float, group="rollout")
     custom_generate_function_path: str | None = flag(None, "module.fn replacing per-sample generation (multi-turn, tools): fn(args, sample, sampling_params, session), sync or async; trajectories run concurrently", type=str, group="rollout")
+    use_session_server: bool = flag(False, "give each trajectory of the --custom-generate-function-path function an OpenAI base URL (session.base_url, sample.metadata['session_url']) whose chat requests are recorded token-in-token-out into its sample", group="rollout")
+    session_server_port: int = flag(0, "port of the loopback session server (0: any free port)", type=int, group="rollout")
+    session_prefix_mismatch: str = flag("error", "a session turn whose rendered prompt does not start with the recorded tokens: error (the sample fails, naming the turn), retokenize (the rest taken from the new rendering, not trained), drop (the sample is not trained)", type=str, choices=["error", "retokenize", "drop"], group="rollout")
     sglang_server_concurrency: int = flag(512, "at most this many trajectories of a --custom-generate-function-path function at once (requests in flight to the rollout engine)", type=int, group="rollout")
     sglang_mem_fraction_static: float | None = flag(None, "GPU memory fraction for the engine's weights + KV cache", type=float, group="rollout")
     sglang_disable_overlap_schedule: bool = flag(False, "read each decode step's tokens before launching the next (SGLang's --disable-overlap-schedule; by default on CUDA step N+1 is launched before step N's tokens are read)", group="rollout")
@@ -294,6 +297,9 @@ def validate_config(config: MilesConfig) -> None:
             "--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...], got "
             f"{config.eval_prompt_data}"
         )
+    if config.use_session_server and not config.custom_generate_function_path:
+        raise ValueError("--use-session-server serves the trajectories of a --custom-generate-function-path "
+                         "function; give one (it reads sample.metadata['session_url']), or drop the flag")
     if config.use_dynamic_batch_size and config.max_tokens_per_gpu is None:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     if config.lr < 0:

@@ -16,6 +16,14 @@ The rollout backend is not thread-safe, so :class:`EngineDriver` makes every bac
 (``submit``, ``step``, ``abort_all``) on one engine thread of its own and hands each output to
 the trajectory that waits for it. A trajectory that raises fails its own sample (status
 FAILED, the reason in ``metadata["failure"]``); the others carry on.
+
+With ``--use-session-server`` each trajectory also gets an OpenAI base URL of its own,
+``session.base_url`` and ``sample.metadata["session_url"]`` (``.../sessions/{id}/v1``),
+for an unmodified agent loop written with the ``openai`` client; its requests run on the
+same engine driver and are recorded token-in-token-out
+(:mod:`miles_host.agentic.sessions`). When the function returns, the sample is built
+from that record (tokens, loss mask, log-probs, status). A session trajectory cannot be
+resumed: under ``--partial-rollout`` an aborted one starts again from its prompt.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from miles_host.agentic.session_server import SessionHandle, SessionServer
+from miles_host.agentic.sessions import Trajectory, mismatch_policy
 from miles_host.sample import Sample, Status
 
 #: the finish reason of a request aborted because the rollout's batch is full
@@ -168,12 +178,18 @@ class GenerateSession:
         self.driver = driver
         self.rid_prefix = rid_prefix
         self.aborted = False
+        #: the trajectory's OpenAI base URL (``--use-session-server``), else None
+        self.base_url: str | None = None
         self._count = 0
+
+    def next_rid(self) -> str:
+        """A request id unique in the rollout."""
+        self._count += 1
+        return f"{self.rid_prefix}-t{self._count}"
 
     async def async_generate(self, input_ids: list[int], sampling_params: dict) -> dict:
         """One request; its output once the engine finished it."""
-        self._count += 1
-        output = await self.driver.generate(f"{self.rid_prefix}-t{self._count}", input_ids, sampling_params)
+        output = await self.driver.generate(self.next_rid(), input_ids, sampling_params)
         if (output["meta_info"].get("finish_reason") or {}).get("type") == "abort":
             self.aborted = True
         return output
@@ -208,12 +224,15 @@ class GenerateSession:
 
 class TrajectoryRunner:
     """Runs a custom generate function over samples in the current event loop, at most
-    ``limit`` at once (plain functions in a pool of ``limit`` worker threads)."""
+    ``limit`` at once (plain functions in a pool of ``limit`` worker threads); with a
+    ``session_server``, each trajectory in a session of its own."""
 
-    def __init__(self, manager: Any, function: Callable, driver: EngineDriver, limit: int):
+    def __init__(self, manager: Any, function: Callable, driver: EngineDriver, limit: int,
+                 session_server: SessionServer | None = None):
         self.manager = manager
         self.function = function
         self.driver = driver
+        self.session_server = session_server
         self.semaphore = asyncio.Semaphore(limit)
         self.threads = None if is_async_function(function) else ThreadPoolExecutor(limit, "miles-generate")
 
@@ -226,6 +245,7 @@ class TrajectoryRunner:
         """One trajectory; the filled sample (or the function's own), never raising."""
         session = GenerateSession(self.manager, self.driver, rid_prefix)
         async with self.semaphore:
+            handle = self._open_session(session, sample, sampling_params)
             try:
                 if self.threads is None:
                     result = await self.function(self.manager.config, sample, sampling_params, session)
@@ -238,7 +258,10 @@ class TrajectoryRunner:
                     if not isinstance(result, Sample):
                         raise TypeError(f"returned {type(result).__name__}; return the Sample (or None)")
                     sample = result
-                if session.aborted and sample.status is not Status.FAILED:
+                if handle is not None and (handle.requests or handle.trajectory.error):
+                    self._close_session(handle, sample)
+                    handle.trajectory.fill_sample(sample, self._decode)
+                elif session.aborted and sample.status is not Status.FAILED:
                     sample.status = Status.ABORTED
                 elif sample.status in (Status.PENDING, Status.ABORTED):
                     sample.status = Status.COMPLETED
@@ -246,4 +269,35 @@ class TrajectoryRunner:
             except Exception as error:  # noqa: BLE001 - one failing trajectory must not stop the others
                 sample.status = Status.FAILED
                 sample.metadata["failure"] = f"custom generate: {type(error).__name__}: {error}"
+            finally:
+                if handle is not None:
+                    self._close_session(handle, sample)
         return sample
+
+    def _open_session(self, session: GenerateSession, sample: Sample, sampling_params: dict) -> SessionHandle | None:
+        if self.session_server is None:
+            return None
+        if sample.response_length:  # an aborted session trajectory: agent state is gone, start again
+            del sample.tokens[sample.prompt_length:]
+            sample.response_length, sample.loss_mask, sample.rollout_log_probs = 0, [], []
+            sample.weight_versions, sample.response = [], ""
+        loop, driver = self.driver.loop, self.driver
+
+        def generate(input_ids: list[int], params: dict):
+            rid = session.next_rid()
+            return asyncio.run_coroutine_threadsafe(driver.generate(rid, input_ids, params), loop)
+
+        handle = SessionHandle(SessionServer.new_session_id(),
+                               Trajectory(mismatch_policy(self.manager.config.session_prefix_mismatch)),
+                               generate, dict(sampling_params))
+        session.base_url = self.session_server.open(handle)
+        sample.metadata["session_url"] = session.base_url
+        sample.metadata["session_id"] = handle.session_id
+        return handle
+
+    def _close_session(self, handle: SessionHandle, sample: Sample) -> None:
+        self.session_server.close(handle.session_id)
+        sample.metadata.pop("session_url", None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.manager.tokenizer.decode(ids, skip_special_tokens=True)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from miles_host.custom_generate import EngineDriver, GenerateSession, TrajectoryRunner  # noqa: F401 - GenerateSession re-exported
@@ -82,6 +84,7 @@ class RolloutManager:
         self.eos_ids = _eos_ids(tokenizer)
         self._next_group_index = 0
         self.custom_generate = None
+        self.session_server = None  # started at the first custom rollout with --use-session-server
         if config.custom_generate_function_path:
             self.custom_generate = load_function(config.custom_generate_function_path, "--custom-generate-function-path")
 
@@ -210,7 +213,8 @@ class RolloutManager:
         running: dict[asyncio.Task, list[Sample]] = {}
         carried, self.buffer = self.buffer, []
         async with EngineDriver(self.backend, config.rollout_return_routed_experts) as driver:
-            runner = TrajectoryRunner(self, self.custom_generate, driver, config.sglang_server_concurrency)
+            runner = TrajectoryRunner(self, self.custom_generate, driver, config.sglang_server_concurrency,
+                                      self.sessions())
             try:
                 for group in carried:
                     if all(s.status in FINAL for s in group):
@@ -243,6 +247,20 @@ class RolloutManager:
         # trajectories finish in any order: the batch in prompt order, the same for the same groups
         return sorted(kept[:target], key=lambda group: group[0].group_index), stats
 
+    def sessions(self):
+        """The session server of ``--use-session-server`` (started on first use), else None."""
+        if not self.config.use_session_server:
+            return None
+        if self.session_server is None:
+            from miles_host.agentic.session_server import SessionServer
+            from miles_host.agentic.tool_parsers import detect_tool_parser
+
+            checkpoint = self.config.hf_checkpoint or "policy"
+            parser = detect_tool_parser(_model_type(checkpoint), getattr(self.tokenizer, "chat_template", None))
+            self.session_server = SessionServer(self.tokenizer, Path(checkpoint).name, parser,
+                                                port=self.config.session_server_port).start()
+        return self.session_server
+
     def _start_custom_group(self, runner: TrajectoryRunner, group: list[Sample], rollout_id: int) -> asyncio.Task:
         """A task running the trajectories of the group's unfinished samples at once."""
         calls = []
@@ -267,7 +285,8 @@ class RolloutManager:
 
         async def run_all() -> list[Sample]:
             async with EngineDriver(self.backend, self.config.rollout_return_routed_experts) as driver:
-                runner = TrajectoryRunner(self, self.custom_generate, driver, self.config.sglang_server_concurrency)
+                runner = TrajectoryRunner(self, self.custom_generate, driver, self.config.sglang_server_concurrency,
+                                          self.sessions())
                 try:
                     return await asyncio.gather(*(runner.run(sample, params, prefix) for sample, params, prefix
                                                   in zip(samples, sampling_params, rid_prefixes)))
@@ -418,6 +437,11 @@ def merge_routed_experts(sample: Sample, routed: Any) -> None:
     keep = previous.shape[0]
     merged = np.concatenate([previous.astype(np.int64), routed[keep:].astype(np.int64)], axis=0)
     sample.rollout_routed_experts = compact_expert_ids(merged)
+
+
+def _model_type(checkpoint: str) -> str | None:
+    config = Path(checkpoint) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

@@ -1,0 +1,48 @@
+"""Agent loops of the session tests, written with the official ``openai`` client against the
+session URL (``--custom-generate-function-path tests.agentic.agents.<name>``)."""
+
+from __future__ import annotations
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluate an arithmetic expression",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+#: what the "tool" answers every turn (kept in the sample, never trained)
+TOOL_OUTPUT = "result: 42"
+#: per trajectory: (session_url, final messages, [(reply content, logprobs the client got)])
+SEEN: list = []
+
+
+def _client(sample):
+    from openai import OpenAI
+
+    return OpenAI(base_url=sample.metadata["session_url"], api_key="none", max_retries=0)
+
+
+def two_turns_with_tool_output(args, sample, sampling_params, session):
+    """Ask, append the reply and a tool answer, ask again: two model turns."""
+    client = _client(sample)
+    messages = [{"role": "user", "content": sample.prompt}]
+    replies = []
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+                                               logprobs=True)
+        message = reply.choices[0].message
+        replies.append((message.content, [entry.logprob for entry in reply.choices[0].logprobs.content]))
+        messages.append({"role": "assistant", "content": message.content or ""})
+        messages.append({"role": "tool", "tool_call_id": "call_0", "content": TOOL_OUTPUT})
+    SEEN.append((sample.metadata["session_url"], messages[:-1], replies))
+
+
+def edits_its_history(args, sample, sampling_params, session):
+    """Rewrites the model's first reply before the second turn: a prefix mismatch."""
+    client = _client(sample)
+    messages = [{"role": "user", "content": sample.prompt}]
+    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    messages.append({"role": "assistant", "content": "[edited]"})
+    messages.append({"role": "user", "content": "again"})
+    try:
+        client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    except Exception as error:  # noqa: BLE001 - an agent that swallows the refusal still fails its sample
+        sample.metadata["agent_saw"] = f"{type(error).__name__}: {error}"
+    return reply and None
