@@ -24,7 +24,6 @@ import asyncio
 import hmac
 import json
 import logging
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Callable, Iterable
 
@@ -34,7 +33,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from miles_sglang import endpoints, weight_endpoints
+from miles_sglang.limits import ServerLimits
 from miles_sglang.service import ServerState
+
+__all__ = ["ROUTES", "RequestGuardMiddleware", "ServerLimits", "api_key_dependency", "build_app", "is_authorized"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +45,6 @@ ROUTES = {**endpoints.ROUTES, **weight_endpoints.ROUTES}
 
 #: paths that never need the API key (SGLang exempts ``/health*``)
 _OPEN_PREFIXES = ("/health",)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may cost the server. Bodies of ``/update_weights_from_tensor``
-    carry whole weight buckets, so they get their own, larger limit."""
-
-    max_body_bytes: int = 64 * 2**20
-    max_weight_body_bytes: int = 4 * 2**30
-    body_timeout_s: float = 60.0  # the whole body must arrive within this
-    header_timeout_s: float = 10.0  # request line and headers (enforced by the server's protocol)
-    timeout_keep_alive_s: float = 30.0  # idle keep-alive connections are closed after this
-    backlog: int = 2048  # SGLang's; Python's default of 5 resets clients under load
-
-    def body_limit(self, path: str) -> int:
-        return self.max_weight_body_bytes if path in weight_endpoints.ROUTES else self.max_body_bytes
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -98,7 +84,8 @@ class RequestGuardMiddleware:
         if not is_authorized(self.api_key, scope["path"], headers.get(b"authorization")):
             await self._send_json(send, HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
             return
-        limit = self.limits.body_limit(scope["path"])
+        path = scope["path"]
+        limit = self.limits.max_weight_body_bytes if path in weight_endpoints.ROUTES else self.limits.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
             try:

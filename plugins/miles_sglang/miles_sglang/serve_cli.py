@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from types import SimpleNamespace
 from typing import Any
+
+from miles_sglang.limits import ServerLimits
 
 DEFAULT_PORT = 30000  # SGLang's default
 
@@ -42,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch-invariant kernels (results independent of batch composition)")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream chunks carry only new tokens (default: cumulative, as SGLang)")
+    parser.add_argument("--weight-version", default="default", help="the weight version reported before any update (SGLang's)")
+    limits = ServerLimits()
+    parser.add_argument("--timeout-keep-alive", type=float, default=limits.timeout_keep_alive_s,
+                        help="seconds an idle keep-alive connection stays open (uvicorn's)")
+    parser.add_argument("--max-request-body-mb", type=float, default=limits.max_body_bytes / 2**20,
+                        help="largest request body, MiB (larger ones are refused with 413 before they are read)")
+    parser.add_argument("--max-weight-request-body-mb", type=float, default=limits.max_weight_body_bytes / 2**20,
+                        help="largest body of the weight-update endpoints, MiB (they carry whole weight buckets)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id of the OpenAI API (/v1/models; default: the checkpoint path)")
     parser.add_argument("--tool-call-parser", default=None,
@@ -59,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, batch_invariant=args.enable_deterministic_inference or None,
     )
     server_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    limits = dataclasses.replace(
+        ServerLimits(), timeout_keep_alive_s=args.timeout_keep_alive, max_body_bytes=int(args.max_request_body_mb * 2**20),
+        max_weight_body_bytes=int(args.max_weight_request_body_mb * 2**20),
+    )
     handle = start_server(engine, args.hf_checkpoint, args.host, args.port, args.api_key,
-                          args.incremental_streaming_output, server_args)
+                          args.incremental_streaming_output, server_args, limits=limits)
     print(f"miles serve: {args.hf_checkpoint} at {handle.url} (SGLang HTTP API; Ctrl-C stops)", file=sys.stderr)
     wait_forever(handle)
     return 0

@@ -25,7 +25,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from miles_sglang.app import ServerLimits, build_app
+from miles_sglang.app import build_app
+from miles_sglang.limits import ServerLimits
 from miles_sglang.service import EngineWorker, ServerState, new_rid
 
 __all__ = ["ServerHandle", "ServerLimits", "ServerState", "is_loopback", "new_rid", "start_server", "wait_forever"]
@@ -147,8 +148,10 @@ def start_server(
 
     limits = limits or ServerLimits()
     server_args = dict(server_args or {})
-    if not isinstance(engine.weight_version, str) or engine.weight_version == "0":
-        engine.weight_version = str(server_args.get("weight_version") or DEFAULT_WEIGHT_VERSION)
+    if server_args.get("weight_version") is not None:
+        engine.weight_version = str(server_args["weight_version"])
+    elif not isinstance(engine.weight_version, str):  # a fresh engine counts from 0; SGLang says "default"
+        engine.weight_version = DEFAULT_WEIGHT_VERSION if engine.weight_version == 0 else str(engine.weight_version)
     worker = EngineWorker(engine).start()
     state = ServerState(
         worker=worker, model_path=model_path, api_key=api_key,

@@ -14,7 +14,7 @@ from http.client import HTTPConnection
 
 import pytest
 
-from miles_sglang.app import ServerLimits
+from miles_sglang.limits import ServerLimits
 from tests.plugins.sglang.conftest import http, make_engine, serve
 
 KEY = "sekrit"
