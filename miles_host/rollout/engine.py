@@ -9,9 +9,15 @@ Request-level use (the rollout manager): :meth:`Engine.add_request`, :meth:`Engi
 (returns the outputs finished in that step), :meth:`Engine.abort`, :meth:`Engine.pause` /
 :meth:`Engine.resume`, and the asyncio form :meth:`Engine.async_generate`.
 
+Logprobs: ``return_logprob`` gives each sampled token's logprob in
+``meta_info["output_token_logprobs"]``; ``top_logprobs_num``, ``token_ids_logprob`` and
+``logprob_start_len`` (SGLang's request fields, :mod:`.logprobs`) add ``output["logprobs"]``
+(:func:`~miles_host.rollout.outputs.sglang_logprob_meta` renders it as SGLang's meta_info).
+
 Errors: :meth:`add_request` raises ``ValueError`` for a bad request (invalid
 sampling params, empty prompt, prompt not shorter than ``max_model_len`` or larger
-than the KV cache, ``n`` above ``max_num_seqs``, stop strings without a tokenizer).
+than the KV cache, ``n`` above ``max_num_seqs``, stop strings without a tokenizer,
+a feature the engine cannot run as asked: :mod:`.request_checks`).
 :meth:`generate` and :meth:`async_generate` do not raise for those: the bad
 request's result has ``finish_reason == {"type": "abort", "message": ...}`` and
 the other requests run normally.
@@ -33,10 +39,13 @@ from miles_host.models.mlp import set_moe_kernel
 from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.config import EngineConfig, resolve_config
+from miles_host.rollout.grammar import GrammarCompiler, RequestGrammar
 from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_gpu
+from miles_host.rollout.logprobs import LogprobOptions, input_logprobs
 from miles_host.rollout.memory import MemoryOccupation
 from miles_host.rollout.model_runner import ModelRunner
 from miles_host.rollout.outputs import rejected_output, sequence_output
+from miles_host.rollout.request_checks import check_features
 from miles_host.rollout.sampling_params import SamplingParams
 from miles_host.rollout.scheduler import ScheduledBatch, Scheduler
 from miles_host.rollout.sequence import Sequence, SequenceStatus
@@ -105,6 +114,7 @@ class Engine(MemoryOccupation):
             fused_kernels=cfg.fused_kernels,
         )
         self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
         #: None: one policy forward per token (plain). Else a plugin's strategy runs the decode steps.
         self.strategy: DecodingStrategy | None = None
         if decoding_strategy is not None:
@@ -211,15 +221,30 @@ class Engine(MemoryOccupation):
         *,
         return_logprob: bool = True,
         return_routed_experts: bool = False,
+        top_logprobs_num: int | None = 0,
+        token_ids_logprob: list[int] | None = None,
+        logprob_start_len: int | None = -1,
     ) -> str:
-        """Queue one request (``n`` samples); return its id. Raises ``ValueError`` if it is bad."""
-        return self._add(rid, input_ids, sampling_params, return_logprob, return_routed_experts).rid
+        """Queue one request (``n`` samples); return its id. Raises ``ValueError`` if it is bad.
 
-    def _add(self, rid, input_ids, sampling_params, return_logprob, return_routed_experts) -> _Request:
+        ``top_logprobs_num`` / ``token_ids_logprob`` / ``logprob_start_len`` (SGLang's
+        ``/generate`` fields) count only with ``return_logprob``, as in SGLang."""
+        options = LogprobOptions.build(top_logprobs_num, token_ids_logprob, logprob_start_len)
+        return self._add(rid, input_ids, sampling_params, return_logprob, return_routed_experts, options).rid
+
+    def _add(self, rid, input_ids, sampling_params, return_logprob, return_routed_experts,
+             options: LogprobOptions | None = None) -> _Request:
         self.check_resident()  # released memory (release_memory_occupation): a RuntimeError
         params = SamplingParams.from_any(dict(sampling_params) if isinstance(sampling_params, Mapping) else sampling_params)
         rid = str(rid) if rid is not None else f"req-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
+        options = options if options is not None and return_logprob and options.any else None
         self._validate(rid, input_ids, params)
+        check_features(
+            params, options or LogprobOptions(), len(input_ids), vocab_size=self.model.config.vocab_size,
+            has_tokenizer=self.tokenizer is not None, batch_invariant=self.config.batch_invariant,
+            strategy=self.strategy,
+        )
+        compiled = self.grammar_compiler.compile(*params.grammar) if params.grammar is not None else None
         prompt = [int(t) for t in input_ids]
         samples = []
         for index in range(params.n):
@@ -230,7 +255,8 @@ class Engine(MemoryOccupation):
             samples.append(Sequence(
                 rid=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                 sample_index=index, generator=generator, want_routed_experts=return_routed_experts,
-                eos_token_ids=self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids, logprob_options=options,
+                grammar=RequestGrammar(compiled) if compiled is not None else None,
             ))
         parent = samples[0]
         for child in samples[1:]:
@@ -238,7 +264,7 @@ class Engine(MemoryOccupation):
             parent.children.append(child)
         request = _Request(rid, samples, return_logprob, return_routed_experts, outputs=[None] * params.n)
         self._requests[rid] = request
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and not (options is not None and options.wants_input):
             # nothing to generate: the outputs come back from the next step(), like any other
             self._ready_outputs.extend(self._finish(seq, {"type": "length", "length": 0}) for seq in samples)
         else:
@@ -269,8 +295,6 @@ class Engine(MemoryOccupation):
             )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine or use stop_token_ids")
 
     def has_unfinished(self) -> bool:
         """True while some request still has samples to generate (or outputs to hand back)."""
@@ -310,17 +334,28 @@ class Engine(MemoryOccupation):
                 if seq.num_output_tokens == 0 and seq.sample_index == 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
         on_hidden = None
-        if self.strategy is not None:
+        if self.strategy is not None or (batch.is_prefill and any(s.wants_input_logprobs for s in batch.sequences)):
             def on_hidden(group, hidden_TH, cu_seqlens):
-                self.strategy.on_prefill(batch, group, hidden_TH, cu_seqlens)
+                if batch.is_prefill:
+                    self._store_input_logprobs([batch.sequences[i] for i in group], hidden_TH, cu_seqlens)
+                if self.strategy is not None:
+                    self.strategy.on_prefill(batch, group, hidden_TH, cu_seqlens)
         result, routes = self.runner.run(batch, want_routes, on_hidden=on_hidden)
         if routes:
             self._store_routes(batch, starts, routes)
-        for seq, token, logprob in zip(batch.samplers, result.token_ids, result.logprobs):
+        extras = result.extras or [None] * len(batch.samplers)
+        for seq, token, logprob, extra in zip(batch.samplers, result.token_ids, result.logprobs, extras):
             if seq.parent is not None and seq.num_output_tokens == 0:
                 seq.num_prompt_cached_tokens = seq.parent.num_prompt_cached_tokens
+            if seq.params.max_new_tokens == 0:  # prefilled for its prompt logprobs only
+                finished.append(self._finish(seq, {"type": "length", "length": 0}))
+                continue
             seq.token_ids.append(token)
             seq.output_logprobs.append(logprob)
+            if seq.wants_position_extras:
+                seq.output_extras.append(extra)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             seq.num_cached_tokens = len(seq) - 1
             self.block_manager.register_full_blocks(seq, len(seq) - 1)
             reason = self._finish_reason(seq)
@@ -328,14 +363,27 @@ class Engine(MemoryOccupation):
                 finished.append(self._finish(seq, reason))
         return finished
 
+    def _store_input_logprobs(self, seqs: list[Sequence], hidden_TH: torch.Tensor, cu_seqlens: list[int]) -> None:
+        """Prompt logprobs of the sequences in a prefill forward that asked (every prompt
+        token was forwarded: such a sequence bypasses the prefix cache)."""
+        for j, seq in enumerate(seqs):
+            if seq.wants_input_logprobs and seq.num_output_tokens == 0:
+                rows_TH = hidden_TH[cu_seqlens[j]:cu_seqlens[j + 1]]
+                assert rows_TH.shape[0] == seq.num_prompt_tokens, "input logprobs need the whole prompt forwarded"
+                seq.input_logprobs = input_logprobs(
+                    self.runner.logits, rows_TH, seq.token_ids[:seq.num_prompt_tokens], seq.logprob_options
+                )
+
     # ------------------------------------------------------------------ overlapped decode
 
     def _overlaps(self, batch: ScheduledBatch) -> bool:
-        """Whether ``batch`` is a plain decode step that may run overlapped."""
+        """Whether ``batch`` is a plain decode step that may run overlapped (not when a row
+        needs its previous token before sampling, or per-position logprob extras)."""
         return (
             self.config.overlap_schedule and not batch.is_prefill and not batch.failed and bool(batch.sequences)
             and self.strategy is None and not self.runner.token_by_token
-            and not any(s.want_routed_experts for s in batch.sequences)
+            and not any(s.want_routed_experts or s.needs_processed_logits or s.wants_position_extras
+                        for s in batch.sequences)
         )
 
     def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:
@@ -479,6 +527,9 @@ class Engine(MemoryOccupation):
         return_logprob: bool = True,
         return_routed_experts: bool = False,
         rid: list[str] | str | None = None,
+        top_logprobs_num: int | None = 0,
+        token_ids_logprob: list[int] | None = None,
+        logprob_start_len: int | None = -1,
     ) -> list[dict[str, Any]]:
         """Generate for a batch of prompts; return ``n`` results per prompt, prompt-major.
 
@@ -487,11 +538,12 @@ class Engine(MemoryOccupation):
         """
         if self._paused:
             raise RuntimeError("the engine is paused: call resume() before generate()")
+        options = LogprobOptions.build(top_logprobs_num, token_ids_logprob, logprob_start_len)
         prompts, params_list, rids = _normalise_batch(input_ids, sampling_params, rid)
         slots: list[_Request | list[dict]] = []
         for prompt, params, r in zip(prompts, params_list, rids):
             try:
-                slots.append(self._add(r, prompt, params, return_logprob, return_routed_experts))
+                slots.append(self._add(r, prompt, params, return_logprob, return_routed_experts, options))
             except ValueError as error:
                 slots.append(self._rejected(r, prompt, params, error))
         while any(isinstance(s, _Request) and not s.done for s in slots):
@@ -517,6 +569,9 @@ class Engine(MemoryOccupation):
         return_logprob: bool = True,
         return_routed_experts: bool = False,
         rid: str | list[str] | None = None,
+        top_logprobs_num: int | None = 0,
+        token_ids_logprob: list[int] | None = None,
+        logprob_start_len: int | None = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Awaitable generate for the rollout manager.
 
@@ -526,19 +581,20 @@ class Engine(MemoryOccupation):
         flight; many coroutines can submit concurrently and are batched together.
         Cancelling the awaiting coroutine aborts its request.
         """
+        options = LogprobOptions.build(top_logprobs_num, token_ids_logprob, logprob_start_len)
         if input_ids and isinstance(input_ids[0], (list, tuple)):
             prompts, params_list, rids = _normalise_batch(input_ids, sampling_params, rid)
             results = await asyncio.gather(*(
-                self._async_one(p, sp, r, return_logprob, return_routed_experts)
+                self._async_one(p, sp, r, return_logprob, return_routed_experts, options)
                 for p, sp, r in zip(prompts, params_list, rids)
             ))
             return [o for outputs in results for o in outputs]
-        outputs = await self._async_one(input_ids, sampling_params, rid, return_logprob, return_routed_experts)
+        outputs = await self._async_one(input_ids, sampling_params, rid, return_logprob, return_routed_experts, options)
         return outputs[0] if len(outputs) == 1 else outputs
 
-    async def _async_one(self, prompt, params, rid, return_logprob, return_routed_experts) -> list[dict]:
+    async def _async_one(self, prompt, params, rid, return_logprob, return_routed_experts, options=None) -> list[dict]:
         try:
-            request = self._add(rid, prompt, params, return_logprob, return_routed_experts)
+            request = self._add(rid, prompt, params, return_logprob, return_routed_experts, options)
         except ValueError as error:
             return self._rejected(rid, prompt, params, error)
         if request.done:

@@ -21,8 +21,11 @@ import torch
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
+from miles_host.rollout.grammar import allowed_tokens
 from miles_host.rollout.kv_cache import PagedKVCache
-from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample, seeded_uniforms
+from miles_host.rollout.logprobs import PositionExtras, position_extras
+from miles_host.rollout.penalties import LogitsProcessing
+from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample_with_distribution, seeded_uniforms
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence
 
@@ -40,10 +43,12 @@ class Readback:
 
 @dataclass
 class StepResult:
-    """Sampled tokens (host lists, aligned with ``batch.samplers``) and captured routes."""
+    """Sampled tokens (host lists, aligned with ``batch.samplers``) and, for samplers that
+    asked, their positions' top / requested-id logprobs."""
 
     token_ids: list[int]
     logprobs: list[float]
+    extras: list[PositionExtras | None] | None = None
 
 
 def paged_metadata(
@@ -217,6 +222,9 @@ class ModelRunner:
         groups = [[i] for i in range(len(seqs))] if self.token_by_token else [list(range(len(seqs)))]
         tokens: list[int] = [0] * len(batch.samplers)
         logprobs: list[float] = [0.0] * len(batch.samplers)
+        extras: list[PositionExtras | None] | None = None
+        if any(s.wants_position_extras for s in batch.samplers):
+            extras = [None] * len(batch.samplers)
         routes: list[tuple[list[int], list[int], torch.Tensor]] = []
         self._routes_used = 0
         for group in groups:
@@ -244,14 +252,17 @@ class ModelRunner:
                     rows_BV = logits_BV
                 else:
                     rows_BV = logits_BV.index_select(0, host_to_device(index, logits_BV.device))
-                token_B, logprob_B = self._sample(rows_BV, samplers)
+                token_B, logprob_B, logprobs_BV = self._sample(rows_BV, samplers)
                 # One device-to-host copy per sampling group: the only sync of the step.
                 for r, t, lp in zip(sub, token_B.tolist(), logprob_B.tolist()):
                     tokens[r] = t
                     logprobs[r] = lp
+                if extras is not None:
+                    for r, extra in zip(sub, position_extras(logprobs_BV, [s.logprob_options for s in samplers])):
+                        extras[r] = extra
                 if self.token_by_token:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
-        return StepResult(tokens, logprobs), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
+        return StepResult(tokens, logprobs, extras), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
 
     @torch.inference_mode()
     def launch_decode(
@@ -264,18 +275,26 @@ class ModelRunner:
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
         hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
-        return self._sample(self._logits(hidden_BH), seqs)
+        return self._sample(self._logits(hidden_BH), seqs)[:2]
 
-    def _sample(self, logits_BV: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token and its logprob (device tensors), sampled with its sequence's settings."""
-        sampling = self._sampling_batch(samplers, logits_BV.device)
+    def _sample(
+        self, logits_BV: torch.Tensor, samplers: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's next token, its logprob and the rows' logprobs ``[B, V]`` (device tensors),
+        sampled with its sequence's settings."""
+        sampling = self._sampling_batch(samplers, logits_BV)
         uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, logits_BV.device)
-        token_B, logprob_B = sample(logits_BV, sampling, uniforms_B)
+        token_B, logprobs_BV = sample_with_distribution(logits_BV, sampling, uniforms_B)
+        logprob_B = logprobs_BV.gather(1, token_B[:, None]).squeeze(1)
         if self.batch_invariant and not self.token_by_token:
             from miles_host.models.invariant_gpu import sampled_log_probs
 
             logprob_B = sampled_log_probs(logits_BV, token_B, [seq.params.temperature for seq in samplers])
-        return token_B, logprob_B
+        return token_B, logprob_B, logprobs_BV
+
+    def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """The logits of hidden states as the sampler gets them (prompt logprobs read them too)."""
+        return self._logits(hidden_TH)
 
     def _logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         """The logits sampled from (on CUDA in batch-invariant mode: by the invariant kernels)."""
@@ -343,11 +362,21 @@ class ModelRunner:
         uniforms_B[seeded] = values_S
         return host_to_device(uniforms_B, device)
 
-    def _sampling_batch(self, samplers: list[Sequence], device: torch.device) -> SamplingBatch:
-        """The rows' sampling settings; reused while the same requests decode together."""
+    def _sampling_batch(self, samplers: list[Sequence], logits_BV: torch.Tensor) -> SamplingBatch:
+        """The rows' sampling settings; reused while the same requests decode together
+        (not when some row's logits change with its output: penalties, a grammar)."""
         params = [s.params for s in samplers]
         generators = [s.generator for s in samplers]
         banned = [s.banned_tokens() for s in samplers]
+        device = logits_BV.device
+        if any(s.needs_processed_logits for s in samplers):
+            vocab = logits_BV.shape[-1]
+            processing = LogitsProcessing.build(
+                params, [s.output_ids for s in samplers], vocab, device,
+                allowed_BV=allowed_tokens([s.grammar for s in samplers], vocab, device),
+            )
+            self._last_sampling = None
+            return SamplingBatch.build(params, generators, banned, device, processing=processing)
         cached = self._last_sampling
         if (
             cached is not None and not any(banned) and len(cached[0]) == len(params)

@@ -1,7 +1,20 @@
-"""SGLang-shaped results of finished (or aborted, or rejected) requests."""
+"""SGLang-shaped results of finished (or aborted, or rejected) requests.
+
+``text`` is detokenized as SGLang's detokenizer does it: with the request's
+``skip_special_tokens`` / ``spaces_between_special_tokens``, and with the matched stop
+removed unless ``no_stop_trim`` (a stop token or EOS is left out of the decoded ids, a
+stop string is cut where it starts; ``output_ids`` always keep every token). A
+``stop_regex`` match is cut where the match starts (SGLang looks the pattern up as a
+literal string there, so its text keeps a regex match).
+
+Logprobs beyond the sampled tokens' come back raw in ``output["logprobs"]``
+(``(token id, logprob)`` pairs, see :func:`logprob_details`);
+:func:`sglang_logprob_meta` renders them in SGLang's ``meta_info`` layout.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -56,8 +69,113 @@ def sequence_output(
         meta["routed_experts"] = routed_experts_array(seq)
     result: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta}
     if tokenizer is not None:
-        result["text"] = tokenizer.decode(output_ids)
+        result["text"] = output_text(seq, tokenizer)
+    if return_logprob and seq.logprob_options is not None:
+        result["logprobs"] = logprob_details(seq)
     return result
+
+
+def output_text(seq: Sequence, tokenizer: Any) -> str:
+    """The decoded output, its matched stop trimmed unless ``no_stop_trim`` (SGLang's
+    ``DetokenizerManager.trim_matched_stop``)."""
+    params = seq.params
+    reason = seq.finish_reason or {}
+    matched = reason.get("matched") if reason.get("type") == "stop" else None
+    ids = list(seq.output_ids)
+    if isinstance(matched, int) and not params.no_stop_trim and ids:
+        ids = ids[:-1]  # the stop token / EOS is the last one
+    text = tokenizer.decode(
+        ids, skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+    )
+    if not isinstance(matched, str):
+        return text
+    if matched in params.stop:
+        start = text.find(matched)
+        end = start + len(matched)
+    else:  # a stop_regex pattern
+        found = re.search(matched, text)
+        start, end = (found.start(), found.end()) if found else (-1, -1)
+    if start == -1:
+        return text
+    return text[:end] if params.no_stop_trim else text[:start]
+
+
+def logprob_details(seq: Sequence) -> dict[str, Any]:
+    """The raw logprob extras of a sample (plain lists, JSON-safe), keys present when asked:
+
+    ``output_top_logprobs`` / ``output_token_ids_logprobs``: per generated token, a list of
+    ``[token id, logprob]`` (the top ``top_logprobs_num``, or the ``token_ids_logprob`` ids);
+    ``input_token_ids`` (the prompt from ``logprob_start_len``), ``input_token_logprobs``
+    (one per such token, the first ``None``) and ``input_top_logprobs`` /
+    ``input_token_ids_logprobs`` (per such token, the first ``None``).
+    """
+    options = seq.logprob_options
+    details: dict[str, Any] = {}
+    if options.top_logprobs_num > 0:
+        details["output_top_logprobs"] = [_pairs(p) for p in seq.output_extras.top_logprobs]
+    if options.token_ids_logprob is not None:
+        details["output_token_ids_logprobs"] = [_pairs(p) for p in seq.output_extras.token_ids_logprobs]
+    if options.wants_input:
+        source = seq.input_logprobs or (seq.parent.input_logprobs if seq.parent is not None else None)
+        if source is not None:
+            details["input_token_ids"] = list(source.token_ids)
+            details["input_token_logprobs"] = list(source.token_logprobs)
+            if source.top_logprobs is not None:
+                details["input_top_logprobs"] = [_pairs(p) for p in source.top_logprobs]
+            if source.token_ids_logprobs is not None:
+                details["input_token_ids_logprobs"] = [_pairs(p) for p in source.token_ids_logprobs]
+    return details
+
+
+def _pairs(pairs) -> list[list] | None:
+    return None if pairs is None else [[token, logprob] for token, logprob in pairs]
+
+
+def sglang_logprob_meta(output: dict[str, Any], tokenizer: Any | None, return_text: bool) -> dict[str, Any]:
+    """The logprob fields of SGLang's ``meta_info`` for one engine output (a pure function).
+
+    ``output_token_logprobs`` / ``input_token_logprobs``: ``[[logprob, token id, text], ...]``;
+    ``output_top_logprobs`` / ``input_top_logprobs`` (when ``top_logprobs_num`` was asked) and
+    ``output_token_ids_logprobs`` / ``input_token_ids_logprobs`` (when ``token_ids_logprob``
+    was): per position ``[[logprob, token id, text], ...]`` or ``None``. ``text`` is each
+    token decoded alone when ``return_text`` (SGLang's ``return_text_in_logprobs``), else
+    ``None``. An output without logprobs gives ``{}``.
+    """
+    meta = output.get("meta_info", {})
+    if "output_token_logprobs" not in meta:
+        return {}
+    if return_text and tokenizer is None:
+        raise ValueError("return_text_in_logprobs needs a tokenizer, and the checkpoint has none")
+    text_of = _token_texts(tokenizer) if return_text else (lambda ids: [None] * len(ids))
+    details = output.get("logprobs") or {}
+    values = [entry[0] for entry in meta["output_token_logprobs"]]
+    result = {
+        "output_token_logprobs": _triples(values, output["output_ids"][:len(values)], text_of),
+        "input_token_logprobs": _triples(
+            details.get("input_token_logprobs", []), details.get("input_token_ids", []), text_of
+        ),
+    }
+    for side in ("top_logprobs", "token_ids_logprobs"):
+        if f"output_{side}" in details:
+            result[f"input_{side}"] = _positions(details.get(f"input_{side}", []), text_of)
+            result[f"output_{side}"] = _positions(details[f"output_{side}"], text_of)
+    return result
+
+
+def _token_texts(tokenizer: Any):
+    return lambda ids: tokenizer.batch_decode([[token] for token in ids]) if ids else []
+
+
+def _triples(values: list, ids: list[int], text_of) -> list[list]:
+    return [[value, token, text] for value, token, text in zip(values, ids, text_of(list(ids)))]
+
+
+def _positions(rows: list, text_of) -> list:
+    return [
+        None if not row else _triples([lp for _, lp in row], [token for token, _ in row], text_of)
+        for row in rows
+    ]
 
 
 def rejected_output(rid: str, message: str, num_prompt_tokens: int, weight_version: Any) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 The returned logprob of a token is ``log_softmax(logits / temperature)`` at that
 token (``log_softmax(logits)`` when greedy), taken before top-k / top-p / min-p
-truncation: exactly what the trainer recomputes from the same logits.
+truncation: exactly what the trainer recomputes from the same logits. A request with
+penalties, ``logit_bias`` or a grammar has its logits changed first
+(:class:`~miles_host.rollout.penalties.LogitsProcessing`), and its logprobs are of the
+changed distribution, as SGLang returns them.
 A token is drawn by inverting the CDF of the truncated, renormalised distribution
 at one uniform number per row (no ``.item()``, no ``multinomial``). A request
 with a ``sampling_seed`` gets its uniform from a counter-based hash of (seed,
@@ -18,11 +21,15 @@ Tensor legend: B = rows (sequences being sampled), V = vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from miles_host.rollout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from miles_host.rollout.penalties import LogitsProcessing
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -48,6 +55,7 @@ class SamplingBatch:
     banned: list[list[int]]               # token ids a row may not sample (min_new_tokens)
     any_greedy: bool = True
     all_unit_temperature: bool = False    # every sampled row has temperature 1: no division
+    processing: "LogitsProcessing | None" = None  # penalties, grammar, logit_bias (None: logits as they are)
 
     @classmethod
     def build(
@@ -56,6 +64,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         banned: list[list[int]],
         device: torch.device,
+        processing: "LogitsProcessing | None" = None,
     ) -> "SamplingBatch":
         def to_device(values, dtype):
             return host_to_device(torch.tensor(values, dtype=dtype), device)
@@ -72,6 +81,7 @@ class SamplingBatch:
             banned=banned,
             any_greedy=any(p.greedy for p in params),
             all_unit_temperature=all(p.greedy or p.temperature == 1.0 for p in params),
+            processing=processing,
         )
 
 
@@ -206,7 +216,18 @@ def sample(
 
     ``uniforms_B``: the rows' ``U[0, 1)`` numbers (default: from ``batch.generators``).
     """
+    tokens_B, logprobs_BV = sample_with_distribution(logits_BV, batch, uniforms_B)
+    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def sample_with_distribution(
+    logits_BV: torch.Tensor, batch: SamplingBatch, uniforms_B: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (token ids ``[B]``, the rows' logprobs ``[B, V]``): :func:`sample` with the whole
+    distribution the returned logprobs come from (top logprobs are read from it)."""
     logits_BV = logits_BV.float()
+    if batch.processing is not None:
+        logits_BV = batch.processing.apply(logits_BV)
     choice_BV = logits_BV
     if any(batch.banned):
         choice_BV = logits_BV.clone()
@@ -214,9 +235,7 @@ def sample(
             if token_ids:
                 choice_BV[row, token_ids] = float("-inf")
     if batch.all_greedy:
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-        tokens_B = choice_BV.argmax(dim=-1)
-        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        return choice_BV.argmax(dim=-1), torch.log_softmax(logits_BV, dim=-1)
     scaled_BV = logits_BV if batch.all_unit_temperature else logits_BV / batch.temperature_B[:, None]
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
     keep_BV = truncation_mask(logprobs_BV, batch.top_k_B, batch.top_p_B, batch.min_p_B)
@@ -230,5 +249,6 @@ def sample(
         uniforms_B = row_uniforms(batch.generators, logits_BV.device)
     tokens_B = inverse_cdf(probs_BV, uniforms_B.to(probs_BV.dtype))
     if batch.any_greedy:
+        # (a greedy row's temperature is 1: its logprobs are log_softmax(logits), untempered)
         tokens_B = torch.where(batch.greedy_B, choice_BV.argmax(dim=-1), tokens_B)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    return tokens_B, logprobs_BV

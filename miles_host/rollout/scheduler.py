@@ -81,7 +81,8 @@ class Scheduler:
                 self.waiting.popleft()
                 batch.failed.append(seq)
                 continue
-            use_cache = not seq.want_routed_experts
+            # routed experts and input logprobs need every prompt token forwarded
+            use_cache = not seq.want_routed_experts and not seq.wants_input_logprobs
             if not self.block_manager.can_allocate(seq, use_cache):
                 break
             estimate = len(seq) - self.block_manager.num_cached_estimate(seq, use_cache)

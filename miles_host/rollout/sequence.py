@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from miles_host.rollout.logprobs import InputLogprobs, LogprobOptions, OutputExtras
 from miles_host.rollout.sampling_params import SamplingParams
 
 
@@ -52,6 +53,25 @@ class Sequence:
     full_block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
     draft_state: Any = None             # a decoding strategy's per-sequence state (speculative drafts)
     spec_info: dict[str, Any] = field(default_factory=dict)  # strategy statistics, copied to meta_info
+    logprob_options: LogprobOptions | None = None  # top / requested-id / input logprobs asked for
+    output_extras: OutputExtras = field(default_factory=OutputExtras)  # per generated position
+    input_logprobs: InputLogprobs | None = None    # the prompt's, once its prefill ran
+    grammar: Any = None                            # a grammar.RequestGrammar when constrained
+
+    @property
+    def needs_processed_logits(self) -> bool:
+        """Whether its logits change before sampling (penalties, ``logit_bias``, a grammar)."""
+        return self.params.has_penalties or self.grammar is not None
+
+    @property
+    def wants_position_extras(self) -> bool:
+        """Whether each generated position needs top / requested-id logprobs."""
+        return self.logprob_options is not None and self.logprob_options.wants_output_extras
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether its prompt's logprobs are still to be computed (at its first prefill)."""
+        return self.logprob_options is not None and self.logprob_options.wants_input and self.input_logprobs is None
 
     def banned_tokens(self) -> list[int]:
         """Tokens this sequence may not sample yet (``min_new_tokens`` not reached)."""

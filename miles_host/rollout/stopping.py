@@ -1,12 +1,15 @@
-"""When a sequence stops: stop tokens, EOS, stop strings, max_new_tokens, the context length.
+"""When a sequence stops: stop tokens, EOS, stop strings, stop regexes, a complete grammar,
+max_new_tokens, the context length.
 
-SGLang's rules: stop tokens, EOS (unless ``ignore_eos``) and stop strings count only
-once ``min_new_tokens`` tokens were generated; ``finish_reason`` is
-``{"type": "stop", "matched": token or string}`` or ``{"type": "length", "length": n}``.
+SGLang's rules: stop tokens, EOS (unless ``ignore_eos``), stop strings and ``stop_regex``
+patterns (searched in the decoded output) count only once ``min_new_tokens`` tokens were
+generated; ``finish_reason`` is ``{"type": "stop", "matched": token, string or pattern}``
+or ``{"type": "length", "length": n}``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from miles_host.rollout.sequence import Sequence
@@ -27,10 +30,16 @@ def finish_reason(
             matched = matched_stop_string(seq, tokenizer, position + 1)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
+        if params.stop_regex:
+            matched = matched_stop_regex(seq, tokenizer, position + 1)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
     if num_output >= params.max_new_tokens:
         return {"type": "length", "length": params.max_new_tokens}
     if position + 1 >= max_model_len:
         return {"type": "length", "length": num_output}
+    if seq.grammar is not None and seq.grammar.is_terminated:
+        return {"type": "stop", "matched": token}
     return None
 
 
@@ -42,4 +51,13 @@ def matched_stop_string(seq: Sequence, tokenizer: Any, end: int) -> str | None:
     for stop in seq.params.stop:
         if stop in tail:
             return stop
+    return None
+
+
+def matched_stop_regex(seq: Sequence, tokenizer: Any, end: int) -> str | None:
+    """The first ``stop_regex`` pattern found in the decoded output before token ``end``, if any."""
+    text = tokenizer.decode(seq.token_ids[seq.num_prompt_tokens:end])
+    for pattern in seq.params.stop_regex:
+        if re.search(pattern, text):
+            return pattern
     return None
