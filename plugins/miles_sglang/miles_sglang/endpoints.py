@@ -21,7 +21,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from miles_sglang import __version__
 from miles_sglang.service import GenerateJob, ServerState, iter_chunks, new_rid, wait_job
@@ -326,11 +326,6 @@ async def resume_memory_occupation(state: ServerState, request, body: dict) -> A
     tags = _memory_tags(body)
     await state.worker.call_async(lambda engine: state.released_tags.difference_update(tags))
     return None
-
-
-def json_error(message: str, status: int = HTTPStatus.BAD_REQUEST) -> JSONResponse:
-    """SGLang's error answer ``{"error": {"message": ...}}``."""
-    return JSONResponse({"error": {"message": str(message)}}, status_code=status)
 
 
 #: path -> (HTTP methods, endpoint); the weight endpoints are in weight_endpoints.ROUTES
