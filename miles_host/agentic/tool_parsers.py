@@ -17,6 +17,11 @@ OpenAI sends it. A call whose JSON does not parse is left in the content (the mo
 wrote something that is not a call); nothing is invented. Plugins add formats with
 :func:`register_tool_parser`; :func:`detect_tool_parser` picks one from the chat
 template's markers, then from the HF ``model_type``.
+
+A *forced* call (``tool_choice`` ``"required"`` or a named function) is not written
+in the family's format: as vLLM and SGLang do, the reply is constrained to JSON by a
+schema (:func:`forced_tool_calls`): a non-empty array of ``{"name", "parameters"}``
+for ``"required"``, the function's arguments object for a named one.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 def new_tool_call_id() -> str:
@@ -69,15 +74,17 @@ class ToolParser:
     model_types: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     description: str = ""
+    streams_content: bool = True
 
     def streamable_prefix(self, text: str) -> int:
         """How many characters of a partial reply are surely content (no call starts in them).
 
         Stops before the first marker, and holds back a tail that could be the start
-        of one, so a streaming server never sends part of a call as content.
+        of one, so a streaming server never sends part of a call as content. A parser
+        whose whole reply is the calls (``streams_content`` false) streams none.
         """
         stripped = text.lstrip()
-        if not stripped:
+        if not stripped or not self.streams_content:
             return 0
         if any(stripped.startswith(m) or m.startswith(stripped) for m in self.leading):
             return 0
@@ -281,3 +288,50 @@ register_tool_parser(ToolParser(
     model_types=("deepseek_v3", "deepseek_v32"), aliases=("deepseekv31", "deepseek"),
     description="DeepSeek V3 / R1 / V3.1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜>",
 ))
+
+
+# ----------------------------------------------------------------------------
+# forced calls: tool_choice "required" or a named function
+# ----------------------------------------------------------------------------
+
+
+def _function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError("each tool must be {'type': 'function', 'function': {'name', 'parameters'}}")
+    return function
+
+
+def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(function.get("parameters") or {"type": "object", "properties": {}})
+
+
+def _parse_required(text: str) -> tuple[str, list[ToolCall]]:
+    value = _loads(text.strip())
+    calls = [_call_from_json(v, ("parameters", "arguments")) for v in value] if isinstance(value, list) else []
+    if not calls or any(c is None for c in calls):
+        return text.strip(), []
+    return "", calls
+
+
+def forced_tool_calls(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> tuple[ToolParser, dict[str, Any]]:
+    """The parser and the JSON schema that force a call, for ``tool_choice`` ``"required"`` or
+    ``{"type": "function", "function": {"name": ...}}``; a ``ValueError`` for a function not in ``tools``."""
+    functions = [_function(tool) for tool in tools]
+    if tool_choice == "required":
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters(f)},
+             "required": ["name", "parameters"]} for f in functions]}}
+        return ToolParser(name="required", parse=_parse_required, streams_content=False), schema
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
+    chosen = [f for f in functions if f["name"] == name]
+    if not chosen:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools {[f['name'] for f in functions]}")
+
+    def parse_named(text: str) -> tuple[str, list[ToolCall]]:
+        arguments = _loads(text.strip())
+        if not isinstance(arguments, dict):
+            return text.strip(), []
+        return "", [ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))]
+
+    return ToolParser(name=f"function:{name}", parse=parse_named, streams_content=False), _parameters(chosen[0])

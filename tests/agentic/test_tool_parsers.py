@@ -139,3 +139,37 @@ def test_streamable_prefix_never_includes_part_of_a_call():
     assert qwen.streamable_prefix("  ") == 0
     assert llama.streamable_prefix('{"name"') == 0  # a Llama 3 reply that starts with JSON is a call
     assert llama.streamable_prefix("Sure, <|python") == len("Sure, ")
+
+
+# ----------------------------------------------------------------------------
+# forced calls
+# ----------------------------------------------------------------------------
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+
+
+def test_required_calls_schema_and_parse():
+    from miles_host.agentic.tool_parsers import forced_tool_calls
+
+    parser, schema = forced_tool_calls([ADD, NOW], "required")
+    reply = '[{"name": "add", "parameters": {"a": 1}}, {"name": "now", "parameters": {}}]'
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(reply), schema)
+    for wrong in ([], [{"name": "sub", "parameters": {"a": 1}}], [{"name": "add", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    assert calls_of(parser.parse(reply)) == ("", [("add", {"a": 1}), ("now", {})])
+    assert parser.parse("[{") == ("[{", []) and parser.streamable_prefix("[{") == 0
+
+
+def test_named_call_schema_and_parse():
+    from miles_host.agentic.tool_parsers import forced_tool_calls
+
+    parser, schema = forced_tool_calls([ADD, NOW], {"type": "function", "function": {"name": "add"}})
+    assert schema == ADD["function"]["parameters"]
+    assert calls_of(parser.parse(' {"a": 7}')) == ("", [("add", {"a": 7})])
+    assert forced_tool_calls([NOW], {"type": "function", "function": {"name": "now"}})[1] == {"type": "object", "properties": {}}
+    with pytest.raises(ValueError, match="'sub', which is not in tools"):
+        forced_tool_calls([ADD], {"type": "function", "function": {"name": "sub"}})

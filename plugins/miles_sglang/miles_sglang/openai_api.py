@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from miles_host.agentic.chat import ChatTemplateError, render_chat
-from miles_host.agentic.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
+from miles_host.agentic.tool_parsers import ToolParser, detect_tool_parser, forced_tool_calls, get_tool_parser
 from miles_sglang import openai_output as output
 from miles_sglang.openai_protocol import (
     ChatCompletionRequest,
@@ -87,9 +87,6 @@ SAMPLING_FIELDS = (
 UNSUPPORTED = (
     ("best_of", lambda v: v not in (None, 1), "best_of is not supported by miles serve; use n"),
     ("suffix", lambda v: bool(v), "suffix (insertion) is not supported by miles serve"),
-    ("tool_choice", lambda v: v == "required" or (v is not None and not isinstance(v, str)),
-     "tool_choice 'required' or a named function needs constrained decoding to force a call, which miles "
-     "serve does not do; use 'auto' (the model decides) or 'none'"),
 )
 
 
@@ -128,13 +125,16 @@ def sampling_params(request: BaseModel, max_new_tokens: int) -> dict[str, Any]:
 #: engine sampling_params key -> the request field it came from (beside SAMPLING_FIELDS)
 _ENGINE_KEY_FIELDS = {"max_new_tokens": "max_tokens", "stop": "stop", "logit_bias": "logit_bias",
                       "json_schema": "response_format", **{key: field for field, key, _ in SAMPLING_FIELDS}}
-_ENGINE_KEY = re.compile(r"sampling_params: (\w+)|sampling parameter\(s\) \['(\w+)'")
+_ENGINE_KEY = re.compile(r"sampling_params: (\w+)|sampling parameter\(s\) \['(\w+)'|\(`(\w+)`\)")
 
 
-def _field_named_in(message: str) -> str | None:
-    """The request field an engine error is about (its messages name the sampling_params key)."""
+def _field_named_in(message: str, grammar_field: str) -> str | None:
+    """The request field an engine error is about (its messages name the sampling_params key);
+    ``grammar_field`` is the field that asked for ``json_schema``."""
     match = _ENGINE_KEY.search(message)
-    key = match and (match.group(1) or match.group(2))
+    key = match and (match.group(1) or match.group(2) or match.group(3))
+    if key == "json_schema":
+        return grammar_field
     return _ENGINE_KEY_FIELDS.get(key) if key else None
 
 
@@ -227,9 +227,10 @@ class OpenAIServer:
         return asked
 
     async def submit(self, prompts: list[list[int]], params: dict, *, return_logprob: bool, stream: bool,
-                     rid: str | None, logprob_start_len: int = -1) -> tuple[GenerateJob, asyncio.Event]:
+                     rid: str | None, logprob_start_len: int = -1,
+                     grammar_field: str = "response_format") -> tuple[GenerateJob, asyncio.Event]:
         """Queue one engine job (all prompts, ``n`` samples each) and the event its progress sets;
-        a ValueError from the engine is the request's fault (400)."""
+        a ValueError from the engine is the request's fault (400, naming the field it is about)."""
         if "weights" in self.state.released_tags:
             raise OpenAIError(503, "the weights are released: call /resume_memory_occupation first",
                               type="service_unavailable")
@@ -245,7 +246,7 @@ class OpenAIServer:
         try:
             await self.state.worker.submit_async(job, prompts, [dict(params) for _ in prompts], rids)
         except ValueError as error:
-            raise _bad(str(error), param=_field_named_in(str(error))) from error
+            raise _bad(str(error), param=_field_named_in(str(error), grammar_field)) from error
         except RuntimeError as error:
             raise OpenAIError(503, str(error), type="service_unavailable") from error
         return job, event
@@ -313,11 +314,10 @@ class OpenAIServer:
         _refuse_unsupported(req)
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise _bad("tool_choice forces a tool call but the request has no tools", param="tool_choice")
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        parser = self.parser if use_tools else None
-        if use_tools and parser is None:
-            raise _bad("this model's tool-call format is unknown, so tool calls cannot be parsed: start the server "
-                        "with a tool_call_parser (qwen25, llama3, deepseekv3)", param="tools")
+        parser, forced_schema = self._chat_tool_parser(req) if use_tools else (None, None)
         try:
             prompt = await run_in_threadpool(
                 render_chat, self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages],
@@ -330,12 +330,34 @@ class OpenAIServer:
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(req, self.max_new_tokens(asked, [len(prompt)], field))
+        if forced_schema is not None:
+            params["json_schema"] = json.dumps(forced_schema)
         rules = output.TextRules(self.engine.tokenizer, tuple(_stops(req)), req.skip_special_tokens, req.no_stop_trim)
-        job, event = await self.submit([prompt], params, return_logprob=req.logprobs, stream=req.stream, rid=req.rid)
+        job, event = await self.submit([prompt], params, return_logprob=req.logprobs, stream=req.stream, rid=req.rid,
+                                       grammar_field="tool_choice" if forced_schema is not None else "response_format")
         if req.stream:
             return _sse(chat_stream(self.chunks(job, event), job, req, rules, parser, len(prompt)))
         results = await self.results(request, job, event)
         return JSONResponse(chat_response(results, req, rules, parser, len(prompt)).model_dump())
+
+
+    def _chat_tool_parser(self, req: ChatCompletionRequest) -> tuple[ToolParser, dict | None]:
+        """How the reply's tool calls are read, and the JSON schema that forces one (or None):
+        ``tool_choice`` "auto" uses the model family's format, "required" or a named
+        function constrain the reply to JSON (:func:`~miles_host.agentic.tool_parsers.forced_tool_calls`)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        if req.tool_choice in (None, "auto"):
+            if self.parser is None:
+                raise _bad("this model's tool-call format is unknown, so tool calls cannot be parsed: start the "
+                           "server with --tool-call-parser (qwen25, llama3, deepseekv3)", param="tools")
+            return self.parser, None
+        if req.response_format is not None and req.response_format.type != "text":
+            raise _bad("a forced tool call and response_format both constrain the reply: use one", param="tool_choice")
+        choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+        try:
+            return forced_tool_calls(tools, choice)
+        except ValueError as error:
+            raise _bad(str(error), param="tool_choice") from error
 
 
 async def _json_body(request: Request) -> Any:

@@ -293,6 +293,44 @@ def test_tool_choice_none_leaves_the_text_alone(tool_client):
     assert choice.message.content == f"Sure<tool_call>{CALL_JSON}</tool_call>"
 
 
+STRICT_ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+STRICT_NEG = {"type": "function", "function": {"name": "neg", "parameters": {
+    "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}}}
+
+
+def forced(client, model_id, **kwargs):
+    """A chat call whose tool_choice forces a call (constrained decoding); skipped without a grammar backend.
+
+    Sampled, not greedy: the schema allows whitespace between JSON tokens, and a random
+    model's argmax among the allowed tokens can be whitespace forever."""
+    try:
+        return client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "2+3?"}],
+                                              tools=[STRICT_ADD, STRICT_NEG], max_tokens=600, temperature=1.0, seed=0,
+                                              **kwargs)
+    except openai.BadRequestError as error:
+        if "xgrammar" in str(error) or "json_schema" in str(error):
+            pytest.skip(f"the engine has no grammar backend here: {error.body['message']}")
+        raise
+
+
+def test_tool_choice_required_forces_a_call_even_from_a_random_model(client, model_id):
+    choice = forced(client, model_id, tool_choice="required").choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and not choice.message.content
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        expected = {"add": {"a", "b"}, "neg": {"x"}}[call.function.name]
+        assert set(arguments) == expected
+
+
+def test_a_named_tool_choice_calls_that_function(client, model_id):
+    choice = forced(client, model_id, tool_choice={"type": "function", "function": {"name": "neg"}}).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "neg"
+    assert isinstance(json.loads(call.function.arguments)["x"], bool)
+
+
 # ----------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------
@@ -307,7 +345,8 @@ def test_tool_choice_none_leaves_the_text_alone(tool_client):
     ({"max_tokens": 100000}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [ADD_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"extra_body": {"top_k": -5}}, "top_k"),  # refused by the engine's own check, named in the request's terms
 ])
