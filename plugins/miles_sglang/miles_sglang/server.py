@@ -27,6 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles_sglang.app import build_app
 from miles_sglang.limits import ServerLimits
+from miles_sglang.openai_api import build_openai_router
 from miles_sglang.service import EngineWorker, ServerState, new_rid
 
 __all__ = ["ServerHandle", "ServerLimits", "ServerState", "is_loopback", "new_rid", "start_server", "wait_forever"]
@@ -138,7 +139,8 @@ def start_server(
     routers: list | None = None,
 ) -> ServerHandle:
     """Serve ``engine`` in background threads; ``port=0`` picks a free port. ``routers``
-    are extra FastAPI routers (default: the OpenAI API of :mod:`miles_sglang.openai_api`)."""
+    are the FastAPI routers served next to SGLang's native endpoints (default:
+    :func:`default_routers`, the OpenAI API of :mod:`miles_sglang.openai_api`)."""
     if not is_loopback(host) and not api_key:
         raise ValueError(
             f"refusing to serve on non-loopback host {host!r} without --api-key: weight-update endpoints "
@@ -183,14 +185,7 @@ def start_server(
 
 
 def default_routers(state: ServerState) -> list:
-    """The routers served next to SGLang's native endpoints: the OpenAI API, when the
-    package has it."""
-    import importlib.util
-
-    if importlib.util.find_spec("miles_sglang.openai_api") is None:
-        return []
-    from miles_sglang.openai_api import build_openai_router
-
+    """The routers served next to SGLang's native endpoints: the OpenAI API."""
     return [build_openai_router(state)]
 
 
