@@ -318,15 +318,7 @@ class OpenAIServer:
             raise _bad("tool_choice forces a tool call but the request has no tools", param="tool_choice")
         use_tools = bool(req.tools) and req.tool_choice != "none"
         parser, forced_schema = self._chat_tool_parser(req) if use_tools else (None, None)
-        try:
-            prompt = await run_in_threadpool(
-                render_chat, self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages],
-                tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
-            )
-        except ChatTemplateError as error:
-            raise _bad(str(error), param="messages") from error
+        prompt = await self._chat_prompt(req, use_tools)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = sampling_params(req, self.max_new_tokens(asked, [len(prompt)], field))
@@ -340,6 +332,17 @@ class OpenAIServer:
         results = await self.results(request, job, event)
         return JSONResponse(chat_response(results, req, rules, parser, len(prompt)).model_dump())
 
+    async def _chat_prompt(self, req: ChatCompletionRequest, use_tools: bool) -> list[int]:
+        """The prompt token ids of the request's messages under the checkpoint's chat template."""
+        try:
+            return await run_in_threadpool(
+                render_chat, self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages],
+                tools=[t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs,
+            )
+        except ChatTemplateError as error:
+            raise _bad(str(error), param="messages") from error
 
     def _chat_tool_parser(self, req: ChatCompletionRequest) -> tuple[ToolParser, dict | None]:
         """How the reply's tool calls are read, and the JSON schema that forces one (or None):
