@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: every native endpoint: path -> (HTTP methods, endpoint)
 ROUTES = {**endpoints.ROUTES, **weight_endpoints.ROUTES}
+
+#: bodies up to this size are decoded on the event loop, larger ones in the thread pool
+_INLINE_JSON_BYTES = 2**20
 
 #: paths that never need the API key (SGLang exempts ``/health*``)
 _OPEN_PREFIXES = ("/health",)
@@ -175,7 +179,9 @@ def parse_json_body(raw: bytes) -> dict:
 def _route(state: ServerState, path: str, endpoint: Callable) -> Callable:
     async def handle(request: Request) -> Response:
         try:
-            body = parse_json_body(await request.body())
+            raw = await request.body()
+            # a weight bucket is hundreds of MB of JSON: decode it off the event loop
+            body = await run_in_threadpool(parse_json_body, raw) if len(raw) > _INLINE_JSON_BYTES else parse_json_body(raw)
             result = await endpoint(state, request, body)
         except RequestRefused as error:  # the connection's unread rest must not be parsed as a request
             return JSONResponse({"error": {"message": str(error)}}, status_code=error.status,
