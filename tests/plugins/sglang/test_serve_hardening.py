@@ -238,3 +238,32 @@ def _abort_while_loaded(handle, host: str, port: int) -> None:
             assert reason == {"type": "length", "length": 100}
     _, loads = http(handle.url, "/v1/loads")
     assert loads["aggregate"]["total_reqs"] == 0
+
+
+def test_waiting_requests_hold_no_threads(fresh_server):
+    """48 requests held by a paused engine are all admitted, and the server still answers:
+    a handler awaiting its result holds no thread (the thread pool has 40)."""
+    host, port = fresh_server.url.removeprefix("http://").rsplit(":", 1)
+    http(fresh_server.url, "/pause_generation", {"mode": "in_place"})
+    results = {}
+
+    def client(i: int) -> None:
+        connection = HTTPConnection(host, int(port), timeout=60)
+        results[i] = _post(connection, "/generate", {"input_ids": PROMPTS[i % len(PROMPTS)], "sampling_params": SHORT})
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(48)]
+    for thread in threads:
+        thread.start()
+    for _ in range(500):  # bounded: until every request is in the engine
+        load = http(fresh_server.url, "/v1/loads")[1]["loads"][0]
+        if load["num_total_reqs"] == 48:
+            break
+        time.sleep(0.01)
+    assert load["num_total_reqs"] == 48, load
+    started = time.monotonic()
+    assert http(fresh_server.url, "/health")[0] == 200 and time.monotonic() - started < 0.5
+    http(fresh_server.url, "/continue_generation", {})
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 48 and all(status == 200 for status, _ in results.values())
