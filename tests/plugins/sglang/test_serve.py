@@ -327,7 +327,9 @@ def test_bad_requests_are_400(server):
         assert words in answer["error"]["message"], (body, answer)
     status, answer = http(server.url, "/generate", raw=b"{not json")
     assert status == 400 and "not valid JSON" in answer["error"]["message"]
-    assert http(server.url, "/nope")[0] == 404
+    assert http(server.url, "/nope") == (404, {"error": {"message": "no endpoint /nope"}})
+    status, answer = http(server.url, "/generate", method="GET")
+    assert status == 405 and "GET" in answer["error"]["message"]
     assert http(server.url, "/health")[0] == 200
     assert http(server.url, "/health_generate")[0] == 200
     assert http(server.url, "/flush_cache", {})[0] == 200
