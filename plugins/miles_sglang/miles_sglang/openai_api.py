@@ -227,7 +227,7 @@ class OpenAIServer:
         return asked
 
     async def submit(self, prompts: list[list[int]], params: dict, *, return_logprob: bool, stream: bool,
-                     rid: str | None, logprob_start_len: int = -1,
+                     rid: str | None, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                      grammar_field: str = "response_format") -> tuple[GenerateJob, asyncio.Event]:
         """Queue one engine job (all prompts, ``n`` samples each) and the event its progress sets;
         a ValueError from the engine is the request's fault (400, naming the field it is about)."""
@@ -240,7 +240,7 @@ class OpenAIServer:
         job = GenerateJob(
             keys=[(r, k) for r in rids for k in range(n)], prompts=dict(zip(rids, prompts)),
             return_logprob=return_logprob, return_routed_experts=False, logprob_start_len=logprob_start_len,
-            stream=stream, incremental=False,
+            stream=stream, incremental=False, top_logprobs_num=top_logprobs_num if return_logprob else 0,
         )
         event = job.bind_loop(asyncio.get_running_loop())
         try:
@@ -285,7 +285,8 @@ class OpenAIServer:
         params = sampling_params(req, self.max_new_tokens(req.max_tokens, [len(p) for p in prompts], "max_tokens"))
         rules = output.TextRules(self.engine.tokenizer, tuple(_stops(req)), req.skip_special_tokens, req.no_stop_trim)
         job, event = await self.submit(prompts, params, return_logprob=req.logprobs is not None, stream=req.stream,
-                                       rid=req.rid, logprob_start_len=0 if req.echo and req.logprobs is not None else -1)
+                                       rid=req.rid, logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+                                       top_logprobs_num=req.logprobs or 0)
         if req.stream:
             return _sse(completion_stream(self.chunks(job, event), job, req, rules, prompts))
         results = await self.results(request, job, event)
@@ -326,7 +327,7 @@ class OpenAIServer:
             params["json_schema"] = json.dumps(forced_schema)
         rules = output.TextRules(self.engine.tokenizer, tuple(_stops(req)), req.skip_special_tokens, req.no_stop_trim)
         job, event = await self.submit([prompt], params, return_logprob=req.logprobs, stream=req.stream, rid=req.rid,
-                                       grammar_field="tool_choice" if forced_schema is not None else "response_format")
+                                       top_logprobs_num=req.top_logprobs or 0, grammar_field="tool_choice" if forced_schema is not None else "response_format")
         if req.stream:
             return _sse(chat_stream(self.chunks(job, event), job, req, rules, parser, len(prompt)))
         results = await self.results(request, job, event)

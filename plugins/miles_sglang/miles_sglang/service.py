@@ -25,6 +25,7 @@ import pluggy
 import torch
 
 from miles_host import hookspecs
+from miles_host.rollout.outputs import sglang_logprob_meta
 from miles_host.routing import RoutingHooks
 from miles_sglang.protocol import encode_routed_experts
 
@@ -63,6 +64,8 @@ class GenerateJob:
     logprob_start_len: int
     stream: bool
     incremental: bool
+    #: SGLang's ``top_logprobs_num``: the top alternatives of each generated token (with ``return_logprob``)
+    top_logprobs_num: int = 0
     created: float = field(default_factory=time.time)
     results: dict[tuple[str, int], dict] = field(default_factory=dict)
     chunks: "queue.Queue[dict | None]" = field(default_factory=queue.Queue)
@@ -198,13 +201,15 @@ class EngineWorker:
                     if sampling.get("max_new_tokens") == 0:
                         # finishes at once; generate() hands back the result add_request would drop
                         outputs = engine.generate(prompt, sampling, return_logprob=job.return_logprob,
-                                                  return_routed_experts=job.return_routed_experts, rid=rid)
+                                                  return_routed_experts=job.return_routed_experts, rid=rid,
+                                                  top_logprobs_num=job.top_logprobs_num)
                         self._jobs[rid] = job
                         added.append(rid)
                         self._deliver(outputs)
                         continue
                     engine.add_request(rid, prompt, sampling, return_logprob=job.return_logprob,
-                                       return_routed_experts=job.return_routed_experts)
+                                       return_routed_experts=job.return_routed_experts,
+                                       top_logprobs_num=job.top_logprobs_num)
                     self._jobs[rid] = job
                     added.append(rid)
             except (ValueError, RuntimeError):
@@ -297,6 +302,10 @@ class EngineWorker:
 
     def _to_wire(self, job: GenerateJob, output: dict, final: bool = True) -> dict:
         meta = dict(output["meta_info"])
+        if output.get("logprobs"):  # the engine's raw extras -> SGLang's meta_info layout
+            rendered = sglang_logprob_meta(output, None, False)
+            meta.update({k: v for k, v in rendered.items() if k.startswith("output_") and k != "output_token_logprobs"})
+            output = {k: v for k, v in output.items() if k != "logprobs"}
         if meta.get("weight_version") is not None:
             meta["weight_version"] = str(meta["weight_version"])  # SGLang's weight versions are strings
         if "routed_experts" in meta:
@@ -313,8 +322,9 @@ class EngineWorker:
             start = job.sent_tokens.get(key, 0)
             meta = dict(wire["meta_info"])
             chunk["output_ids"] = wire["output_ids"][start:]
-            if "output_token_logprobs" in meta:
-                meta["output_token_logprobs"] = meta["output_token_logprobs"][start:]
+            for name in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+                if name in meta:
+                    meta[name] = meta[name][start:]
             chunk["meta_info"] = meta
             if "text" in wire:
                 chunk["text"] = wire["text"][job.sent_text.get(key, 0):]

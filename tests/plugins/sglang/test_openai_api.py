@@ -234,6 +234,9 @@ def test_completion_logprobs(client, model_id, reference):
     assert logprobs.token_logprobs == pytest.approx([rows[p][i] for p, i in enumerate(expected_ids[:len(logprobs.tokens)])],
                                                     abs=1e-4)
     assert logprobs.text_offset[0] == 0 and len(logprobs.top_logprobs) == len(logprobs.tokens)
+    for position, top in enumerate(logprobs.top_logprobs):
+        best = sorted(range(len(rows[position])), key=lambda i: -rows[position][i])[:2]
+        assert top == pytest.approx({tokenizer.decode([i]): rows[position][i] for i in best}, abs=1e-4)
 
 
 # ----------------------------------------------------------------------------
