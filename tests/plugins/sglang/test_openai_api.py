@@ -215,10 +215,7 @@ def test_chat_logprobs_and_top_logprobs(client, model_id, reference):
         assert entry.token == tokenizer.decode([token_id])
         assert entry.bytes == list(entry.token.encode())
         assert entry.logprob == pytest.approx(rows[position][token_id], abs=1e-4)
-    tops = [entry.top_logprobs for entry in content]
-    if not any(tops):
-        pytest.skip("the engine does not return top_logprobs_num alternatives yet (meta_info.output_top_logprobs)")
-    for position, top in enumerate(tops):
+    for position, top in enumerate(entry.top_logprobs for entry in content):
         best = sorted(range(len(rows[position])), key=lambda i: -rows[position][i])[:3]
         assert [t.token for t in top] == [tokenizer.decode([i]) for i in best]
         assert [t.logprob for t in top] == pytest.approx([rows[position][i] for i in best], abs=1e-4)
