@@ -11,6 +11,7 @@ from miles_host.agentic.tool_parsers import (
     ToolCall,
     ToolParser,
     detect_tool_parser,
+    forced_tool_calls,
     get_tool_parser,
     register_tool_parser,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ToolCall",
     "ToolParser",
     "detect_tool_parser",
+    "forced_tool_calls",
     "get_tool_parser",
     "normalize_messages",
     "register_tool_parser",
