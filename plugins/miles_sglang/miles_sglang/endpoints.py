@@ -115,6 +115,7 @@ def build_generate_job(state: ServerState, body: dict) -> tuple[GenerateJob, lis
         return_routed_experts=flag(body, "return_routed_experts", False, bool),
         logprob_start_len=flag(body, "logprob_start_len", -1, int),
         stream=flag(body, "stream", False, bool), incremental=state.incremental_streaming_output,
+        top_logprobs_num=flag(body, "top_logprobs_num", 0, int),
     )
     return job, prompts, params, rids, single
 

@@ -143,6 +143,19 @@ def test_generate_matches_embedded_engine(server, dense_model):
     assert result["meta_info"]["prompt_tokens"] == 3 and result["meta_info"]["completion_tokens"] == 6
 
 
+def test_generate_top_logprobs_num(server):
+    """SGLang's ``top_logprobs_num``: per generated token ``[[logprob, id, text], ...]``, best first;
+    greedy, so the best is the sampled token with its own logprob."""
+    body = {"input_ids": [2, 3, 4], "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 3}
+    status, result = http(server.url, "/generate", body)
+    assert status == 200, result
+    meta = result["meta_info"]
+    assert len(meta["output_top_logprobs"]) == len(result["output_ids"])
+    for chosen, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 3 and [e[0] for e in top] == sorted((e[0] for e in top), reverse=True)
+        assert top[0][1] == chosen[1] and top[0][0] == pytest.approx(chosen[0], abs=1e-6)
+
+
 def test_text_input_and_batches(server):
     _, by_text = http(server.url, "/generate", {"text": "1+2=", "sampling_params": GREEDY})
     _, by_ids = http(server.url, "/generate", {"input_ids": [3, 12, 4, 13], "sampling_params": GREEDY})
