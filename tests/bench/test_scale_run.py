@@ -18,6 +18,7 @@ def test_active_parameters_of_the_qwen3_30b_a3b_shape():
     assert active_params(model_shape(False, None), 151936) == 48 * per_layer + 151936 * 2048
 
 
+@pytest.mark.slow
 def test_tiny_scale_run_with_fp8_and_r3(tmp_path):
     from bench import scale_run
 

@@ -16,6 +16,7 @@ pytest.importorskip("miles_spec", reason="miles-spec is not installed")
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_tiny_spec_bench_trains_online_on_fresh_rollouts():
     out = subprocess.run([sys.executable, str(REPO / "bench" / "spec_rollout.py"), "--tiny", "--train-rounds", "3"],
                          capture_output=True, text=True, timeout=600, cwd=REPO, check=True)
@@ -43,6 +44,7 @@ def test_bigram_language_follows_its_successor_at_the_stated_rate():
     assert abs(language.entropy() - (-p_next * math.log(p_next) - 49 * p_other * math.log(p_other))) < 1e-5
 
 
+@pytest.mark.slow
 def test_tiny_spec_bench_on_a_fine_tuned_bigram_policy_accepts_more_as_the_draft_learns():
     out = subprocess.run([sys.executable, str(REPO / "bench" / "spec_rollout.py"), "--tiny", "--policy", "bigram"],
                          capture_output=True, text=True, timeout=600, cwd=REPO, check=True)

@@ -58,7 +58,6 @@ def _resumes_like_an_uninterrupted_run(model, data, tmp_path, reward, resumed_ro
             assert have[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.slow
 def test_an_engine_killed_during_the_weight_broadcast(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     """The engine dies as the weights of rollout 0's update arrive: rollout 0 trained
     completely, so its checkpoint is written (with the data position after it)."""
@@ -71,26 +70,23 @@ def test_an_engine_killed_during_the_weight_broadcast(tiny_task, tmp_path, sync_
     _resumes_like_an_uninterrupted_run(model, data, tmp_path, signal_reward, [1, 2])
 
 
-@pytest.mark.slow
 def test_a_stopped_engine_during_the_weight_broadcast(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
                      "--weight-sync", "broadcast", *signal_reward, *sync_faults, "--test-rollout-stop-in-broadcast", "2")
-    _fails_with_checkpoint_of(tmp_path, capsys, argv, ONE_ENGINE, "rollout-0", "did not answer", 0, timeout=30)
+    _fails_with_checkpoint_of(tmp_path, capsys, argv, ONE_ENGINE, "rollout-0", "did not answer", 0, timeout=15)
 
 
-@pytest.mark.slow
 def test_a_stopped_trainer_1_is_named_trainer_1(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     """Trainer rank 1 stops at rollout 1's training: rank 0's all-reduce times out; the
     run names trainer-1 (not trainer-0), and rank 0 had not stepped, so rollout 0 is saved."""
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
                      *signal_reward, *sync_faults, "--test-trainer-stop-at-train", "2")
-    err = _fails_with_checkpoint_of(tmp_path, capsys, argv, TWO_TRAINERS, "trainer-1", "did not answer", 0, timeout=30)
+    err = _fails_with_checkpoint_of(tmp_path, capsys, argv, TWO_TRAINERS, "trainer-1", "did not answer", 0, timeout=15)
     assert "worker trainer-0" not in err
 
 
-@pytest.mark.slow
 def test_a_trainer_killed_in_training_leaves_the_last_completed_rollout(
         tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     model, data = tiny_task
@@ -100,13 +96,12 @@ def test_a_trainer_killed_in_training_leaves_the_last_completed_rollout(
     _resumes_like_an_uninterrupted_run(model, data, tmp_path, signal_reward, [1, 2])
 
 
-@pytest.mark.slow
 def test_a_trainer_killed_at_start_up_is_named(tiny_task, tmp_path, sync_faults, capsys):
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "1", "--save", str(tmp_path / "ckpt"),
                      *sync_faults, "--test-trainer-die-at-start")
     started = time.monotonic()
-    assert run_launched(argv, worker_timeout=30, **TWO_TRAINERS) == 3
+    assert run_launched(argv, worker_timeout=15, **TWO_TRAINERS) == 3
     assert time.monotonic() - started < 120
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("miles: error:")]

@@ -77,7 +77,7 @@ SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parall
 
 
 #: (model, model-parallel sizes, flags of the parallel run only, flags of both runs)
-@pytest.mark.parametrize("name,sizes,extra,shared", [
+_LAYOUTS = [
     ("qwen3", {"tp": 2}, (), ()),
     ("qwen3", {"tp": 2}, ("--sequence-parallel",), ()),
     ("qwen3_moe", {"ep": 2}, (), ()),
@@ -97,8 +97,17 @@ SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "ep": "--expert-model-parall
     ("qwen3_moe", {"tp": 2, "ep": 2}, ("--sequence-parallel",), ("--plugins", "r3")),
     # eight ranks: each stage TP x EP, the stages pass sequence shards
     ("qwen3_moe", {"tp": 2, "ep": 2, "pp": 2}, ("--sequence-parallel",), ()),
-], ids=["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
-        "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"])
+]
+_LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
+               "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"]
+#: the layouts the default suite runs (each rule above in at least one); the rest run with --run-slow
+_FAST_LAYOUTS = {"tp2_sp", "pp2_moe_r3_recompute", "ep2_r2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"}
+
+
+@pytest.mark.parametrize("name,sizes,extra,shared", [
+    pytest.param(*case, id=ident, marks=() if ident in _FAST_LAYOUTS else pytest.mark.slow)
+    for case, ident in zip(_LAYOUTS, _LAYOUT_IDS)
+])
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
@@ -183,7 +192,10 @@ def test_pipeline_stages_share_the_routes_they_captured(tmp_path):
     mp.start_processes(_share_routes_rank, args=(str(tmp_path / "store"),), nprocs=2, start_method="spawn")
 
 
-@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("flag", [
+    pytest.param("--tensor-model-parallel-size", id="tp2"),
+    pytest.param("--pipeline-model-parallel-size", id="pp2", marks=pytest.mark.slow),
+])
 def test_miles_run_with_model_parallel_trainers(tmp_path, clean_groups, flag):
     """``miles run --train-backend megatron --tensor-model-parallel-size 2`` (or PP 2): two
     trainer processes through the host's launcher (engine process, broadcast weight sync),
