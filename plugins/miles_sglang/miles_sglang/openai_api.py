@@ -1,19 +1,23 @@
 """``miles serve``'s OpenAI-compatible API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
 :func:`build_openai_router` returns a FastAPI router over the server's
-:class:`~miles_sglang.server.ServerState`. Requests become ordinary engine jobs
-(:class:`~miles_sglang.service.GenerateJob` on the engine thread); waits run in the
-thread pool so the event loop never blocks. Chat prompts are rendered with the
-checkpoint's chat template (:mod:`miles_host.agentic.chat`), and with ``tools`` the
-reply is split into content and ``tool_calls`` by the model family's parser
-(:mod:`miles_host.agentic.tool_parsers`; ``server_args["tool_call_parser"]``
-names one, otherwise it is detected from the chat template).
+:class:`~miles_sglang.service.ServerState`. Requests become ordinary engine jobs
+(:class:`~miles_sglang.service.GenerateJob`, run on the engine thread) that the
+event loop awaits without blocking (:func:`~miles_sglang.service.wait_job`,
+:func:`~miles_sglang.service.iter_chunks`); a client that goes away aborts its job.
+Chat prompts are rendered with the checkpoint's chat template
+(:mod:`miles_host.agentic.chat`); with ``tools`` the reply is split into content and
+``tool_calls`` by the model family's parser (:mod:`miles_host.agentic.tool_parsers`;
+``--tool-call-parser`` names one, otherwise it is detected from the chat template and
+the model type). A forced call (``tool_choice`` ``"required"`` or a named function)
+constrains the reply to JSON calls with a schema, as vLLM and SGLang do;
+``logit_bias`` and a JSON ``response_format`` go to the engine (``logit_bias``,
+``json_schema``), which applies them or refuses them with a message naming the key.
 
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-bad request (``param`` names the field), 404 for an unknown model. The API key is
-checked by the application the router is mounted in (:func:`miles_sglang.app.build_app`). Forcing a tool call (``tool_choice`` ``"required"`` or a named function) and
-JSON ``response_format`` need constrained decoding, which this server does not do:
-they are refused with a 400 rather than silently ignored.
+bad request (``param`` names the field), 404 for an unknown model, 503 while the
+engine cannot serve. The API key is checked by the application the router is
+mounted in (:func:`miles_sglang.app.build_app`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 from functools import wraps
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Request
@@ -394,7 +398,7 @@ def _guarded(server: OpenAIServer, handler: Callable[..., Awaitable[Any]]) -> Ca
 
 
 def build_openai_router(state: Any) -> APIRouter:
-    """The OpenAI routes over ``state`` (a :class:`~miles_sglang.server.ServerState`)."""
+    """The OpenAI routes over ``state`` (a :class:`~miles_sglang.service.ServerState`)."""
     server = OpenAIServer(state)
     router = APIRouter()
     router.add_api_route("/v1/models", _guarded(server, server.models), methods=["GET"])
