@@ -367,7 +367,7 @@ class Engine(MemoryOccupation):
         """Prompt logprobs of the sequences in a prefill forward that asked (every prompt
         token was forwarded: such a sequence bypasses the prefix cache)."""
         for j, seq in enumerate(seqs):
-            if seq.wants_input_logprobs and seq.num_output_tokens == 0:
+            if seq.wants_input_logprobs:
                 rows_TH = hidden_TH[cu_seqlens[j]:cu_seqlens[j + 1]]
                 assert rows_TH.shape[0] == seq.num_prompt_tokens, "input logprobs need the whole prompt forwarded"
                 seq.input_logprobs = input_logprobs(

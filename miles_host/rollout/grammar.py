@@ -125,5 +125,7 @@ def allowed_tokens(grammars: list[RequestGrammar | None], vocab_size: int, devic
     for row, grammar in enumerate(grammars):
         if grammar is not None and not grammar.is_terminated:
             grammar.fill(bitmask_BW, row)
-    bits_BW32 = (bitmask_BW[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits_BW32.reshape(len(grammars), -1)[:, :vocab_size].bool().to(device)
+    # the packed mask travels (V / 32 words a row) and is unpacked on the device
+    bitmask_BW = bitmask_BW.to(device)
+    bits_BW32 = (bitmask_BW[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    return bits_BW32.reshape(len(grammars), -1)[:, :vocab_size].bool()

@@ -51,23 +51,25 @@ class LogitsProcessing:
             return None
         batch = len(params)
         processing = cls(allowed_BV=allowed_BV)
-        counts_BV = _counts(outputs, penalised, batch, vocab_size)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return host_to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
+
+        # [B, V] tensors are built on the device from small index lists (no [B, V] copy)
+        counts_BV = _counts(outputs, penalised, batch, vocab_size, device)
         if any(params[r].frequency_penalty or params[r].presence_penalty for r in penalised):
-            frequency_B1 = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)[:, None]
-            presence_B1 = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)[:, None]
-            additive_BV = -(frequency_B1 * counts_BV) - presence_B1 * (counts_BV > 0)
-            processing.additive_BV = host_to_device(additive_BV, device)
+            frequency_B1 = column([p.frequency_penalty for p in params])
+            presence_B1 = column([p.presence_penalty for p in params])
+            processing.additive_BV = -(frequency_B1 * counts_BV) - presence_B1 * (counts_BV > 0)
         if any(params[r].repetition_penalty != 1.0 for r in penalised):
-            factor_B1 = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)[:, None]
-            processing.repetition_BV = host_to_device(
-                torch.where(counts_BV > 0, factor_B1, torch.ones(())), device
-            )
+            factor_B1 = column([p.repetition_penalty for p in params])
+            processing.repetition_BV = torch.where(counts_BV > 0, factor_B1, torch.ones((), device=device))
         if any(params[r].logit_bias for r in penalised):
-            bias_BV = torch.zeros(batch, vocab_size)
-            for row in penalised:
-                for token, amount in (params[row].logit_bias or {}).items():
-                    bias_BV[row, token] = amount
-            processing.bias_BV = host_to_device(bias_BV, device)
+            entries = [(row, token, amount) for row in penalised for token, amount in (params[row].logit_bias or {}).items()]
+            rows, tokens, amounts = (list(values) for values in zip(*entries))
+            processing.bias_BV = torch.zeros(batch, vocab_size, device=device).index_put_(
+                (_index(rows, device), _index(tokens, device)), column(amounts)[:, 0]
+            )
         return processing
 
     def apply(self, logits_BV: torch.Tensor) -> torch.Tensor:
@@ -84,13 +86,19 @@ class LogitsProcessing:
         return logits_BV
 
 
-def _counts(outputs: list[list[int]], rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` float32: how often each row of ``rows`` generated each token (0 for other rows)."""
-    counts_BV = torch.zeros(batch, vocab_size)
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return host_to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def _counts(outputs: list[list[int]], rows: list[int], batch: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float32 on ``device``: how often each row of ``rows`` generated each token
+    (0 for other rows)."""
+    counts_BV = torch.zeros(batch, vocab_size, device=device)
     row_index = [row for row in rows for _ in outputs[row]]
     if row_index:
         tokens = [token for row in rows for token in outputs[row]]
         counts_BV.index_put_(
-            (torch.tensor(row_index), torch.tensor(tokens)), torch.ones(len(tokens)), accumulate=True
+            (_index(row_index, device), _index(tokens, device)), torch.ones(len(tokens), device=device),
+            accumulate=True,
         )
     return counts_BV

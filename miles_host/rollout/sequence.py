@@ -70,8 +70,12 @@ class Sequence:
 
     @property
     def wants_input_logprobs(self) -> bool:
-        """Whether its prompt's logprobs are still to be computed (at its first prefill)."""
-        return self.logprob_options is not None and self.logprob_options.wants_input and self.input_logprobs is None
+        """Whether its prompt's logprobs are still to be computed: at the first prefill of
+        sample 0 (the other samples share its prompt and read them from it)."""
+        return (
+            self.logprob_options is not None and self.logprob_options.wants_input and self.input_logprobs is None
+            and self.parent is None and self.num_output_tokens == 0
+        )
 
     def banned_tokens(self) -> list[int]:
         """Tokens this sequence may not sample yet (``min_new_tokens`` not reached)."""

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from miles_host.rollout import logprobs as logprobs_module
 from miles_host.rollout.outputs import sglang_logprob_meta
 from miles_host.rollout.penalties import LogitsProcessing
 from miles_host.rollout.sampling_params import KNOWN_KEYS, SamplingParams
@@ -347,9 +348,12 @@ def test_top_and_requested_token_logprobs_match_transformers(qwen3_dense, engine
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
 
 
-@pytest.mark.parametrize("start", [0, 3])
-def test_input_logprobs_from_logprob_start_len_match_transformers(qwen3_dense, engine, tokenizer, start):
-    """SGLang's layout: the prompt from ``logprob_start_len`` on, the first entry without a logprob."""
+@pytest.mark.parametrize("start, chunk", [(0, 128), (3, 2)])
+def test_input_logprobs_from_logprob_start_len_match_transformers(qwen3_dense, engine, tokenizer, start, chunk,
+                                                                  monkeypatch):
+    """SGLang's layout: the prompt from ``logprob_start_len`` on, the first entry without a logprob
+    (also when the prompt's logits are taken a few rows at a time)."""
+    monkeypatch.setattr(logprobs_module, "INPUT_CHUNK", chunk)
     hf_model, _ = qwen3_dense
     outputs = engine.generate(PROMPT, {"temperature": 1.0, "max_new_tokens": 2, "n": 2},
                               logprob_start_len=start, top_logprobs_num=2, token_ids_logprob=[7])
@@ -369,12 +373,20 @@ def test_input_logprobs_from_logprob_start_len_match_transformers(qwen3_dense, e
         assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(PROMPT) - start
 
 
-def test_prompt_logprobs_alone_with_max_new_tokens_zero(qwen3_dense, engine):
+def test_prompt_logprobs_alone_with_max_new_tokens_zero_and_a_cached_prefix(qwen3_dense, engine):
+    """A 40-token prompt whose first blocks are in the prefix cache: the request that scores it
+    (``max_new_tokens`` 0, SGLang's prompt scoring) still forwards every token."""
     hf_model, _ = qwen3_dense
-    (output,) = engine.generate(PROMPT, {"max_new_tokens": 0}, logprob_start_len=0)
-    assert output["output_ids"] == []
-    reference = torch.log_softmax(hf_logits(hf_model, PROMPT), dim=-1)
-    expected = [reference[i - 1, t].item() for i, t in enumerate(PROMPT) if i > 0]
+    prompt = [(7 * i + 3) % (VOCAB - 1) for i in range(40)]
+    engine.generate(prompt, {"max_new_tokens": 1})
+    (again,) = engine.generate(prompt, {"max_new_tokens": 1})
+    assert again["meta_info"]["cached_tokens"] == 32
+    (output,) = engine.generate(prompt, {"max_new_tokens": 0}, logprob_start_len=0)
+    assert output["output_ids"] == [] and output["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert output["meta_info"]["cached_tokens"] == 0
+    reference = torch.log_softmax(hf_logits(hf_model, prompt), dim=-1)
+    expected = [reference[i - 1, t].item() for i, t in enumerate(prompt) if i > 0]
+    assert output["logprobs"]["input_token_logprobs"][0] is None
     assert torch.allclose(torch.tensor(output["logprobs"]["input_token_logprobs"][1:]),
                           torch.tensor(expected).float(), atol=1e-5)
 
@@ -421,3 +433,66 @@ def test_an_invalid_grammar_is_a_value_error(engine):
     pytest.importorskip("xgrammar")
     with pytest.raises(ValueError, match="json_schema"):
         engine.add_request(None, PROMPT, {"json_schema": "{not json"})
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+def run_requests(engine, requests: dict[str, tuple[list[int], dict, dict]]) -> dict[str, dict]:
+    """Queue ``{rid: (prompt, sampling_params, logprob fields)}`` together; step until all finish."""
+    for rid, (prompt, params, fields) in requests.items():
+        engine.add_request(rid, prompt, params, **fields)
+    outputs = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output["meta_info"]["id"]] = output
+    return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gpu_engine_gives_what_the_cpu_engine_gives(qwen3_dense, tokenizer):
+    """CUDA graphs and overlapped decode on, every feature in one batch: penalties, logit_bias,
+    top / requested-id / prompt logprobs and a grammar give the CPU engine's tokens and logprobs."""
+    from miles_host.rollout import Engine
+    from tests.rollout.conftest import load
+
+    _, path = qwen3_dense
+    gpu = Engine(load(path).cuda(), tokenizer=tokenizer, max_num_seqs=8, mem_fraction_static=0.3,
+                 max_kv_cache_tokens=4096, block_size=4)
+    assert gpu.runner.graphs is not None and gpu.config.overlap_schedule
+    cpu = make_engine(path, tokenizer=tokenizer, block_size=4)
+    long_prompt = [(7 * i + 3) % (VOCAB - 1) for i in range(40)]
+    greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    requests = {
+        "plain": (PROMPT, {**greedy, "max_new_tokens": 24}, {}),
+        "penalised": (PROMPT[:5], {**PENALISED, "temperature": 0}, {"top_logprobs_num": 3, "token_ids_logprob": [5, 9]}),
+        "prompt": (long_prompt, greedy, {"logprob_start_len": 2, "top_logprobs_num": 2}),
+        "sampled": (PROMPT[2:], {**greedy, "temperature": 0.8, "sampling_seed": 3, "presence_penalty": 1.0}, {}),
+    }
+    try:
+        import xgrammar  # noqa: F401
+
+        requests["grammar"] = (PROMPT, {**greedy, "regex": r"[0-9]{3}\+[a-c]{2}", "ignore_eos": False}, {})
+    except ImportError:
+        pass
+    got, expected = run_requests(gpu, requests), run_requests(cpu, requests)
+    alone = run_requests(gpu, {"plain": requests["plain"]})["plain"]
+    assert got["plain"]["output_ids"] == alone["output_ids"]
+    for rid, output in got.items():
+        reference = expected[rid]
+        assert output["output_ids"] == reference["output_ids"], rid
+        assert output.get("text") == reference.get("text"), rid
+        values = [entry[0] for entry in output["meta_info"]["output_token_logprobs"]]
+        reference_values = [entry[0] for entry in reference["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(values, reference_values)) < 1e-4, rid
+        details, reference_details = output.get("logprobs", {}), reference.get("logprobs", {})
+        assert details.keys() == reference_details.keys(), rid
+        for key, rows in details.items():
+            for row, reference_row in zip(rows, reference_details[key]):
+                if key in ("input_token_ids", "input_token_logprobs"):
+                    assert (row is None) == (reference_row is None), (rid, key)
+                    assert row is None or abs(row - reference_row) < 1e-4, (rid, key)
+                elif row is not None:
+                    assert [t for t, _ in row] == [t for t, _ in reference_row], (rid, key)
+                    assert max(abs(a - b) for (_, a), (_, b) in zip(row, reference_row)) < 1e-4, (rid, key)
