@@ -154,7 +154,7 @@ def start_server(
         engine.weight_version = str(server_args["weight_version"])
     elif not isinstance(engine.weight_version, str):  # a fresh engine counts from 0; SGLang says "default"
         engine.weight_version = DEFAULT_WEIGHT_VERSION if engine.weight_version == 0 else str(engine.weight_version)
-    worker = EngineWorker(engine).start()
+    worker = EngineWorker(engine)  # started once everything that can fail has been built
     state = ServerState(
         worker=worker, model_path=model_path, api_key=api_key,
         incremental_streaming_output=incremental_streaming_output,
@@ -163,7 +163,12 @@ def start_server(
     sock = _bind(host, port, limits.backlog)
     bound_port = sock.getsockname()[1]
     state.server_args.update({"host": host, "port": bound_port, "model_path": model_path})
-    app = build_app(state, default_routers(state) if routers is None else routers, limits)
+    try:
+        app = build_app(state, default_routers(state) if routers is None else routers, limits)
+    except BaseException:
+        sock.close()
+        raise
+    worker.start()
     protocol = type("MilesServeH11Protocol", (_HeaderTimeoutH11Protocol,), {"header_timeout_s": limits.header_timeout_s})
     config = uvicorn.Config(
         app, http=protocol, loop="asyncio", lifespan="off", log_level="warning", access_log=False,

@@ -54,23 +54,23 @@ def keyed(dense_model):
 
 @pytest.mark.parametrize("path", ["/generate", "/update_weights_from_tensor", "/v1/chat/completions"])
 def test_oversized_unauthenticated_body_is_refused_unread(keyed, path):
-    """256 MB declared, 10 bytes sent: the answer (401 or 413) comes at once, so the
-    server did not wait for the body (it would wait body_timeout_s for the rest)."""
+    """256 MB declared, 10 bytes sent: the answer is 401 or 413, not the 408 a server
+    waiting for the rest of the body would give after body_timeout_s (1 s here)."""
     status, answer, seconds = _raw_exchange(keyed.url, _head(path, HUGE), b'{"text": "')
     assert status in (401, 413), answer
-    assert seconds < 0.8, f"{path}: {seconds:.2f}s: the body was waited for"
+    assert seconds < 3.0, f"{path}: {seconds:.2f}s"
 
 
 def test_body_limits_with_a_valid_key(keyed):
     auth = f"Authorization: Bearer {KEY}\r\n"
     status, answer, seconds = _raw_exchange(keyed.url, _head("/generate", HUGE, auth), b"{")
-    assert status == 413 and b"4096" in answer and seconds < 0.8
+    assert status == 413 and b"4096" in answer and seconds < 3.0
     chunk = b'{"text": "' + b"1" * 5000 + b'"}'  # chunked: counted as it streams
     body = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n"
     status, answer, _ = _raw_exchange(keyed.url, _head("/generate", None, auth), body)
     assert status == 413, answer
     status, answer, seconds = _raw_exchange(keyed.url, _head("/generate", 100, auth), b'{"in')  # stalls
-    assert status == 408 and 0.9 < seconds < 3.0, (answer, seconds)
+    assert status == 408 and 0.9 < seconds < 5.0, (answer, seconds)
     status, answer = http(keyed.url, "/generate", {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
                           headers={"Authorization": f"Bearer {KEY}"})
     assert status == 200 and len(answer["output_ids"]) == 2
@@ -83,7 +83,7 @@ def test_slow_headers_are_cut_off(keyed):
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: te")  # ... and nothing more
         closed = sock.recv(1024)
         seconds = time.monotonic() - started
-    assert closed == b"" and 0.9 < seconds < 3.0, (closed, seconds)  # header_timeout_s is 1 s
+    assert closed == b"" and 0.9 < seconds < 5.0, (closed, seconds)  # header_timeout_s is 1 s
 
 
 def test_listen_backlog_is_sglangs(server):
@@ -145,7 +145,7 @@ def test_weight_group_init_honours_its_timeout(server):
             seconds = time.monotonic() - started
             assert status == 400 and answer["success"] is False, answer
             assert f"127.0.0.1:{port}" in answer["message"], answer
-            assert seconds < bound + 1.0, f"took {seconds:.1f}s for a 2 s timeout"
+            assert seconds < bound + 1.5, f"took {seconds:.1f}s for a 2 s timeout"
     finally:
         silent.close()
     status, answer = http(server.url, "/init_weights_update_group", {
@@ -262,7 +262,7 @@ def test_waiting_requests_hold_no_threads(fresh_server):
         time.sleep(0.01)
     assert load["num_total_reqs"] == 48, load
     started = time.monotonic()
-    assert http(fresh_server.url, "/health")[0] == 200 and time.monotonic() - started < 0.5
+    assert http(fresh_server.url, "/health")[0] == 200 and time.monotonic() - started < 2.0
     http(fresh_server.url, "/continue_generation", {})
     for thread in threads:
         thread.join(60)
