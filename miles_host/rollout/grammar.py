@@ -20,6 +20,10 @@ from typing import Any
 import torch
 
 
+#: the ``json_schema`` value SGLang reads as "any JSON"
+ANY_JSON = "$$ANY$$"
+
+
 def _xgrammar(key: str):
     try:
         import xgrammar
@@ -61,6 +65,9 @@ class GrammarCompiler:
 
 
 def _json_schema(compiler, spec: str):
+    """A JSON schema, or SGLang's ``"$$ANY$$"``: any JSON value (OpenAI's ``json_object``)."""
+    if spec == ANY_JSON:
+        return compiler.compile_builtin_json_grammar()
     json.loads(spec)  # a clear JSONDecodeError before xgrammar's
     return compiler.compile_json_schema(spec)
 

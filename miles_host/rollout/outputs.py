@@ -1,7 +1,8 @@
 """SGLang-shaped results of finished (or aborted, or rejected) requests.
 
 ``text`` is detokenized as SGLang's detokenizer does it: with the request's
-``skip_special_tokens`` / ``spaces_between_special_tokens``, and with the matched stop
+``skip_special_tokens`` / ``spaces_between_special_tokens`` passed to ``tokenizer.decode``
+(transformers 5's tokenizers ignore the latter, in SGLang too), and with the matched stop
 removed unless ``no_stop_trim`` (a stop token or EOS is left out of the decoded ids, a
 stop string is cut where it starts; ``output_ids`` always keep every token). A
 ``stop_regex`` match is cut where the match starts (SGLang looks the pattern up as a

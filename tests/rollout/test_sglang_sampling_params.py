@@ -429,6 +429,15 @@ def test_constrained_decoding_through_xgrammar(engine, key, spec, check):
         assert check(output["text"]), output["text"]
 
 
+def test_any_json_starts_a_json_value(engine, tokenizer):
+    """SGLang's ``json_schema: "$$ANY$$"`` (any JSON value): every sample opens one (the tokenizer
+    has no whitespace, so its first character does)."""
+    pytest.importorskip("xgrammar")
+    outputs = engine.generate(PROMPT, {"json_schema": "$$ANY$$", "max_new_tokens": 3, "n": 8, "sampling_seed": 1})
+    for output in outputs:
+        assert output["text"][:1] in set('{["-0123456789tfn'), output["text"]
+
+
 def test_an_invalid_grammar_is_a_value_error(engine):
     pytest.importorskip("xgrammar")
     with pytest.raises(ValueError, match="json_schema"):
