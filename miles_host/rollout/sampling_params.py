@@ -16,6 +16,9 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+#: temperatures below this are greedy (SGLang's ``_SAMPLING_EPS``)
+GREEDY_BELOW = 1e-6
+
 #: the grammar keys of constrained decoding, in the order SGLang picks the first one set
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -24,7 +27,7 @@ GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 class SamplingParams:
     """How one request is decoded (SGLang spellings).
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` (SGLang uses -1) and
+    ``temperature == 0`` (SGLang: below ``1e-6``) means greedy. ``top_k <= 0`` (SGLang uses -1) and
     ``top_p == 1`` and ``min_p == 0`` disable those truncations. ``stop`` strings
     and ``stop_regex`` patterns are matched on decoded text and need the engine to
     have a tokenizer. ``sampling_seed`` gives the request its own random stream so
@@ -89,6 +92,8 @@ class SamplingParams:
                 raise ValueError(f"invalid sampling_params: stop_regex {pattern!r} is not a valid regular expression: {error}") from None
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # SGLang samples these greedily too
         if self.top_k == 0:
             self.top_k = -1
         self.logit_bias = _logit_bias(self.logit_bias)

@@ -139,6 +139,13 @@ def test_bad_values_name_their_key(bad, named):
         SamplingParams.from_any(bad)
 
 
+def test_a_temperature_below_sglangs_epsilon_is_greedy(engine):
+    assert SamplingParams(temperature=5e-7).greedy and not SamplingParams(temperature=1e-6).greedy
+    tiny, greedy = (engine.generate(PROMPT, {"temperature": t, "max_new_tokens": 6})[0] for t in (1e-7, 0))
+    assert tiny["output_ids"] == greedy["output_ids"]
+    assert tiny["meta_info"]["output_token_logprobs"] == greedy["meta_info"]["output_token_logprobs"]
+
+
 def test_a_logit_bias_outside_the_vocabulary_fails_alone(engine):
     outputs = engine.generate([PROMPT, PROMPT], [{"max_new_tokens": 2}, {"logit_bias": {str(VOCAB): 1.0}}])
     assert outputs[0]["meta_info"]["finish_reason"]["type"] == "length"
