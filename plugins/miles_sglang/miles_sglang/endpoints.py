@@ -21,6 +21,7 @@ import json
 from http import HTTPStatus
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from miles_sglang import __version__
@@ -123,7 +124,10 @@ def build_generate_job(state: ServerState, body: dict) -> tuple[GenerateJob, lis
 async def generate(state: ServerState, request, body: dict) -> Any:
     """POST /generate: one prompt (dict result; a list when n > 1) or a batch (flat list);
     ``stream: true`` answers server-sent events ``data: {json}`` ending ``data: [DONE]``."""
-    job, prompts, params, rids, single = build_generate_job(state, body)
+    if body.get("text") is not None:  # tokenizing is CPU work: keep it off the event loop
+        job, prompts, params, rids, single = await run_in_threadpool(build_generate_job, state, body)
+    else:
+        job, prompts, params, rids, single = build_generate_job(state, body)
     event = job.bind_loop(asyncio.get_running_loop())
     await state.worker.submit_async(job, prompts, params, rids)
     if job.stream:

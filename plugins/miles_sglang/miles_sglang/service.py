@@ -109,7 +109,6 @@ class ServerState:
     family: Any = None
     released_tags: set[str] = field(default_factory=set)
     weight_groups: dict[str, Any] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def weight_version(self) -> str:
