@@ -113,9 +113,13 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(bitmask_BW, row)
 
     def accept(self, token: int) -> None:
-        """Advance past a sampled token (the mask allowed it)."""
+        """Advance past a sampled token. One the grammar rejects (possible only when nothing it
+        allows could be sampled: ``min_new_tokens`` holding back the stop token of a complete
+        grammar) is recorded in ``rejected`` and the sample stops (:mod:`.stopping`)."""
         if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            raise RuntimeError(f"the grammar rejected token {token}, which its own mask allowed")
+            self.rejected = token
+
+    rejected: int | None = None
 
     @property
     def is_terminated(self) -> bool:

@@ -20,6 +20,9 @@ def finish_reason(
 ) -> dict[str, Any] | None:
     """Why ``seq`` stops after its token at ``position`` (default: its last), or None."""
     params = seq.params
+    if seq.grammar is not None and seq.grammar.rejected is not None:
+        return {"type": "abort", "message": f"the grammar allows no token the request may sample (it rejected "
+                                            f"token {seq.grammar.rejected}): check min_new_tokens and the grammar"}
     position = len(seq.token_ids) - 1 if position is None else position
     token = seq.token_ids[position]
     num_output = position + 1 - seq.num_prompt_tokens

@@ -445,6 +445,18 @@ def test_any_json_starts_a_json_value(engine, tokenizer):
         assert output["text"][:1] in set('{["-0123456789tfn'), output["text"]
 
 
+def test_a_grammar_that_min_new_tokens_blocks_stops_its_request_alone(engine):
+    """The regex ``ab`` is complete after two tokens, when only EOS may follow, but min_new_tokens
+    holds EOS back: that request stops with an abort that says why; its neighbour runs on."""
+    pytest.importorskip("xgrammar")
+    blocked, plain = engine.generate([PROMPT, PROMPT], [{"regex": "ab", "min_new_tokens": 4, "max_new_tokens": 8},
+                                                        {"max_new_tokens": 3}])
+    assert blocked["output_ids"][:2] == [66, 67]  # "a", "b"
+    assert blocked["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "min_new_tokens" in blocked["meta_info"]["finish_reason"]["message"]
+    assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
 def test_an_invalid_grammar_is_a_value_error(engine):
     pytest.importorskip("xgrammar")
     with pytest.raises(ValueError, match="json_schema"):
