@@ -216,16 +216,18 @@ def _abort_while_loaded(handle, host: str, port: int) -> None:
                                                      "sampling_params": long, "rid": f"long-{i}"})
         connection.close()
 
+    http(handle.url, "/pause_generation", {"mode": "in_place"})  # all 16 in before any can finish
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     for thread in threads:
         thread.start()
-    for _ in range(500):  # bounded: until the engine runs them
+    for _ in range(500):  # bounded: until the engine holds them all
         _, loads = http(handle.url, "/v1/loads")
-        if loads["loads"][0]["num_running_reqs"] + loads["loads"][0]["num_waiting_reqs"] >= 8:
+        if loads["aggregate"]["total_reqs"] == 16:
             break
         time.sleep(0.01)
-    assert loads["aggregate"]["total_reqs"] >= 8 and loads["loads"][0]["num_used_tokens"] > 0, loads
-    assert http(handle.url, "/abort_request", {"rid": "long-3"})[0] == 200
+    assert loads["aggregate"]["total_reqs"] == 16, loads
+    http(handle.url, "/continue_generation", {})
+    assert http(handle.url, "/abort_request", {"rid": "long-3"})[0] == 200  # while the 16 generate
     for thread in threads:
         thread.join(60)
     assert sorted(results) == list(range(16))
