@@ -5,7 +5,9 @@ token (``log_softmax(logits)`` when greedy), taken before top-k / top-p / min-p
 truncation: exactly what the trainer recomputes from the same logits. A request with
 penalties, ``logit_bias`` or a grammar has its logits changed first
 (:class:`~miles_host.rollout.penalties.LogitsProcessing`), and its logprobs are of the
-changed distribution, as SGLang returns them.
+changed distribution, as SGLang returns them. Stop tokens held back by ``min_new_tokens``
+are excluded from the draw only, not from the returned logprobs (SGLang masks them in both;
+here the logprobs stay the policy's, which speculative decoding reproduces).
 A token is drawn by inverting the CDF of the truncated, renormalised distribution
 at one uniform number per row (no ``.item()``, no ``multinomial``). A request
 with a ``sampling_seed`` gets its uniform from a counter-based hash of (seed,
