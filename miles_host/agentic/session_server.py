@@ -226,7 +226,8 @@ class SessionServer:
         meta = output["meta_info"]
         output_ids = list(output["output_ids"])
         log_probs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
-        handle.trajectory.record_output(output_ids, log_probs, meta.get("finish_reason"), meta.get("weight_version"))
+        handle.trajectory.record_output(output_ids, log_probs, meta.get("finish_reason"), meta.get("weight_version"),
+                                        meta.get("routed_experts"))
         return self._completion(body, input_ids, output_ids, log_probs, meta.get("finish_reason") or {}, tools)
 
     def _describe(self, ids: list[int]) -> str:

@@ -25,15 +25,19 @@ is handled by ``--session-prefix-mismatch``, a record of :data:`MISMATCH_POLICIE
 
 :meth:`Trajectory.fill_sample` writes the training sample: ``tokens`` the full sequence,
 ``loss_mask`` 1 exactly on generated tokens, ``rollout_log_probs`` the engine's log-probs of
-those tokens (0.0 elsewhere).
+those tokens (0.0 elsewhere), and with routing replay (``--rollout-return-routed-experts``)
+``rollout_routed_experts``: each token's experts as the engine routed them in the turn that
+first saw it (the earlier turns' rows are kept, each turn adds the rows of its new tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from miles_host.sample import Sample, Status
+import numpy as np
+
+from miles_host.sample import Sample, Status, compact_expert_ids
 
 
 class SessionPrefixMismatch(ValueError):
@@ -93,6 +97,8 @@ class Trajectory:
     error: str | None = None
     finish_reason: dict | None = None
     weight_versions: list = field(default_factory=list)
+    #: ``[len(tokens) - 1, moe_layers, topk]`` routes, when the engine returns them
+    routed_experts: np.ndarray | None = None
 
     def begin_turn(self, prompt_ids: list[int], describe: Callable[[list[int]], str] = str) -> list[int]:
         """Check a new turn's rendered prompt against the record and take its new tokens
@@ -121,14 +127,22 @@ class Trajectory:
             self.mismatches.append(message)
             del self.tokens[at:], self.loss_mask[at:], self.log_probs[at:]
             self.prompt_length = min(self.prompt_length, at)
+            if self.routed_experts is not None:  # row i depends on tokens 0..i only
+                self.routed_experts = self.routed_experts[:at]
         self._append(prompt_ids[len(self.tokens):], 0)
         return list(prompt_ids)
 
     def record_output(self, output_ids: list[int], log_probs: list[float], finish_reason: dict | None,
-                      weight_version=None) -> None:
-        """The engine's answer to the current turn: generated ids (mask 1) and their log-probs."""
+                      weight_version=None, routed_experts: Any = None) -> None:
+        """The engine's answer to the current turn: generated ids (mask 1), their log-probs and,
+        if given, the turn's routes (``[prompt + output - 1, moe_layers, topk]``)."""
         if len(log_probs) != len(output_ids):
             raise ValueError(f"{len(output_ids)} generated tokens but {len(log_probs)} log-probs")
+        if routed_experts is not None:
+            routed = np.asarray(routed_experts)
+            keep = 0 if self.routed_experts is None else self.routed_experts.shape[0]
+            self.routed_experts = routed if keep == 0 else np.concatenate(
+                [self.routed_experts.astype(np.int64), routed[keep:].astype(np.int64)], axis=0)
         self.tokens.extend(output_ids)
         self.loss_mask.extend([1] * len(output_ids))
         self.log_probs.extend(float(lp) for lp in log_probs)
@@ -154,6 +168,8 @@ class Trajectory:
         sample.loss_mask = list(self.loss_mask[start:])
         sample.rollout_log_probs = list(self.log_probs[start:])
         sample.weight_versions = list(self.weight_versions)
+        if self.routed_experts is not None:
+            sample.rollout_routed_experts = compact_expert_ids(self.routed_experts)
         sample.response = decode(self.tokens[start:])
         sample.metadata["session_turns"] = self.turns
         if self.mismatches:

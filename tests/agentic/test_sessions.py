@@ -185,3 +185,19 @@ def test_models_and_unknown_sessions_answer_like_openai(chat_model):
 def test_use_session_server_needs_a_custom_generate_function():
     with pytest.raises(ValueError, match="--use-session-server serves the trajectories"):
         MilesConfig(use_session_server=True)
+
+
+def test_routes_of_earlier_turns_are_kept_and_each_turn_adds_its_new_rows():
+    def routes(rows, value):  # [rows, 1 layer, top-1]
+        import numpy as np
+
+        return np.full((rows, 1, 1), value)
+
+    trajectory = Trajectory()
+    trajectory.begin_turn([5, 6, 7])
+    trajectory.record_output([8, 9], [-0.1, -0.2], None, routed_experts=routes(4, 1))  # 3 + 2 tokens: 4 rows
+    trajectory.begin_turn([5, 6, 7, 8, 9, 10])
+    trajectory.record_output([11], [-0.3], None, routed_experts=routes(6, 2))  # prefill re-routes rows 0-3
+    sample = trajectory.fill_sample(Sample(), str)
+    assert sample.rollout_routed_experts[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2]
+    assert sample.rollout_routed_experts.shape[0] == len(sample.tokens) - 1
