@@ -1,0 +1,44 @@
+"""miles run with a custom generate function: concurrent trajectories under --partial-rollout,
+and evaluation generating with the same function."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from miles_host.cli.main import main
+from tests.loop.conftest import base_args, read_metrics
+
+
+def test_partial_rollout_and_eval_with_an_async_custom_generate_function(tiny_task, tmp_path, monkeypatch):
+    (tmp_path / "agent_turns.py").write_text(textwrap.dedent(
+        """
+        import asyncio
+
+        CALLS = []
+
+        async def generate(args, sample, sampling_params, session):
+            CALLS.append(sample.metadata.get("prompt_index", "eval"))
+            first = await session.async_generate(sample.tokens, {**sampling_params, "max_new_tokens": 1})
+            session.append_generation(sample, first)
+            await asyncio.sleep(0.01)  # a tool call
+            session.append_tokens(sample, session.tokenizer("=", add_special_tokens=False)["input_ids"])
+            second = await session.async_generate(sample.tokens, {**sampling_params, "max_new_tokens": 2})
+            session.append_generation(sample, second)
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, data = tiny_task
+    out = tmp_path / "out"
+    assert main(base_args(model, data, out, "--num-rollout", "2", "--partial-rollout", "--over-sampling-batch-size", "6",
+                          "--custom-generate-function-path", "agent_turns.generate", "--dump-rollouts",
+                          "--eval-prompt-data", "addition", str(data), "--eval-interval", "1")) == 0
+    rows = read_metrics(out)
+    assert all(r["rollout/failed_samples"] == 0 for r in rows if "rollout/failed_samples" in r)
+    assert all("eval/addition/accuracy" in r for r in rows)
+    import agent_turns
+
+    assert agent_turns.CALLS.count("eval") == 3 * 64  # 3 evaluations of the 64 prompts, by the custom function
+    samples = [json.loads(line) for line in (out / "rollouts" / "rollout_00001.jsonl").read_text().splitlines()]
+    for sample in samples:
+        assert sample["loss_mask"][1] == 0 and sample["loss_mask"][0] == 1  # the tool token is not trained
