@@ -208,7 +208,6 @@ class RolloutManager:
         config = self.config
         stats = RolloutStats()
         target = config.rollout_batch_size
-        chunk = config.over_sampling_batch_size or target
         kept: list[list[Sample]] = []
         running: dict[asyncio.Task, list[Sample]] = {}
         carried, self.buffer = self.buffer, []
@@ -216,21 +215,7 @@ class RolloutManager:
             runner = TrajectoryRunner(self, self.custom_generate, driver, config.sglang_server_concurrency,
                                       self.sessions())
             try:
-                for group in carried:
-                    if all(s.status in FINAL for s in group):
-                        kept.append(group)  # a surplus group of the last rollout: already scored and kept
-                    else:
-                        running[self._start_custom_group(runner, group, rollout_id)] = group
-                while len(kept) < target:
-                    self._check_progress(rollout_id, kept, stats)
-                    if not running:
-                        for record in self.dataset.next_batch(chunk):
-                            group = self.new_group(record, rollout_id)
-                            stats.submitted_groups += 1
-                            running[self._start_custom_group(runner, group, rollout_id)] = group
-                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        await asyncio.to_thread(self._finish_group, running.pop(task), kept, stats)
+                await self._run_custom_rollout(runner, driver, rollout_id, carried, kept, running, stats)
                 surplus, unfinished = kept[target:], []
                 await driver.abort()
                 for task, group in running.items():
@@ -239,6 +224,14 @@ class RolloutManager:
                         unfinished.append(group)
                     else:  # finished while the batch filled up: scored, kept for the next rollout
                         await asyncio.to_thread(self._finish_group, group, surplus, stats)
+            except BaseException:
+                # a stopped rollout (too many failures, Ctrl-C): answer every waiting request so worker
+                # threads blocked in session.generate return, and end the trajectories still running
+                await driver.abort()
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+                raise
             finally:
                 runner.close()
             stats.generated_tokens = driver.generated_tokens
@@ -260,6 +253,27 @@ class RolloutManager:
             self.session_server = SessionServer(self.tokenizer, Path(checkpoint).name, parser,
                                                 port=self.config.session_server_port).start()
         return self.session_server
+
+    async def _run_custom_rollout(self, runner: TrajectoryRunner, driver: EngineDriver, rollout_id: int,
+                                  carried: list, kept: list, running: dict, stats: RolloutStats) -> None:
+        """Start groups (carried ones first) until ``kept`` holds the batch."""
+        config = self.config
+        target, chunk = config.rollout_batch_size, config.over_sampling_batch_size or config.rollout_batch_size
+        for group in carried:
+            if all(s.status in FINAL for s in group):
+                kept.append(group)  # a surplus group of the last rollout: already scored and kept
+            else:
+                running[self._start_custom_group(runner, group, rollout_id)] = group
+        while len(kept) < target:
+            self._check_progress(rollout_id, kept, stats)
+            if not running:
+                for record in self.dataset.next_batch(chunk):
+                    group = self.new_group(record, rollout_id)
+                    stats.submitted_groups += 1
+                    running[self._start_custom_group(runner, group, rollout_id)] = group
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                await asyncio.to_thread(self._finish_group, running.pop(task), kept, stats)
 
     def _start_custom_group(self, runner: TrajectoryRunner, group: list[Sample], rollout_id: int) -> asyncio.Task:
         """A task running the trajectories of the group's unfinished samples at once."""

@@ -115,3 +115,20 @@ def test_eval_uses_the_custom_generate_function(tmp_path):
     assert trajectories.GAUGE.calls == 6 and trajectories.GAUGE.peak == 6  # all at once
     assert time.perf_counter() - start < 3 * trajectories.TOOL_S
     assert score == 7.0  # the reward: response length (2 + 3 tool tokens + 2)
+
+
+def test_a_stopped_rollout_releases_worker_threads_blocked_in_generate():
+    import threading
+
+    before = threading.active_count()
+    manager, backend = make_manager(PATH + "fails_fast_or_generates_long", step_s=0.002, rollout_batch_size=2,
+                                    over_sampling_batch_size=8, max_failed_sample_fraction=0.25)
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="tool crashed on group"):
+        manager.generate(0)
+    assert time.perf_counter() - start < 10  # not waiting for 10,000-token requests
+    assert backend.running == {}  # the engine's requests were aborted
+    deadline = time.perf_counter() + 5
+    while threading.active_count() > before and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before  # no worker left blocked

@@ -96,3 +96,11 @@ async def record_tools(args, sample, sampling_params, session):
     SEEN_TOOLS.append((sample.prompt, sample.metadata.get("tools"), list(sample.tokens)))
     output = await session.async_generate(sample.tokens, {**sampling_params, "max_new_tokens": 1})
     session.append_generation(sample, output)
+
+
+def fails_fast_or_generates_long(args, sample, sampling_params, session):
+    """Odd groups raise at once; even groups block in a long engine request (a plain function)."""
+    if sample.group_index % 2:
+        raise RuntimeError(f"tool crashed on group {sample.group_index}")
+    output = session.generate(sample.tokens, {**sampling_params, "max_new_tokens": 10_000})
+    session.append_generation(sample, output)
