@@ -12,7 +12,8 @@ rollout engine. A chat request is rendered with the checkpoint's chat template
 (:class:`miles_host.agentic.sessions.Trajectory`), generated from those token ids by the
 rollout's engine driver, and answered in OpenAI's shape: the reply text, tool calls parsed
 in the model family's format (:mod:`miles_host.agentic.tool_parsers`, when the request
-has ``tools``), log-probs when asked, usage. Requests of one session run one at a time.
+has ``tools``), log-probs when asked, usage; with ``stream`` as server-sent events. Requests
+of one session run one at a time.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 404 for an
 unknown session, 400 for a bad request, a prompt the engine refuses, or a prefix mismatch
@@ -21,6 +22,7 @@ under ``--session-prefix-mismatch error``.
 
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -89,8 +91,27 @@ def check_chat_request(body: Any) -> None:
         raise OpenAIError(400, "messages must be a non-empty list", "messages")
     if body.get("n") not in (None, 1):
         raise OpenAIError(400, f"n={body['n']}: a session records one trajectory; send n=1", "n")
-    if body.get("stream"):
-        raise OpenAIError(400, "stream=true is not supported by rollout sessions; send stream=false", "stream")
+
+
+def stream_chunks(completion: dict, include_usage: bool) -> list:
+    """A chat completion as OpenAI's stream of ``chat.completion.chunk`` objects: the whole
+    reply (content or tool calls, with log-probs) in one delta, then the finish reason, then
+    the usage if asked. (A session turn is generated whole before it is answered.)"""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{**call, "index": index} for index, call in enumerate(message["tool_calls"])]
+    head = {key: completion[key] for key in ("id", "created", "model")}
+    chunks: list = [
+        {**head, "object": "chat.completion.chunk",
+         "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]}]},
+        {**head, "object": "chat.completion.chunk",
+         "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]},
+    ]
+    if include_usage:
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": completion["usage"]})
+    return chunks
 
 
 class SessionServer:
@@ -167,7 +188,7 @@ class SessionServer:
     def app(self):
         """The FastAPI application."""
         from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="miles rollout sessions")
 
@@ -192,7 +213,12 @@ class SessionServer:
             if handle.lock is None:
                 handle.lock = asyncio.Lock()
             async with handle.lock:
-                return await self._chat(handle, body)
+                completion = await self._chat(handle, body)
+            if not body.get("stream"):
+                return completion
+            chunks = stream_chunks(completion, bool((body.get("stream_options") or {}).get("include_usage")))
+            events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+            return StreamingResponse(iter(events), media_type="text/event-stream")
 
         return app
 

@@ -46,3 +46,24 @@ def edits_its_history(args, sample, sampling_params, session):
     except Exception as error:  # noqa: BLE001 - an agent that swallows the refusal still fails its sample
         sample.metadata["agent_saw"] = f"{type(error).__name__}: {error}"
     return reply and None
+
+
+async def async_streaming_agent(args, sample, sampling_params, session):
+    """The async client, streaming: two turns, the tool answer between them."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=sample.metadata["session_url"], api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": sample.prompt}]
+    streamed = []
+    for _ in range(2):
+        stream = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+                                                      stream=True, stream_options={"include_usage": True})
+        content, usage = "", None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                content += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        streamed.append((content, usage.completion_tokens))
+        messages.append({"role": "assistant", "content": content})
+        messages.append({"role": "tool", "tool_call_id": "call_0", "content": TOOL_OUTPUT})
+    sample.metadata["streamed"] = streamed

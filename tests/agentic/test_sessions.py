@@ -201,3 +201,20 @@ def test_routes_of_earlier_turns_are_kept_and_each_turn_adds_its_new_rows():
     sample = trajectory.fill_sample(Sample(), str)
     assert sample.rollout_routed_experts[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2]
     assert sample.rollout_routed_experts.shape[0] == len(sample.tokens) - 1
+
+
+def test_an_async_agent_streaming_through_the_session(chat_model):
+    manager, recorder, tokenizer = session_manager(chat_model, "tests.agentic.agents.async_streaming_agent")
+    try:
+        groups, stats = manager.generate(0)
+    finally:
+        manager.session_server.stop()
+    assert stats.failed_samples == 0, stats.first_failure
+    for sample in (s for g in groups for s in g):
+        prefix = f"custom-r0-g{sample.group_index}-s{sample.index % 2}-0-t"
+        turns = [recorder.outputs[prefix + str(k)]["output_ids"] for k in (1, 2)]
+        assert [t for t, m in zip(sample.tokens[sample.prompt_length:], sample.loss_mask) if m] == turns[0] + turns[1]
+        assert [n for _, n in sample.metadata["streamed"]] == [len(ids) for ids in turns]  # usage of each turn
+        for (content, _), ids in zip(sample.metadata["streamed"], turns):
+            eos = tokenizer.eos_token_id
+            assert content == tokenizer.decode(ids[:-1] if ids[-1] == eos else ids, skip_special_tokens=False)
