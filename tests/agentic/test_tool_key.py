@@ -56,7 +56,7 @@ def test_the_tools_reach_the_chat_template_and_the_custom_generate_function(tmp_
     # the reference: the template rendered as text by jinja, then tokenized
     text = chat_tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tools=[CALCULATOR, CLOCK],
                                               add_generation_prompt=True, tokenize=False)
-    assert text.startswith("<|im_start|>system\nTools: calculator clock<|im_end|>\n")
+    assert json.dumps(CALCULATOR) in text and json.dumps(CLOCK) in text  # the template lists the tools
     want = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
     for prompt, tools, tokens in trajectories.SEEN_TOOLS:
         assert tools == [CALCULATOR, CLOCK] and tokens == want
