@@ -67,3 +67,19 @@ async def async_streaming_agent(args, sample, sampling_params, session):
         messages.append({"role": "assistant", "content": content})
         messages.append({"role": "tool", "tool_call_id": "call_0", "content": TOOL_OUTPUT})
     sample.metadata["streamed"] = streamed
+
+
+def calls_the_calculator(args, sample, sampling_params, session):
+    """A tool-running loop: each tool call the model makes is evaluated and answered (two turns)."""
+    client = _client(sample)
+    messages = [{"role": "user", "content": sample.prompt}]
+    calls = []
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            expression = __import__("json").loads(call.function.arguments)["expression"]
+            calls.append((reply.choices[0].finish_reason, call.function.name, expression))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})  # noqa: S307
+    sample.metadata["calls"] = calls

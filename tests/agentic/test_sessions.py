@@ -5,8 +5,6 @@ is refused naming the turn (or retokenized / dropped, as configured)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from miles_host.agentic.sessions import SessionPrefixMismatch, Trajectory, mismatch_policy
@@ -88,10 +86,10 @@ class Recorder:
 
 
 def session_manager(model, generate, **flags):
-    config = MilesConfig(hf_checkpoint=str(model), rollout_batch_size=2, n_samples_per_prompt=2,
-                         rollout_max_response_len=8, rm_type="length", custom_generate_function_path=generate,
-                         use_session_server=True, apply_chat_template=True, rollout_temperature=1.0,
-                         max_failed_sample_fraction=1.0, device="cpu", **flags)
+    config = MilesConfig(**{"hf_checkpoint": str(model), "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+                            "rollout_max_response_len": 8, "rm_type": "length", "custom_generate_function_path": generate,
+                            "use_session_server": True, "apply_chat_template": True, "rollout_temperature": 1.0,
+                            "max_failed_sample_fraction": 1.0, "device": "cpu", **flags})
     plugins = MilesPluginManager()
     plugins.activate()
     registry = Registry("reward function")
@@ -165,6 +163,34 @@ def test_an_agent_that_edits_its_history(chat_model, policy):
         for sample in samples:
             assert sample.metadata["session_turns"] == 2 and "turn 2" in sample.metadata["session_mismatches"][0]
             assert (sum(sample.loss_mask) == 0) == (policy == "drop")
+
+
+#: the whole tool call as one token of the successor model (the chat template's rendering of it)
+CALL = '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+
+
+def test_a_tool_call_is_parsed_answered_and_its_output_not_trained(tmp_path):
+    from tests.agentic.chat_fixtures import build_successor_model
+
+    # greedy: after the generation prompt's last "\n" the model writes CALL, then <|im_end|>
+    model = build_successor_model(tmp_path / "model", ["\n", CALL, "<|im_end|>"])
+    manager, recorder, tokenizer = session_manager(model, "tests.agentic.agents.calls_the_calculator",
+                                                   rollout_temperature=0.0)
+    try:
+        groups, stats = manager.generate(0)
+    finally:
+        manager.session_server.stop()
+    assert stats.failed_samples == 0, stats.first_failure
+    call_id, eos = tokenizer.convert_tokens_to_ids(CALL), tokenizer.eos_token_id
+    for sample in (s for g in groups for s in g):
+        assert sample.metadata["calls"] == [("tool_calls", "calculator", "2+3")] * 2  # parsed, as OpenAI sends it
+        assert "session_mismatches" not in sample.metadata  # the template renders the call back to the same ids
+        response = sample.tokens[sample.prompt_length:]
+        assert [t for t, m in zip(response, sample.loss_mask) if m] == [call_id, eos, call_id, eos]
+        not_trained = tokenizer.decode([t for t, m in zip(response, sample.loss_mask) if not m], skip_special_tokens=False)
+        assert "<tool_response>\n5\n</tool_response>" in not_trained  # the tool's answer
+        prefix = f"custom-r0-g{sample.group_index}-s{sample.index % 2}-0-t"
+        assert [recorder.outputs[prefix + str(k)]["output_ids"] for k in (1, 2)] == [[call_id, eos]] * 2
 
 
 def test_models_and_unknown_sessions_answer_like_openai(chat_model):
