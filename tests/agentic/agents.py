@@ -83,3 +83,10 @@ def calls_the_calculator(args, sample, sampling_params, session):
             calls.append((reply.choices[0].finish_reason, call.function.name, expression))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})  # noqa: S307
     sample.metadata["calls"] = calls
+
+
+def one_turn_long_on_later_groups(args, sample, sampling_params, session):
+    """One turn: 3 tokens for groups 0 and 1, 40 for later ones (aborted when the batch is full)."""
+    client = _client(sample)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": sample.prompt}],
+                                   max_tokens=3 if sample.group_index < 2 else 40)

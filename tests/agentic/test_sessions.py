@@ -244,3 +244,25 @@ def test_an_async_agent_streaming_through_the_session(chat_model):
         for (content, _), ids in zip(sample.metadata["streamed"], turns):
             eos = tokenizer.eos_token_id
             assert content == tokenizer.decode(ids[:-1] if ids[-1] == eos else ids, skip_special_tokens=False)
+
+
+def test_under_partial_rollout_an_aborted_session_trajectory_starts_again(chat_tokenizer):
+    from tests.agentic.scripted import make_manager
+
+    manager, _ = make_manager("tests.agentic.agents.one_turn_long_on_later_groups",
+                              lambda sample, config: float(sample.index), step_s=0.005, partial_rollout=True,
+                              over_sampling_batch_size=4, use_session_server=True, rollout_max_response_len=64)
+    manager.tokenizer = chat_tokenizer
+    try:
+        groups0, stats0 = manager.generate(0)
+        buffered = [s for g in manager.buffer for s in g]
+        assert stats0.buffered_samples == 4
+        assert all(s.status is Status.ABORTED and 0 < s.response_length < 40 for s in buffered)
+        groups1, _ = manager.generate(1)
+    finally:
+        manager.session_server.stop()
+    assert [g[0].group_index for g in groups1] == [2, 3]
+    for sample in (s for g in groups1 for s in g):
+        # generated again from the prompt in a new session: 40 tokens of one turn, not the aborted ones plus more
+        assert sample.status is Status.TRUNCATED and sample.metadata["session_turns"] == 1
+        assert sample.response_length == sum(sample.loss_mask) == 40
