@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -252,6 +253,7 @@ class RolloutManager:
             parser = detect_tool_parser(_model_type(checkpoint), getattr(self.tokenizer, "chat_template", None))
             self.session_server = SessionServer(self.tokenizer, Path(checkpoint).name, parser,
                                                 port=self.config.session_server_port).start()
+            weakref.finalize(self, self.session_server.stop)  # with the manager, or at exit
         return self.session_server
 
     async def _run_custom_rollout(self, runner: TrajectoryRunner, driver: EngineDriver, rollout_id: int,
