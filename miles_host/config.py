@@ -49,7 +49,7 @@ class DataArgs:
     input_key: str = flag("input", "key of the prompt in each record", type=str, group="data")
     label_key: str | None = flag(None, "key of the label in each record", type=str, group="data")
     metadata_key: str = flag("metadata", "key of per-sample metadata in each record", type=str, group="data")
-    tool_key: str | None = flag(None, "key of tool definitions in each record", type=str, group="data")
+    tool_key: str | None = flag(None, "key of tool definitions in each record (a list of OpenAI tool records, or its JSON string): put in sample.metadata['tools'] and, with --apply-chat-template, given to the chat template", type=str, group="data")
     apply_chat_template: bool = flag(False, "wrap prompts with the tokenizer's chat template", group="data")
     rollout_shuffle: bool = flag(False, "shuffle prompts each epoch", group="data")
     rollout_seed: int = flag(42, "seed of prompt shuffling and rollout sampling", type=int, group="data")
