@@ -280,7 +280,8 @@ class TrajectoryRunner:
         if sample.response_length:  # an aborted session trajectory: agent state is gone, start again
             del sample.tokens[sample.prompt_length:]
             sample.response_length, sample.loss_mask, sample.rollout_log_probs = 0, [], []
-            sample.weight_versions, sample.response = [], ""
+            sample.weight_versions, sample.response, sample.rollout_routed_experts = [], "", None
+            sampling_params = {**sampling_params, "max_new_tokens": self.manager.config.rollout_max_response_len}
         loop, driver = self.driver.loop, self.driver
 
         def generate(input_ids: list[int], params: dict):
