@@ -25,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from miles_sglang import __version__
-from miles_sglang.service import GenerateJob, ServerState, iter_chunks, new_rid, wait_job
+from miles_sglang.generate_fields import check_request_fields
+from miles_sglang.service import GenerateJob, LogprobRequest, ServerState, iter_chunks, new_rid, wait_job
 
 _HEALTH_TIMEOUT_S = 20.0
 _FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. "
@@ -91,10 +92,42 @@ def _request_ids(body: dict, count: int, single: bool) -> list[str]:
     return rids
 
 
+#: the logprob fields a batch may give per prompt (SGLang's list forms), with their defaults and types
+_PER_PROMPT_LOGPROB_FIELDS = (("return_logprob", False, bool), ("logprob_start_len", -1, int),
+                              ("top_logprobs_num", 0, int))
+
+
+def _logprob_requests(body: dict, rids: list[str], single: bool) -> tuple[dict, dict[str, LogprobRequest]]:
+    """The job-wide logprob fields and, where a batch gives lists, each prompt's own."""
+    job_wide, lists = {}, {}
+    for name, default, kind in _PER_PROMPT_LOGPROB_FIELDS:
+        value = body.get(name)
+        if isinstance(value, list):
+            values = _per_prompt(value, len(rids), name, default)
+            lists[name] = [flag({name: v}, name, default, kind) for v in values]
+            job_wide[name] = default
+        else:
+            job_wide[name] = flag(body, name, default, kind)
+    ids = body.get("token_ids_logprob")
+    if ids is not None and not single and ids and all(isinstance(row, list) or row is None for row in ids):
+        lists["token_ids_logprob"] = _per_prompt(ids, len(rids), "token_ids_logprob", None)
+        job_wide["token_ids_logprob"] = None
+    else:
+        job_wide["token_ids_logprob"] = ids
+    per_prompt = {}
+    if lists:
+        for i, rid in enumerate(rids):
+            fields = {name: (lists[name][i] if name in lists else job_wide[name]) for name in job_wide}
+            per_prompt[rid] = LogprobRequest(**fields)
+    return job_wide, per_prompt
+
+
 def build_generate_job(state: ServerState, body: dict) -> tuple[GenerateJob, list[list[int]], list[dict], list[str], bool]:
     """A ``/generate`` body checked and turned into a job: ``(job, prompts, sampling
-    params, rids, single)``. ``sampling_params`` pass through to the engine unchanged
-    (it validates them); ValueError names what is wrong."""
+    params, rids, single)``. Every key must be a ``GenerateReqInput`` field
+    (:mod:`miles_sglang.generate_fields`); ``sampling_params`` pass through to the engine
+    unchanged (it validates them); ValueError names what is wrong."""
+    check_request_fields(body)
     if "weights" in state.released_tags:
         raise ValueError("the weights are released: call /resume_memory_occupation first")
     prompts, single = _prompts(state, body)
@@ -103,20 +136,23 @@ def build_generate_job(state: ServerState, body: dict) -> tuple[GenerateJob, lis
         raise ValueError("'sampling_params' must be an object or a list of objects")
     params = [dict(p) for p in params]
     rids = _request_ids(body, len(prompts), single)
-    for name in ("return_logprob", "return_routed_experts"):
+    for name in ("return_routed_experts", "return_text_in_logprobs", "stream"):
         if isinstance(body.get(name), list):
             raise ValueError(f"'{name}' must be one boolean for the whole request")
+    logprobs, per_prompt = _logprob_requests(body, rids, single)
     keys = []
     for r, p in zip(rids, params):
         n = p.get("n", 1)
         keys.extend((r, k) for k in range(n if isinstance(n, int) and n >= 1 else 1))
+    start = flag(body, "routed_experts_start_len", 0, int)
+    if start < 0:
+        raise ValueError(f"'routed_experts_start_len' must be >= 0, got {start}")
     job = GenerateJob(
         keys=keys, prompts=dict(zip(rids, prompts)),
-        return_logprob=flag(body, "return_logprob", False, bool),
         return_routed_experts=flag(body, "return_routed_experts", False, bool),
-        logprob_start_len=flag(body, "logprob_start_len", -1, int),
         stream=flag(body, "stream", False, bool), incremental=state.incremental_streaming_output,
-        top_logprobs_num=flag(body, "top_logprobs_num", 0, int),
+        return_text_in_logprobs=flag(body, "return_text_in_logprobs", False, bool),
+        routed_experts_start_len=start, per_prompt=per_prompt, **logprobs,
     )
     return job, prompts, params, rids, single
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pluggy
-import torch
 
 from miles_host import hookspecs
 from miles_host.rollout.outputs import sglang_logprob_meta
@@ -53,9 +52,22 @@ def capture_routing_hooks() -> RoutingHooks:
     return RoutingHooks(manager.hook)
 
 
+@dataclass(frozen=True)
+class LogprobRequest:
+    """One prompt's logprob fields of ``/generate`` (SGLang's names and defaults)."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+
+
 @dataclass
 class GenerateJob:
-    """One ``/generate`` call: its samples, their results and (streaming) chunks."""
+    """One ``/generate`` call: its samples, their results and (streaming) chunks.
+
+    The logprob fields apply to every prompt unless ``per_prompt`` has the prompt's
+    own (a batch whose ``return_logprob`` / ``top_logprobs_num`` / ... are lists)."""
 
     keys: list[tuple[str, int]]
     prompts: dict[str, list[int]]
@@ -66,6 +78,14 @@ class GenerateJob:
     incremental: bool
     #: SGLang's ``top_logprobs_num``: the top alternatives of each generated token (with ``return_logprob``)
     top_logprobs_num: int = 0
+    #: SGLang's ``token_ids_logprob``: these ids' logprobs at each generated position (with ``return_logprob``)
+    token_ids_logprob: list[int] | None = None
+    #: SGLang's ``return_text_in_logprobs``: each logprob entry's token decoded, not ``None``
+    return_text_in_logprobs: bool = False
+    #: SGLang's ``routed_experts_start_len``: routes from this row on (earlier rows the caller has)
+    routed_experts_start_len: int = 0
+    #: rid -> that prompt's logprob fields, where a batch gives them per prompt
+    per_prompt: dict[str, LogprobRequest] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     results: dict[tuple[str, int], dict] = field(default_factory=dict)
     chunks: "queue.Queue[dict | None]" = field(default_factory=queue.Queue)
@@ -74,6 +94,14 @@ class GenerateJob:
     sent_text: dict[tuple[str, int], int] = field(default_factory=dict)
     #: called from the engine thread after each new result or chunk (wakes an awaiting loop)
     notify: Callable[[], None] | None = None
+
+    def logprob_request(self, rid: str) -> LogprobRequest:
+        """The logprob fields of prompt ``rid``."""
+        own = self.per_prompt.get(rid)
+        if own is not None:
+            return own
+        return LogprobRequest(self.return_logprob, self.logprob_start_len, self.top_logprobs_num,
+                              self.token_ids_logprob)
 
     def ordered_results(self) -> list[dict]:
         """Results in request order (prompt-major, then sample index)."""
@@ -197,18 +225,23 @@ class EngineWorker:
                 for prompt, sampling, rid in zip(prompts, params, rids):
                     if rid in self._jobs:
                         raise ValueError(f"request id {rid!r} is already in use")
+                    asked = job.logprob_request(rid)
+                    options = dict(return_logprob=asked.return_logprob,
+                                   return_routed_experts=job.return_routed_experts,
+                                   top_logprobs_num=asked.top_logprobs_num,
+                                   token_ids_logprob=asked.token_ids_logprob,
+                                   logprob_start_len=asked.logprob_start_len)
                     if sampling.get("max_new_tokens") == 0:
                         # finishes at once; generate() hands back the result add_request would drop
-                        outputs = engine.generate(prompt, sampling, return_logprob=job.return_logprob,
-                                                  return_routed_experts=job.return_routed_experts, rid=rid,
-                                                  top_logprobs_num=job.top_logprobs_num)
+                        outputs = engine.generate(prompt, sampling, rid=rid, **options)
+                        reason = outputs[0]["meta_info"]["finish_reason"] if outputs else None
+                        if reason and reason.get("type") == "abort" and reason.get("message") != "aborted":
+                            raise ValueError(reason["message"])  # generate() answers a bad request this way
                         self._jobs[rid] = job
                         added.append(rid)
                         self._deliver(outputs)
                         continue
-                    engine.add_request(rid, prompt, sampling, return_logprob=job.return_logprob,
-                                       return_routed_experts=job.return_routed_experts,
-                                       top_logprobs_num=job.top_logprobs_num)
+                    engine.add_request(rid, prompt, sampling, **options)
                     self._jobs[rid] = job
                     added.append(rid)
             except (ValueError, RuntimeError):
@@ -290,7 +323,7 @@ class EngineWorker:
         if not streaming:
             return
         for rid, job in streaming.items():
-            for partial in self.engine.progress(rid, return_logprob=job.return_logprob):
+            for partial in self.engine.progress(rid, return_logprob=job.logprob_request(rid).return_logprob):
                 key = (rid, partial["meta_info"]["index"])
                 if key in job.results or len(partial["output_ids"]) <= job.sent_tokens.get(key, 0):
                     continue
@@ -300,22 +333,45 @@ class EngineWorker:
     # -- response shapes -----------------------------------------------------------
 
     def _to_wire(self, job: GenerateJob, output: dict, final: bool = True) -> dict:
+        """An engine output in SGLang's wire layout (``meta_info`` as its tokenizer manager
+        builds it): logprob triples ``[logprob, token id, text or None]``, the weight
+        version a string, routes base64, ``e2e_latency``."""
         meta = dict(output["meta_info"])
-        if output.get("logprobs"):  # the engine's raw extras -> SGLang's meta_info layout
-            rendered = sglang_logprob_meta(output, None, False)
-            meta.update({k: v for k, v in rendered.items() if k.startswith("output_") and k != "output_token_logprobs"})
-            output = {k: v for k, v in output.items() if k != "logprobs"}
+        asked = job.logprob_request(meta["id"])
+        if asked.return_logprob and "output_token_logprobs" in meta:
+            meta.update(self._logprob_meta(job, asked, output))
+        else:
+            meta.pop("output_token_logprobs", None)
+        output = {k: v for k, v in output.items() if k != "logprobs"}
         if meta.get("weight_version") is not None:
             meta["weight_version"] = str(meta["weight_version"])  # SGLang's weight versions are strings
         if "routed_experts" in meta:
-            meta["routed_experts"] = encode_routed_experts(meta["routed_experts"])
-        if job.return_logprob and final and job.logprob_start_len >= 0:
-            meta["input_token_logprobs"] = self._input_logprobs(job.prompts[meta["id"]], job.logprob_start_len)
+            routes = meta["routed_experts"]
+            if routes is not None and job.routed_experts_start_len:
+                routes = routes[job.routed_experts_start_len:]
+                meta["routed_experts_start_len"] = job.routed_experts_start_len
+            meta["routed_experts"] = encode_routed_experts(routes)
         meta["e2e_latency"] = time.time() - job.created
         return {**output, "meta_info": meta}
 
+    def _logprob_meta(self, job: GenerateJob, asked: LogprobRequest, output: dict) -> dict:
+        """SGLang's logprob fields. With ``logprob_start_len`` -1 SGLang starts the prompt's
+        logprobs at its last token (``len(input_ids) - 1``), which has none: one
+        ``[None, last prompt id, text]`` entry (and ``None`` top / requested-id rows)."""
+        tokenizer = self.engine.tokenizer
+        rendered = sglang_logprob_meta(output, tokenizer, job.return_text_in_logprobs)
+        if asked.logprob_start_len < 0:
+            prompt = job.prompts[output["meta_info"]["id"]]
+            text = tokenizer.decode([prompt[-1]]) if job.return_text_in_logprobs else None
+            rendered["input_token_logprobs"] = [[None, prompt[-1], text]]
+            for side in ("top_logprobs", "token_ids_logprobs"):
+                if f"output_{side}" in rendered:
+                    rendered[f"input_{side}"] = [None]
+        return rendered
+
     def _chunk(self, job: GenerateJob, key: tuple[str, int], wire: dict, final: bool) -> dict:
-        """SGLang's default stream chunks are cumulative; ``incremental`` sends deltas."""
+        """SGLang's default stream chunks are cumulative; ``incremental`` sends deltas (the
+        prompt's logprobs in the first chunk only)."""
         chunk = {**wire, "index": job.keys.index(key)}
         if job.incremental:
             start = job.sent_tokens.get(key, 0)
@@ -324,25 +380,16 @@ class EngineWorker:
             for name in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
                 if name in meta:
                     meta[name] = meta[name][start:]
+            if key in job.sent_tokens:
+                for name in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+                    if name in meta:
+                        meta[name] = []
             chunk["meta_info"] = meta
             if "text" in wire:
                 chunk["text"] = wire["text"][job.sent_text.get(key, 0):]
                 job.sent_text[key] = len(wire["text"])
         job.sent_tokens[key] = len(wire["output_ids"])
         return chunk
-
-    @torch.inference_mode()
-    def _input_logprobs(self, prompt: list[int], start: int) -> list[list]:
-        """SGLang's ``input_token_logprobs`` from ``logprob_start_len``: ``[logprob, id, None]``,
-        the first prompt token having no logprob."""
-        model = self.engine.model
-        device = next(model.parameters()).device
-        ids = torch.tensor(prompt, dtype=torch.long, device=device)
-        targets = torch.cat([ids[1:], ids[:1]])
-        cu = torch.tensor([0, len(prompt)], dtype=torch.int32, device=device)
-        logprobs, _ = model.packed_log_probs(ids, torch.arange(len(prompt), device=device), cu, targets)
-        values = [None] + [float(v) for v in logprobs[: len(prompt) - 1].float().cpu()]
-        return [[values[i], prompt[i], None] for i in range(min(start, len(prompt)), len(prompt))]
 
 
 # ----------------------------------------------------------------------------
