@@ -42,3 +42,26 @@ def test_partial_rollout_and_eval_with_an_async_custom_generate_function(tiny_ta
     samples = [json.loads(line) for line in (out / "rollouts" / "rollout_00001.jsonl").read_text().splitlines()]
     for sample in samples:
         assert sample["loss_mask"][1] == 0 and sample["loss_mask"][0] == 1  # the tool token is not trained
+
+
+def test_session_samples_train_with_the_engines_log_probs(tmp_path, monkeypatch):
+    """An openai-client agent through --use-session-server: the trainer's log-probs of the recorded
+    generated tokens equal the engine's (the tokens are exactly what was sampled)."""
+    from tests.agentic.chat_fixtures import build_chat_model
+
+    model = build_chat_model(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+{i}=?", "label": str(2 * i)}) + "\n" for i in range(8)))
+    (tmp_path / "length_reward.py").write_text("def reward(sample, config):\n    return float(sample.response_length)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    assert main(["run", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--label-key", "label",
+                 "--custom-rm-path", "length_reward.reward", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--rollout-max-response-len", "6", "--num-rollout", "2", "--lr", "1e-3", "--device", "cpu",
+                 "--custom-generate-function-path", "tests.agentic.agents.two_turns_with_tool_output",
+                 "--use-session-server", "--output-dir", str(out), "--no-progress", "--dump-rollouts"]) == 0
+    rows = read_metrics(out)
+    assert all(r["rollout/failed_samples"] == 0 for r in rows)
+    assert all(r["train/train_rollout_logprob_abs_diff_max"] < 1e-4 for r in rows)
+    samples = [json.loads(line) for line in (out / "rollouts" / "rollout_00001.jsonl").read_text().splitlines()]
+    assert all(s["metadata"]["session_turns"] == 2 and 0 in s["loss_mask"] for s in samples)
