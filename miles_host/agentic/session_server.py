@@ -11,15 +11,14 @@ rollout engine. A chat request is rendered with the checkpoint's chat template
 (:func:`miles_host.agentic.chat.render_chat`), checked against the session's token record
 (:class:`miles_host.agentic.sessions.Trajectory`), generated from those token ids by the
 rollout's engine driver, and answered in OpenAI's shape: the reply text, tool calls parsed
-in the model family's format (:mod:`miles_host.agentic.tool_parsers`, when the request
-has ``tools``), log-probs when asked, usage; with ``stream`` as server-sent events. Requests
-of one session run one at a time.
+in the model family's format (:mod:`miles_host.agentic.tool_parsers`, when the request has
+``tools`` and ``tool_choice`` is not ``"none"``), log-probs when asked, usage; with
+``stream`` as server-sent events. Requests of one session run one at a time.
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 404 for an
 unknown session, 400 for a bad request, a prompt the engine refuses, or a prefix mismatch
 under ``--session-prefix-mismatch error``.
 """
-
 
 import asyncio
 import json
@@ -27,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from miles_host.agentic.sessions import SessionPrefixMismatch, Trajectory
@@ -62,7 +61,6 @@ class SessionHandle:
     sampling_params: dict
     lock: asyncio.Lock | None = None
     requests: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def sampling_overrides(body: dict, defaults: dict) -> dict:
@@ -275,7 +273,7 @@ class SessionServer:
         text = self._reply_text(output_ids, reason)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = FINISH_REASONS.get(reason.get("type"), "stop")
-        if tools and self.tool_parser is not None:
+        if tools and self.tool_parser is not None and body.get("tool_choice") != "none":
             content, calls = self.tool_parser.parse(text)
             if calls:
                 message = {"role": "assistant", "content": content or None,
