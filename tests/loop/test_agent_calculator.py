@@ -14,8 +14,16 @@ from miles_host.cli.main import main
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_calculator"
 
 
+@pytest.fixture
+def example_modules():
+    """The example's modules (``agent``, ``task``) are imported by their short names: forget them afterwards."""
+    yield
+    for name in ("agent", "task"):
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.slow
-def test_the_example_agents_eval_accuracy_rises(tmp_path, monkeypatch):
+def test_the_example_agents_eval_accuracy_rises(tmp_path, monkeypatch, example_modules):
     monkeypatch.chdir(EXAMPLE)  # agent.generate, agent.reward and task are found from the current directory
     monkeypatch.syspath_prepend(str(EXAMPLE))
     from task import write_data
@@ -43,5 +51,3 @@ def test_the_example_agents_eval_accuracy_rises(tmp_path, monkeypatch):
     assert len(called) > len(samples) // 2  # the base policy calls the tool
     for sample in called:  # the tool's answer sits in the sample and is not trained
         assert "<tool_response>" in sample["response"] and 0 in sample["loss_mask"] and 1 in sample["loss_mask"]
-    sys.modules.pop("task", None)
-    sys.modules.pop("agent", None)
