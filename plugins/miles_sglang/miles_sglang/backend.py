@@ -1,7 +1,8 @@
 """Rollout backend ``sglang``: the rollout manager's interface over SGLang's HTTP API.
 
 ``submit`` posts ``/generate`` from a thread pool (many requests in flight, the
-server batches them); ``step`` hands back whatever finished; ``abort_all`` calls
+server batches them) with the body slime's rollout sends, and reads the answer as
+slime does (:mod:`miles_sglang.client`); ``step`` hands back whatever finished; ``abort_all`` calls
 ``/abort_request`` and collects the partial outputs; ``update_weights`` pushes
 buckets through ``/update_weights_from_tensor``. A request that fails (server
 error after retries, malformed answer) comes back as an output with
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 from miles_host.protocols import RolloutBackendBase
 
-from miles_sglang.client import SGLangClient, SGLangHTTPError
+from miles_sglang.client import SGLangClient, SGLangHTTPError, response_tokens
 from miles_sglang.protocol import decode_routed_experts, encode_cuda_ipc_payload, encode_tensor_payload
 from miles_sglang.weights import family_and_config, native_to_hf
 
@@ -196,10 +197,8 @@ class SGLangRolloutBackend(RolloutBackendBase):
     def _request_outputs(self, client, rid, input_ids, sampling_params, n, return_routed_experts, epoch) -> list[dict]:
         if epoch != self._epoch:  # aborted before it was sent
             return [failed_output(rid, k, "aborted", len(input_ids)) for k in range(n)]
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
-                "return_routed_experts": return_routed_experts, "rid": rid}
         try:
-            answer = client.request("POST", "/generate", body)
+            answer = client.generate(input_ids, sampling_params, return_routed_experts)
         except SGLangHTTPError as error:
             return [failed_output(rid, k, f"sglang /generate: HTTP {error.status}: {error.message}", len(input_ids))
                     for k in range(n)]
@@ -218,9 +217,6 @@ class SGLangRolloutBackend(RolloutBackendBase):
 
         if not isinstance(result, dict):
             raise bad("result", f"is {type(result).__name__}, not an object")
-        output_ids = result.get("output_ids")
-        if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
-            raise bad("output_ids", "is missing or not a list of token ids")
         meta = result.get("meta_info")
         if not isinstance(meta, dict):
             raise bad("meta_info", "is missing")
@@ -228,11 +224,12 @@ class SGLangRolloutBackend(RolloutBackendBase):
         reason = meta.get("finish_reason")
         if not isinstance(reason, dict) or "type" not in reason:
             raise bad("meta_info.finish_reason", f"is {reason!r}, not an object with a 'type'")
-        logprobs = meta.get("output_token_logprobs")
-        if not isinstance(logprobs, list) or len(logprobs) != len(output_ids) or not all(
-            isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (int, float)) for entry in logprobs
-        ):
-            raise bad("meta_info.output_token_logprobs", "does not hold one [logprob, token_id, text] per output token")
+        if "output_token_logprobs" not in meta and result.get("output_ids"):
+            raise bad("meta_info.output_token_logprobs", "is missing though return_logprob was set")
+        output_ids, _ = response_tokens(result)  # as slime: the ids are the logprob entries' item[1]
+        sent_ids = result.get("output_ids")
+        if sent_ids is not None and list(sent_ids) != output_ids:
+            raise bad("output_ids", "disagree with the token ids of meta_info.output_token_logprobs")
         if reason["type"] == "abort" and aborted_by_us:
             reason = {"type": "abort", "message": "aborted"}  # our abort: the sample continues later
         routes = meta.get("routed_experts")
@@ -241,6 +238,7 @@ class SGLangRolloutBackend(RolloutBackendBase):
                 raise bad("meta_info.routed_experts", "is missing though return_routed_experts was set")
             rows = len(input_ids) + len(output_ids) - 1
             routes = decode_routed_experts(routes, rows, self.top_k) if isinstance(routes, str) else np.asarray(routes)
+        meta.setdefault("output_token_logprobs", [])
         meta.update(id=rid, index=index, finish_reason=reason, routed_experts=routes if want_routes else None)
         return {**result, "output_ids": output_ids, "meta_info": meta}
 

@@ -1,4 +1,15 @@
-"""A small blocking HTTP client of one SGLang server (standard library only).
+"""A small blocking HTTP client of one SGLang server (standard library only), and the
+``/generate`` request and answer as slime's rollout writes and reads them.
+
+:func:`generate_payload` builds the body slime's default ``generate``
+(``slime/rollout/sglang_rollout.py``) sends: ``input_ids``, ``sampling_params`` with
+slime's keys (``stop`` / ``stop_token_ids`` present even when null,
+``skip_special_tokens`` false unless asked, ``no_stop_trim`` true,
+``spaces_between_special_tokens`` false, ``custom_params.return_top_p_token_ids``
+when ``top_p`` < 1), ``return_logprob`` true, ``return_routed_experts`` only when
+asked, no ``rid`` (the server names the request) and no ``n`` of 1. :func:`response_tokens` reads the
+answer as slime does: the generated ids and their logprobs from
+``meta_info.output_token_logprobs`` (``item[1]`` and ``item[0]``).
 
 Retries: a refused or reset connection and HTTP 5xx are retried ``max_retries``
 times with exponential backoff; 4xx answers are the caller's mistake and are
@@ -16,6 +27,37 @@ import urllib.request
 from typing import Any
 
 _MAX_BACKOFF_S = 5.0
+
+#: sampling-param keys slime's rollout always sends, with its values where the caller gives none
+SLIME_SAMPLING_DEFAULTS = {"stop": None, "stop_token_ids": None, "skip_special_tokens": False,
+                           "no_stop_trim": True, "spaces_between_special_tokens": False}
+
+
+def generate_payload(input_ids: list[int], sampling_params: dict, return_routed_experts: bool = False) -> dict:
+    """The ``/generate`` body slime's rollout sends for a text prompt (see the module docstring)."""
+    params = {**SLIME_SAMPLING_DEFAULTS, **sampling_params}
+    if params.get("n") == 1:
+        del params["n"]  # SGLang's default; slime never sends it
+    if params.get("top_p", 1.0) != 1.0:
+        params["custom_params"] = {**(params.get("custom_params") or {}), "return_top_p_token_ids": True}
+    payload: dict[str, Any] = {"sampling_params": params, "return_logprob": True}
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    payload["input_ids"] = list(input_ids)
+    return payload
+
+
+def response_tokens(result: dict) -> tuple[list[int], list[float]]:
+    """``(token ids, logprobs)`` of one ``/generate`` result, read as slime reads them; ValueError
+    if ``meta_info.output_token_logprobs`` is not a list of ``[logprob, token id, ...]``."""
+    entries = (result.get("meta_info") or {}).get("output_token_logprobs", [])
+    if not isinstance(entries, list) or not all(
+        isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[0], (int, float))
+        and isinstance(e[1], int) and not isinstance(e[1], bool) for e in entries
+    ):
+        raise ValueError("malformed /generate response: meta_info.output_token_logprobs does not hold "
+                         "[logprob, token_id, text] entries")
+    return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
 
 
 class SGLangHTTPError(RuntimeError):
@@ -103,6 +145,10 @@ class SGLangClient:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{self.url}{path}: the answer is not valid JSON: {error}") from error
         return raw.decode(errors="replace")
+
+    def generate(self, input_ids: list[int], sampling_params: dict, return_routed_experts: bool = False) -> Any:
+        """POST ``/generate`` with slime's body (:func:`generate_payload`); the decoded answer."""
+        return self.request("POST", "/generate", generate_payload(input_ids, sampling_params, return_routed_experts))
 
     def wait_healthy(self, attempts: int = 20, interval: float = 0.5) -> None:
         """Poll ``/health`` until it answers 200; RuntimeError naming the URL otherwise."""
