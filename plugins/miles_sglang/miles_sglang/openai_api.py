@@ -285,7 +285,10 @@ class OpenAIServer:
         req: CompletionRequest = _parse(CompletionRequest, await _json_body(request))
         self.check_model(req.model)
         _refuse_unsupported(req)
-        prompts = self._completion_prompts(req.prompt)
+        has_text = isinstance(req.prompt, str) or any(isinstance(p, str) for p in req.prompt)
+        # tokenizing text is CPU work: in the thread pool, off the event loop (as /generate does)
+        prompts = await run_in_threadpool(self._completion_prompts, req.prompt) if has_text \
+            else self._completion_prompts(req.prompt)
         params = sampling_params(req, self.max_new_tokens(req.max_tokens, [len(p) for p in prompts], "max_tokens"))
         rules = output.TextRules(self.engine.tokenizer, tuple(_stops(req)), req.skip_special_tokens, req.no_stop_trim)
         job, event = await self.submit(prompts, params, return_logprob=req.logprobs is not None, stream=req.stream,
