@@ -62,7 +62,6 @@ def assert_rows_invariant(a, b, bias=None, ms=(1, 3, 17, 64, 130), seed=1):
     return full
 
 
-@pytest.mark.slow  # the GPU test checks the kernel on the device
 def test_cpu_kernel_under_the_triton_interpreter(request):
     """Accuracy, bitwise row invariance, every config (see interpreted_invariant_matmul.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_invariant_matmul.py"), request)

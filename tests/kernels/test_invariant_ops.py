@@ -57,7 +57,6 @@ def gradients_vs_float64(x, w, b, dispatch_key):
     return got, expected
 
 
-@pytest.mark.slow  # the GPU test checks the kernel on the device
 def test_cpu_kernels_under_the_triton_interpreter(request):
     """F.linear / mean through the Triton kernels, CPU-key registration (see interpreted_invariant_ops.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_invariant_ops.py"), request)

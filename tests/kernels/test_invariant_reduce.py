@@ -67,7 +67,6 @@ def assert_log_probs_invariant(logits, targets, batches, **options):
             assert torch.equal(sub[0], full[0][index]) and torch.equal(sub[1], full[1][index]), t
 
 
-@pytest.mark.slow  # the GPU test checks the kernel on the device
 def test_cpu_kernels_under_the_triton_interpreter(request):
     """Accuracy and bitwise per-row invariance (see interpreted_invariant_reduce.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_invariant_reduce.py"), request)

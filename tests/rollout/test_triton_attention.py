@@ -19,7 +19,6 @@ from tests.plugins.triton_sm90 import compile_sm90
 pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
 
 
-@pytest.mark.slow  # the GPU test checks the kernel on the device
 def test_cpu_kernels_under_the_triton_interpreter(request):
     """Split-KV decode vs the reference, counters left at zero, invariant mode unsplit, KV write bit for bit."""
     run_interpreted(Path(__file__).with_name("interpreted_triton_attention.py"), request)

@@ -88,7 +88,6 @@ def test_halves_int4_mm_off_cuda_is_the_qat_dequantize_path():
         assert torch.equal(int4_mm(x, packed), reference_mm(x, q, scale))
 
 
-@pytest.mark.slow  # the GPU test checks the kernel on the device
 def test_cpu_kernel_under_the_triton_interpreter(request):
     """Dequantization bit for bit, GEMM vs reference, split-K reductions (see interpreted_decode_gemm.py)."""
     run_interpreted(Path(__file__).with_name("interpreted_decode_gemm.py"), request)

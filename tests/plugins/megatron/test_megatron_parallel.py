@@ -100,14 +100,9 @@ _LAYOUTS = [
 ]
 _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
                "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"]
-#: the layouts the default suite runs (each rule above in at least one); the rest run with --run-slow
-_FAST_LAYOUTS = {"tp2_sp", "pp2_moe_r3_recompute", "ep2_r2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"}
 
 
-@pytest.mark.parametrize("name,sizes,extra,shared", [
-    pytest.param(*case, id=ident, marks=() if ident in _FAST_LAYOUTS else pytest.mark.slow)
-    for case, ident in zip(_LAYOUTS, _LAYOUT_IDS)
-])
+@pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS, ids=_LAYOUT_IDS)
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
@@ -194,7 +189,7 @@ def test_pipeline_stages_share_the_routes_they_captured(tmp_path):
 
 @pytest.mark.parametrize("flag", [
     pytest.param("--tensor-model-parallel-size", id="tp2"),
-    pytest.param("--pipeline-model-parallel-size", id="pp2", marks=pytest.mark.slow),
+    pytest.param("--pipeline-model-parallel-size", id="pp2"),
 ])
 def test_miles_run_with_model_parallel_trainers(tmp_path, clean_groups, flag):
     """``miles run --train-backend megatron --tensor-model-parallel-size 2`` (or PP 2): two
