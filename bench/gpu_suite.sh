@@ -6,6 +6,7 @@
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
+#        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: the INT4 >= 1.5x bf16 goal)
@@ -62,6 +63,8 @@ for step in "${steps[@]}"; do
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     moe) run moe 560 python3 bench/moe.py --json "$OUT/moe.json" ;;
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
+    sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+      tests/rollout/test_sglang_sampling_params.py ;;  # SGLang's sampling features under CUDA graphs + overlap
     moe_tests) run moe_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py tests/plugins/fp8/test_moe_fused.py tests/plugins/int4/test_moe_fused.py ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
