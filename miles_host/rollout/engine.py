@@ -39,6 +39,7 @@ from miles_host.models.mlp import set_moe_kernel
 from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.config import EngineConfig, resolve_config
+from miles_host.rollout.gpu_sizing import measure_activation_peak
 from miles_host.rollout.grammar import GrammarCompiler, RequestGrammar
 from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_blocks_for_gpu
 from miles_host.rollout.logprobs import LogprobOptions, input_logprobs
@@ -94,7 +95,7 @@ class Engine(MemoryOccupation):
         layout = model.attention_layout()
         self.kv_bytes_per_token = kv_bytes_per_token(layout, cfg.kv_cache_dtype)
         if self.device.type == "cuda":
-            activation_peak = self._measure_activation_peak(layout)
+            activation_peak = measure_activation_peak(self.model, cfg, self.device, layout)
             num_blocks = num_blocks_for_gpu(
                 layout, cfg.block_size, cfg.kv_cache_dtype, self.device, cfg.mem_fraction_static, activation_peak
             )
@@ -172,41 +173,6 @@ class Engine(MemoryOccupation):
     def num_kv_cache_tokens(self) -> int:
         """Tokens the KV cache holds (without the padding block)."""
         return self.block_manager.num_usable_blocks * self.config.block_size
-
-    def _measure_activation_peak(self, layout) -> int:
-        """Peak activation bytes of the largest prefill and of sampling a full decode batch."""
-        cfg = self.config
-        tokens = cfg.max_num_batched_tokens
-        seq_len = min(tokens, cfg.max_model_len - 1)
-        num_seqs = max(1, tokens // seq_len)
-        # every sequence's last block may be partly filled: size the scratch cache per sequence
-        blocks = num_seqs * self.block_manager_blocks(seq_len) + 1
-        scratch = PagedKVCache(layout, blocks, cfg.block_size, cfg.kv_cache_dtype, self.device)
-        runner = ModelRunner(
-            self.model, scratch, device=self.device, attention_backend=cfg.attention_backend,
-            max_num_seqs=cfg.max_num_seqs, max_model_len=tokens + cfg.block_size,
-            fused_kernels=cfg.fused_kernels,
-        )
-        seqs, next_block = [], 1
-        for i in range(num_seqs):
-            seq = Sequence(rid=f"warmup-{i}", token_ids=[0] * seq_len, num_prompt_tokens=seq_len,
-                           params=SamplingParams(temperature=1.0, top_p=0.9, top_k=50))
-            need = self.block_manager_blocks(seq_len)
-            seq.block_table = list(range(next_block, next_block + need))
-            next_block += need
-            seqs.append(seq)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        runner.run(ScheduledBatch(sequences=seqs, is_prefill=True, samplers=seqs,
-                                  sample_from=list(range(len(seqs)))), want_routes=False)
-        vocab = self.model.config.vocab_size
-        logits = torch.empty(cfg.max_num_seqs, vocab, dtype=torch.float32, device=self.device)
-        # sampling a full decode batch: sort + a few [B, V] float32 temporaries
-        peak = max(torch.cuda.max_memory_allocated(self.device) - before, 8 * logits.numel() * 4)
-        del logits, scratch, runner
-        torch.cuda.empty_cache()
-        return int(peak * 1.1) + (256 << 20)
 
     def block_manager_blocks(self, num_tokens: int) -> int:
         return (num_tokens + self.config.block_size - 1) // self.config.block_size
