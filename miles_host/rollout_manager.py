@@ -23,7 +23,7 @@ import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from miles_host.custom_generate import EngineDriver, GenerateSession, TrajectoryRunner  # noqa: F401 - GenerateSession re-exported
 from miles_host.data import PromptDataset, PromptRecord
@@ -127,6 +127,22 @@ class RolloutManager:
             params["stop_token_ids"] = list(config.rollout_stop_token_ids)
         return params
 
+    def _groups_to_continue(self, carried: Iterable[list[Sample]], kept: list[list[Sample]]) -> Iterator[list[Sample]]:
+        """The groups buffered by the last rollout that still need generation; a surplus group
+        already scored goes straight to ``kept``."""
+        for group in carried:
+            if all(s.status in FINAL for s in group):
+                kept.append(group)
+            else:
+                yield group
+
+    def _next_groups(self, rollout_id: int, chunk: int, stats: Any) -> Iterator[list[Sample]]:
+        """New groups of the next ``chunk`` prompts, counted as submitted."""
+        for record in self.dataset.next_batch(chunk):
+            group = self.new_group(record, rollout_id)
+            stats.submitted_groups += 1
+            yield group
+
     def new_group(self, record: PromptRecord, rollout_id: int) -> list[Sample]:
         """``n`` fresh samples of one prompt (its ``--tool-key`` tools in ``metadata["tools"]``)."""
         group_index = self._next_group_index
@@ -161,17 +177,12 @@ class RolloutManager:
         in_flight: dict[str, tuple[list[Sample], int]] = {}  # rid -> (group, sample position)
         waiting: dict[int, list[Sample]] = {}  # group_index -> group with samples in flight
         carried, self.buffer = self.buffer, []
-        for group in carried:
-            if all(s.status in FINAL for s in group):
-                kept.append(group)  # a surplus group of the last rollout: already scored and kept
-            else:
-                self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
+        for group in self._groups_to_continue(carried, kept):
+            self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
         while len(kept) < target:
             self._check_progress(rollout_id, kept, stats)
             if not in_flight:
-                for record in self.dataset.next_batch(chunk):
-                    group = self.new_group(record, rollout_id)
-                    stats.submitted_groups += 1
+                for group in self._next_groups(rollout_id, chunk, stats):
                     self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
                 if not in_flight:
                     continue  # every new group failed at submission (counted) or was kept
@@ -261,17 +272,12 @@ class RolloutManager:
         """Start groups (carried ones first) until ``kept`` holds the batch."""
         config = self.config
         target, chunk = config.rollout_batch_size, config.over_sampling_batch_size or config.rollout_batch_size
-        for group in carried:
-            if all(s.status in FINAL for s in group):
-                kept.append(group)  # a surplus group of the last rollout: already scored and kept
-            else:
-                running[self._start_custom_group(runner, group, rollout_id)] = group
+        for group in self._groups_to_continue(carried, kept):
+            running[self._start_custom_group(runner, group, rollout_id)] = group
         while len(kept) < target:
             self._check_progress(rollout_id, kept, stats)
             if not running:
-                for record in self.dataset.next_batch(chunk):
-                    group = self.new_group(record, rollout_id)
-                    stats.submitted_groups += 1
+                for group in self._next_groups(rollout_id, chunk, stats):
                     running[self._start_custom_group(runner, group, rollout_id)] = group
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
