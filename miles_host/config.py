@@ -297,6 +297,8 @@ def validate_config(config: MilesConfig) -> None:
             "--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...], got "
             f"{config.eval_prompt_data}"
         )
+    if not 0 <= config.session_server_port <= 65535:
+        raise ValueError(f"--session-server-port must be a TCP port (0 for any free one), got {config.session_server_port}")
     if config.use_session_server and not config.custom_generate_function_path:
         raise ValueError("--use-session-server serves the trajectories of a --custom-generate-function-path "
                          "function; give one (it reads sample.metadata['session_url']), or drop the flag")

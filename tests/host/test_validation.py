@@ -51,6 +51,10 @@ REFUSED = [
     (["--rm-type", "mth"], "unknown reward function 'mth'"),
     (["--weight-sync", "carrier-pigeon"], "unknown weight-sync transport"),
     (["--rollout-batch-size", "0"], "--rollout-batch-size must be positive"),
+    (["--use-session-server"], "--use-session-server serves the trajectories of a --custom-generate-function-path"),
+    (["--sglang-server-concurrency", "0"], "--sglang-server-concurrency must be positive"),
+    (["--session-server-port", "70000"], "--session-server-port must be a TCP port"),
+    (["--custom-generate-function-path", "os.no_such_function"], "--custom-generate-function-path"),
 ]
 if not torch.cuda.is_available():
     REFUSED.append((["--device", "cuda"], "--device cuda asked for, but no CUDA device is available"))
