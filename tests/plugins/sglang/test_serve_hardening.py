@@ -29,13 +29,24 @@ def _raw_exchange(url: str, head: bytes, payload: bytes = b"", timeout: float = 
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head + payload)
         data = b""
-        while b"\r\n\r\n" not in data:
+        while b"\r\n\r\n" not in data or len(data) < _answer_length(data):
             chunk = sock.recv(65536)
             if not chunk:
                 break
             data += chunk
     status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
     return status, data, time.monotonic() - started
+
+
+def _answer_length(data: bytes) -> int:
+    """Bytes of the whole answer once its headers are in: headers + ``Content-Length`` (the
+    body may come in a later packet than the headers)."""
+    head, _, _ = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(head) + 4 + int(value.strip())
+    return len(head) + 4
 
 
 def _head(path: str, length: int | None, extra: str = "") -> bytes:
