@@ -3,7 +3,7 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the GPU machine:
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
+# Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
@@ -61,6 +61,7 @@ for step in "${steps[@]}"; do
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     quantized_plain) run quantized_plain 300 python3 bench/quantized_decode.py --repeats 2 --no-overlap ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
+    r3_long) run r3_long 300 python3 bench/r3_overhead.py --prompts 128 --new-tokens 1024 --repeats 2 ;;  # a rollout of several seconds
     moe) run moe 560 python3 bench/moe.py --json "$OUT/moe.json" ;;
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

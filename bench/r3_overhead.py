@@ -44,6 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128,
+                        help="new tokens per prompt (1024 with 128 prompts: a rollout of several seconds)")
     args = parser.parse_args()
     import transformers
 
@@ -70,7 +73,7 @@ def main() -> None:
     manager.activate(selected=["r3"])
     r3.STATE.mode = "r3"
     hooks = RoutingHooks(manager.hook)
-    prompts_n, prompt_len, new = (8, 16, 16) if args.tiny else (64, 128, 128)
+    prompts_n, prompt_len, new = (8, 16, 16) if args.tiny else (args.prompts, 128, args.new_tokens)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, shape["vocab_size"]) for _ in range(prompt_len)] for _ in range(prompts_n)]
     params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
