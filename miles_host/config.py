@@ -89,6 +89,17 @@ class RolloutArgs:
 
 
 @dataclass
+class AsyncArgs:
+    fully_async: bool = flag(False, "rollout keeps generating while the trainer trains: finished groups wait in a buffer, the trainer takes each batch from it, weights are pushed every --update-weights-interval steps (python train_async.py runs this)", group="async")
+    update_weights_interval: int = flag(1, "push the trainer's weights to the engines every N training steps", type=int, group="async")
+    max_weight_staleness: int | None = flag(None, "--fully-async: a group whose oldest token was generated more than N weight versions (training steps) before the step that would train it is not trained (see --async-unused-samples-handler); none: no bound", type=optional_int, group="async")
+    async_max_concurrent_samples: int | None = flag(None, "--fully-async: at most this many samples generating at once (default: one batch, --rollout-batch-size x --n-samples-per-prompt)", type=optional_int, group="async")
+    async_data_buffer_capacity_factor: float = flag(2.0, "--fully-async: finished groups waiting for the trainer, at most floor(factor x --rollout-batch-size); a full buffer stops new groups from starting", type=float, group="async")
+    async_unused_samples_handler: str = flag("drop", "--fully-async: a finished group the trainer does not take (beyond --max-weight-staleness, or aborted by --pause-generation-mode abort): drop (counted) or retry (its prompt is generated again)", type=str, choices=["drop", "retry"], group="async")
+    pause_generation_mode: str | None = flag(None, "--fully-async, at a weight update: in_place (requests keep their KV cache and continue with the new weights; each token keeps the version that made it), retract (requests stop with their tokens and continue after the update, prefilled again), abort (requests stop and their groups go to --async-unused-samples-handler); default retract, in_place with --custom-generate-function-path", type=str, choices=["abort", "retract", "in_place"], group="async")
+
+
+@dataclass
 class SpeculativeArgs:
     sglang_speculative_algorithm: str | None = flag(None, "speculative decoding algorithm (EAGLE, ...)", type=str, group="speculative")
     sglang_speculative_num_steps: int | None = flag(None, "draft steps per verify", type=optional_int, group="speculative")
@@ -223,6 +234,7 @@ class MilesConfig(
     AlgorithmArgs,
     RewardArgs,
     SpeculativeArgs,
+    AsyncArgs,
     RolloutArgs,
     DataArgs,
     CheckpointArgs,
@@ -307,11 +319,43 @@ def validate_config(config: MilesConfig) -> None:
     if config.lr < 0:
         raise ValueError(f"--lr must be >= 0, got {config.lr}")
     check_learning_settings(config)
+    check_async_settings(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
             f"{config.loss_agg_mode}; give one of the two"
         )
+
+
+def check_async_settings(config: MilesConfig) -> None:
+    """The ``--fully-async`` flags: values and combinations that cannot work."""
+    if config.update_weights_interval < 1:
+        raise ValueError(f"--update-weights-interval must be >= 1 (training steps between weight pushes), got "
+                         f"{config.update_weights_interval}")
+    if config.max_weight_staleness is not None and config.max_weight_staleness < 0:
+        raise ValueError(f"--max-weight-staleness must be >= 0 weight versions, got {config.max_weight_staleness}")
+    if config.async_max_concurrent_samples is not None and config.async_max_concurrent_samples < config.n_samples_per_prompt:
+        raise ValueError(
+            f"--async-max-concurrent-samples ({config.async_max_concurrent_samples}) must hold one group "
+            f"(--n-samples-per-prompt {config.n_samples_per_prompt})")
+    if not config.async_data_buffer_capacity_factor * config.rollout_batch_size >= 1:
+        raise ValueError(
+            f"--async-data-buffer-capacity-factor {config.async_data_buffer_capacity_factor:g} x --rollout-batch-size "
+            f"{config.rollout_batch_size} leaves no room for a finished group; give a factor of at least "
+            f"{1 / config.rollout_batch_size:g}")
+    if not config.fully_async:
+        return
+    if config.colocate or config.offload_rollout or config.offload_train:
+        flag = "--colocate" if config.colocate else "--offload-rollout" if config.offload_rollout else "--offload-train"
+        raise ValueError(
+            f"--fully-async with {flag}: fully asynchronous rollout keeps generating while the trainer trains, so "
+            "the engines cannot hand their memory (or the GPU) to the trainer between phases; drop one of the two "
+            "(give the engines their own GPUs with --rollout-num-gpus, or train synchronously)")
+    if config.custom_generate_function_path and config.pause_generation_mode in ("retract", "abort"):
+        raise ValueError(
+            f"--pause-generation-mode {config.pause_generation_mode} with --custom-generate-function-path: a "
+            "trajectory's request cannot be stopped and continued behind the function's back; use in_place (the "
+            "default with a generate function: requests continue with the new weights, each token keeps its version)")
 
 
 def check_learning_settings(config: MilesConfig) -> None:

@@ -219,6 +219,7 @@ class GenerateSession:
         sample.response_length += len(token_ids)
         sample.loss_mask.extend([loss_mask] * len(token_ids))
         sample.rollout_log_probs.extend([0.0] * len(token_ids))
+        sample.token_weight_versions.extend([None] * len(token_ids))
         sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :], skip_special_tokens=True)
 
 
@@ -281,6 +282,7 @@ class TrajectoryRunner:
             del sample.tokens[sample.prompt_length:]
             sample.response_length, sample.loss_mask, sample.rollout_log_probs = 0, [], []
             sample.weight_versions, sample.response, sample.rollout_routed_experts = [], "", None
+            sample.token_weight_versions = []
             sampling_params = {**sampling_params, "max_new_tokens": self.manager.config.rollout_max_response_len}
         loop, driver = self.driver.loop, self.driver
 

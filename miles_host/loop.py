@@ -129,12 +129,12 @@ class Run:
 
     # -- pieces of a step --------------------------------------------------------
 
-    def sync_weights(self, bump: bool = True) -> float:
-        """Push the trainer's weights to the engine (a new version unless ``bump``
-        is False, as for the initial sync); seconds taken."""
+    def sync_weights(self, version: int) -> float:
+        """Push the trainer's weights to the engine as weight ``version`` (the number of
+        training steps behind them); seconds taken."""
         start = time.perf_counter()
-        self.state.weight_version += int(bump)
-        self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, self.state.weight_version)
+        self.state.weight_version = version
+        self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, version)
         return time.perf_counter() - start
 
     def checkpoint(self, rollout_id: int, positions: dict | None = None, stopping: bool = False) -> None:
@@ -151,8 +151,23 @@ class Run:
         with self.stops.saving(stopping):
             self._write_checkpoint(rollout_id, positions)
 
+    def step_positions(self) -> dict:
+        """Data and rollout-buffer positions where a step begins (a checkpoint of an
+        interrupted step restores them, so its prompts are not skipped)."""
+        return {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
+
+    def current_positions(self, positions: dict | None) -> dict:
+        """The positions a checkpoint records: ``positions`` (from :meth:`step_positions`),
+        or the current ones."""
+        return positions or self.step_positions()
+
+    def restore_positions(self, state: dict) -> None:
+        """Undo :meth:`current_positions` from a checkpoint's state."""
+        self.rollout.load_state_dict(state["rollout"])
+        self.dataset.load_state_dict(state["data"])
+
     def _write_checkpoint(self, rollout_id: int, positions: dict | None) -> None:
-        positions = positions or {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
+        positions = self.current_positions(positions)
         if self.config.save:
             save_checkpoint(
                 self.config.save,
@@ -177,8 +192,7 @@ class Run:
         """``--load``: restore everything and continue after the saved rollout."""
         state = load_checkpoint(self.config.load)
         self.trainer.load_state_dict(state["trainer"])
-        self.rollout.load_state_dict(state["rollout"])
-        self.dataset.load_state_dict(state["data"])
+        self.restore_positions(state)
         self.state.history = list(state.get("history", []))
         self.state.weight_version = int(state.get("weight_version", 0))
         self.state.rollout_id = int(state["rollout_id"]) + 1
@@ -215,10 +229,31 @@ class Run:
 
     def step(self, rollout_id: int) -> dict[str, Any]:
         """One RL step; its metrics."""
-        config = self.config
         step_start = time.perf_counter()
         groups, stats = self.rollout.generate(rollout_id)
         rollout_time = time.perf_counter() - step_start
+        rollout_metrics = {
+            "perf/rollout_time_s": rollout_time,
+            "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
+        }
+        return self.train_step(rollout_id, groups, stats, step_start, rollout_metrics)
+
+    def weights_due(self, rollout_id: int) -> bool:
+        """Whether the weights go to the engines after training rollout ``rollout_id``
+        (every ``--update-weights-interval`` steps, and after the last)."""
+        return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id + 1 == self.total
+
+    def push_weights(self, rollout_id: int) -> float:
+        """After training rollout ``rollout_id``: the new weights to the engines when due
+        (version: the training steps behind them); seconds taken."""
+        if not self.weights_due(rollout_id):
+            return 0.0
+        return self.sync_weights(version=rollout_id + 1)
+
+    def train_step(self, rollout_id: int, groups: list[list[Sample]], stats: Any, step_start: float,
+                   rollout_metrics: dict[str, Any]) -> dict[str, Any]:
+        """Train on a rollout's groups, push the weights, evaluate when due; the step's metrics."""
+        config = self.config
         samples = [s for group in groups for s in group]
         if config.dump_rollouts:
             self.dump(rollout_id, samples)
@@ -236,7 +271,7 @@ class Run:
                 f"{self.trainer.consecutive_nan_steps} optimizer steps in a row had a NaN/Inf loss or gradient; "
                 "stopping (checkpoint written if --save). Lower --lr or check the data and rewards."
             )
-        sync_time = self.phases.to_rollout(self.sync_weights)
+        sync_time = self.phases.to_rollout(lambda: self.push_weights(rollout_id))
         scored = [s for s in samples if s.status is not Status.FAILED]
         rewards = [self.scorer.scalar(s.reward) for s in scored]
         metrics: dict[str, Any] = {
@@ -250,10 +285,9 @@ class Run:
             "rollout/buffered_samples": stats.buffered_samples,
             "rollout/weight_version": self.state.weight_version,
             **train_metrics,
-            "perf/rollout_time_s": rollout_time,
+            **rollout_metrics,
             "perf/train_time_s": train_time,
             "perf/weight_sync_time_s": sync_time,
-            "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
             "perf/train_tok_per_s": train_tokens / train_time if train_time > 0 else 0.0,
         }
         if self.phases.plan.active:
@@ -312,7 +346,7 @@ class Run:
         if config.load:
             self.resume()
         # the engine samples with exactly the trainer's weights from step one
-        self.phases.to_rollout(lambda: self.sync_weights(bump=False))
+        self.phases.to_rollout(lambda: self.sync_weights(version=self.state.rollout_id))
         self.phases.pop_switch_time()
         if self.state.rollout_id == 0 and config.eval_prompt_data:
             start_metrics = {"rollout_id": -1, **self.run_eval(0)}
@@ -323,7 +357,7 @@ class Run:
             last_logged = self.state.rollout_id - 1
             step_start = None
             for rollout_id in range(self.state.rollout_id, self.total):
-                self.step_start = step_start = {"rollout": self.rollout.state_dict(), "data": self.dataset.state_dict()}
+                self.step_start = step_start = self.step_positions()
                 self.training_started = False
                 metrics = self.step(rollout_id)
                 self.log(metrics, rollout_id)

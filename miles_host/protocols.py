@@ -167,6 +167,9 @@ class RolloutBackendBase:
 
     #: the backend implements ``release_memory_occupation`` / ``resume_memory_occupation``
     releases_memory: bool = False
+    #: outputs carry ``weight_version_spans`` (which weights generated which tokens of a request
+    #: that spans a weight update): ``--pause-generation-mode in_place`` needs it
+    reports_token_weight_versions: bool = False
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot release its memory between phases")

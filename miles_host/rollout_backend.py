@@ -39,6 +39,7 @@ class EmbeddedRolloutBackend(RolloutBackendBase):
     """The in-process engine (``miles_host.rollout.Engine``) as a rollout backend."""
 
     releases_memory = True
+    reports_token_weight_versions = True
 
     def __init__(self, config: Any, manager: Any, model_path: str | None = None):
         from miles_host.rollout import Engine

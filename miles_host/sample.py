@@ -68,6 +68,20 @@ def _decode_experts(payload: Any) -> np.ndarray | None:
     return compact_expert_ids(payload)
 
 
+def output_token_versions(meta: dict, num_tokens: int) -> list:
+    """The weight version of each of an engine output's ``num_tokens`` tokens: from its
+    ``weight_version_spans`` (``[[first output index, version], ...]``, the embedded engine's
+    record when weights changed mid-request) when present, else its ``weight_version``."""
+    spans = meta.get("weight_version_spans")
+    if not spans:
+        return [meta.get("weight_version")] * num_tokens
+    versions = []
+    for (start, version), following in zip(spans, [*spans[1:], [num_tokens, None]]):
+        end = min(int(following[0]), num_tokens)
+        versions.extend([version] * max(0, end - max(int(start), len(versions))))
+    return versions + [spans[-1][1]] * (num_tokens - len(versions))
+
+
 @dataclass
 class Sample:
     """A prompt and one sampled response, with what training needs about it."""
@@ -86,12 +100,20 @@ class Sample:
     label: Any = None
     response_length: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    #: per response token: the weight version that generated it (None: not sampled by the policy)
+    token_weight_versions: list = field(default_factory=list)
     spec_info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
             self.status = Status(self.status)
         self.rollout_routed_experts = compact_expert_ids(self.rollout_routed_experts)
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """The oldest weights that generated one of its tokens (None: no token carries a version)."""
+        versions = [v for v in self.token_weight_versions if v is not None]
+        return min(versions) if versions else None
 
     @property
     def prompt_length(self) -> int:
@@ -113,6 +135,11 @@ class Sample:
                 raise ValueError(
                     f"Sample.{name} has {len(value)} entries but response_length is {self.response_length}"
                 )
+        if self.token_weight_versions and len(self.token_weight_versions) != self.response_length:
+            raise ValueError(
+                f"Sample.token_weight_versions has {len(self.token_weight_versions)} entries but response_length "
+                f"is {self.response_length}"
+            )
         if self.loss_mask is not None and any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("Sample.loss_mask must hold only 0 and 1")
         if self.rollout_log_probs is not None:

@@ -251,7 +251,7 @@ class SessionServer:
         output_ids = list(output["output_ids"])
         log_probs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
         handle.trajectory.record_output(output_ids, log_probs, meta.get("finish_reason"), meta.get("weight_version"),
-                                        meta.get("routed_experts"))
+                                        meta.get("routed_experts"), meta.get("weight_version_spans"))
         return self._completion(body, input_ids, output_ids, log_probs, meta.get("finish_reason") or {}, tools)
 
     def _describe(self, ids: list[int]) -> str:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from miles_host.sample import Sample, Status, compact_expert_ids
+from miles_host.sample import Sample, Status, compact_expert_ids, output_token_versions
 
 
 class SessionPrefixMismatch(ValueError):
@@ -97,6 +97,8 @@ class Trajectory:
     error: str | None = None
     finish_reason: dict | None = None
     weight_versions: list = field(default_factory=list)
+    #: per token of ``tokens``: the weights that generated it (None: not generated)
+    token_versions: list = field(default_factory=list)
     #: ``[len(tokens) - 1, moe_layers, topk]`` routes, when the engine returns them
     routed_experts: np.ndarray | None = None
 
@@ -125,7 +127,7 @@ class Trajectory:
                 self.error = message
                 raise SessionPrefixMismatch(message)
             self.mismatches.append(message)
-            del self.tokens[at:], self.loss_mask[at:], self.log_probs[at:]
+            del self.tokens[at:], self.loss_mask[at:], self.log_probs[at:], self.token_versions[at:]
             self.prompt_length = min(self.prompt_length, at)
             if self.routed_experts is not None:  # row i depends on tokens 0..i only
                 self.routed_experts = self.routed_experts[:at]
@@ -133,7 +135,7 @@ class Trajectory:
         return list(prompt_ids)
 
     def record_output(self, output_ids: list[int], log_probs: list[float], finish_reason: dict | None,
-                      weight_version=None, routed_experts: Any = None) -> None:
+                      weight_version=None, routed_experts: Any = None, weight_version_spans: list | None = None) -> None:
         """The engine's answer to the current turn: generated ids (mask 1), their log-probs and,
         if given, the turn's routes (``[prompt + output - 1, moe_layers, topk]``)."""
         if len(log_probs) != len(output_ids):
@@ -146,6 +148,8 @@ class Trajectory:
         self.tokens.extend(output_ids)
         self.loss_mask.extend([1] * len(output_ids))
         self.log_probs.extend(float(lp) for lp in log_probs)
+        meta = {"weight_version": weight_version, "weight_version_spans": weight_version_spans}
+        self.token_versions.extend(output_token_versions(meta, len(output_ids)))
         self.turns += 1
         self.finish_reason = finish_reason
         if output_ids:
@@ -155,6 +159,7 @@ class Trajectory:
         self.tokens.extend(ids)
         self.loss_mask.extend([mask] * len(ids))
         self.log_probs.extend([0.0] * len(ids))
+        self.token_versions.extend([None] * len(ids))
 
     def fill_sample(self, sample: Sample, decode: Callable[[list[int]], str]) -> Sample:
         """Write the trajectory into ``sample`` (tokens, loss mask, log-probs, response,
@@ -168,6 +173,7 @@ class Trajectory:
         sample.loss_mask = list(self.loss_mask[start:])
         sample.rollout_log_probs = list(self.log_probs[start:])
         sample.weight_versions = list(self.weight_versions)
+        sample.token_weight_versions = list(self.token_versions[start:])
         if self.routed_experts is not None:
             sample.rollout_routed_experts = compact_expert_ids(self.routed_experts)
         sample.response = decode(self.tokens[start:])

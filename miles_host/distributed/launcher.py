@@ -52,6 +52,7 @@ from miles_host.distributed.placement import (
 from miles_host.distributed.ray_workers import rendezvous_address
 from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter, rollout_main
 from miles_host.distributed.trainer_group import TrainerGroup, device_for_rank, group_backend, trainer_class_for, trainer_main
+from miles_host.fully_async.run import FullyAsyncRun
 from miles_host.loop import NanLossError, Run
 
 #: exit code of a run stopped by a worker failure
@@ -167,10 +168,15 @@ def _stop_workers(run: Any = None) -> None:
     ray_workers.shutdown()  # no-op unless this run placed workers with Ray
 
 
+def new_run(config: Any, manager: Any) -> Run:
+    """The run ``config`` asks for: synchronous, or ``--fully-async``."""
+    return (FullyAsyncRun if config.fully_async else Run)(config, manager)
+
+
 def make_run(config: Any, manager: Any) -> Run:
     """A :class:`miles_host.loop.Run` over processes (call ``stop_workers(run)`` after)."""
     prepare(config, manager.registries)
-    return Run(config, manager)
+    return new_run(config, manager)
 
 
 def stop_workers(run: Any) -> None:
@@ -182,7 +188,7 @@ def run_training(config: Any, manager: Any) -> int:
     process, or over trainer and engine processes when the run needs them."""
     if wants_distributed(config, manager.registries):
         return run_distributed(config, manager)
-    run = Run(config, manager)
+    run = new_run(config, manager)
     try:
         return run.run()
     except NanLossError as error:

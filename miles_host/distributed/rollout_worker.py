@@ -216,6 +216,7 @@ class RolloutRouter(RolloutBackendBase):
     engine with the fewest samples in flight; ``step`` steps all of them at once."""
 
     releases_memory = True
+    reports_token_weight_versions = True
 
     def __init__(self, clients: list[RolloutClient], processes=None):
         self.clients = clients

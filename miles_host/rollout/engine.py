@@ -221,6 +221,7 @@ class Engine(MemoryOccupation):
             samples.append(Sequence(
                 rid=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt), params=params,
                 sample_index=index, generator=generator, want_routed_experts=return_routed_experts,
+                weight_version_spans=[[0, self.weight_version]],
                 eos_token_ids=self.eos_token_ids, logprob_options=options,
                 grammar=RequestGrammar(compiled) if compiled is not None else None,
             ))
@@ -476,7 +477,21 @@ class Engine(MemoryOccupation):
             self.strategy.on_weights_updated()
         self.flush_cache()
         self.weight_version = weight_version if weight_version is not None else _bump(self.weight_version)
+        self._mark_version_change()
         return self.weight_version
+
+    def _mark_version_change(self) -> None:
+        """Sequences in flight generate their next tokens with the new weights: record
+        where, so their outputs say which weights made each token."""
+        for request in self._requests.values():
+            for seq in request.samples:
+                if seq.status == SequenceStatus.FINISHED:
+                    continue
+                spans = seq.weight_version_spans
+                if spans and spans[-1][0] == seq.num_output_tokens:
+                    spans[-1][1] = self.weight_version
+                else:
+                    spans.append([seq.num_output_tokens, self.weight_version])
 
     def flush_cache(self) -> bool:
         """Forget the prefix cache (blocks in use are untouched)."""

@@ -62,6 +62,8 @@ def sequence_output(
         "completion_tokens": len(output_ids),
         "cached_tokens": seq.num_prompt_cached_tokens,
         "weight_version": weight_version,
+        # which weights generated which tokens (several spans when the weights changed mid-request)
+        "weight_version_spans": [list(span) for span in seq.weight_version_spans],
     }
     meta.update(seq.spec_info)
     if return_logprob:

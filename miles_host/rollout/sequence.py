@@ -43,7 +43,8 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
-    weight_version: Any = None
+    #: [[first output index, weight version], ...]: which weights generated which output tokens
+    weight_version_spans: list[list[Any]] = field(default_factory=list)
     want_routed_experts: bool = False
     # (first position, [tokens, layers, k] ids) chunks captured in forwards; later chunks win
     routed_expert_chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)

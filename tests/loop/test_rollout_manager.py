@@ -22,6 +22,7 @@ class ScriptedBackend:
         self.length = length
         self.running = {}
         self.submitted = []
+        self.weight_version = 7
 
     def submit(self, rid, input_ids, params, return_routed_experts=False):
         group = int(rid.split("-g")[1].split("-")[0])
@@ -36,7 +37,7 @@ class ScriptedBackend:
         state = self.running.pop(key)
         ids = [2 + (i % 5) for i in range(state["made"])]
         return {"output_ids": ids, "meta_info": {"id": key[0], "index": key[1], "finish_reason": reason,
-                                                 "weight_version": 7,
+                                                 "weight_version": self.weight_version,
                                                  "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
 
     def step(self):
@@ -95,13 +96,26 @@ def test_partial_rollout_buffers_and_continues_unfinished_samples():
 
 def test_mask_offpolicy_in_partial_rollout_masks_earlier_tokens():
     length = lambda group, position: 3 if group < 2 else 6  # noqa: E731
+    manager, backend = make_manager(length, lambda s, c: float(s.index), partial_rollout=True,
+                                    over_sampling_batch_size=4, mask_offpolicy_in_partial_rollout=True)
+    manager.generate(0)
+    backend.weight_version = 8  # the weights changed between the two rollouts
+    groups, _ = manager.generate(1)
+    for sample in groups[0]:
+        first = len(sample.loss_mask) - sample.loss_mask.count(1)
+        assert first > 0 and sample.loss_mask == [0] * first + [1] * (6 - first)
+        assert sample.token_weight_versions == [7] * first + [8] * (6 - first)
+
+
+def test_mask_offpolicy_keeps_continued_tokens_of_unchanged_weights():
+    """Tokens generated before the abort by the same weights as after it are on-policy."""
+    length = lambda group, position: 3 if group < 2 else 6  # noqa: E731
     manager, _ = make_manager(length, lambda s, c: float(s.index), partial_rollout=True,
                               over_sampling_batch_size=4, mask_offpolicy_in_partial_rollout=True)
     manager.generate(0)
     groups, _ = manager.generate(1)
     for sample in groups[0]:
-        first = len(sample.loss_mask) - sample.loss_mask.count(1)
-        assert first > 0 and sample.loss_mask == [0] * first + [1] * (6 - first)
+        assert sample.loss_mask == [1] * 6 and sample.token_weight_versions == [7] * 6
 
 
 def test_without_partial_rollout_unfinished_samples_are_dropped_and_counted():
