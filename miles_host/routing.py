@@ -49,6 +49,18 @@ class RoutingHooks:
         """True when some plugin implements a routing hook."""
         return self._select is not None or self._observe is not None
 
+    @property
+    def replaces_ids(self) -> bool:
+        """True when some plugin may replace the router's expert ids (``miles_select_experts``)."""
+        return self._select is not None
+
+    def observe(self, layer_index: int, ids_TK: torch.Tensor, routing_context: Any) -> None:
+        """Show plugins the ids a layer uses when they came from the router itself (a fused router
+        that computed ids and weights together; only where :attr:`replaces_ids` is False)."""
+        if self._observe is not None:
+            context = routing_context if routing_context is not None else RoutingContext()
+            self._observe(layer_index=layer_index, expert_ids=ids_TK, routing_context=context)
+
     def select(
         self,
         layer_index: int,

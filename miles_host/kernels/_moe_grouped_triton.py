@@ -85,14 +85,14 @@ def block_rows(RowToken, BlockExpert, pid_m, BLOCK_M: tl.constexpr, GATHER: tl.c
 
 
 @triton.jit
-def _route_kernel(
-    Ids, RowToken, PairRow, BlockExpert, Scratch,
-    num_pairs, num_rows, num_blocks,
+def fill_layout(
+    ids, RowToken, PairRow, BlockExpert, Scratch, num_rows, num_blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
 ):
+    """The layout of :func:`_route_kernel` from ``ids``: int32 ``[NP]``, pair ``t * TOP_K + k``'s
+    expert (``E`` past the last pair). Writes the three layout tensors; one program."""
     pairs = tl.arange(0, NP)
-    ids = tl.load(Ids + pairs, mask=pairs < num_pairs, other=E).to(tl.int32)  # E: past the last pair
     counts = tl.histogram(ids, NB)
     experts = tl.arange(0, NB)
     real = experts < E
@@ -115,6 +115,19 @@ def _route_kernel(
     row = pairs + tl.load(Scratch + sorted_ids, mask=used, other=0)
     tl.store(RowToken + row, (pair // TOP_K).to(tl.int64), mask=used)
     tl.store(PairRow + pair, row.to(tl.int64), mask=used)
+
+
+@triton.jit
+def _route_kernel(
+    Ids, RowToken, PairRow, BlockExpert, Scratch,
+    num_pairs, num_rows, num_blocks,
+    TOP_K: tl.constexpr, E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+):
+    pairs = tl.arange(0, NP)
+    ids = tl.load(Ids + pairs, mask=pairs < num_pairs, other=E).to(tl.int32)  # E: past the last pair
+    fill_layout(ids, RowToken, PairRow, BlockExpert, Scratch, num_rows, num_blocks,
+                TOP_K, E, NB, NP, BLOCK_M, MAX_ROWS, MAX_BLOCKS, CHUNK, BLOCK_CHUNK)
 
 
 @triton.jit
@@ -173,21 +186,25 @@ def _combine_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
+def layout_constants(num_pairs: int, num_experts: int, block_m: int) -> dict:
+    """The constexprs of :func:`fill_layout` for ``num_pairs`` pairs (one compilation per power of two)."""
+    np_ = max(16, triton.next_power_of_2(num_pairs))
+    nb = max(16, triton.next_power_of_2(num_experts + 1))
+    max_blocks = max_row_blocks(np_, num_experts, block_m)  # of NP, not T: one compilation per power of two
+    return dict(E=num_experts, NB=nb, NP=np_, BLOCK_M=block_m, MAX_ROWS=max_blocks * block_m, MAX_BLOCKS=max_blocks,
+                CHUNK=256, BLOCK_CHUNK=max(1, 8192 // nb))
+
+
 def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_expert_B) -> None:
     """Fill the layout tensors (see :func:`~miles_host.kernels.moe_grouped.route`) in one launch."""
     num_tokens, top_k = ids_TK.shape
     num_pairs = num_tokens * top_k
-    np_ = max(16, triton.next_power_of_2(num_pairs))
-    nb = max(16, triton.next_power_of_2(num_experts + 1))
-    max_blocks = max_row_blocks(np_, num_experts, block_m)  # of NP, not T: one compilation per power of two
-    chunk = 256
-    block_chunk = max(1, 8192 // nb)
-    scratch = torch.empty(nb, dtype=torch.int32, device=ids_TK.device)
+    constants = layout_constants(num_pairs, num_experts, block_m)
+    scratch = torch.empty(constants["NB"], dtype=torch.int32, device=ids_TK.device)
     _route_kernel[(1,)](
         ids_TK.reshape(-1), row_token_R, pair_row_TK, block_expert_B, scratch,
         num_pairs, row_token_R.shape[0], block_expert_B.shape[0],
-        TOP_K=top_k, E=num_experts, NB=nb, NP=np_, BLOCK_M=block_m,
-        MAX_ROWS=max_blocks * block_m, MAX_BLOCKS=max_blocks, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=8 if np_ >= 1024 else 4,
+        TOP_K=top_k, **constants, num_warps=8 if constants["NP"] >= 1024 else 4,
     )
 
 

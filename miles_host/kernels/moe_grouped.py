@@ -8,7 +8,9 @@ so a decode step captures it in a CUDA graph and a prefill runs it as it comes:
 
 1. :func:`plan`: the T*K (token, slot) pairs sorted by expert (stable) into a
    padded row layout in which every expert's rows start at a multiple of
-   ``block_m``. The buffer has ``R = max_row_blocks(T*K, E, block_m) * block_m``
+   ``block_m`` (for decode-sized batches the MoE block gets it together with the
+   top-k from :func:`~miles_host.kernels.moe_router.fused_route`, one launch for
+   router and layout, and passes it in). The buffer has ``R = max_row_blocks(T*K, E, block_m) * block_m``
    rows whatever the ids (the worst case of the padding), and a per-block expert
    table marks the blocks past the used ones -1 (their programs exit at once).
    Up to :data:`ROUTE_KERNEL_MAX_PAIRS` pairs (decode, small prefills) this is one
@@ -205,20 +207,23 @@ def combine(out_RH: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch
 
 def fused_moe(
     x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, gemms: ExpertGemms,
-    tiles: MoETiles | None = None,
+    tiles: MoETiles | None = None, routing: Routing | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype through ``gemms`` (where Triton runs).
 
     ``ids_TK``: expert ids in ``[0, E)``; ``weights_TK``: gate weights (any float
     dtype, used in fp32). ``tiles``: the launches' tiles (tests, the sweep; default
-    the table's). No autograd.
+    the table's). ``routing``: the layout of these ids and weights when the caller
+    already has it (:func:`~miles_host.kernels.moe_router.fused_route`); used when its
+    row block is the tiles', else :func:`plan` runs. No autograd.
     """
     num_tokens, top_k = ids_TK.shape
     if num_tokens == 0 or top_k == 0:
         return torch.zeros_like(x_TH)
     tiles = tiles or moe_tiles(num_tokens, top_k, gemms.num_experts, gemms.hidden, gemms.inter, x_TH.dtype,
                                gemms.weight_format)
-    routing = plan(ids_TK, weights_TK, gemms.num_experts, tiles.block_m)
+    if routing is None or routing.block_m != tiles.block_m:
+        routing = plan(ids_TK, weights_TK, gemms.num_experts, tiles.block_m)
     num_rows = routing.row_token_R.shape[0]
     act_RI = x_TH.new_empty(num_rows, gemms.inter)
     gemms.gate_up(x_TH, routing, act_RI, tiles.gate_up)

@@ -4,6 +4,10 @@ Tensor legend: T tokens, H hidden, I intermediate, E experts, K experts per toke
 The MoE block asks :class:`~miles_host.routing.RoutingHooks` for its expert ids
 (so a plugin can observe or replace them) and always recomputes the gate weights
 from the scores at those ids, so the router keeps its gradient under replay.
+For inference on decode-sized batches through the fused experts, and when no plugin
+replaces ids, one launch of :func:`~miles_host.kernels.moe_router.fused_route` does
+the router's work after the gate linear (ids, weights and the experts' row layout;
+see :func:`uses_fused_router`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels import invariant_ops, moe_grouped, moe_train
+from miles_host.kernels import invariant_ops, moe_grouped, moe_router, moe_train
 from miles_host.kernels.eager_ops import activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
+from miles_host.kernels.moe_configs import moe_tiles
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -71,12 +76,15 @@ class Router(torch.nn.Module):
         """``torch.nn.Linear``'s default initialisation (a fresh layer that no checkpoint fills)."""
         _linear_default_init(self.weight)
 
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The gate linear ``[T, E]`` (float32 with ``router_fp32``, else x's dtype)."""
+        if self.moe.router_fp32:
+            return F.linear(x_TH.float(), self.weight.float())
+        return F.linear(x_TH, self.weight)
+
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(scores_TE, scores_for_choice_TE)`` in float32."""
-        if self.moe.router_fp32:
-            logits_TE = F.linear(x_TH.float(), self.weight.float())
-        else:
-            logits_TE = F.linear(x_TH, self.weight)
+        logits_TE = self.logits(x_TH)
         if self.moe.score_func == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         else:
@@ -100,6 +108,9 @@ class Router(torch.nn.Module):
 class Experts(torch.nn.Module):
     """All routed experts as 3-D weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
+    #: ``forward`` takes the ``routing`` layout of a fused router (modules without it get ids and weights only)
+    takes_routing = True
+
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
         super().__init__()
         self.num_experts = moe.num_experts
@@ -122,7 +133,9 @@ class Experts(torch.nn.Module):
         gate, up = F.linear(x_e, self.gate_up_proj[expert]).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, self.down_proj[expert])
 
-    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                routing: moe_grouped.Routing | None = None) -> torch.Tensor:
+        """The routed experts' output; ``routing``: the layout of ids and weights if the caller has it (fused path)."""
         # training: one grouped GEMM per projection, forward and backward, no host sync
         if (
             torch.is_grad_enabled()
@@ -133,7 +146,7 @@ class Experts(torch.nn.Module):
         # inference: the fused kernels (one routing launch, one GEMM per projection, one combine; no host sync)
         if uses_fused_moe(self, x_TH) and self.act_name in moe_grouped.FUSED_ACTIVATIONS:
             gemms = moe_grouped.DenseExpertGemms(self.gate_up_proj, self.down_proj, self.act_name)
-            return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms)
+            return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
 
 
@@ -163,6 +176,37 @@ def set_moe_kernel(model: torch.nn.Module, kernel: str) -> int:
     for module in modules:
         module.moe_kernel = kernel
     return len(modules)
+
+
+#: routers of the MoE block's inference path: ``fused`` (:func:`~miles_host.kernels.moe_router.fused_route`
+#: where :func:`uses_fused_router` allows, else the eager one) or ``torch`` (always the eager router and ``plan``)
+MOE_ROUTERS = ("fused", "torch")
+
+
+def uses_fused_router(moe: torch.nn.Module, x_TH: torch.Tensor) -> bool:
+    """Whether the MoE block ``moe`` routes ``x_TH`` with the one-launch fused router: its
+    ``router_kernel`` is ``"fused"``, its experts take the fused kernels (:func:`uses_fused_moe`, a
+    fused activation) and a ``routing`` argument, no plugin replaces expert ids, and
+    :func:`~miles_host.kernels.moe_router.supports` the batch (decode sizes)."""
+    experts = moe.experts
+    return (
+        getattr(moe, "router_kernel", "torch") == "fused"
+        and getattr(experts, "takes_routing", False)
+        and getattr(experts, "act_name", None) in moe_grouped.FUSED_ACTIVATIONS
+        and uses_fused_moe(experts, x_TH)
+        and not moe.routing_hooks.replaces_ids
+        and moe_router.supports(moe.router_spec, x_TH.shape[0])
+    )
+
+
+def set_moe_router(model: torch.nn.Module, router: str) -> int:
+    """Set every MoE block's inference router (one of :data:`MOE_ROUTERS`); return how many blocks."""
+    if router not in MOE_ROUTERS:
+        raise ValueError(f"the MoE router must be one of {', '.join(MOE_ROUTERS)}; got {router!r}")
+    blocks = [m for m in model.modules() if hasattr(m, "router_kernel")]
+    for block in blocks:
+        block.router_kernel = router
+    return len(blocks)
 
 
 def routed_forward(
@@ -275,8 +319,41 @@ class MoE(torch.nn.Module):
             GatedMLP(hidden_size, moe.shared_intermediate_size, act) if moe.shared_intermediate_size else None
         )
         self.shared_gate = torch.nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+        #: the inference router, one of :data:`MOE_ROUTERS` (see :func:`uses_fused_router`)
+        self.router_kernel = "fused"
+        self.router_spec = moe_router.RouterSpec.of(moe)
 
     def forward(self, x_TH: torch.Tensor, routing_context: RoutingContext | None = None) -> torch.Tensor:
+        if uses_fused_router(self, x_TH):
+            y_TH = self._fused_routed(x_TH, routing_context)
+        else:
+            y_TH = self._routed(x_TH, routing_context)
+        if self.shared_experts is not None:
+            shared_TH = self.shared_experts(x_TH)
+            if self.shared_gate is not None:
+                shared_TH = torch.sigmoid(self.shared_gate(x_TH)) * shared_TH
+            y_TH = y_TH + shared_TH
+        return y_TH
+
+    def _fused_routed(self, x_TH: torch.Tensor, routing_context: RoutingContext | None) -> torch.Tensor:
+        """The routed experts with ids, weights and layout from one fused router launch.
+
+        The layout's row block is the experts' tile table's for this batch (a precision
+        plugin whose experts name no ``weight_format`` gets the dense one's; if its
+        tiles differ, ``fused_moe`` plans the layout again)."""
+        moe = self.moe
+        weight_format = getattr(self.experts, "weight_format", None) or moe_grouped.DENSE_FORMATS.get(x_TH.dtype, "")
+        block_m = moe_tiles(x_TH.shape[0], moe.top_k, moe.num_experts, x_TH.shape[1], moe.intermediate_size,
+                            x_TH.dtype, weight_format).block_m
+        ids_TK, routing = moe_router.fused_route(
+            self.router.logits(x_TH), self.router_spec, self.router.expert_bias, block_m,
+            torch.float32 if moe.router_fp32 else x_TH.dtype,
+        )
+        self.routing_hooks.observe(self.layer_index, ids_TK, routing_context)
+        return self.experts(x_TH, ids_TK, routing.weights_TK, routing=routing)
+
+    def _routed(self, x_TH: torch.Tensor, routing_context: RoutingContext | None) -> torch.Tensor:
+        """The routed experts through the eager router (and the routing hooks)."""
         scores_TE, choice_TE = self.router(x_TH)
         default_ids_TK = self.router.default_choice(choice_TE)
         ids_TK = self.routing_hooks.select(
@@ -289,10 +366,4 @@ class MoE(torch.nn.Module):
             weights_TK = weights_TK * self.moe.routed_scaling_factor
         if not self.moe.router_fp32:
             weights_TK = weights_TK.to(x_TH.dtype)
-        y_TH = self.experts(x_TH, ids_TK, weights_TK)
-        if self.shared_experts is not None:
-            shared_TH = self.shared_experts(x_TH)
-            if self.shared_gate is not None:
-                shared_TH = torch.sigmoid(self.shared_gate(x_TH)) * shared_TH
-            y_TH = y_TH + shared_TH
-        return y_TH
+        return self.experts(x_TH, ids_TK, weights_TK)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, fused_moe
+from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, Routing, fused_moe
 from miles_host.models.mlp import Experts, routed_forward, uses_fused_moe
 from miles_fp8.linear import _Fp8Buffers, fp8_inference_linear, fp8_linear
-from miles_fp8.moe_fused import Fp8ExpertGemms
+from miles_fp8.moe_fused import WEIGHT_FORMAT, Fp8ExpertGemms
 from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, quantize_weight
 
 
@@ -49,7 +49,9 @@ class Fp8Experts(Experts):
         gate, up = fp8_linear(x_e, self.gate_up_proj[expert], None, self.power_of_two).chunk(2, dim=-1)
         return fp8_linear(self.act(gate) * up, self.down_proj[expert], None, self.power_of_two)
 
-    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                routing: Routing | None = None) -> torch.Tensor:
+        """The per-expert loop (``routing``, a fused router's layout, is not needed here)."""
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self._expert_mlp)
 
 
@@ -57,6 +59,10 @@ class Fp8InferenceExperts(_Fp8Buffers):
     """Rollout experts: FP8 stacks + ``*_scale_inv`` per-expert 128x128 block scales."""
 
     _keep_dtype = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+    #: ``forward`` takes the ``routing`` layout of the host's fused router
+    takes_routing = True
+    #: the tile table's name of these weights (the fused router lays rows out for the same row block)
+    weight_format = WEIGHT_FORMAT
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act, device=None,
                  power_of_two: bool = False):
@@ -92,9 +98,11 @@ class Fp8InferenceExperts(_Fp8Buffers):
             self.act(gate) * up, self.down_proj[expert], self.down_proj_scale_inv[expert], None, self.power_of_two
         )
 
-    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                routing: Routing | None = None) -> torch.Tensor:
+        """The routed experts' output; ``routing``: the layout of a fused router (the fused path reuses it)."""
         if uses_fused_moe(self, x_TH) and self.act_name in FUSED_ACTIVATIONS:
             gemms = Fp8ExpertGemms(self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
                                    self.down_proj_scale_inv, self.act_name, self.power_of_two)
-            return fused_moe(x_TH, ids_TK, weights_TK, gemms)
+            return fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self._expert_mlp)

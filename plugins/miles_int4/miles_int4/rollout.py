@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, fused_moe
+from miles_host.kernels.moe_grouped import FUSED_ACTIVATIONS, Routing, fused_moe
 from miles_host.models.mlp import Experts, routed_forward, uses_fused_moe
 from miles_host.rollout.weights import WeightSink
 from miles_int4.kernels import PackedInt4, int4_mm, kernel_supports, pack_for_kernel
@@ -163,6 +163,8 @@ class Int4Experts(_Int4Weights):
     """
 
     int4_names = ("gate_up_proj", "down_proj")
+    #: ``forward`` takes the ``routing`` layout of the host's fused router
+    takes_routing = True
 
     def __init__(self, experts: Experts, group_size: int, use_kernel: bool):
         super().__init__()
@@ -196,6 +198,11 @@ class Int4Experts(_Int4Weights):
                                               parts["scale"].to(self._device, copy=True))
         super().refresh(act_dtype)
 
+    @property
+    def weight_format(self) -> str:
+        """The tile table's name of these weights (as ``Int4ExpertGemms`` names them)."""
+        return f"int4_g{self.group_size}"
+
     def _fused_operands(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_kernel:
             if self._staged:
@@ -210,11 +217,13 @@ class Int4Experts(_Int4Weights):
         scale = getattr(self, f"{name}_scale")[expert]
         return F.linear(x, dequantize_packed(packed, scale, x.dtype))
 
-    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                routing: Routing | None = None) -> torch.Tensor:
+        """The routed experts' output; ``routing``: the layout of a fused router (the fused path reuses it)."""
         if uses_fused_moe(self, x_TH) and self.act_name in FUSED_ACTIVATIONS:
             gemms = Int4ExpertGemms(*self._fused_operands("gate_up_proj"), *self._fused_operands("down_proj"),
                                     self.act_name)
-            return fused_moe(x_TH, ids_TK, weights_TK, gemms)
+            return fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
         cache = self._kernels(x_TH.dtype) if self.use_kernel else {}
 
         def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:

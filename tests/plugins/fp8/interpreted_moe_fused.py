@@ -35,3 +35,16 @@ def test_fused_fp8_experts_match_the_loop_and_float64(kernels, num_tokens, allow
     torch.testing.assert_close(fused.float(), loop.float(), rtol=0, atol=2e-2 * scale)
     expected = float64_reference(experts, x, ids, weights)
     torch.testing.assert_close(fused.double(), expected, rtol=0, atol=2e-2 * scale)
+
+
+def test_fused_router_layout_is_used_as_is(kernels):
+    """The host's fused router hands its row layout in (``routing=``): same output as planning it here."""
+    from miles_host.kernels.moe_router import RouterSpec, fused_route
+
+    experts = make_fp8_experts()
+    x, _, _ = routing(6)
+    ids, layout = fused_route(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), RouterSpec(4, 2), None,
+                              16, torch.bfloat16)
+    assert experts.weight_format == "fp8_block128"
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, layout.weights_TK, routing=layout), experts(x, ids, layout.weights_TK))
