@@ -6,6 +6,7 @@
 # Steps: tests rollout rollout_plain grpo grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
+#        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
@@ -66,7 +67,10 @@ for step in "${steps[@]}"; do
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
       tests/rollout/test_sglang_sampling_params.py ;;  # SGLang's sampling features under CUDA graphs + overlap
-    moe_tests) run moe_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py tests/plugins/fp8/test_moe_fused.py tests/plugins/int4/test_moe_fused.py ;;
+    moe_tests) run moe_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py tests/kernels/test_moe_router.py tests/plugins/fp8/test_moe_fused.py tests/plugins/int4/test_moe_fused.py ;;
+    moe_router) run moe_router_block 120 python3 bench/moe.py --router-timing --json "$OUT/moe_router_block.json"
+      run moe_router 400 python3 bench/moe.py --precisions bf16 --kernels fused --routers fused,torch --batches 1,8,32 \
+        --prefill-seqs 0 --new-tokens 48 --repeats 3 --json "$OUT/moe_router.json" ;;
     weight_sync) run weight_sync 200 python3 bench/weight_sync.py --repeat 3 ;;
     fp8_gemm) run fp8_gemm 200 python3 bench/fp8_gemm.py ;;
     fp8_gemm_8b) run fp8_gemm_8b 200 python3 bench/fp8_gemm.py --train-model 8b --train-tokens 16384 --model 8b ;;

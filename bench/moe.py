@@ -4,11 +4,17 @@
     python bench/moe.py --shapes dsv3 --precisions bf16  # DeepSeek-V3 shape (MLA, 256 experts, 4 layers)
     python bench/moe.py --sweep --json $OUT/moe_sweep.json   # tile sweep: prints the TUNED entries
     python bench/moe.py --tiny [--shapes qwen3_30b,dsv3] # CPU smoke run of the same code (float32, tiny shapes)
+    python bench/moe.py --precisions bf16 --kernels fused --routers fused,torch --batches 1,8,32 --prefill-seqs 0
+                                                         # decode with the fused router and with the eager one
+    python bench/moe.py --router-timing                  # one MoE block, graph-timed, fused vs eager router
     python bench/moe.py --train                          # also run bench/moe_train.py (training half), when present
 
 Models are random-init miles models built from an HF config dict through the model
 family adapters (no checkpoint on disk), served by ``miles_host.rollout.Engine``
-(CUDA graphs, paged KV cache) with ``--moe-kernel`` loop or fused. fp8 / int4 rollout
+(CUDA graphs, paged KV cache) with ``--moe-kernel`` loop or fused (and, for fused,
+each of ``--routers``: the one-launch fused router of ``miles_host.kernels.moe_router``
+or the eager router and ``plan``, set on the model by ``set_moe_router`` before the
+engine captures its graphs; the label says ``fused/torch-router`` for the latter). fp8 / int4 rollout
 models are prepared by the precision plugins' recipes as a run's rollout backend
 does it (fp8: every 128-divisible linear incl. the experts; int4: the routed experts,
 group 128).
@@ -229,12 +235,14 @@ def generate(engine, prompts, new_tokens: int) -> int:
     return tokens
 
 
-def bench_engine(shape, precision, kernel, args, dtype, device) -> list[dict]:
+def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") -> list[dict]:
+    from miles_host.models.mlp import set_moe_router
     from miles_host.rollout import Engine
 
-    label = f"{shape}/{precision}/{kernel}"
+    label = f"{shape}/{precision}/{kernel_label(kernel, router)}"
     start = time.perf_counter()
     model = prepare(build_model(shape, dtype, device), precision)
+    set_moe_router(model, router)
     free_memory(device)
     max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 16
     engine = Engine(model, tokenizer=None, max_num_seqs=max(args.batches), max_model_len=max_len,
@@ -255,8 +263,9 @@ def bench_engine(shape, precision, kernel, args, dtype, device) -> list[dict]:
             seconds = sum((weight_bytes + batch * (args.prompt_len + i) * engine.kv_bytes_per_token) / HBM_BYTES_PER_S
                           for i in range(1, args.new_tokens))
             bound = batch * (args.new_tokens - 1) / seconds
-            rows.append(dict(shape=shape, precision=precision, kernel=kernel, case=f"decode b{batch}",
-                             tok_s=decode, bound_tok_s=bound, fraction=decode / bound, weight_bytes=weight_bytes))
+            rows.append(dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
+                             case=f"decode b{batch}", tok_s=decode, bound_tok_s=bound, fraction=decode / bound,
+                             weight_bytes=weight_bytes))
             print(f"[{label}] decode batch {batch:>3}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
                   f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
         if args.profile_batch and device == "cuda":
@@ -271,13 +280,47 @@ def bench_engine(shape, precision, kernel, args, dtype, device) -> list[dict]:
             _, active = step_bytes(model, 1)
             flops = 2 * active * tokens + attention_flops(model, args.prefill_seqs, args.prefill_len)
             bound = tokens / (flops / BF16_FLOPS)
-            rows.append(dict(shape=shape, precision=precision, kernel=kernel,
+            rows.append(dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
                              case=f"prefill {args.prefill_seqs}x{args.prefill_len}", tok_s=tokens / t_prefill,
                              bound_tok_s=bound, fraction=tokens / t_prefill / bound))
             print(f"[{label}] prefill {args.prefill_seqs}x{args.prefill_len}: {tokens / t_prefill:,.0f} tok/s, "
                   f"compute bound {bound:,.0f} tok/s ({tokens / t_prefill / bound:.1%})", flush=True)
     finally:
         engine = model = None
+        free_memory(device)
+    return rows
+
+
+def kernel_label(kernel: str, router: str) -> str:
+    """The row label of a case: ``fused`` (fused router), ``fused/torch-router`` (eager router), ``loop``."""
+    return f"{kernel}/{router}-router" if kernel == "fused" and router != "fused" else kernel
+
+
+def router_timing(args, dtype, device) -> list[dict]:
+    """One MoE block of each shape (gate linear, router, experts, shared experts), graph-timed per token
+    count with the fused router and with the eager router + ``plan``: the router's share of a decode step."""
+    from miles_host.models.mlp import MoE, set_moe_router, uses_fused_router
+
+    rows = []
+    for shape in args.shapes.split(","):
+        model = build_model(shape, dtype, device)
+        block = next(m for m in model.modules() if isinstance(m, MoE))
+        for tokens in args.router_tokens:
+            x = torch.randn(tokens, model.config.hidden_size, device=device, dtype=dtype)
+            times = {}
+            with torch.no_grad():
+                for router in ("fused", "torch"):
+                    set_moe_router(block, router)
+                    if router == "fused" and not uses_fused_router(block, x):
+                        times[router] = float("nan")  # e.g. more tokens than the fused router takes
+                        continue
+                    times[router] = _graph_time(lambda: block(x), device, inner=20, repeats=10)
+            rows.append(dict(shape=shape, case=f"moe block T={tokens}", fused_us=times["fused"] * 1e6,
+                             torch_us=times["torch"] * 1e6))
+            print(f"[router {shape}] MoE block T={tokens}: fused router {times['fused'] * 1e6:.1f} us, eager router "
+                  f"+ plan {times['torch'] * 1e6:.1f} us (saves {(times['torch'] - times['fused']) * 1e6:.1f} us "
+                  f"per layer)", flush=True)
+        model = block = None
         free_memory(device)
     return rows
 
@@ -392,6 +435,11 @@ def parse_args(argv=None):
     parser.add_argument("--kernels", default="loop,fused", help="--moe-kernel values to run (loop: bf16 only "
                         "unless --loop-all)")
     parser.add_argument("--loop-all", action="store_true", help="the loop baseline for fp8/int4 too")
+    parser.add_argument("--routers", default="fused", help="MoE routers of the fused kernel's cases: fused (one "
+                        "launch, decode batches) and/or torch (the eager router + plan), comma list")
+    parser.add_argument("--router-timing", action="store_true", help="graph-time one MoE block per --shapes with "
+                        "the fused and the eager router instead of the engine benchmark")
+    parser.add_argument("--router-tokens", default="1,8,32,64,128")
     parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -411,6 +459,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
+    args.router_tokens = [int(t) for t in args.router_tokens.split(",")]
     if args.tiny:
         tiny = {"qwen3_30b": "tiny", "dsv3": "tiny_dsv3"}
         args.shapes = ",".join(tiny.get(shape, shape) for shape in args.shapes.split(","))
@@ -429,18 +478,29 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         return 0
+    if args.router_timing:
+        if device != "cuda":
+            print("--router-timing graph-times on CUDA; no GPU here")
+            return 1
+        result = router_timing(args, dtype, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     rows, failures = [], []
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
             for kernel in args.kernels.split(","):
                 if kernel == "loop" and precision != "bf16" and not args.loop_all:
                     continue
-                try:
-                    rows.extend(bench_engine(shape, precision, kernel, args, dtype, device))
-                except Exception as error:  # noqa: BLE001 - report, go on with the others
-                    traceback.print_exc()
-                    failures.append(f"{shape}/{precision}/{kernel}: {type(error).__name__}: {error}")
-                    free_memory(device)
+                for router in args.routers.split(",") if kernel == "fused" else ["fused"]:
+                    try:
+                        rows.extend(bench_engine(shape, precision, kernel, args, dtype, device, router))
+                    except Exception as error:  # noqa: BLE001 - report, go on with the others
+                        traceback.print_exc()
+                        failures.append(f"{shape}/{precision}/{kernel_label(kernel, router)}: "
+                                        f"{type(error).__name__}: {error}")
+                        free_memory(device)
     print("\n| shape | precision | kernel | case | tok/s | bound tok/s | of bound | vs loop |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
