@@ -140,8 +140,18 @@ def _router_kernel(
                 TOP_K, E, NB, NP, BLOCK_M, MAX_ROWS, MAX_BLOCKS, CHUNK, BLOCK_CHUNK)
 
 
-def route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token_R, pair_row_TK, block_expert_B):
-    """Fill the ids, weights and layout tensors from ``logits_TE`` in one launch (see :mod:`moe_router`)."""
+def default_warps(tile: int, num_pairs: int) -> int:
+    """Warps of the one program: one for a batch-1/2 tile (every reduction stays inside a warp), four
+    up to 4096 logits, eight above."""
+    if tile <= 512 and num_pairs <= 64:
+        return 1
+    return 4 if tile <= 4096 and num_pairs < 1024 else 8
+
+
+def route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token_R, pair_row_TK, block_expert_B,
+                 num_warps=None):
+    """Fill the ids, weights and layout tensors from ``logits_TE`` in one launch (see :mod:`moe_router`);
+    ``num_warps``: the program's warps (None: :func:`default_warps`)."""
     num_tokens, num_experts = logits_TE.shape
     group = num_experts // spec.n_group
     t_p = max(2, triton.next_power_of_2(num_tokens))
@@ -157,5 +167,5 @@ def route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token
         G=spec.n_group, G_P=g_p, S=group, S_P=s_p, TOPK_GROUP=spec.topk_group,
         SOFTMAX=spec.score_func == "softmax", HAS_BIAS=bias_E is not None, NORM=spec.norm_topk_prob,
         EMULATE=emulate_rounding(), **constants,
-        num_warps=8 if t_p * g_p * s_p >= 4096 or constants["NP"] >= 1024 else 4,
+        num_warps=num_warps or default_warps(t_p * g_p * s_p, num_tokens * spec.top_k),
     )

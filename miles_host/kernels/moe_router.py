@@ -86,12 +86,14 @@ def supports(spec: RouterSpec, num_tokens: int) -> bool:
 
 def fused_route(
     logits_TE: torch.Tensor, spec: RouterSpec, bias_E: torch.Tensor | None, block_m: int, weights_dtype: torch.dtype,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, Routing]:
     """``(ids_TK, routing)`` of the router logits in one launch (see the module docstring).
 
     ``logits_TE``: any float dtype (read in float32); ``bias_E``: the choice bias or None;
     ``block_m``: the layout's row block (the grouped GEMMs' tiles); ``weights_dtype``: of
-    ``routing.weights_TK``. Needs Triton (CUDA, or the interpreter) and :func:`supports`.
+    ``routing.weights_TK``; ``num_warps``: the program's warps (tests and timings; default
+    by the tile size). Needs Triton (CUDA, or the interpreter) and :func:`supports`.
     """
     num_tokens, num_experts = logits_TE.shape
     if num_experts != spec.num_experts:
@@ -113,7 +115,7 @@ def fused_route(
     if bias_E is not None:
         bias_E = bias_E.float().contiguous()
     _moe_router_triton.route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token_R, pair_row_TK,
-                                    block_expert_B)
+                                    block_expert_B, num_warps)
     return ids_TK, Routing(row_token_R, block_expert_B, pair_row_TK, weights_TK, block_m)
 
 

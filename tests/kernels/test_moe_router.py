@@ -99,8 +99,10 @@ def test_supports_and_set_moe_router():
 
 
 @pytest.mark.parametrize("group", [False, True])
-def test_kernel_compiles_for_sm90(group):
-    """The GPU branches build for the H200 without spilling (the Qwen3 and DeepSeek-V3 routers, T=64)."""
+@pytest.mark.parametrize("num_tokens,num_warps", [(1, 1), (64, 8)])
+def test_kernel_compiles_for_sm90(group, num_tokens, num_warps):
+    """The GPU branches build for the H200 without spilling (the Qwen3 and DeepSeek-V3 routers, batch 1 in
+    one warp, T=64 in eight)."""
     pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
     from miles_host.kernels import _moe_router_triton
     from miles_host.kernels._moe_grouped_triton import layout_constants
@@ -111,10 +113,10 @@ def test_kernel_compiles_for_sm90(group):
                  "BlockExpert": "*i32", "Scratch": "*i32", "num_tokens": "i32", "stride_lt": "i32",
                  "num_rows": "i32", "num_blocks": "i32", "norm_eps": "fp32", "scaling": "fp32"}
     experts, groups, kept = (256, 8, 4) if group else (128, 1, 1)
-    constexprs = dict(TOP_K=8, K_P=8, T_P=64, G=groups, G_P=groups, S=experts // groups, S_P=experts // groups,
+    constexprs = dict(TOP_K=8, K_P=8, T_P=max(2, num_tokens), G=groups, G_P=groups, S=experts // groups, S_P=experts // groups,
                       TOPK_GROUP=kept, SOFTMAX=not group, HAS_BIAS=group, NORM=True, EMULATE=False,
-                      **layout_constants(64 * 8, experts, 16))
-    ptx = compile_sm90(_moe_router_triton._router_kernel, signature, constexprs, 8, 1,
+                      **layout_constants(num_tokens * 8, experts, 16))
+    ptx = compile_sm90(_moe_router_triton._router_kernel, signature, constexprs, num_warps, 1,
                        unaligned=("num_tokens", "num_rows", "num_blocks", "norm_eps", "scaling"))
     assert "bar.sync" in ptx and ".local" not in ptx
 
@@ -152,6 +154,23 @@ def test_gpu_router_matches_the_reference(shape, num_tokens):
     expected = route(ids, routing.weights_TK, spec.num_experts, 16)
     for name in ("row_token_R", "block_expert_B", "pair_row_TK"):
         assert torch.equal(getattr(routing, name), getattr(expected, name)), name
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", sorted(GPU_ROUTERS))
+def test_gpu_every_warp_count_gives_the_same_bits(shape):
+    """The one program with 1, 2, 4 or 8 warps (the default picks by the tile): same ids, weights, layout."""
+    from miles_host.kernels.moe_router import fused_route
+
+    for num_tokens in (1, 8, 64):
+        spec, logits, bias, dtype = _gpu_inputs(shape, num_tokens, seed=5)
+        ids, routing = fused_route(logits, spec, bias, 16, dtype)
+        for warps in (1, 2, 4, 8):
+            other_ids, other = fused_route(logits, spec, bias, 16, dtype, num_warps=warps)
+            assert torch.equal(ids, other_ids), (num_tokens, warps)
+            for name in ("row_token_R", "block_expert_B", "pair_row_TK", "weights_TK"):
+                assert torch.equal(getattr(routing, name), getattr(other, name)), (num_tokens, warps, name)
 
 
 @pytest.mark.gpu
@@ -247,3 +266,19 @@ def test_gpu_speed_report():
                 times[router] = (time.perf_counter() - start) / 200 * 1e6
             print(f"MoE block T={num_tokens}: fused router {times['fused']:.1f} us, eager router + plan "
                   f"{times['torch']:.1f} us")
+    from miles_host.kernels.moe_router import fused_route
+
+    for shape in sorted(GPU_ROUTERS):  # the router launch alone, by warps (the default's choice first)
+        for num_tokens in (1, 8, 64):
+            spec, logits, bias, dtype = _gpu_inputs(shape, num_tokens, seed=1)
+            cells = []
+            for warps in (None, 1, 2, 4, 8):
+                graph, _ = _graphed(lambda: fused_route(logits, spec, bias, 16, dtype, num_warps=warps))
+                graph.replay()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(20):
+                    graph.replay()
+                torch.cuda.synchronize()
+                cells.append(f"{warps or 'default'} {(time.perf_counter() - start) / 200 * 1e6:.1f} us")
+            print(f"fused_route {shape} T={num_tokens} by warps: " + ", ".join(cells))
