@@ -7,7 +7,9 @@ plugins build from :func:`block_rows`):
   batch (every expert's rows start at a multiple of ``BLOCK_M``). Counts by
   ``tl.histogram``, block starts by ``tl.cumsum``, the rank of each (token, slot)
   pair inside its expert from one ``tl.sort`` of ``expert * NP + pair`` (stable:
-  the layout of :func:`~miles_host.kernels.moe_grouped.route`, bit for bit).
+  the layout of :func:`~miles_host.kernels.moe_grouped.route`, bit for bit). Its
+  body is :func:`fill_layout`, which the fused router
+  (:mod:`~miles_host.kernels._moe_router_triton`) runs on the ids it has just chosen.
 - :func:`_moe_gemm_kernel`: one grouped GEMM launch for all experts. A program
   computes one row block x one ``BLOCK_N`` column tile, ``out[rows, n] = a[rows, :]
   @ w[expert][n, :]^T`` with fp32 accumulation from ``k = 0``. With ``GATHER`` the
