@@ -112,6 +112,15 @@ class EngineDriver:
         for rid in list(self._waiting):
             self._resolve(rid, self.aborted_output(rid))
 
+    def accept_requests(self) -> None:
+        """After :meth:`abort`: new requests go to the engine again."""
+        self.aborting = False
+
+    async def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the engine thread, between two backend steps (the backend is never
+        used by two threads); its result."""
+        return await self.loop.run_in_executor(self._engine, fn)
+
     # -- engine thread -----------------------------------------------------
 
     def _submit(self, rid: str, input_ids: list[int], params: dict) -> None:

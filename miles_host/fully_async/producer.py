@@ -110,6 +110,10 @@ class RolloutProducer:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    def samples_in_flight(self) -> int:
+        """Samples generating now."""
+        return len(self.in_flight)
+
     def pop_stats(self) -> RolloutStats:
         """The counts since the last call (groups submitted, filtered, failed, tokens generated)."""
         with self._lock:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from miles_host.fully_async.buffer import FinishedGroups, TakeReport
+from miles_host.fully_async.custom_producer import CustomGenerateProducer
 from miles_host.fully_async.producer import RolloutProducer
 from miles_host.health import check_failed_fraction
 from miles_host.loop import Run
@@ -50,7 +51,8 @@ class FullyAsyncRun(Run):
                 "the off-policy correction would be wrong; use --pause-generation-mode retract")
         capacity = int(config.async_data_buffer_capacity_factor * config.rollout_batch_size)
         self.finished = FinishedGroups(capacity, config.max_weight_staleness, self._stale)
-        self.producer = RolloutProducer(self.rollout, self.finished, config)
+        producer_class = CustomGenerateProducer if self.rollout.custom_generate is not None else RolloutProducer
+        self.producer = producer_class(self.rollout, self.finished, config)
         #: the groups of the step under way (taken from the buffer, not yet trained)
         self.batch: list[list[Sample]] = []
         self._last_step_end: float | None = None
@@ -75,7 +77,7 @@ class FullyAsyncRun(Run):
         rollout_metrics = {
             **report.metrics(),
             "rollout/fully_async/buffer_groups": len(self.finished),
-            "rollout/fully_async/in_flight_samples": len(self.producer.in_flight),
+            "rollout/fully_async/in_flight_samples": self.producer.samples_in_flight(),
             "perf/rollout_time_s": report.wait_s,  # what the trainer waited for its batch
             "perf/trainer_idle_time_s": report.wait_s,
             "perf/rollout_tok_per_s": stats.generated_tokens / produced_for,
