@@ -81,6 +81,21 @@ def test_strided_logits_and_top_k_not_a_power_of_two(router, grouped):
     check_against_reference(router, grouped, spec, logits, None)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(num_experts=8, top_k=1, score_func="sigmoid", norm_topk_prob=False),  # top-1 (one slot, padded to two)
+    dict(num_experts=12, top_k=3, score_func="sigmoid", n_group=3, topk_group=2),  # a padding group in the tile
+    dict(num_experts=160, top_k=8, score_func="sigmoid", routed_scaling_factor=2.5),  # GLM-4.5's 160 experts
+    dict(num_experts=10, top_k=10),  # every expert chosen
+])
+def test_other_expert_counts(router, grouped, fields):
+    spec = router.RouterSpec(**fields)
+    bias = torch.randn(spec.num_experts, generator=torch.Generator().manual_seed(6)) * 0.1
+    for num_tokens in (1, 7):
+        logits = make_logits(num_tokens, spec.num_experts, seed=num_tokens)
+        check_against_reference(router, grouped, spec, logits, None)
+        check_against_reference(router, grouped, spec, logits, bias)
+
+
 def test_refuses_what_it_does_not_support(router):
     spec = router.RouterSpec(num_experts=16, top_k=2)
     with pytest.raises(ValueError, match="supports"):

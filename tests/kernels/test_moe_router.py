@@ -282,3 +282,23 @@ def test_gpu_speed_report():
                 torch.cuda.synchronize()
                 cells.append(f"{warps or 'default'} {(time.perf_counter() - start) / 200 * 1e6:.1f} us")
             print(f"fused_route {shape} T={num_tokens} by warps: " + ", ".join(cells))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_graphs_capture_the_fused_router(monkeypatch):
+    """The engine's decode graphs (batch sizes within the fused router's limit) hold the fused router,
+    and a generation through them runs to the end."""
+    from bench.moe import build_model
+    from miles_host.kernels import moe_router
+    from miles_host.rollout import Engine
+
+    calls = []
+    original = moe_router.fused_route
+    monkeypatch.setattr(moe_router, "fused_route", lambda logits, *a, **k: calls.append(
+        (logits.shape[0], torch.cuda.is_current_stream_capturing())) or original(logits, *a, **k))
+    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64)
+    assert engine.runner.graphs is not None and any(capturing for _, capturing in calls)
+    results = engine.generate([[1, 2, 3], [4, 5]], [{"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}] * 2,
+                              return_logprob=False)
+    assert [r["meta_info"]["completion_tokens"] for r in results] == [8, 8]
