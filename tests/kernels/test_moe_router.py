@@ -49,7 +49,8 @@ MOE_VARIANTS = {
 
 def spec_of(variant: str, num_experts: int = 16) -> tuple[RouterSpec, torch.Tensor | None]:
     fields = dict(VARIANTS[variant])
-    bias = torch.randn(num_experts, generator=torch.Generator().manual_seed(11)) * 0.1 if fields.pop("bias", 0) else None
+    with_bias = fields.pop("bias", False)
+    bias = torch.randn(num_experts, generator=torch.Generator().manual_seed(11)) * 0.1 if with_bias else None
     return RouterSpec(num_experts=num_experts, **fields), bias
 
 
@@ -113,7 +114,8 @@ def test_kernel_compiles_for_sm90(group, num_tokens, num_warps):
                  "BlockExpert": "*i32", "Scratch": "*i32", "num_tokens": "i32", "stride_lt": "i32",
                  "num_rows": "i32", "num_blocks": "i32", "norm_eps": "fp32", "scaling": "fp32"}
     experts, groups, kept = (256, 8, 4) if group else (128, 1, 1)
-    constexprs = dict(TOP_K=8, K_P=8, T_P=max(2, num_tokens), G=groups, G_P=groups, S=experts // groups, S_P=experts // groups,
+    constexprs = dict(TOP_K=8, K_P=8, T_P=max(2, num_tokens), G=groups, G_P=groups, S=experts // groups,
+                      S_P=experts // groups,
                       TOPK_GROUP=kept, SOFTMAX=not group, HAS_BIAS=group, NORM=True, EMULATE=False,
                       **layout_constants(num_tokens * 8, experts, 16))
     ptx = compile_sm90(_moe_router_triton._router_kernel, signature, constexprs, num_warps, 1,
