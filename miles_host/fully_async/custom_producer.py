@@ -105,8 +105,9 @@ class CustomGenerateProducer(RolloutProducer):
                 if mode != "in_place":
                     await self._retract(driver)
                 result = await driver.on_engine_thread(fn)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
+            except BaseException as error:  # handed to the caller; the backend may be broken: stop
                 future.set_exception(error)
+                raise
             else:
                 future.set_result(result)
             finally:

@@ -176,13 +176,16 @@ class RolloutProducer:
             future.set_exception(error)
 
     def _serve_commands(self) -> None:
+        """Run the calls waiting; one that fails (a weight push to a dead engine, say) is
+        handed to its caller and stops the producer: the backend may be broken."""
         while self._commands:
             fn, mode, future = self._commands.popleft()
             try:
                 self._pause(mode)
                 future.set_result(fn())
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
+            except BaseException as error:
                 future.set_exception(error)
+                raise
 
     def _room(self) -> bool:
         return len(self.in_flight) + self.group_size <= self.max_samples and not self.buffer.full

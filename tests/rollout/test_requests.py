@@ -161,3 +161,30 @@ def test_zero_new_tokens_comes_back_from_step(qwen3_dense):
     # generate() keeps its own zero-token results to itself
     assert engine.generate([[3, 4]], {"max_new_tokens": 0})[0]["output_ids"] == []
     assert engine.step() == []
+
+
+def test_a_request_in_flight_across_a_weight_update_says_which_weights_made_each_token(qwen3_dense):
+    """In-place update (SGLang's ``in_place`` pause): the request keeps its KV cache and goes on
+    with the new weights; ``weight_version_spans`` records where the weights changed."""
+    from miles_host.sample import output_token_versions
+
+    _, path = qwen3_dense
+    params = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True}
+    untouched = make_engine(path).generate([PROMPTS[0]], params)[0]
+    engine = make_engine(path, overlap_schedule=False)
+    engine.add_request("r", PROMPTS[0], params, return_logprob=True)
+    outputs = []
+    for _ in range(3):  # prefill (first token), then two decode steps
+        outputs += engine.step()
+    new_weights = {name: p + 0.05 * torch.randn_like(p) for name, p in engine.model.named_parameters()
+                   if name.endswith("weight") and p.dim() == 2}
+    engine.update_weights(new_weights, weight_version=1)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (output,) = outputs
+    meta = output["meta_info"]
+    assert meta["weight_version_spans"] == [[0, 0], [3, 1]] and meta["weight_version"] == 1
+    assert output_token_versions(meta, 8) == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert output["output_ids"][:3] == untouched["output_ids"][:3]  # generated before the update
+    fresh = make_engine(path).generate([PROMPTS[0]], params)[0]
+    assert fresh["meta_info"]["weight_version_spans"] == [[0, 0]]
