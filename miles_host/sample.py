@@ -68,18 +68,30 @@ def _decode_experts(payload: Any) -> np.ndarray | None:
     return compact_expert_ids(payload)
 
 
+def weight_version_number(version: Any) -> int | None:
+    """A weight version as a number of training steps: ints as they are, SGLang's decimal
+    strings (``"12"``) parsed; anything else (a user's label) is None."""
+    if isinstance(version, bool) or version is None:
+        return None
+    if isinstance(version, int):
+        return version
+    text = str(version).strip()
+    return int(text) if text.isdigit() else None
+
+
 def output_token_versions(meta: dict, num_tokens: int) -> list:
-    """The weight version of each of an engine output's ``num_tokens`` tokens: from its
-    ``weight_version_spans`` (``[[first output index, version], ...]``, the embedded engine's
-    record when weights changed mid-request) when present, else its ``weight_version``."""
+    """The weight version (:func:`weight_version_number`) of each of an engine output's
+    ``num_tokens`` tokens: from its ``weight_version_spans`` (``[[first output index, version],
+    ...]``, the embedded engine's record when weights changed mid-request) when present, else
+    its ``weight_version``."""
     spans = meta.get("weight_version_spans")
     if not spans:
-        return [meta.get("weight_version")] * num_tokens
-    versions = []
+        return [weight_version_number(meta.get("weight_version"))] * num_tokens
+    versions: list = []
     for (start, version), following in zip(spans, [*spans[1:], [num_tokens, None]]):
         end = min(int(following[0]), num_tokens)
-        versions.extend([version] * max(0, end - max(int(start), len(versions))))
-    return versions + [spans[-1][1]] * (num_tokens - len(versions))
+        versions.extend([weight_version_number(version)] * max(0, end - max(int(start), len(versions))))
+    return versions + [weight_version_number(spans[-1][1])] * (num_tokens - len(versions))
 
 
 @dataclass

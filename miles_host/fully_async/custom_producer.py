@@ -15,6 +15,7 @@ samples as they are (slime's partial-rollout convention).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from miles_host.custom_generate import EngineDriver, TrajectoryRunner
@@ -49,8 +50,10 @@ class CustomGenerateProducer(RolloutProducer):
                     await self._serve_calls(driver)
                     self._start_trajectories(runner)
                     if not self.running_groups:
+                        started = time.perf_counter()
                         await asyncio.to_thread(self._wake.wait, 0.05)
                         self._wake.clear()
+                        self.idle_s += time.perf_counter() - started
                         continue
                     done, _ = await asyncio.wait(self.running_groups, timeout=0.05,
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -101,6 +104,7 @@ class CustomGenerateProducer(RolloutProducer):
     async def _serve_calls(self, driver: EngineDriver) -> None:
         while self._commands:
             fn, mode, future = self._commands.popleft()
+            started = time.perf_counter()
             try:
                 if mode != "in_place":
                     await self._retract(driver)
@@ -112,6 +116,7 @@ class CustomGenerateProducer(RolloutProducer):
                 future.set_result(result)
             finally:
                 driver.accept_requests()
+                self.idle_s += time.perf_counter() - started
 
     async def _retract(self, driver: EngineDriver) -> None:
         """Abort the requests in flight and wait for every trajectory to return (its samples

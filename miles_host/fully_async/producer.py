@@ -24,6 +24,7 @@ says what happens to the requests in flight (``--pause-generation-mode``):
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -65,6 +66,8 @@ class RolloutProducer:
         self._thread: threading.Thread | None = None
         self._filtered_in_a_row = 0
         self._records: dict[int, Any] | None = None
+        #: seconds the engines had nothing to generate (buffer full, nothing to start) or were paused by a call
+        self.idle_s = 0.0
 
     # -- control (the trainer's thread) -----------------------------------------------
 
@@ -115,9 +118,11 @@ class RolloutProducer:
         return len(self.in_flight)
 
     def pop_stats(self) -> RolloutStats:
-        """The counts since the last call (groups submitted, filtered, failed, tokens generated)."""
+        """The counts since the last call (groups submitted, filtered, failed, tokens generated;
+        ``extra["engine_idle_s"]``: seconds the engines idled)."""
         with self._lock:
             stats, self._stats = self._stats, RolloutStats()
+            stats.extra["engine_idle_s"], self.idle_s = self.idle_s, 0.0
         return stats
 
     def recycle(self, group: list[Sample], why: str) -> None:
@@ -162,8 +167,10 @@ class RolloutProducer:
                 if self.in_flight:
                     self._step()
                 else:
+                    started = time.perf_counter()
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    self.idle_s += time.perf_counter() - started
         except BaseException as error:  # noqa: BLE001 - the trainer's thread re-raises it
             self.buffer.fail(error)
             self._fail_commands(error)
@@ -180,12 +187,15 @@ class RolloutProducer:
         handed to its caller and stops the producer: the backend may be broken."""
         while self._commands:
             fn, mode, future = self._commands.popleft()
+            started = time.perf_counter()
             try:
                 self._pause(mode)
                 future.set_result(fn())
             except BaseException as error:
                 future.set_exception(error)
                 raise
+            finally:
+                self.idle_s += time.perf_counter() - started
 
     def _room(self) -> bool:
         return len(self.in_flight) + self.group_size <= self.max_samples and not self.buffer.full

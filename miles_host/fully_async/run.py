@@ -55,7 +55,7 @@ class FullyAsyncRun(Run):
         self.producer = producer_class(self.rollout, self.finished, config)
         #: the groups of the step under way (taken from the buffer, not yet trained)
         self.batch: list[list[Sample]] = []
-        self._last_step_end: float | None = None
+        self._last_take: float | None = None
 
     def _stale(self, group: list[Sample]) -> None:
         self.producer.recycle(group, "stale")
@@ -70,22 +70,25 @@ class FullyAsyncRun(Run):
         self.batch = []
         self.finished.take(self.config.rollout_batch_size, rollout_id, report, self.batch)
         stats = self.producer.pop_stats()
+        taken_at = time.perf_counter()
         check_failed_fraction(rollout_id, stats.failed_samples, stats.finished_samples, stats.first_failure,
                               self.config.max_failed_sample_fraction)
-        since = step_start if self._last_step_end is None else self._last_step_end
-        produced_for = max(time.perf_counter() - since, 1e-9)
+        # the producer's counts cover the time since the last take (this step's wait, the last one's training)
+        produced_for = max(taken_at - (step_start if self._last_take is None else self._last_take), 1e-9)
+        self._last_take = taken_at
         rollout_metrics = {
             **report.metrics(),
             "rollout/fully_async/buffer_groups": len(self.finished),
             "rollout/fully_async/in_flight_samples": self.producer.samples_in_flight(),
             "perf/rollout_time_s": report.wait_s,  # what the trainer waited for its batch
             "perf/trainer_idle_time_s": report.wait_s,
+            "perf/engine_idle_time_s": stats.extra.get("engine_idle_s", 0.0),
+            "perf/engine_idle_fraction": min(1.0, stats.extra.get("engine_idle_s", 0.0) / produced_for),
             "perf/rollout_tok_per_s": stats.generated_tokens / produced_for,
         }
         groups = sorted(self.batch, key=lambda group: group[0].group_index)
         metrics = self.train_step(rollout_id, groups, stats, step_start, rollout_metrics)
         self.batch = []
-        self._last_step_end = time.perf_counter()
         return metrics
 
     def sync_weights(self, version: int) -> float:

@@ -104,3 +104,42 @@ def test_distributed_weight_sync_to_a_server_process(dense_model, addition_data,
     assert [m["rollout/weight_version"] for m in metrics] == [1, 2]
     # the server samples with the trainer's weights: recomputed logprobs agree to float32 rounding
     assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-5 for m in metrics)
+
+
+def test_a_fully_async_run_through_the_sglang_backend(dense_model, addition_data, tmp_path):
+    """``--fully-async`` over HTTP: weight updates retract the requests in flight (abort, then
+    continue with the tokens they have), so each token keeps the version that generated it."""
+    handle = serve(dense_model)
+    try:
+        out = tmp_path / "run"
+        code = main([*base_args(dense_model, addition_data, out), "--num-rollout", "4", "--fully-async",
+                     "--max-weight-staleness", "2", "--dump-rollouts",
+                     "--rollout-backend", "sglang", "--sglang-url", handle.url])
+        assert code == 0
+        metrics = read_metrics(out)
+        assert [m["rollout_id"] for m in metrics] == [0, 1, 2, 3]
+        assert [m["rollout/weight_version"] for m in metrics] == [1, 2, 3, 4]
+        assert all(m["rollout/fully_async/max_staleness"] <= 2 for m in metrics)
+        seen = []
+        for rollout_id in range(4):
+            lines = (out / "rollouts" / f"rollout_{rollout_id:05d}.jsonl").read_text().splitlines()
+            for sample in (Sample.from_dict(json.loads(line)) for line in lines):
+                assert len(sample.token_weight_versions) == sample.response_length
+                assert rollout_id - sample.oldest_weight_version <= 2
+                seen.append(sample.group_index)
+        assert len(seen) == 64 and len(set(seen)) == 16  # 4 steps x 4 groups of 4 samples, each group once
+        assert http(handle.url, "/get_model_info")[1]["weight_version"] == "4"
+    finally:
+        handle.shutdown()
+
+
+def test_in_place_pauses_are_refused_for_a_backend_without_token_versions(dense_model, addition_data, tmp_path,
+                                                                        capsys):
+    handle = serve(dense_model)
+    try:
+        argv = [*base_args(dense_model, addition_data, tmp_path / "run"), "--num-rollout", "1", "--fully-async",
+                "--pause-generation-mode", "in_place", "--rollout-backend", "sglang", "--sglang-url", handle.url]
+        assert main(argv) == 2
+        assert "does not say which weights generated each token" in capsys.readouterr().err
+    finally:
+        handle.shutdown()
