@@ -168,14 +168,19 @@ def uses_fused_moe(experts: torch.nn.Module, x_TH: torch.Tensor) -> bool:
     )
 
 
+def _set_on_modules(model: torch.nn.Module, attribute: str, value: str, choices: tuple[str, ...], what: str) -> int:
+    """Set ``attribute`` to ``value`` (one of ``choices``) on every module that has it; how many."""
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
+    modules = [m for m in model.modules() if hasattr(m, attribute)]
+    for module in modules:
+        setattr(module, attribute, value)
+    return len(modules)
+
+
 def set_moe_kernel(model: torch.nn.Module, kernel: str) -> int:
     """Set every routed-experts module's inference path (``--moe-kernel``); return how many modules."""
-    if kernel not in MOE_KERNELS:
-        raise ValueError(f"--moe-kernel must be one of {', '.join(MOE_KERNELS)}; got {kernel!r}")
-    modules = [m for m in model.modules() if hasattr(m, "moe_kernel")]
-    for module in modules:
-        module.moe_kernel = kernel
-    return len(modules)
+    return _set_on_modules(model, "moe_kernel", kernel, MOE_KERNELS, "--moe-kernel")
 
 
 #: routers of the MoE block's inference path: ``fused`` (:func:`~miles_host.kernels.moe_router.fused_route`
@@ -201,12 +206,7 @@ def uses_fused_router(moe: torch.nn.Module, x_TH: torch.Tensor) -> bool:
 
 def set_moe_router(model: torch.nn.Module, router: str) -> int:
     """Set every MoE block's inference router (one of :data:`MOE_ROUTERS`); return how many blocks."""
-    if router not in MOE_ROUTERS:
-        raise ValueError(f"the MoE router must be one of {', '.join(MOE_ROUTERS)}; got {router!r}")
-    blocks = [m for m in model.modules() if hasattr(m, "router_kernel")]
-    for block in blocks:
-        block.router_kernel = router
-    return len(blocks)
+    return _set_on_modules(model, "router_kernel", router, MOE_ROUTERS, "the MoE router")
 
 
 def routed_forward(
