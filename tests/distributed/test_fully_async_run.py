@@ -98,3 +98,15 @@ def test_a_killed_trainer_stops_a_fully_async_run_with_a_checkpoint(tiny_task, t
     state = load_checkpoint(str(tmp_path / "ckpt"))["rollout"]["fully_async"]
     # the batch of the step that failed is kept, untrained, for the resumed run
     assert len(state["finished"]) >= 4
+
+
+def test_a_fully_async_run_over_ray_placed_workers(tiny_task, tmp_path):
+    """Trainers and the engine as Ray actors: the producer drives the engine actor while the
+    trainer actors train."""
+    model, data = tiny_task
+    out = tmp_path / "ray"
+    argv = base_args(model, data, out, *ASYNC, "--num-rollout", "3", "--weight-sync", "broadcast", "--use-ray")
+    assert run_launched(argv, worker_timeout=120, actor_num_gpus_per_node=2) == 0
+    assert [r["rollout/weight_version"] for r in read_metrics(out)] == [1, 2, 3]
+    groups = Counter(s["group_index"] for _, s in trained_samples(out))
+    assert len(groups) == 12 and set(groups.values()) == {4}
