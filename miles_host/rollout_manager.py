@@ -83,7 +83,7 @@ class RolloutManager:
         if config.dynamic_sampling_filter_path:
             self.keep_group = load_function(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
         self.eos_ids = _eos_ids(tokenizer)
-        self._next_group_index = 0
+        self.next_group_index = 0
         self.custom_generate = None
         self.session_server = None  # started at the first custom rollout with --use-session-server
         if config.custom_generate_function_path:
@@ -145,8 +145,8 @@ class RolloutManager:
 
     def new_group(self, record: PromptRecord, rollout_id: int) -> list[Sample]:
         """``n`` fresh samples of one prompt (its ``--tool-key`` tools in ``metadata["tools"]``)."""
-        group_index = self._next_group_index
-        self._next_group_index += 1
+        group_index = self.next_group_index
+        self.next_group_index += 1
         metadata = record.metadata
         tokens = self.prompt_ids(record.prompt, metadata.get("tools"))
         return [
@@ -178,16 +178,16 @@ class RolloutManager:
         waiting: dict[int, list[Sample]] = {}  # group_index -> group with samples in flight
         carried, self.buffer = self.buffer, []
         for group in self._groups_to_continue(carried, kept):
-            self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
+            self.submit_group(group, rollout_id, in_flight, waiting, kept, stats)
         while len(kept) < target:
             self._check_progress(rollout_id, kept, stats)
             if not in_flight:
                 for group in self._next_groups(rollout_id, chunk, stats):
-                    self._submit_group(group, rollout_id, in_flight, waiting, kept, stats)
+                    self.submit_group(group, rollout_id, in_flight, waiting, kept, stats)
                 if not in_flight:
                     continue  # every new group failed at submission (counted) or was kept
             for output in self.backend.step():
-                self._absorb(output, in_flight, waiting, kept, stats)
+                self.absorb(output, in_flight, waiting, kept, stats)
         self._wind_down(kept[target:], in_flight, waiting, stats)
         self._check_failures(rollout_id, stats)
         return kept[:target], stats
@@ -235,7 +235,7 @@ class RolloutManager:
                     if any(s.status is Status.ABORTED for s in group):
                         unfinished.append(group)
                     else:  # finished while the batch filled up: scored, kept for the next rollout
-                        await asyncio.to_thread(self._finish_group, group, surplus, stats)
+                        await asyncio.to_thread(self.finish_group, group, surplus, stats)
             except BaseException:
                 # a stopped rollout (too many failures, Ctrl-C): answer every waiting request so worker
                 # threads blocked in session.generate return, and end the trajectories still running
@@ -273,17 +273,17 @@ class RolloutManager:
         config = self.config
         target, chunk = config.rollout_batch_size, config.over_sampling_batch_size or config.rollout_batch_size
         for group in self._groups_to_continue(carried, kept):
-            running[self._start_custom_group(runner, group, rollout_id)] = group
+            running[self.start_custom_group(runner, group, rollout_id)] = group
         while len(kept) < target:
             self._check_progress(rollout_id, kept, stats)
             if not running:
                 for group in self._next_groups(rollout_id, chunk, stats):
-                    running[self._start_custom_group(runner, group, rollout_id)] = group
+                    running[self.start_custom_group(runner, group, rollout_id)] = group
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                await asyncio.to_thread(self._finish_group, running.pop(task), kept, stats)
+                await asyncio.to_thread(self.finish_group, running.pop(task), kept, stats)
 
-    def _start_custom_group(self, runner: TrajectoryRunner, group: list[Sample], rollout_id: int) -> asyncio.Task:
+    def start_custom_group(self, runner: TrajectoryRunner, group: list[Sample], rollout_id: int) -> asyncio.Task:
         """A task running the trajectories of the group's unfinished samples at once."""
         calls = []
         for position, sample in enumerate(group):
@@ -317,7 +317,7 @@ class RolloutManager:
 
         return asyncio.run(run_all())
 
-    def _submit_group(self, group, rollout_id, in_flight, waiting, kept=None, stats=None) -> None:
+    def submit_group(self, group, rollout_id, in_flight, waiting, kept=None, stats=None) -> None:
         """Submit a group's unfinished samples: a fresh group as one request with
         ``n`` samples (the prompt is prefilled once and shared), continued
         samples one request each."""
@@ -345,9 +345,11 @@ class RolloutManager:
             # nothing could be submitted (every sample failed): the group is done, failures counted
             waiting.pop(group[0].group_index, None)
             if all(s.status is Status.FAILED for s in group) and kept is not None:
-                self._finish_group(group, kept, stats)
+                self.finish_group(group, kept, stats)
 
-    def _absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
+    def absorb(self, output: dict, in_flight, waiting, kept, stats) -> None:
+        """Apply an engine output to its sample; a group with no sample left generating is
+        finished (scored, filtered, into ``kept``) unless one of its samples was aborted."""
         key = (output["meta_info"]["id"], output["meta_info"].get("index", 0))
         if key not in in_flight:  # not ours (e.g. a request of an earlier, aborted rollout)
             return
@@ -359,7 +361,7 @@ class RolloutManager:
             waiting.pop(group[0].group_index)
             if any(s.status is Status.ABORTED for s in group):
                 return
-            self._finish_group(group, kept, stats)
+            self.finish_group(group, kept, stats)
 
     def apply_output(self, sample: Sample, output: dict) -> None:
         """Append an engine result to a sample (continuing a partial one)."""
@@ -392,7 +394,9 @@ class RolloutManager:
         else:
             sample.status = Status.COMPLETED
 
-    def _finish_group(self, group: list[Sample], kept: list, stats: RolloutStats) -> None:
+    def finish_group(self, group: list[Sample], kept: list, stats: RolloutStats) -> None:
+        """Score a finished group, count its failures, and keep it unless the dynamic sampling
+        filter drops it."""
         self.scorer.score_group(group)
         failed = [s for s in group if s.status is Status.FAILED]
         stats.failed_samples += len(failed)
@@ -432,13 +436,13 @@ class RolloutManager:
         """The partial-rollout buffer and counters, for checkpoints."""
         return {
             "buffer": [[s.to_dict() for s in group] for group in self.buffer],
-            "next_group_index": self._next_group_index,
+            "next_group_index": self.next_group_index,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
         self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]
-        self._next_group_index = int(state["next_group_index"])
+        self.next_group_index = int(state["next_group_index"])
 
 
 def mask_older_versions(sample: Sample) -> None:

@@ -77,7 +77,7 @@ class CustomGenerateProducer(RolloutProducer):
                 group = self.manager.new_group(self._next_record(), self.version)
                 with self._lock:
                     self._stats.submitted_groups += 1
-            task = self.manager._start_custom_group(runner, group, f"v{self.version}.{self._segment}")
+            task = self.manager.start_custom_group(runner, group, f"v{self.version}.{self._segment}")
             self.running_groups[task] = group
 
     async def _collect(self, task: asyncio.Task) -> None:
@@ -92,7 +92,7 @@ class CustomGenerateProducer(RolloutProducer):
         def finish() -> int:
             with self._lock:
                 before = self._stats.filtered_groups
-                self.manager._finish_group(group, finished, self._stats)
+                self.manager.finish_group(group, finished, self._stats)
                 return self._stats.filtered_groups - before
 
         filtered = await asyncio.to_thread(finish)

@@ -147,7 +147,7 @@ class RolloutProducer:
             "finished": [[s.to_dict() for s in g] for g in self.buffer.snapshot()],
             "unfinished": [[s.to_dict() for s in g] for g in self.to_continue],
             "retry": retry,
-            "next_group_index": self.manager._next_group_index,
+            "next_group_index": self.manager.next_group_index,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -155,7 +155,7 @@ class RolloutProducer:
             self.buffer.put([Sample.from_dict(s) for s in group])
         self.to_continue.extend([Sample.from_dict(s) for s in group] for group in state.get("unfinished", []))
         self.retry.extend(int(i) for i in state.get("retry", []))
-        self.manager._next_group_index = int(state["next_group_index"])
+        self.manager.next_group_index = int(state["next_group_index"])
 
     # -- the producer's thread -------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class RolloutProducer:
             with self._lock:
                 self._stats.submitted_groups += int(all(s.status is Status.PENDING and not s.response_length
                                                         for s in group))
-                self.manager._submit_group(group, f"v{self.version}.{self._segment}", self.in_flight, self.waiting,
+                self.manager.submit_group(group, f"v{self.version}.{self._segment}", self.in_flight, self.waiting,
                                            finished, self._stats)
             for done in finished:  # every sample failed at submission
                 self._keep(done)
@@ -230,7 +230,7 @@ class RolloutProducer:
         with self._lock:
             filtered_before = self._stats.filtered_groups
             for output in outputs:
-                self.manager._absorb(output, self.in_flight, self.waiting, finished, self._stats)
+                self.manager.absorb(output, self.in_flight, self.waiting, finished, self._stats)
             filtered = self._stats.filtered_groups - filtered_before
         for group in finished:
             self._keep(group)
