@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
+from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
 
 
 @dataclass
@@ -239,6 +240,7 @@ class MilesConfig(
     DataArgs,
     CheckpointArgs,
     ClusterArgs,
+    TrainingModeArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -320,6 +322,7 @@ def validate_config(config: MilesConfig) -> None:
         raise ValueError(f"--lr must be >= 0, got {config.lr}")
     check_learning_settings(config)
     check_async_settings(config)
+    check_training_modes(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
