@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
+from miles_host.config_megatron import MegatronArgs
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
 
 
@@ -241,6 +242,7 @@ class MilesConfig(
     CheckpointArgs,
     ClusterArgs,
     TrainingModeArgs,
+    MegatronArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
