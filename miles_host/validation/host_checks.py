@@ -19,6 +19,7 @@ from miles_host.models.loading import native_config, read_hf_config
 from miles_host.plugin_manager import model_family_for
 from miles_host.reward import load_function
 from miles_host.rollout_backend import resolve_device
+from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
 from miles_host.validation.output_paths import check_output_paths
 
 #: flags no backend of this version honours: refused when set
@@ -184,6 +185,8 @@ def _default(name: str) -> Any:
 HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_registry_names,
     check_required_inputs,
+    check_megatron_model_args,
+    check_megatron_training_args,
     check_output_paths,
     check_user_functions,
     check_device,

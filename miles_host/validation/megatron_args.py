@@ -1,0 +1,385 @@
+"""Megatron's architecture flags checked against ``--hf-checkpoint``'s config.
+
+miles builds the model from the HF ``config.json`` through its model family adapter;
+slime's ``MODEL_ARGS`` describe the same model to Megatron. Each architecture flag
+the user gave is compared with what the adapter read (:class:`ArchitectureCheck`
+records, one per flag): a disagreement is a ValueError naming the flag, its value,
+the config key and the config's value. Boolean switches (``--swiglu``,
+``--qk-layernorm``, ...) whose absence also describes the model are checked both
+ways once the script gives a full ``MODEL_ARGS`` block (``--num-layers`` is set).
+
+``--spec`` names the Megatron layer spec a slime script builds with; :data:`SPECS`
+says which model types each known spec builds, and whether miles builds those.
+
+:func:`check_megatron_training_args` refuses the ``PERF_ARGS`` values no backend
+honours (nonzero dropout, an auxiliary loss, fp16, expert tensor parallelism, uneven
+pipeline stages).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from miles_host.config_fields import flag_name
+from miles_host.validation.plugin_settings import user_set_fields
+
+#: returned by an expectation that does not apply to this model (the flag is not checked)
+SKIP = object()
+
+
+@dataclass(frozen=True)
+class ArchitectureCheck:
+    """One Megatron architecture flag and what the checkpoint says it must be.
+
+    ``expected(native, config) -> value | SKIP``: the flag's value for this model
+    (``native``: the family adapter's :class:`~miles_host.models.ModelConfig`).
+    ``keys``: the config.json keys it comes from (the first one present is named).
+    ``absent_counts``: a boolean switch whose absence describes the model too
+    (checked whenever the script gives a full ``MODEL_ARGS`` block). ``actual(config,
+    native)``: the value Megatron would build with, where more than one flag sets it
+    (default: the field's value)."""
+
+    field: str
+    keys: tuple[str, ...]
+    expected: Callable[[Any, Any], Any]
+    absent_counts: bool = False
+    actual: Callable[[Any, Any], Any] | None = None
+
+
+def _mla(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    return lambda m, config: fn(m.mla) if m.mla is not None else SKIP
+
+
+def _gqa(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    return lambda m, config: fn(m) if m.mla is None else SKIP
+
+
+def _moe(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    return lambda m, config: fn(m.moe) if m.moe is not None else SKIP
+
+
+def _rope_dim(m: Any) -> int:
+    return m.mla.qk_rope_head_dim if m.mla is not None else m.head_dim
+
+
+def _position_embedding(config: Any, native: Any = None) -> str:
+    return "rope" if config.use_rotary_position_embeddings else config.position_embedding_type
+
+
+def _qkv_bias(config: Any, native: Any = None) -> bool:
+    return bool(config.add_qkv_bias or not config.disable_bias_linear)
+
+
+def _expected_position_embedding(m: Any, config: Any) -> Any:
+    # Megatron's MLA models spell yarn either way (--rotary-scaling-factor carries it)
+    if m.rope.rope_type == "yarn" and _position_embedding(config) == "yarn":
+        return "yarn"
+    return "rope"
+
+
+def _dense_gqa(m: Any, config: Any) -> Any:
+    # without --group-query-attention Megatron gives every query head its own KV head
+    if m.mla is not None or config.group_query_attention:
+        return SKIP
+    return m.num_kv_heads < m.num_heads
+
+
+def _yarn(attribute: str, default: float) -> Callable[[Any, Any], Any]:
+    def expected(m: Any, config: Any) -> Any:
+        if m.rope.rope_type != "yarn":
+            return SKIP
+        value = getattr(m.rope, attribute)
+        return default if value is None else float(value)
+    return expected
+
+
+def moe_layer_pattern(text: str, num_layers: int) -> list[int]:
+    """``--moe-layer-freq`` as Megatron reads it: ``N`` (layer ``i`` is MoE when ``i % N == 0``)
+    or a Python list expression of 0/1 such as ``[0]*3+[1]*58`` or ``[0, 1, 1]``."""
+    text = str(text).strip()
+    if not text.startswith("["):
+        every = int(text)
+        if every < 1:
+            raise ValueError(f"--moe-layer-freq {text}: give N >= 1 or a list of 0/1 per layer")
+        return [int(i % every == 0) for i in range(num_layers)]
+    try:
+        pattern = _list_expression(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as error:
+        raise ValueError(f"--moe-layer-freq {text}: not a list of 0/1 per layer ({error}); "
+                         "write it as [0]*K+[1]*M or [0, 1, ...]") from error
+    return pattern
+
+
+def _list_expression(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.List):
+        return [int(_list_expression(item)) for item in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unexpected {type(node).__name__}")
+
+
+def _moe_layers(m: Any, config: Any) -> Any:
+    return [int(flag) for flag in m.moe_layers] if m.moe is not None else SKIP
+
+
+def _moe_layer_actual(config: Any, native: Any) -> Any:
+    # an integer frequency expands over --num-layers, else over the checkpoint's layers
+    return moe_layer_pattern(config.moe_layer_freq, int(config.num_layers or native.num_layers))
+
+
+#: every checked architecture flag (see :class:`ArchitectureCheck`)
+ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
+    ArchitectureCheck("num_layers", ("num_hidden_layers",), lambda m, c: m.num_layers),
+    ArchitectureCheck("hidden_size", ("hidden_size",), lambda m, c: m.hidden_size),
+    ArchitectureCheck("ffn_hidden_size", ("intermediate_size",),
+                      lambda m, c: m.intermediate_size if m.intermediate_size else SKIP),
+    ArchitectureCheck("num_attention_heads", ("num_attention_heads",), lambda m, c: m.num_heads),
+    ArchitectureCheck("group_query_attention", ("num_key_value_heads",), _dense_gqa, absent_counts=True),
+    ArchitectureCheck("num_query_groups", ("num_key_value_heads",),
+                      lambda m, c: m.num_kv_heads if m.mla is None and c.group_query_attention else SKIP),
+    ArchitectureCheck("kv_channels", ("head_dim",), _gqa(lambda m: m.head_dim)),
+    ArchitectureCheck("normalization", ("rms_norm_eps",), lambda m, c: "RMSNorm", absent_counts=True),
+    ArchitectureCheck("norm_epsilon", ("rms_norm_eps",), lambda m, c: m.rms_norm_eps),
+    ArchitectureCheck("apply_layernorm_1p", ("model_type",), lambda m, c: m.norm_unit_offset, absent_counts=True),
+    ArchitectureCheck("swiglu", ("hidden_act", "hidden_activation"), lambda m, c: m.hidden_act == "silu",
+                      absent_counts=True),
+    ArchitectureCheck("disable_bias_linear", ("attention_bias", "mlp_bias"),
+                      lambda m, c: not (m.o_bias or m.mlp_bias), absent_counts=True),
+    ArchitectureCheck("add_qkv_bias", ("attention_bias", "qkv_bias"), lambda m, c: m.qkv_bias, absent_counts=True,
+                      actual=_qkv_bias),
+    ArchitectureCheck("qk_layernorm", ("use_qk_norm", "model_type"),
+                      lambda m, c: m.qk_norm is not None or m.mla is not None, absent_counts=True),
+    ArchitectureCheck("post_self_attn_layernorm", ("model_type",), lambda m, c: m.sandwich_norm, absent_counts=True),
+    ArchitectureCheck("post_mlp_layernorm", ("model_type",), lambda m, c: m.sandwich_norm, absent_counts=True),
+    ArchitectureCheck("untie_embeddings_and_output_weights", ("tie_word_embeddings",),
+                      lambda m, c: not m.tie_word_embeddings, absent_counts=True),
+    ArchitectureCheck("vocab_size", ("vocab_size",), lambda m, c: m.vocab_size),
+    ArchitectureCheck("max_position_embeddings", ("max_position_embeddings",),
+                      lambda m, c: m.hf_config.get("max_position_embeddings", SKIP)),
+    ArchitectureCheck("position_embedding_type", ("rope_theta", "rope_parameters"), _expected_position_embedding,
+                      absent_counts=True, actual=_position_embedding),
+    ArchitectureCheck("rotary_base", ("rope_theta", "rope_parameters.rope_theta"), lambda m, c: m.rope.theta),
+    ArchitectureCheck("rotary_percent", ("partial_rotary_factor",), lambda m, c: m.rope.rotary_dim / _rope_dim(m)),
+    ArchitectureCheck("rotary_interleaved", ("rope_interleave", "model_type"),
+                      _gqa(lambda m: m.rope.interleaved), absent_counts=True),
+    ArchitectureCheck("use_rope_scaling", ("rope_scaling.rope_type", "rope_parameters.rope_type"),
+                      lambda m, c: m.rope.rope_type == "llama3", absent_counts=True),
+    ArchitectureCheck("rotary_scaling_factor", ("rope_scaling.factor", "rope_parameters.factor"),
+                      lambda m, c: m.rope.factor),
+    ArchitectureCheck("mscale", ("rope_scaling.mscale", "rope_parameters.mscale"), _yarn("mscale", 1.0)),
+    ArchitectureCheck("mscale_all_dim", ("rope_scaling.mscale_all_dim", "rope_parameters.mscale_all_dim"),
+                      _yarn("mscale_all_dim", 0.0)),
+    ArchitectureCheck("multi_latent_attention", ("kv_lora_rank",), lambda m, c: m.mla is not None, absent_counts=True),
+    ArchitectureCheck("q_lora_rank", ("q_lora_rank",), _mla(lambda a: a.q_lora_rank)),
+    ArchitectureCheck("kv_lora_rank", ("kv_lora_rank",), _mla(lambda a: a.kv_lora_rank)),
+    ArchitectureCheck("qk_head_dim", ("qk_nope_head_dim",), _mla(lambda a: a.qk_nope_head_dim)),
+    ArchitectureCheck("qk_pos_emb_head_dim", ("qk_rope_head_dim",), _mla(lambda a: a.qk_rope_head_dim)),
+    ArchitectureCheck("v_head_dim", ("v_head_dim",), _mla(lambda a: a.v_head_dim)),
+    ArchitectureCheck("use_gated_attention", ("model_type",), lambda m, c: False),
+    ArchitectureCheck("attention_output_gate", ("model_type",), lambda m, c: False),
+    ArchitectureCheck("num_experts", ("num_experts", "n_routed_experts", "num_local_experts"),
+                      lambda m, c: m.moe.num_experts if m.moe is not None else None),
+    ArchitectureCheck("moe_router_topk", ("num_experts_per_tok",), _moe(lambda e: e.top_k)),
+    ArchitectureCheck("moe_ffn_hidden_size", ("moe_intermediate_size",), _moe(lambda e: e.intermediate_size)),
+    ArchitectureCheck("moe_shared_expert_intermediate_size",
+                      ("shared_expert_intermediate_size", "n_shared_experts"),
+                      _moe(lambda e: e.shared_intermediate_size or None)),
+    ArchitectureCheck("moe_shared_expert_gate", ("shared_expert_intermediate_size",),
+                      _moe(lambda e: e.shared_expert_gate), absent_counts=True),
+    ArchitectureCheck("moe_layer_freq", ("first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step"),
+                      _moe_layers, actual=_moe_layer_actual),
+    ArchitectureCheck("moe_router_score_function", ("scoring_func", "model_type"), _moe(lambda e: e.score_func),
+                      absent_counts=True),
+    ArchitectureCheck("moe_router_pre_softmax", ("norm_topk_prob",),
+                      _moe(lambda e: (not e.norm_topk_prob) if e.score_func == "softmax" else SKIP),
+                      absent_counts=True),
+    ArchitectureCheck("moe_router_enable_expert_bias", ("topk_method", "model_type"),
+                      _moe(lambda e: e.expert_bias), absent_counts=True),
+    ArchitectureCheck("moe_router_topk_scaling_factor", ("routed_scaling_factor",),
+                      _moe(lambda e: e.routed_scaling_factor)),
+    ArchitectureCheck("moe_router_num_groups", ("n_group",), _moe(lambda e: e.n_group)),
+    ArchitectureCheck("moe_router_group_topk", ("topk_group",), _moe(lambda e: e.topk_group)),
+)
+
+#: a MoE switch whose absence is checked only when the script describes the MoE block (--num-experts)
+_MOE_SWITCHES = ("moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax",
+                 "moe_router_enable_expert_bias")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A Megatron layer spec of slime's scripts: the HF model types it builds, and
+    whether miles builds those models (``None``: which miles does not)."""
+
+    model_types: tuple[str, ...]
+    description: str
+    miles_builds: bool = True
+
+
+#: ``(module, function)`` of ``--spec`` -> what it builds
+SPECS: dict[tuple[str, str], LayerSpec] = {
+    ("slime_plugins.models.glm4", "get_glm_spec"): LayerSpec(("glm4",), "GLM-4 dense (sandwich norms)"),
+    ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): LayerSpec(("minimax_m2",), "MiniMax-M2"),
+    ("slime_plugins.models.glm5.glm5", "get_glm5_spec"): LayerSpec(
+        ("glm_moe_dsa",), "GLM-5 (DeepSeek sparse attention)", miles_builds=False),
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): LayerSpec(
+        ("qwen3_next",), "Qwen3-Next (gated delta-net linear attention)", miles_builds=False),
+    ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): LayerSpec(
+        ("qwen3_5", "qwen3_5_moe"), "Qwen3.5 (gated delta-net linear attention)", miles_builds=False),
+    ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_decoder_block_spec"): LayerSpec(
+        (), "Megatron-Core's GPT decoder block (any model miles builds)"),
+    ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"): LayerSpec(
+        (), "Megatron-Core's local GPT layer (any model miles builds)"),
+    ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec"): LayerSpec(
+        (), "Megatron-Core's TransformerEngine GPT layer (any model miles builds)"),
+}
+
+
+def _hf_value(hf: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
+    """``(key, value)`` of the first of ``keys`` in the HF config (dotted: nested); else the first key."""
+    for key in keys:
+        node: Any = hf
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return key, node
+    return keys[0], "(absent)"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off (not given)"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+        return str(int(value))
+    return str(value)
+
+
+def _same(given: Any, expected: Any) -> bool:
+    if isinstance(given, bool) or isinstance(expected, bool) or given is None or expected is None:
+        return bool(given) == bool(expected) if isinstance(expected, bool) else given == expected
+    if isinstance(given, (int, float)) and isinstance(expected, (int, float)):
+        return math.isclose(float(given), float(expected), rel_tol=1e-6, abs_tol=1e-12)
+    return given == expected
+
+
+def architecture_fields() -> tuple[str, ...]:
+    """The fields the architecture checks read (``--spec`` aside)."""
+    return tuple(check.field for check in ARCHITECTURE_CHECKS)
+
+
+def architecture_mismatches(config: Any, native: Any, given: set[str]) -> list[str]:
+    """One message per architecture flag that disagrees with the native config (empty: all agree)."""
+    complete = "num_layers" in given
+    moe_described = "num_experts" in given
+    hf = native.hf_config
+    path = getattr(config, "hf_checkpoint", None) or "the checkpoint"
+    problems = []
+    for check in ARCHITECTURE_CHECKS:
+        considered = check.field in given or (
+            check.absent_counts and complete and (check.field not in _MOE_SWITCHES or moe_described))
+        if not considered:
+            continue
+        expected = check.expected(native, config)
+        if expected is SKIP:
+            continue
+        actual = check.actual(config, native) if check.actual is not None else getattr(config, check.field)
+        if _same(actual, expected):
+            continue
+        key, raw = _hf_value(hf, check.keys)
+        problems.append(
+            f"{flag_name(check.field)} {_shown(actual)} disagrees with --hf-checkpoint {path}: its config.json has "
+            f"{key} = {raw}, which is {flag_name(check.field)} {_shown(expected)}"
+        )
+    return problems
+
+
+def check_spec(config: Any, model_type: str) -> None:
+    """``--spec MODULE FUNCTION`` names a spec of :data:`SPECS` that builds ``model_type``."""
+    if not config.spec:
+        return
+    key = tuple(config.spec)
+    known = "; ".join(f"{' '.join(k)} ({spec.description})" for k, spec in SPECS.items())
+    if len(key) != 2 or key not in SPECS:
+        raise ValueError(f"--spec {' '.join(config.spec)}: not a layer spec miles knows; known: {known}")
+    spec = SPECS[key]
+    if not spec.miles_builds:
+        raise ValueError(
+            f"--spec {' '.join(key)} builds {spec.description}, a model miles cannot build (no model family for "
+            f"model_type {'/'.join(spec.model_types)}); use a model of an installed family (miles plugins)"
+        )
+    if spec.model_types and model_type not in spec.model_types:
+        raise ValueError(
+            f"--spec {' '.join(key)} builds {spec.description} (model_type {'/'.join(spec.model_types)}), but "
+            f"--hf-checkpoint is model_type {model_type}; drop --spec or give the matching checkpoint"
+        )
+
+
+def check_megatron_model_args(config: Any, registries: Any) -> None:
+    """Host check: the Megatron architecture flags the user gave describe ``--hf-checkpoint``'s model."""
+    given = user_set_fields(config)
+    if not (given & set(architecture_fields())) and not config.spec:
+        return
+    if config.hf_checkpoint is None:
+        return  # check_required_inputs names the missing flag
+    from miles_host.models.loading import native_config, read_hf_config
+    from miles_host.plugin_manager import model_family_for
+
+    hf = read_hf_config(config.hf_checkpoint)
+    check_spec(config, hf.get("model_type", ""))
+    native = native_config(hf, model_family_for(hf["model_type"]))
+    problems = architecture_mismatches(config, native, given)
+    if problems:
+        raise ValueError(
+            "the Megatron architecture flags disagree with the checkpoint (miles builds the model from its "
+            "config.json; fix or drop these flags):\n  " + "\n  ".join(problems)
+        )
+
+
+#: PERF_ARGS values that ask for something no backend of miles does: field -> (value miles trains with, why)
+REQUIRED_VALUES: dict[str, tuple[Any, str]] = {
+    "attention_dropout": (0.0, "miles trains without dropout"),
+    "hidden_dropout": (0.0, "miles trains without dropout"),
+    "moe_aux_loss_coeff": (0.0, "miles adds no load-balancing loss (the RL loss alone trains the router)"),
+    "moe_router_bias_update_rate": (0.0, "miles keeps the checkpoint's expert-score bias fixed"),
+    "fp16": (False, "miles trains in bf16 (autocast over float32 masters), with no fp16 loss scaling; use --bf16"),
+    "expert_tensor_parallel_size": (1, "experts are never tensor-parallel split in miles"),
+}
+
+
+def check_megatron_training_args(config: Any, registries: Any) -> None:
+    """Host check: the ``PERF_ARGS`` values miles can honour (see :data:`REQUIRED_VALUES`), and
+    pipeline stage sizes that are the even split every backend uses."""
+    given = user_set_fields(config)
+    for name, (value, why) in REQUIRED_VALUES.items():
+        if name in given and getattr(config, name) != value:
+            raise ValueError(f"{flag_name(name)} {_shown(getattr(config, name))}: {why}; give "
+                             f"{flag_name(name)} {_shown(value)} or drop the flag")
+    stages = {name: getattr(config, name) for name in ("decoder_first_pipeline_num_layers",
+                                                       "decoder_last_pipeline_num_layers")}
+    if all(value is None for value in stages.values()):
+        return
+    pp = int(config.pipeline_model_parallel_size)
+    layers = config.num_layers
+    if layers is None and config.hf_checkpoint is not None:
+        from miles_host.models.loading import read_hf_config
+
+        layers = read_hf_config(config.hf_checkpoint).get("num_hidden_layers")
+    even = layers // pp if layers is not None and pp > 1 and layers % pp == 0 else None
+    for name, value in stages.items():
+        if value is not None and value != even:
+            raise ValueError(
+                f"{flag_name(name)} {value}: pipeline stages here are even, {layers} layers over "
+                f"--pipeline-model-parallel-size {pp}"
+                + (f" ({even} each); give {even} or drop the flag" if even else
+                   "; uneven stages are not supported: drop the flag (and use a pipeline size that divides the layers)")
+            )
