@@ -67,6 +67,9 @@ def check_training_modes(config: Any) -> None:
             raise ValueError("--load-debug-rollout-data-subsample needs --load-debug-rollout-data")
         if not 0 < fraction <= 1:
             raise ValueError(f"--load-debug-rollout-data-subsample must be in (0, 1], got {fraction:g}")
+    if config.eval_prompt_data and trains_only(config):
+        raise ValueError("--eval-prompt-data with --debug-train-only (or --load-debug-rollout-data): no rollout engine "
+                         "is started to generate the eval answers; drop one of the two")
     if config.fully_async and (config.rollout_function_path or config.debug_rollout_only or trains_only(config)):
         raise ValueError(
             "--fully-async generates with the built-in rollout on its own thread; --rollout-function-path, "
@@ -80,3 +83,24 @@ def check_path_template(template: str, flag_text: str) -> None:
         template.format(rollout_id=0)
     except (KeyError, IndexError, ValueError) as error:
         raise ValueError(f"{flag_text} {template!r}: the only placeholder is {{rollout_id}} ({error!r})") from None
+
+
+def needs_reward(config: Any) -> bool:
+    """Whether the run scores samples with its own reward (``--rm-type`` / ``--custom-rm-path`` /
+    ``--rm-url``): the built-in rollout generates the training samples, or there is an evaluation.
+    Loaded samples and a rollout function's carry their rewards (slime's contract)."""
+    generated_here = not trains_only(config) and not config.rollout_function_path
+    return generated_here or bool(config.eval_prompt_data)
+
+
+def check_training_mode_functions(config: Any, registries: Any) -> None:
+    """The ``module.fn`` flags of :class:`TrainingModeArgs` import and name a function (a host
+    check of :mod:`miles_host.validation`)."""
+    from miles_host.loss_types import _function
+    from miles_host.rollout_function import load_rollout_function
+
+    for name in ("custom_loss_function_path", "custom_pg_loss_reducer_function_path"):
+        path = getattr(config, name)
+        if path:
+            _function(path, "--" + name.replace("_", "-"))
+    load_rollout_function(config.rollout_function_path)

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from miles_host.checkpoint import load_checkpoint, save_checkpoint
+from miles_host.config_training_modes import trains_only
 from miles_host.data import PromptDataset
+from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
 from miles_host.evaluation import evaluate, load_eval_data
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.lr_schedule import resolve_lr_decay_iters
@@ -31,6 +33,7 @@ from miles_host.phases import Phases
 from miles_host.progress import Progress
 from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightSyncTransport, build
 from miles_host.reward import RewardScorer
+from miles_host.rollout_function import FunctionRollout, resolve_rollout_function_path
 from miles_host.rollout_manager import RolloutManager
 from miles_host.run_control import SaveLock, Stopped, StopSignals, remove_partial_files
 from miles_host.sample import Sample, Status
@@ -95,14 +98,22 @@ class Run:
             config.metadata_key,
             config.rollout_shuffle,
             config.rollout_seed,
-            apply_chat_template=config.apply_chat_template,
+            # a rollout function reads the records as they are (slime's SFT rollout: chat messages, no template)
+            apply_chat_template=(config.apply_chat_template or None) if config.rollout_function_path
+            else config.apply_chat_template,
             tool_key=config.tool_key,
         )
         pairs = config.eval_prompt_data or []
         self.eval_datasets = {name: load_eval_data(config, path) for name, path in zip(pairs[::2], pairs[1::2])}
-        self.backend = build(registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
+        #: --debug-train-only / --load-debug-rollout-data: no engine is started
+        self.backend = NoEngine() if trains_only(config) else build(
+            registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
         self.scorer = RewardScorer(config, registries.reward_functions)
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
+        #: --rollout-function-path (None: the built-in rollout manager generates)
+        self.rollout_function = None
+        if resolve_rollout_function_path(config.rollout_function_path) is not None:
+            self.rollout_function = FunctionRollout(config, config.rollout_function_path, self.rollout)
         if max_prompt is not None:
             self.dataset.prompts = [
                 p for p in self.dataset.prompts if len(self.rollout.prompt_ids(p.prompt, p.metadata.get("tools"))) <= max_prompt
@@ -134,6 +145,8 @@ class Run:
         training steps behind them); seconds taken."""
         start = time.perf_counter()
         self.state.weight_version = version
+        if trains_only(self.config):  # no engine to push to
+            return 0.0
         self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, version)
         return time.perf_counter() - start
 
@@ -227,16 +240,62 @@ class Run:
             )
         return metrics
 
+    def generate(self, rollout_id: int) -> tuple[list[list[Sample]], Any]:
+        """The step's groups and rollout counts: loaded (``--load-debug-rollout-data``), from the
+        ``--rollout-function-path`` function, or from the built-in rollout manager."""
+        config = self.config
+        if config.load_debug_rollout_data:
+            return load_debug_rollout_data(config.load_debug_rollout_data, rollout_id,
+                                           config.load_debug_rollout_data_subsample)
+        if self.rollout_function is not None:
+            return self.rollout_function.generate(rollout_id)
+        return self.rollout.generate(rollout_id)
+
     def step(self, rollout_id: int) -> dict[str, Any]:
         """One RL step; its metrics."""
         step_start = time.perf_counter()
-        groups, stats = self.rollout.generate(rollout_id)
+        groups, stats = self.generate(rollout_id)
         rollout_time = time.perf_counter() - step_start
         rollout_metrics = {
             "perf/rollout_time_s": rollout_time,
             "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
+            **stats.extra.get("metrics", {}),
         }
+        if self.config.debug_rollout_only:
+            return self.rollout_only_step(rollout_id, groups, stats, step_start, rollout_metrics)
         return self.train_step(rollout_id, groups, stats, step_start, rollout_metrics)
+
+    def rollout_only_step(self, rollout_id: int, groups: list[list[Sample]], stats: Any, step_start: float,
+                          rollout_metrics: dict[str, Any]) -> dict[str, Any]:
+        """``--debug-rollout-only``: the rollout saved and summarised; no training, no weight push."""
+        samples = [s for group in groups for s in group]
+        self.save_rollout(rollout_id, groups, stats, samples)
+        metrics = {"rollout_id": rollout_id, **self.rollout_summary(samples, stats), **rollout_metrics}
+        if self.config.eval_interval and (rollout_id + 1) % self.config.eval_interval == 0:
+            metrics.update(self.run_eval(rollout_id + 1))
+        metrics["perf/step_time_s"] = time.perf_counter() - step_start
+        return metrics
+
+    def save_rollout(self, rollout_id: int, groups: list[list[Sample]], stats: Any, samples: list[Sample]) -> None:
+        """``--save-debug-rollout-data`` and ``--dump-rollouts``: the step's samples, before training."""
+        if self.config.save_debug_rollout_data:
+            save_debug_rollout_data(self.config.save_debug_rollout_data, rollout_id, groups, stats)
+        if self.config.dump_rollouts:
+            self.dump(rollout_id, samples)
+
+    def rollout_summary(self, samples: list[Sample], stats: Any) -> dict[str, Any]:
+        """The ``rollout/*`` metrics of a step's samples and counts."""
+        scored = [s for s in samples if s.status is not Status.FAILED]
+        rewards = [self.scorer.scalar(s.reward) for s in scored]
+        return {
+            "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "rollout/response_len_mean": float(np.mean([s.response_length for s in samples])) if samples else 0.0,
+            "rollout/truncated_ratio": float(np.mean([s.status is Status.TRUNCATED for s in samples])) if samples else 0.0,
+            "rollout/failed_samples": stats.failed_samples,
+            "rollout/filtered_groups": stats.filtered_groups,
+            "rollout/dropped_samples": stats.dropped_samples,
+            "rollout/buffered_samples": stats.buffered_samples,
+        }
 
     def weights_due(self, rollout_id: int) -> bool:
         """Whether the weights go to the engines after training rollout ``rollout_id``
@@ -255,8 +314,7 @@ class Run:
         """Train on a rollout's groups, push the weights, evaluate when due; the step's metrics."""
         config = self.config
         samples = [s for group in groups for s in group]
-        if config.dump_rollouts:
-            self.dump(rollout_id, samples)
+        self.save_rollout(rollout_id, groups, stats, samples)
         self.phases.to_train()
         train_start = time.perf_counter()
         self.training_started = self.trained_unlogged = True
@@ -272,17 +330,9 @@ class Run:
                 "stopping (checkpoint written if --save). Lower --lr or check the data and rewards."
             )
         sync_time = self.phases.to_rollout(lambda: self.push_weights(rollout_id))
-        scored = [s for s in samples if s.status is not Status.FAILED]
-        rewards = [self.scorer.scalar(s.reward) for s in scored]
         metrics: dict[str, Any] = {
             "rollout_id": rollout_id,
-            "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
-            "rollout/response_len_mean": float(np.mean([s.response_length for s in samples])) if samples else 0.0,
-            "rollout/truncated_ratio": float(np.mean([s.status is Status.TRUNCATED for s in samples])) if samples else 0.0,
-            "rollout/failed_samples": stats.failed_samples,
-            "rollout/filtered_groups": stats.filtered_groups,
-            "rollout/dropped_samples": stats.dropped_samples,
-            "rollout/buffered_samples": stats.buffered_samples,
+            **self.rollout_summary(samples, stats),
             "rollout/weight_version": self.state.weight_version,
             **train_metrics,
             **rollout_metrics,

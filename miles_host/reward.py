@@ -195,6 +195,10 @@ def remote_reward(url: str, timeout: float, retries: int) -> Callable:
     return reward
 
 
+def _no_reward(*args: Any) -> Any:
+    raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+
+
 class RewardScorer:
     """Resolves the configured reward once and scores groups of samples."""
 
@@ -214,8 +218,9 @@ class RewardScorer:
             record = registry.get(config.rm_type)
             self.function = record.fn
             self.group = self.group or record.group
-        else:
-            raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+        else:  # runs whose samples carry their rewards (loaded, SFT, a rollout function's); scoring is an error
+            self.function = _no_reward
+            self.source = "no reward"
 
     def call(self, samples: Any) -> Any:
         """The reward of one sample (a list of them with ``--group-rm``)."""

@@ -19,8 +19,9 @@ import torch
 from miles_host.algorithms.advantages import AdvantageInputs, compute_advantages
 from miles_host.algorithms.corrections import mismatch_metrics
 from miles_host.algorithms.kl import compute_approx_kl
-from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share, policy_loss, ppo_policy_loss
+from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share
 from miles_host.lr_schedule import lr_lambda, step_sizes
+from miles_host.loss_types import micro_batch_loss
 from miles_host import offload
 from miles_host.rollout_backend import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
@@ -325,6 +326,8 @@ class NativeTrainer(TrainerBase):
 
     def advantages(self, samples: list[Sample], ref_log_probs, old_log_probs, values=None):
         """Per-token advantages (and value targets) from the registry's estimator."""
+        if self.config.disable_compute_advantages_and_returns or self.config.loss_type == "sft_loss":  # not read: zero
+            return [torch.zeros(s.response_length) for s in samples], None
         inputs = advantage_inputs(samples, ref_log_probs, old_log_probs, values, self.config)
         outputs = compute_advantages(self.estimator, inputs, self.config)  # whitening, value targets: the record's
         return outputs.advantages, outputs.returns
@@ -492,16 +495,16 @@ class NativeTrainer(TrainerBase):
             loss_mask=batch.per_token((s.loss_mask for s in micro), self.device),
             response_lengths=batch.response_lengths,
             old_log_probs=cat(old) if old is not None else None,
-            rollout_log_probs=batch.per_token((s.rollout_log_probs for s in micro), self.device),
+            rollout_log_probs=(batch.per_token((s.rollout_log_probs for s in micro), self.device)
+                               if all(s.rollout_log_probs is not None for s in micro) else None),  # SFT data: none
             ref_log_probs=cat(ref) if ref is not None else None,
             entropy=entropy.float() if entropy is not None else None,
         )
-        loss, metrics = policy_loss(loss_batch, self.config, corrections=self.corrections,
-                                    pg_loss=self.estimator.policy_loss or ppo_policy_loss)
+        loss, metrics = micro_batch_loss(self, batch, loss_batch)  # --loss-type
         metrics = dict(metrics)
         old_B = cat(old) if old is not None else log_probs.detach().float()
-        mismatch = mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask)
-        metrics.update(mismatch)
+        if loss_batch.rollout_log_probs is not None:
+            metrics.update(mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask))
         for term in self.loss_terms:
             outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}
             extra, term_metrics = term.fn(outputs, loss_batch, self.config)

@@ -27,6 +27,11 @@ in the denominator of the loss; metrics always use the micro-batch's own count, 
 the mean-type counterpart of a summing mode (``token-sum`` reports token means,
 ``seq-mean-token-sum`` sequence means), so clip fractions stay fractions.
 
+:func:`sft_loss` (``--loss-type sft_loss``) is slime's ``sft_loss_function``: the negative
+log-likelihood of the loss-masked tokens under the same reductions. :func:`sum_of_sample_mean`
+and :func:`micro_batch_count` give slime-contract functions (a custom loss, a policy-loss
+reducer) slime's micro-batch sum and the count that turns it into the mean the trainer weights.
+
 Config fields read: ``eps_clip``, ``eps_clip_high`` (None: ``eps_clip``), ``eps_clip_c``,
 ``advantage_estimator`` (picks the loss in ``POLICY_LOSSES``, PPO clip otherwise),
 ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``, ``use_unbiased_kl``,
@@ -191,6 +196,32 @@ def micro_batch_share(
     return 1.0
 
 
+def micro_batch_count(config, loss_mask, response_lengths) -> float | torch.Tensor:
+    """What ``--loss-agg-mode``'s reduction divides one micro-batch's sum by: its loss-masked
+    tokens (``token-mean``, at least 1), its sequences (``seq-mean-*``) or 1 (``token-sum``)."""
+    unit = _aggregation(config).unit
+    if unit == "token":
+        return loss_mask.sum().clamp_min(1)
+    if unit == "sequence":
+        return float(max(len(response_lengths), 1))
+    return 1.0
+
+
+def sum_of_sample_mean(config, loss_mask, response_lengths) -> Callable[[torch.Tensor], torch.Tensor]:
+    """slime's ``sum_of_sample_mean`` over one micro-batch's flat ``[N]`` response values:
+    ``--loss-agg-mode``'s reduction without its denominator (with ``--calculate-per-token-loss``
+    the masked token sum, otherwise the sum of each sequence's masked mean). A loss built
+    from it is a micro-batch sum, as slime's are; divide by :func:`micro_batch_count` for
+    the micro-batch mean the trainer weights."""
+    reduce = aggregation_for(config)
+    mask = loss_mask
+
+    def reducer(values: torch.Tensor) -> torch.Tensor:
+        return reduce(values, mask.to(values.dtype), response_lengths, 1.0)
+
+    return reducer
+
+
 # ----------------------------------------------------------------------------
 # policy-gradient terms
 # ----------------------------------------------------------------------------
@@ -315,8 +346,16 @@ def policy_loss(
     corrections: Sequence[CorrectionFn] | None = None,
     normalizer: float | None = None,
     pg_loss: PolicyLossFn | None = None,
+    pg_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy loss of one micro-batch: ``pg - entropy_coef * entropy + kl_loss_coef * kl``.
+
+    ``pg_reducer`` (slime's ``--custom-pg-loss-reducer-function-path``) reduces the
+    per-token policy-gradient term instead of ``--loss-agg-mode``'s reduction, slime's
+    way: it returns the micro-batch's *sum* (of sequence means, or of tokens), which is
+    divided here by the micro-batch's own count (:func:`micro_batch_count`) so that the
+    trainer's micro-batch weighting makes the step's loss slime's. Metrics keep the
+    default reduction.
 
     ``corrections`` defaults to the built-ins switched on in ``config``
     (:func:`~miles_host.algorithms.corrections.enabled_corrections`) and ``pg_loss`` to
@@ -333,7 +372,10 @@ def policy_loss(
     corrections = enabled_corrections(config) if corrections is None else list(corrections)
     pg_losses = _corrected_pg_losses(batch, terms.losses, corrections, config, metrics)
 
-    pg_loss = reduce(pg_losses, mask, lengths, normalizer)
+    if pg_reducer is not None:  # --custom-pg-loss-reducer-function-path: slime's sum over the micro-batch
+        pg_loss = pg_reducer(pg_losses) / (normalizer or micro_batch_count(config, mask, lengths))
+    else:
+        pg_loss = reduce(pg_losses, mask, lengths, normalizer)
     loss = pg_loss
     metrics["pg_loss"] = report(pg_losses.detach(), mask, lengths).detach()
     metrics["pg_clipfrac"] = report(terms.clipfrac, mask, lengths).detach()
@@ -362,3 +404,21 @@ def _micro_batch_loss(metrics: dict, config):
     # the micro-batch mean instead so that logged losses do not depend on batching.
     loss = metrics["pg_loss"] - config.entropy_coef * metrics.get("entropy_loss", 0.0)
     return loss + config.kl_loss_coef * metrics.get("kl_loss", 0.0)
+
+
+# ----------------------------------------------------------------------------
+# supervised fine-tuning
+# ----------------------------------------------------------------------------
+
+
+def sft_loss(batch: PolicyLossBatch, config, normalizer: float | None = None) -> tuple[torch.Tensor, dict]:
+    """``--loss-type sft_loss`` (slime's ``sft_loss_function``): the negative log-likelihood
+    of the loss-masked response tokens, reduced by ``--loss-agg-mode`` (slime: ``token-mean``
+    with ``--calculate-per-token-loss``, else the mean over sequences of each one's masked
+    mean). Advantages, old, rollout and reference log-probs are not read."""
+    mask, lengths = batch.loss_mask.to(batch.log_probs.dtype), batch.response_lengths
+    nll = -batch.log_probs
+    loss = aggregation_for(config)(nll, mask, lengths, normalizer)
+    metrics = {"sft_nll": metric_aggregation_for(config)(nll.detach(), mask, lengths).detach()}
+    metrics["loss"] = loss.detach() if normalizer is None else metrics["sft_nll"]
+    return loss, metrics

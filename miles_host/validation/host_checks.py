@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from miles_host.config import MilesConfig
 from miles_host.config_fields import flag_name
+from miles_host.config_training_modes import check_training_mode_functions, needs_reward
 from miles_host.data import missing_data_file
 from miles_host.distributed.placement import check_placement, wants_distributed
 from miles_host.models.loading import native_config, read_hf_config
@@ -69,7 +70,7 @@ def check_required_inputs(config: Any, registries: Any) -> None:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not Path(config.prompt_data).is_file():
         raise missing_data_file(config.prompt_data, "--prompt-data")
-    if not (config.rm_type or config.custom_rm_path or config.rm_url):
+    if not (config.rm_type or config.custom_rm_path or config.rm_url) and needs_reward(config):
         raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
 
 
@@ -189,6 +190,7 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_megatron_training_args,
     check_output_paths,
     check_user_functions,
+    check_training_mode_functions,
     check_device,
     check_placement_flags,
     check_unsupported_flags,
