@@ -130,3 +130,49 @@ MEGATRON_BACKEND_FIELDS: dict[str, str] = {
     "moe_router_dtype": "moe_router_dtype",
     "moe_token_dispatcher_type": "moe_token_dispatcher_type",
 }
+
+_TE = "needs TransformerEngine, which no backend of miles uses"
+
+#: Megatron flags accepted and ignored (merged into
+#: :data:`miles_host.validation.ignored_flags.ACCEPTED_AND_IGNORED`): field -> what miles does instead
+MEGATRON_IGNORED: dict[str, str] = {
+    "attention_backend": "the native model picks its attention kernel (SDPA / flash); --train-backend megatron "
+                         "runs Megatron-Core's local (non-TransformerEngine) attention",
+    "transformer_impl": "the native trainers build miles' own layers; --train-backend megatron builds "
+                        "Megatron-Core's local layer spec (no TransformerEngine)",
+    "bf16": "the precision is --dtype (auto: bf16 autocast over float32 master weights on GPU, float32 on CPU)",
+    "use_distributed_optimizer": "optimizer state is sharded by FSDP2 across the native trainer's GPUs; the "
+                                 "megatron backend keeps one AdamW per rank (data-parallel size 1)",
+    "use_precision_aware_optimizer": "optimizer states stay float32 (AdamW over float32 master weights)",
+    "overlap_cpu_optimizer_d2h_h2d": "no Megatron CPU optimizer runs (see --optimizer-cpu-offload)",
+    "overlap_grad_reduce": "gradients are reduced by FSDP2 (native) or after backward (megatron backend)",
+    "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend has no distributed "
+                            "optimizer",
+    "cross_entropy_loss_fusion": "log-probs are computed in chunks from the hidden states (no fused cross entropy)",
+    "no_check_for_nan_in_loss_and_grad": "miles checks every step: a NaN/Inf step is skipped, and "
+                                         "--max-consecutive-nan-steps stops the run",
+    "moe_grouped_gemm": "the native trainer's experts run a grouped GEMM where it is fast (the engine's: "
+                        "--moe-kernel); the megatron backend runs one GEMM per expert (SequentialMLP)",
+    "moe_permute_fusion": f"the fused token permutation {_TE}",
+    "moe_router_dtype": "the native model computes the router in its family's dtype (float32 for DeepSeek and "
+                        "GLM, the model's for Qwen); --train-backend megatron passes it to TransformerConfig",
+    "moe_token_dispatcher_type": "the native trainer runs each token's experts on its own rank (no token "
+                                 "dispatch); --train-backend megatron passes it to TransformerConfig",
+    "moe_enable_deepep": "no DeepEP dispatch (the native trainer dispatches no tokens, the megatron backend "
+                         "uses allgather or alltoall)",
+    "moe_token_drop_policy": "experts have no capacity limit: no token is dropped",
+    "make_vocab_size_divisible_by": "the embedding keeps the checkpoint's vocabulary (the megatron backend pads "
+                                    "it per tensor-parallel rank itself)",
+    "seq_length": "samples are packed at their own lengths (--max-tokens-per-gpu bounds a micro-batch)",
+}
+
+#: Megatron flags whose accepted values are what miles does anyway: accepted without a warning
+MATCHES_MILES: dict[str, str] = {
+    "attention_softmax_in_fp32": "miles' attention accumulates its softmax in float32",
+    "accumulate_allreduce_grads_in_fp32": "gradients are float32 (float32 master weights)",
+    "no_gradient_accumulation_fusion": "miles never fuses the weight-gradient accumulation",
+    "no_masked_softmax_fusion": "miles never fuses the masked softmax",
+    "no_rope_fusion": "miles never fuses the rotary embedding",
+    "no_position_embedding": "the models miles builds use rotary embeddings and no absolute position embedding",
+    "moe_router_load_balancing_type": "no load-balancing loss is added (--moe-aux-loss-coeff must be 0)",
+}

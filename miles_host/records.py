@@ -236,12 +236,15 @@ class TrainBackend(Record):
     processes that the host's launcher starts (``native_dp``, ``fsdp``).
     ``distributed_variant``: the backend that does this one's work over processes when the
     run needs several (``native`` -> ``native_dp``); empty: it serves such runs as it is.
+    ``honoured_flags``: fields of the accepted-and-ignored list that this backend reads
+    (no warning when it is the one chosen).
     """
 
     factory: Callable[..., Any] | None = None
     trainer_class: Callable[[], type] | None = None
     multi_process: bool = False
     distributed_variant: str = ""
+    honoured_flags: tuple[str, ...] = ()
 
     required = ("factory",)
 

@@ -61,4 +61,4 @@ def validate(config: Any, registries: Any, hook: Any = None) -> None:
             record.validate(config, registries)
     if hook is not None:
         hook.miles_validate(config=config, registries=registries)
-    warn_ignored_flags(config)
+    warn_ignored_flags(config, honoured=registries.train_backends.get(config.train_backend).honoured_flags)
