@@ -14,6 +14,7 @@ from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 from miles_host.config_megatron import MegatronArgs
+from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
 
 
@@ -243,6 +244,8 @@ class MilesConfig(
     ClusterArgs,
     TrainingModeArgs,
     MegatronArgs,
+    SGLangServerArgs,
+    SGLangRouterArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -324,6 +327,7 @@ def validate_config(config: MilesConfig) -> None:
         raise ValueError(f"--lr must be >= 0, got {config.lr}")
     check_learning_settings(config)
     check_async_settings(config)
+    check_sglang_args(config)
     check_training_modes(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(

@@ -16,7 +16,6 @@ def miles_add_arguments(parser):
                        help="SGLang server URL(s); several are used round-robin")
     group.add_argument("--sglang-router-ip", default=None, help="SGLang router address (slime)")
     group.add_argument("--sglang-router-port", type=int, default=None, help="SGLang router port (slime)")
-    group.add_argument("--sglang-api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     group.add_argument("--sglang-request-timeout", type=float, default=600.0, help="seconds per HTTP request")
     group.add_argument("--sglang-max-retries", type=int, default=3, help="retries of a refused connection or HTTP 5xx")
     group.add_argument("--sglang-retry-backoff", type=float, default=0.5, help="first retry delay, doubled each time")
