@@ -103,4 +103,8 @@ def check_training_mode_functions(config: Any, registries: Any) -> None:
         path = getattr(config, name)
         if path:
             _function(path, "--" + name.replace("_", "-"))
-    load_rollout_function(config.rollout_function_path)
+    function = load_rollout_function(config.rollout_function_path)
+    if config.debug_train_only and function is None and not config.load_debug_rollout_data:
+        raise ValueError("--debug-train-only starts no rollout engine, so the built-in rollout has nothing to generate "
+                         "with; give --load-debug-rollout-data PATH (samples saved by --save-debug-rollout-data) or an "
+                         "engine-free --rollout-function-path (e.g. slime.rollout.sft_rollout.generate_rollout)")
