@@ -24,9 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: settings the run refuses, and a part of the message naming what is wrong
 REFUSED = [
-    (["--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported by --train-backend native"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2"),
+    (["--train-backend", "native", "--sequence-parallel"],
+     "--sequence-parallel splits the sequence over tensor-parallel ranks"),
+    (["--train-backend", "native", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size 2 is not supported by --train-backend native"),
+    (["--train-backend", "native", "--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--recompute-method", "uniform"], "need --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "4"], "--recompute-num-layers 4"),

@@ -18,6 +18,7 @@ Megatron's linears through miles-fp8's block-scaled FP8 GEMMs at TP = 1
 
 from __future__ import annotations
 
+from miles_host.config_megatron import MEGATRON_BACKEND_FIELDS
 from miles_host.records import TrainBackend
 
 INSTALL_HINT = "pip install megatron-core (or pip install 'miles-megatron[megatron]')"
@@ -75,6 +76,7 @@ def check_megatron_backend(config, registries):
     if not ok:
         raise ValueError(f"--train-backend megatron: {why}")
     check_supported(config)
+    check_model(config)
     world = model_parallel_world(config)
     if world > 1:
         if num_trainers(config) != world or uses_ray(config):
@@ -94,9 +96,31 @@ def check_megatron_backend(config, registries):
         )
 
 
+def check_model(config):
+    """The checkpoint's model is one this backend builds (the features Megatron's GPT layer spec
+    cannot express are named), its layers split over the pipeline stages, and (TP > 1) its heads over
+    the tensor-parallel ranks: refused by the validation stage, not when the trainer starts."""
+    from miles_host.validation.host_checks import model_config
+
+    from miles_megatron.pipeline import check_layers
+    from miles_megatron.weights import megatron_transformer_config_kwargs
+
+    native = model_config(config)
+    megatron_transformer_config_kwargs(native)
+    if config.pipeline_model_parallel_size > 1:
+        check_layers(native.num_layers, config.pipeline_model_parallel_size)
+    tp = config.tensor_model_parallel_size
+    if native.num_heads % tp or native.num_kv_heads % tp:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp}: the model's {native.num_heads} attention heads and "
+            f"{native.num_kv_heads} KV heads must each divide evenly over the tensor-parallel ranks"
+        )
+
+
 def miles_register_train_backends():
     """The ``megatron`` training backend."""
     return [TrainBackend(
         "megatron", "Megatron-Core GPTModel (local spec; TP, EP, PP and their products over processes)",
         factory=_megatron_trainer, trainer_class=_trainer_class, validate=check_megatron_backend,
+        honoured_flags=tuple(MEGATRON_BACKEND_FIELDS),
     )]

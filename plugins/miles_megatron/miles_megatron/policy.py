@@ -88,16 +88,23 @@ MOE_SETTINGS: dict[str, Any] = dict(
 )
 
 
-def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0, pp: int = 1):
+def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0, pp: int = 1,
+                       overrides: dict[str, Any] | None = None):
     """Megatron ``TransformerConfig`` of a native config (unsupported features refused);
     ``sequence_parallel_tp``: the TP size when sequence parallelism is on (0: off);
-    ``pp``: the pipeline size (each stage builds its slice of the layers)."""
+    ``pp``: the pipeline size (each stage builds its slice of the layers); ``overrides``:
+    the run's Megatron flags this backend honours
+    (:func:`miles_megatron.perf_flags.transformer_config_overrides`; ``moe_*`` ones for MoE
+    models only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = megatron_transformer_config_kwargs(native_config)
     kwargs.update(LOCAL_SETTINGS)
     if native_config.moe is not None:
         kwargs.update(MOE_SETTINGS)
+    for name, value in (overrides or {}).items():
+        if native_config.moe is not None or not name.startswith("moe_"):
+            kwargs[name] = value
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if sequence_parallel_tp:
@@ -114,11 +121,12 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
 
 
 def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu",
-                    sequence_parallel: bool = False) -> torch.nn.Module:
+                    sequence_parallel: bool = False, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
     """An uninitialised GPTModel (local layer spec) with its parameters on CPU for a
     native config; ``device`` is the trainer's (where Megatron's few eager buffers go);
     ``sequence_parallel`` (TP > 1): Megatron's sequence parallelism, with norms that
-    allow it (:func:`miles_megatron.sequence_parallel.norms_for_sequence_parallel`)."""
+    allow it (:func:`miles_megatron.sequence_parallel.norms_for_sequence_parallel`);
+    ``overrides``: see :func:`transformer_config`."""
     with quiet_imports():
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -126,7 +134,7 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
     from miles_megatron.parallel import current_sizes, padded_vocab
 
     sizes = current_sizes()
-    config = transformer_config(native_config, recompute, sizes.tp if sequence_parallel else 0, sizes.pp)
+    config = transformer_config(native_config, recompute, sizes.tp if sequence_parallel else 0, sizes.pp, overrides)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # this stage's layers
@@ -288,13 +296,14 @@ class MegatronPolicy(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False,
-                        sequence_parallel: bool = False):
+                        sequence_parallel: bool = False, overrides: dict[str, Any] | None = None):
         """Build from an HF checkpoint directory, through the family adapter's native
-        weights and :func:`~miles_megatron.weights.native_to_megatron`."""
+        weights and :func:`~miles_megatron.weights.native_to_megatron` (``overrides``: see
+        :func:`transformer_config`)."""
         from miles_host.models import load_pretrained
 
         native = load_pretrained(path, dtype=torch.float32, device="cpu")
-        gpt = build_gpt_model(native.config, recompute, device, sequence_parallel)
+        gpt = build_gpt_model(native.config, recompute, device, sequence_parallel, overrides)
         load_native_state(gpt, native.state_dict(), native.config)
         config = native.config
         del native

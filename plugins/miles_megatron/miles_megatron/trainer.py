@@ -122,8 +122,12 @@ class MegatronTrainer(NativeTrainer):
         if sequence_parallel and self.sizes.tp == 1:
             logger.warning("--sequence-parallel is ignored at --tensor-model-parallel-size 1 (it splits the "
                            "sequence over the tensor-parallel ranks)")
+        from miles_megatron.perf_flags import log_dispatcher_note, transformer_config_overrides
+
+        log_dispatcher_note(self.config, self.device)
         return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
-                                              sequence_parallel=sequence_parallel and self.sizes.tp > 1)
+                                              sequence_parallel=sequence_parallel and self.sizes.tp > 1,
+                                              overrides=transformer_config_overrides(self.config, self.device))
 
     def train(self, samples):
         with on_device(self.device):
