@@ -101,6 +101,10 @@ def policy_logits(trainer: Any, batch: Any) -> torch.Tensor:
     from miles_host.models.context import ForwardContext
 
     model = trainer.model
+    if not hasattr(model, "compute_logits"):
+        raise ValueError(f"--loss-type custom_loss hands the policy's logits to the loss function, which --train-backend "
+                         f"{trainer.config.train_backend} does not give (its output layer is split); use --train-backend "
+                         "native, or --loss-type sft_loss / policy_loss")
     ctx = ForwardContext(attention=PackedAttention(batch.cu_seqlens), routing=batch.routing)
     with trainer._autocast():
         hidden_TH = model.forward_hidden(batch.input_ids_T, batch.positions_T, ctx)
