@@ -165,12 +165,12 @@ def given_router_flags(config: Any) -> list[str]:
             if hasattr(config, name) and getattr(config, name) != _default_of(config, name, None)]
 
 
-def server_flags(config: Any, names: Any = None) -> list[str]:
+def server_flags(config: Any, only: Any = None, exclude: Any = ()) -> list[str]:
     """The given server options as an SGLang command line (``--ep-size 8 --enable-dp-attention``);
-    ``names``: only those options (SGLang names)."""
+    ``only`` / ``exclude``: SGLang option names to keep / to leave out."""
     argv: list[str] = []
     for arg, value in given_server_args(config):
-        if names is not None and arg.name not in names:
+        if (only is not None and arg.name not in only) or arg.name in exclude:
             continue
         option = "--" + arg.name
         if value is True:

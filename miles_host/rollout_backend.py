@@ -13,6 +13,7 @@ import torch
 
 from miles_host.protocols import RolloutBackendBase
 from miles_host.routing import RoutingHooks
+from miles_host.sglang_embedded import engine_kwargs_from_config
 
 
 #: share of GPU memory for the engine's weights + KV cache when the trainer shares the GPU
@@ -46,20 +47,13 @@ class EmbeddedRolloutBackend(RolloutBackendBase):
 
         self.config = config
         device = resolve_device(config)
-        engine_kwargs: dict[str, Any] = {
-            "batch_invariant": bool(config.true_on_policy),
-            "overlap_schedule": False if config.sglang_disable_overlap_schedule else None,
-            "moe_kernel": config.moe_kernel,
-        }
-        if config.sglang_mem_fraction_static is not None:
-            engine_kwargs["mem_fraction_static"] = config.sglang_mem_fraction_static
-        elif device.type == "cuda":
+        # the --sglang-* flags with a meaning for the engine (miles_host.sglang_embedded)
+        engine_kwargs: dict[str, Any] = {"moe_kernel": config.moe_kernel, **engine_kwargs_from_config(config)}
+        if config.true_on_policy:
+            engine_kwargs["batch_invariant"] = True
+        if "mem_fraction_static" not in engine_kwargs and device.type == "cuda":
             # the trainer shares this GPU in the embedded setup: leave it most of the memory
             engine_kwargs["mem_fraction_static"] = DEFAULT_COLOCATED_MEM_FRACTION
-        if config.rollout_max_context_len is not None:
-            engine_kwargs["max_model_len"] = config.rollout_max_context_len
-        if config.rollout_max_num_seqs is not None:
-            engine_kwargs["max_num_seqs"] = config.rollout_max_num_seqs
         algorithm = (config.sglang_speculative_algorithm or "plain").lower()
         strategy = manager.registries.decoding_strategies.get(algorithm)
         if strategy.factory is not None:  # plain decoding is the engine's own loop

@@ -15,8 +15,10 @@ def check_engine_sequences(config, registries=None):
     """``validate`` of the engine backends: the engine takes a prompt's samples as one request of
     ``n`` sequences, refused above ``--rollout-max-num-seqs`` (so every sample would fail)."""
     from miles_host.rollout.config import EngineConfig
+    from miles_host.sglang_embedded import check_engine_sglang_args, engine_max_num_seqs
 
-    limit = config.rollout_max_num_seqs or EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    check_engine_sglang_args(config)  # one GPU per engine; the --sglang-* flags it ignores warned about
+    limit = engine_max_num_seqs(config, EngineConfig.__dataclass_fields__["max_num_seqs"].default)
     if config.n_samples_per_prompt > limit:
         raise ValueError(
             f"--n-samples-per-prompt {config.n_samples_per_prompt} exceeds the {limit} sequences the rollout engine "

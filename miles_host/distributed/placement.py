@@ -67,16 +67,13 @@ def check_placement(config: Any) -> None:
     """The placement flags a multi-process run can honour (raises ValueError otherwise)."""
     if uses_ray(config) and importlib.util.find_spec("ray") is None:
         raise ValueError("--use-ray / --actor-num-nodes > 1 place workers with Ray placement groups: pip install ray")
-    if config.rollout_num_gpus_per_engine != 1:
-        raise ValueError(
-            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
-            "tensor parallelism; use 1 (one engine per GPU) or the sglang backend"
-        )
     if config.colocate:
         check_colocation(config)
     if on_gpus(config):
         trainers, engines = num_trainers(config), num_engines(config)
-        need = trainers if config.colocate else trainers + engines  # shared GPUs count once
+        # shared GPUs count once; an engine takes --rollout-num-gpus-per-engine GPUs (SGLang's tensor parallelism;
+        # the engine backends refuse more than one in their validation)
+        need = trainers if config.colocate else trainers + engines * max(1, config.rollout_num_gpus_per_engine)
         if need > torch.cuda.device_count():
             what = f"{trainers} trainer(s) sharing their GPUs with {engines} engine(s)" if config.colocate else (
                 f"{trainers} trainer(s) + {engines} engine(s)")

@@ -106,11 +106,6 @@ def check_single_process(config: Any) -> None:
     """Placement flags a one-process run can honour."""
     if config.actor_num_nodes != 1:
         raise ValueError(f"--actor-num-nodes {config.actor_num_nodes}: several nodes are not supported yet")
-    if config.rollout_num_gpus_per_engine != 1:
-        raise ValueError(
-            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: the embedded engine has no "
-            "tensor parallelism; use 1, or the sglang backend"
-        )
     if config.rollout_num_gpus not in (None, 0, 1) and config.rollout_backend == "embedded":
         raise ValueError(
             f"--rollout-num-gpus {config.rollout_num_gpus}: the embedded backend runs one engine in this process; "

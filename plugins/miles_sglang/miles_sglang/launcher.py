@@ -2,10 +2,15 @@
 
 ``--rollout-backend sglang`` without ``--sglang-url`` or a router starts
 ``--rollout-num-gpus / --rollout-num-gpus-per-engine`` servers on loopback:
-real SGLang (``python -m sglang.launch_server``, every host ``--sglang-*`` server
-flag passed through) when it is importable, else ``miles serve`` (the embedded
-engine behind the same API); ``--sglang-server-command`` forces one. The
+real SGLang (``python -m sglang.launch_server``) when it is importable, else ``miles serve``
+(the embedded engine behind the same API); ``--sglang-server-command`` forces one. The
 servers are separate processes, stopped when the run ends.
+
+Real SGLang gets tensor parallel size ``--rollout-num-gpus-per-engine`` (``--tp-size``) and
+every ``--sglang-*`` server flag the user gave (:func:`miles_host.config_sglang.server_flags`);
+with ``--rollout-num-gpus`` server ``i`` starts at GPU ``trainers + i * per_engine``
+(``--base-gpu-id``). ``miles serve`` gets the SGLang options it has
+(:data:`miles_sglang.serve_cli.SGLANG_OPTIONS`); it runs one GPU per server.
 """
 
 from __future__ import annotations
@@ -21,17 +26,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-#: host config fields passed to ``sglang.launch_server`` as ``--<name without sglang_>``
-SGLANG_SERVER_FLAGS = {
-    "sglang_mem_fraction_static": "--mem-fraction-static",
-    "sglang_speculative_algorithm": "--speculative-algorithm",
-    "sglang_speculative_num_steps": "--speculative-num-steps",
-    "sglang_speculative_eagle_topk": "--speculative-eagle-topk",
-    "sglang_speculative_num_draft_tokens": "--speculative-num-draft-tokens",
-    "sglang_speculative_draft_model_path": "--speculative-draft-model-path",
-    "sglang_speculative_token_map": "--speculative-token-map",
-    "sglang_enable_draft_weights_cpu_backup": "--enable-draft-weights-cpu-backup",
-}
+from miles_host.config_sglang import server_flags
+
+#: addresses a server binds to that a client reaches on loopback
+_ANY_ADDRESS = ("", "0.0.0.0", "::", "[::]")
 
 
 def free_port() -> int:
@@ -41,30 +39,65 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(config: Any, port: int, kind: str) -> list[str]:
-    """The command line of one server on ``port``."""
+def bind_host(config: Any) -> str:
+    """The address the servers bind to: ``--sglang-host`` (SGLang's default 127.0.0.1)."""
+    return getattr(config, "sglang_host", None) or "127.0.0.1"
+
+
+def client_host(config: Any) -> str:
+    """The address the run reaches its servers at."""
+    host = bind_host(config)
+    return "127.0.0.1" if host in _ANY_ADDRESS else host
+
+
+def server_kind(config: Any) -> str:
+    """``sglang`` or ``miles``: ``--sglang-server-command``, where ``auto`` is real SGLang when importable."""
+    kind = config.sglang_server_command
+    if kind == "auto":
+        kind = "sglang" if importlib.util.find_spec("sglang") is not None else "miles"
+    return kind
+
+
+def base_gpu_id(config: Any, index: int) -> int | None:
+    """First GPU of server ``index`` when ``--rollout-num-gpus`` places the servers: after the
+    trainers' GPUs, ``--rollout-num-gpus-per-engine`` each. None: SGLang's own choice."""
+    if not getattr(config, "rollout_num_gpus", None):
+        return None
+    trainers = getattr(config, "actor_num_nodes", 1) * getattr(config, "actor_num_gpus_per_node", 1)
+    return trainers + index * config.rollout_num_gpus_per_engine
+
+
+def server_command(config: Any, port: int, kind: str, index: int = 0) -> list[str]:
+    """The command line of server ``index`` on ``port``."""
     if kind == "sglang":
         command = [sys.executable, "-m", "sglang.launch_server", "--model-path", config.hf_checkpoint,
-                   "--host", "127.0.0.1", "--port", str(port), "--tp", str(config.rollout_num_gpus_per_engine),
-                   "--enable-return-routed-experts" if config.rollout_return_routed_experts else ""]
-        for field_name, flag in SGLANG_SERVER_FLAGS.items():
-            value = getattr(config, field_name, None)
-            if value is True:
-                command.append(flag)
-            elif value not in (None, False):
-                command += [flag, str(value)]
-        return [part for part in command if part]
+                   "--host", bind_host(config), "--port", str(port),
+                   "--tp-size", str(config.rollout_num_gpus_per_engine)]
+        if config.rollout_return_routed_experts:
+            command.append("--enable-return-routed-experts")
+        first_gpu = base_gpu_id(config, index)
+        if first_gpu is not None:
+            command += ["--base-gpu-id", str(first_gpu)]
+        return command + server_flags(config, exclude=("host",))
+    from miles_sglang.serve_cli import SGLANG_OPTIONS
+
+    if config.rollout_num_gpus_per_engine != 1:
+        raise ValueError(
+            f"--rollout-num-gpus-per-engine {config.rollout_num_gpus_per_engine}: miles serve (the embedded engine "
+            "behind SGLang's API) runs on one GPU per server; install SGLang for tensor-parallel servers, or use 1")
     command = [sys.executable, "-m", "miles_host.cli.main", "serve", "--hf-checkpoint", config.hf_checkpoint,
-               "--port", str(port), "--dtype", config.dtype, "--device", config.device]
+               "--host", bind_host(config), "--port", str(port), "--dtype", config.dtype, "--device", config.device]
+    exclude = {"host"}  # the host flags below replace the SGLang options of the same knob
     if config.true_on_policy:
         command.append("--enable-deterministic-inference")
-    if config.sglang_mem_fraction_static is not None:
-        command += ["--mem-fraction-static", str(config.sglang_mem_fraction_static)]
+        exclude.add("enable-deterministic-inference")
     if config.rollout_max_context_len is not None:
         command += ["--context-length", str(config.rollout_max_context_len)]
-    if config.sglang_api_key:
-        command += ["--api-key", config.sglang_api_key]
-    return command
+        exclude.add("context-length")
+    if getattr(config, "rollout_max_num_seqs", None) is not None:
+        command += ["--max-running-requests", str(config.rollout_max_num_seqs)]
+        exclude.add("max-running-requests")
+    return command + server_flags(config, only=SGLANG_OPTIONS, exclude=exclude)
 
 
 @dataclass
@@ -103,16 +136,14 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 def launch_servers(config: Any) -> LaunchedServers:
     """Start the run's rollout servers and wait until each answers /health."""
-    kind = config.sglang_server_command
-    if kind == "auto":
-        kind = "sglang" if importlib.util.find_spec("sglang") is not None else "miles"
+    kind = server_kind(config)
     count = max(1, (config.rollout_num_gpus or 1) // max(1, config.rollout_num_gpus_per_engine))
     launched = LaunchedServers()
     atexit.register(launched.stop)
-    for _ in range(count):
+    for index in range(count):
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        process = subprocess.Popen(server_command(config, port, kind), env=dict(os.environ),
+        url = f"http://{client_host(config)}:{port}"
+        process = subprocess.Popen(server_command(config, port, kind, index), env=dict(os.environ),
                                    stdout=subprocess.DEVNULL)
         launched.processes.append(process)
         launched.urls.append(url)

@@ -62,7 +62,10 @@ def _disk_transport(config):
 
 def check_sglang_backend(config, registries):
     """``RolloutBackend.validate``: the HTTP client cannot make the servers release their memory
-    between phases, so ``--colocate`` and ``--offload-rollout`` are refused."""
+    between phases, so ``--colocate`` and ``--offload-rollout`` are refused; the server flags
+    are checked by :func:`miles_sglang.flag_checks.check_server_flags`."""
+    from miles_sglang.flag_checks import check_server_flags
+
     for name in ("colocate", "offload_rollout"):
         if getattr(config, name):
             flag = "--" + name.replace("_", "-")
@@ -70,6 +73,7 @@ def check_sglang_backend(config, registries):
                 f"{flag}: the rollout backend 'sglang' cannot release its memory between phases; use "
                 "--rollout-backend embedded or process, or drop the flag"
             )
+    check_server_flags(config)
 
 
 def miles_register_rollout_backends():

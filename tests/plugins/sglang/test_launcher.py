@@ -26,7 +26,7 @@ def test_real_sglang_gets_every_server_flag():
     command = server_command(_config(), 30001, "sglang")
     assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
     joined = " ".join(command)
-    for part in ("--model-path /models/qwen", "--port 30001", "--tp 2", "--enable-return-routed-experts",
+    for part in ("--model-path /models/qwen", "--port 30001", "--tp-size 2", "--enable-return-routed-experts",
                  "--mem-fraction-static 0.7", "--speculative-algorithm EAGLE", "--speculative-num-steps 3",
                  "--speculative-num-draft-tokens 4", "--enable-draft-weights-cpu-backup"):
         assert part in joined
@@ -34,7 +34,8 @@ def test_real_sglang_gets_every_server_flag():
 
 
 def test_miles_serve_command_carries_determinism_and_key():
-    command = server_command(_config(true_on_policy=True, sglang_api_key="k"), 30002, "miles")
+    command = server_command(_config(true_on_policy=True, sglang_api_key="k", rollout_num_gpus_per_engine=1), 30002,
+                             "miles")
     assert command[3:5] == ["serve", "--hf-checkpoint"]
     assert "--enable-deterministic-inference" in command and command[-2:] == ["--api-key", "k"]
 
