@@ -284,3 +284,18 @@ def test_loss_type_flags_are_checked():
         MilesConfig(custom_loss_function_path="m.f")
     with pytest.raises(ValueError, match="reduces the policy loss"):
         MilesConfig(loss_type="sft_loss", custom_pg_loss_reducer_function_path="m.f")
+
+
+@pytest.mark.slow
+def test_sft_over_two_trainer_processes_matches_one_process(tmp_path):
+    """The SFT loss under the data-parallel trainer (2 gloo processes, no engine) equals one process."""
+    from tests.distributed.conftest import run_launched, run_one_process
+
+    data = write_sft_data(tmp_path, 32)
+    common = ("--debug-train-only", "--rollout-batch-size", "16", "--global-batch-size", "8", "--num-rollout", "2",
+              "--lr", "1e-3")
+    assert run_one_process(sft_flags(data, tmp_path / "one", *common)) == 0
+    assert run_launched(sft_flags(data, tmp_path / "two", *common), worker_timeout=60, actor_num_gpus_per_node=2) == 0
+    for want, have in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
+        for key in ("train/loss", "train/sft_nll", "train/grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5), key
