@@ -256,7 +256,7 @@ def _refuse_one_sample(config, alternative: str) -> None:
         f"prompt: --n-samples-per-prompt 1 makes every advantage 0 and nothing is learned; give "
         f"--n-samples-per-prompt 2 or more{alternative}"
     )
-    if getattr(config, "disable_compute_advantages_and_returns", False) or getattr(config, "loss_type", None) == "sft_loss":
+    if config.disable_compute_advantages_and_returns or config.loss_type == "sft_loss":
         return  # the loss reads no advantages
     recorded = config.user_set  # the fields the user gave (None: a config built in Python)
     default = type(config).__dataclass_fields__["n_samples_per_prompt"].default
