@@ -165,7 +165,7 @@ ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
     ArchitectureCheck("position_embedding_type", ("rope_theta", "rope_parameters"), _expected_position_embedding,
                       absent_counts=True, actual=_position_embedding),
     ArchitectureCheck("rotary_base", ("rope_theta", "rope_parameters.rope_theta"), lambda m, c: m.rope.theta),
-    ArchitectureCheck("rotary_percent", ("partial_rotary_factor",), lambda m, c: m.rope.rotary_dim / _rope_dim(m)),
+    ArchitectureCheck("rotary_percent", ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"), lambda m, c: m.rope.rotary_dim / _rope_dim(m)),
     ArchitectureCheck("rotary_interleaved", ("rope_interleave", "model_type"),
                       _gqa(lambda m: m.rope.interleaved), absent_counts=True),
     ArchitectureCheck("use_rope_scaling", ("rope_scaling.rope_type", "rope_parameters.rope_type"),
