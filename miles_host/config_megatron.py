@@ -116,6 +116,8 @@ class MegatronTrainingArgs:
     moe_router_load_balancing_type: str = flag("aux_loss", "load-balancing loss kind (with --moe-aux-loss-coeff 0, the only value miles trains with, none is added)", type=str, choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"], group=_PERF)
     moe_aux_loss_coeff: float = flag(0.0, "load-balancing loss weight: miles adds none, so only 0 is accepted (slime's MoE scripts pass 0)", type=float, group=_PERF)
     moe_router_bias_update_rate: float = flag(1e-3, "rate of the expert-bias update: miles keeps the checkpoint's expert bias fixed, as rate 0 does (slime's scripts pass 0)", type=float, group=_PERF)
+    enable_experimental: bool = flag(False, "Megatron's experimental features (none is used by miles)", group=_PERF)
+    allgather_cp: bool = flag(False, "slime: context parallelism by all-gather (miles runs context parallel size 1)", group="parallel")
 
 
 @dataclass
@@ -163,6 +165,8 @@ MEGATRON_IGNORED: dict[str, str] = {
     "moe_token_drop_policy": "experts have no capacity limit: no token is dropped",
     "make_vocab_size_divisible_by": "the embedding keeps the checkpoint's vocabulary (the megatron backend pads "
                                     "it per tensor-parallel rank itself)",
+    "enable_experimental": "no Megatron experimental feature is used",
+    "allgather_cp": "context parallelism is not run (context parallel size 1)",
     "seq_length": "samples are packed at their own lengths (--max-tokens-per-gpu bounds a micro-batch)",
 }
 

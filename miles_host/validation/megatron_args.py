@@ -232,6 +232,8 @@ SPECS: dict[tuple[str, str], LayerSpec] = {
         ("qwen3_next",), "Qwen3-Next (gated delta-net linear attention)", miles_builds=False),
     ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): LayerSpec(
         ("qwen3_5", "qwen3_5_moe"), "Qwen3.5 (gated delta-net linear attention)", miles_builds=False),
+    ("slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"): LayerSpec(
+        ("qwen3_5_moe",), "Qwen3.5-VL (vision, gated delta-net linear attention)", miles_builds=False),
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_decoder_block_spec"): LayerSpec(
         (), "Megatron-Core's GPT decoder block (any model miles builds)"),
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"): LayerSpec(
