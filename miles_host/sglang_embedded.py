@@ -3,7 +3,7 @@
 The embedded engine (``--rollout-backend embedded`` or ``process``, and ``miles serve``)
 honours the SGLang server options that name one of its own knobs (:data:`ENGINE_KNOBS`:
 memory fraction, context length, prefill budget, running requests, KV pool size, CUDA
-graphs, prefix cache, deterministic inference, the overlap schedule, a bf16 KV cache). Every
+graphs, prefix cache, deterministic inference, the overlap schedule, a KV cache in the model's dtype). Every
 other given ``--sglang-*`` flag, and every ``--router-*`` flag, is accepted and named in one
 warning (:func:`warn_unhonoured_flags`). The engine runs on one GPU, so
 ``--rollout-num-gpus-per-engine`` above 1 is refused here (:func:`check_engine_sglang_args`,
@@ -20,7 +20,7 @@ import torch
 
 from miles_host.config_sglang import given_router_flags, given_server_args, server_field
 
-#: SGLang's --kv-cache-dtype values the engine stores (others: fp8 / fp4 pools it does not have)
+#: SGLang's --kv-cache-dtype values the engine stores, in a model of that dtype (fp8 / fp4 pools it does not have)
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -39,9 +39,8 @@ def _prefill_budget(value: int) -> dict[str, Any]:
 
 
 def _kv_cache_dtype(value: str) -> dict[str, Any] | None:
-    if value == "auto":
-        return {}
-    return {"kv_cache_dtype": KV_CACHE_DTYPES[value]} if value in KV_CACHE_DTYPES else None
+    # the engine keeps its KV cache in the model's dtype: auto, or bf16 with a bf16 model (checked in validation)
+    return {} if value == "auto" or value in KV_CACHE_DTYPES else None
 
 
 def _graph_backend(value: str) -> dict[str, Any] | None:
@@ -150,4 +149,18 @@ def check_engine_sglang_args(config: Any) -> None:
             raise ValueError(
                 f"--{host_name.replace('_', '-')} {host_value} and --sglang-{option} {sglang_value} set the same "
                 "engine limit; give one of them")
+    check_kv_cache_dtype(config)
     warn_unhonoured_flags(config)
+
+
+def check_kv_cache_dtype(config: Any) -> None:
+    """``--sglang-kv-cache-dtype bf16`` is the engine's KV cache only when the model runs in bf16."""
+    from miles_host.rollout_backend import resolve_device, resolve_dtype
+
+    value = getattr(config, "sglang_kv_cache_dtype", "auto")
+    if value in KV_CACHE_DTYPES:
+        model_dtype = resolve_dtype(config, resolve_device(config))
+        if model_dtype != KV_CACHE_DTYPES[value]:
+            raise ValueError(
+                f"--sglang-kv-cache-dtype {value} with a {str(model_dtype).removeprefix('torch.')} model: the embedded "
+                "engine keeps its KV cache in the model's dtype; give --dtype bfloat16, or drop the flag")
