@@ -55,6 +55,7 @@ class MegatronModelArgs:
     rotary_base: int = flag(10000, "rope theta" + _CHECKED, type=int, group=_ARCH)
     rotary_percent: float = flag(1.0, "fraction of each head rotated" + _CHECKED, type=float, group=_ARCH)
     rotary_interleaved: bool = flag(False, "rotate interleaved pairs" + _CHECKED, group=_ARCH)
+    rope_type: str | None = flag(None, "rope or yarn (Megatron: MLA defaults to yarn, other attention to rope)" + _CHECKED, type=str, choices=["rope", "yarn"], group=_ARCH)
     use_rope_scaling: bool = flag(False, "Llama-3 rope scaling" + _CHECKED, group=_ARCH)
     rotary_scaling_factor: float = flag(1.0, "rope scaling factor (yarn, Llama-3)" + _CHECKED, type=float, group=_ARCH)
     mscale: float = flag(1.0, "yarn mscale" + _CHECKED, type=float, group=_ARCH)
@@ -65,6 +66,8 @@ class MegatronModelArgs:
     qk_head_dim: int = flag(128, "MLA q/k head dim without the rotary part (qk_nope_head_dim)" + _CHECKED, type=int, group=_ARCH)
     qk_pos_emb_head_dim: int = flag(64, "MLA rotary q/k head dim (qk_rope_head_dim)" + _CHECKED, type=int, group=_ARCH)
     v_head_dim: int = flag(128, "MLA value head dim" + _CHECKED, type=int, group=_ARCH)
+    window_size: str | None = flag(None, "sliding-window attention: LEFT,RIGHT (e.g. 128,0)" + _CHECKED + " (sliding_window)", type=str, group=_ARCH)
+    window_attn_skip_freq: str | None = flag(None, "which layers are full attention with --window-size: N (every Nth layer) or a list, 1 = window" + _CHECKED + " (layer_types)", type=str, group=_ARCH)
     use_gated_attention: bool = flag(False, "gated attention (Qwen3-Next, Qwen3.5): not a model miles builds", group=_ARCH)
     attention_output_gate: bool = flag(False, "attention output gate (Qwen3-Next, Qwen3.5): not a model miles builds", group=_ARCH)
     spec: list[str] | None = flag(None, "Megatron layer spec: MODULE FUNCTION (the specs of slime's scripts; each names the models it builds)", type=str, nargs="*", group=_ARCH)
@@ -106,6 +109,10 @@ class MegatronTrainingArgs:
     no_masked_softmax_fusion: bool = flag(False, "Megatron: no fused masked softmax (miles never fuses it)", group=_PERF)
     no_rope_fusion: bool = flag(False, "Megatron: no fused rope (miles never fuses it)", group=_PERF)
     cross_entropy_loss_fusion: bool = flag(False, "Megatron's fused cross entropy (miles computes log-probs in chunks instead)", group=_PERF)
+    no_bias_swiglu_fusion: bool = flag(False, "Megatron: no fused bias + SwiGLU (miles never fuses it)", group=_PERF)
+    no_bias_dropout_fusion: bool = flag(False, "Megatron: no fused bias + dropout + add (miles never fuses it)", group=_PERF)
+    grad_reduce_in_bf16: bool = flag(False, "Megatron: reduce gradients in bf16 (miles reduces float32 gradients)", group=_PERF)
+    use_flash_attn: bool = flag(False, "Megatron's older switch for flash attention (see --attention-backend)", group=_PERF)
     no_check_for_nan_in_loss_and_grad: bool = flag(False, "Megatron: skip its NaN check (miles counts NaN steps: --max-consecutive-nan-steps)", group=_PERF)
     moe_grouped_gemm: bool = flag(False, "experts as one grouped GEMM (miles: --moe-kernel in the engine, grouped GEMM in training where fast)", group=_PERF)
     moe_permute_fusion: bool = flag(False, "TransformerEngine's fused token permutation", group=_PERF)
@@ -167,6 +174,9 @@ MEGATRON_IGNORED: dict[str, str] = {
                                     "it per tensor-parallel rank itself)",
     "enable_experimental": "no Megatron experimental feature is used",
     "allgather_cp": "context parallelism is not run (context parallel size 1)",
+    "grad_reduce_in_bf16": "gradients are float32 and reduced in float32",
+    "use_flash_attn": "the native model picks its attention kernel (SDPA / flash); the megatron backend runs "
+                      "Megatron-Core's local attention",
     "seq_length": "samples are packed at their own lengths (--max-tokens-per-gpu bounds a micro-batch)",
 }
 
@@ -177,6 +187,8 @@ MATCHES_MILES: dict[str, str] = {
     "no_gradient_accumulation_fusion": "miles never fuses the weight-gradient accumulation",
     "no_masked_softmax_fusion": "miles never fuses the masked softmax",
     "no_rope_fusion": "miles never fuses the rotary embedding",
+    "no_bias_swiglu_fusion": "miles never fuses bias and SwiGLU",
+    "no_bias_dropout_fusion": "miles never fuses bias, dropout and the residual add",
     "no_position_embedding": "the models miles builds use rotary embeddings and no absolute position embedding",
     "moe_router_load_balancing_type": "no load-balancing loss is added (--moe-aux-loss-coeff must be 0)",
 }

@@ -40,13 +40,14 @@ class ArchitectureCheck:
     ``absent_counts``: a boolean switch whose absence describes the model too
     (checked whenever the script gives a full ``MODEL_ARGS`` block). ``actual(config,
     native)``: the value Megatron would build with, where more than one flag sets it
-    (default: the field's value)."""
+    (default: the field's value). ``also_when``: checked too when one of these flags is given."""
 
     field: str
     keys: tuple[str, ...]
     expected: Callable[[Any, Any], Any]
     absent_counts: bool = False
     actual: Callable[[Any, Any], Any] | None = None
+    also_when: tuple[str, ...] = ()
 
 
 def _mla(fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
@@ -133,6 +134,31 @@ def _moe_layer_actual(config: Any, native: Any) -> Any:
     return moe_layer_pattern(config.moe_layer_freq, int(config.num_layers or native.num_layers))
 
 
+def _window(config: Any, native: Any = None) -> Any:
+    """``--window-size LEFT,RIGHT``: LEFT, compared with the HF ``sliding_window`` as launch scripts
+    write it (upstream miles' gpt-oss script: ``--window-size 128,0`` for ``sliding_window`` 128)."""
+    try:
+        return int(str(config.window_size).strip("()[] ").split(",")[0])
+    except ValueError as error:
+        raise ValueError(f"--window-size {config.window_size}: give LEFT,RIGHT (e.g. 128,0)") from error
+
+
+def _window_layers(config: Any, native: Any) -> Any:
+    """Which layers Megatron builds with window attention, 1 per such layer (its ``is_layer_window_attention``)."""
+    if config.window_size is None:
+        return [0] * native.num_layers
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return [1] * native.num_layers
+    if not str(freq).strip().startswith("["):
+        return [int(layer % int(freq) != 0) for layer in range(1, native.num_layers + 1)]
+    return [int(bool(flag)) for flag in moe_layer_pattern(freq, native.num_layers)]
+
+
+def _sliding_layers(m: Any, config: Any) -> Any:
+    return [int(kind == "sliding_attention") for kind in m.layer_types]
+
+
 #: every checked architecture flag (see :class:`ArchitectureCheck`)
 ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
     ArchitectureCheck("num_layers", ("num_hidden_layers",), lambda m, c: m.num_layers),
@@ -168,6 +194,12 @@ ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
     ArchitectureCheck("rotary_percent", ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"), lambda m, c: m.rope.rotary_dim / _rope_dim(m)),
     ArchitectureCheck("rotary_interleaved", ("rope_interleave", "model_type"),
                       _gqa(lambda m: m.rope.interleaved), absent_counts=True),
+    ArchitectureCheck("rope_type", ("rope_scaling.rope_type", "rope_parameters.rope_type"),
+                      lambda m, c: "yarn" if m.rope.rope_type == "yarn" else "rope"),
+    ArchitectureCheck("window_size", ("sliding_window",),
+                      lambda m, c: m.sliding_window if "sliding_attention" in m.layer_types else None, actual=_window),
+    ArchitectureCheck("window_attn_skip_freq", ("layer_types", "max_window_layers"), _sliding_layers,
+                      actual=_window_layers, also_when=("window_size",)),
     ArchitectureCheck("use_rope_scaling", ("rope_scaling.rope_type", "rope_parameters.rope_type"),
                       lambda m, c: m.rope.rope_type == "llama3", absent_counts=True),
     ArchitectureCheck("rotary_scaling_factor", ("rope_scaling.factor", "rope_parameters.factor"),
@@ -287,7 +319,7 @@ def architecture_mismatches(config: Any, native: Any, given: set[str]) -> list[s
     path = getattr(config, "hf_checkpoint", None) or "the checkpoint"
     problems = []
     for check in ARCHITECTURE_CHECKS:
-        considered = check.field in given or (
+        considered = check.field in given or bool(given & set(check.also_when)) or (
             check.absent_counts and complete and (check.field not in _MOE_SWITCHES or moe_described))
         if not considered:
             continue

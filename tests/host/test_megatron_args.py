@@ -403,3 +403,37 @@ def test_perf_flags_reach_the_transformer_config(models):
     dense = transformer_config(native_config(hf, model_family_for(hf["model_type"])),
                                overrides=transformer_config_overrides(config, cpu))
     assert dense.attention_softmax_in_fp32 and dense.moe_router_dtype is None  # MoE fields only for MoE models
+
+
+# -- sliding windows and --rope-type (upstream miles' launchers) ---------------------------
+
+
+@pytest.fixture
+def sliding_model(tmp_path):
+    """A tiny Qwen3 whose first layer is sliding-window (window 16), the second full."""
+    from transformers import Qwen3Config
+
+    folder = tmp_path / "sliding"
+    Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=16, use_sliding_window=True,
+                layer_types=["sliding_attention", "full_attention"]).save_pretrained(folder)
+    (tmp_path / "prompts.jsonl").write_text('{"input": "1+1=", "label": "2"}\n')
+    return ["run", "--hf-checkpoint", str(folder), "--prompt-data", str(tmp_path / "prompts.jsonl"), "--rm-type",
+            "exact", "--n-samples-per-prompt", "2", "--dry-run"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--window-size", "16,0", "--window-attn-skip-freq", "2"], None),  # Megatron: layer % 2 == 0 is full
+    (["--window-size", "16,0", "--window-attn-skip-freq", "[1,0]"], None),
+    (["--window-size", "16,0"], "--window-attn-skip-freq [1, 1] disagrees"),  # every layer windowed
+    (["--window-size", "8,0", "--window-attn-skip-freq", "2"], "its config.json has sliding_window = 16"),
+    (["--rope-type", "rope"], None),
+    (["--rope-type", "yarn"], "--rope-type yarn disagrees"),
+])
+def test_window_layout_and_rope_type(sliding_model, capsys, argv, message):
+    code = main([*sliding_model, *argv])
+    err = capsys.readouterr().err
+    if message is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and message in err, err
