@@ -3,7 +3,7 @@
 The embedded engine (``--rollout-backend embedded`` or ``process``, and ``miles serve``)
 honours the SGLang server options that name one of its own knobs (:data:`ENGINE_KNOBS`:
 memory fraction, context length, prefill budget, running requests, KV pool size, CUDA
-graphs, prefix cache, deterministic inference, the overlap schedule, a KV cache in the model's dtype). Every
+graphs and their batch sizes, prefix cache, deterministic inference, the overlap schedule, a KV cache in the model's dtype). Every
 other given ``--sglang-*`` flag, and every ``--router-*`` flag, is accepted and named in one
 warning (:func:`warn_unhonoured_flags`). The engine runs on one GPU, so
 ``--rollout-num-gpus-per-engine`` above 1 is refused here (:func:`check_engine_sglang_args`,
@@ -47,6 +47,19 @@ def _graph_backend(value: str) -> dict[str, Any] | None:
     return {"enforce_eager": True} if value == "disabled" else None
 
 
+def _graph_max_bs(value: int) -> dict[str, Any]:
+    from miles_host.rollout.cuda_graphs import graph_batch_sizes
+
+    return {"cuda_graph_batch_sizes": graph_batch_sizes(value)}  # the engine's ladder up to it
+
+
+def _merge_graph_sizes(first: list[int], second: list[int]) -> list[int]:
+    # an explicit list and a maximum (SGLang's --cuda-graph-bs with --cuda-graph-max-bs): both lists' sizes up to
+    # the smaller maximum
+    limit = min(max(first, default=0), max(second, default=0))
+    return sorted(s for s in {*first, *second} if s <= limit)
+
+
 ENGINE_KNOBS: tuple[EngineKnob, ...] = (
     EngineKnob("mem-fraction-static", lambda v: {"mem_fraction_static": v}),
     EngineKnob("context-length", lambda v: {"max_model_len": v}),
@@ -55,6 +68,10 @@ ENGINE_KNOBS: tuple[EngineKnob, ...] = (
     EngineKnob("max-prefill-tokens", _prefill_budget),
     EngineKnob("max-total-tokens", lambda v: {"kv_cache_tokens": v, "max_kv_cache_tokens": v}),
     EngineKnob("disable-cuda-graph", lambda v: {"enforce_eager": True}),
+    EngineKnob("cuda-graph-bs", lambda v: {"cuda_graph_batch_sizes": sorted(v)}),
+    EngineKnob("cuda-graph-bs-decode", lambda v: {"cuda_graph_batch_sizes": sorted(v)}),
+    EngineKnob("cuda-graph-max-bs", _graph_max_bs),
+    EngineKnob("cuda-graph-max-bs-decode", _graph_max_bs),
     EngineKnob("cuda-graph-backend-decode", _graph_backend),
     EngineKnob("disable-radix-cache", lambda v: {"enable_prefix_caching": False}),
     EngineKnob("kv-cache-dtype", _kv_cache_dtype),
@@ -69,8 +86,11 @@ READ_ELSEWHERE = frozenset({
     "speculative-draft-model-path", "speculative-token-map", "enable-draft-weights-cpu-backup",
 })
 
-#: engine kwargs that are upper bounds: given twice (two SGLang options), the smaller holds
-_BOUNDS = frozenset({"max_num_batched_tokens", "kv_cache_tokens", "max_kv_cache_tokens"})
+#: engine kwarg -> how two SGLang options setting it combine (upper bounds: the smaller holds)
+_COMBINE: dict[str, Callable[[Any, Any], Any]] = {
+    "max_num_batched_tokens": min, "kv_cache_tokens": min, "max_kv_cache_tokens": min,
+    "cuda_graph_batch_sizes": _merge_graph_sizes,
+}
 
 #: host flag -> the SGLang option that sets the same engine knob
 _SAME_KNOB = {"rollout_max_context_len": "context-length", "rollout_max_num_seqs": "max-running-requests"}
@@ -90,7 +110,7 @@ def engine_kwargs_from_options(options: dict[str, Any]) -> tuple[dict[str, Any],
             unhonoured.append(name)
             continue
         for key, item in produced.items():
-            kwargs[key] = min(kwargs[key], item) if key in _BOUNDS and key in kwargs else item
+            kwargs[key] = _COMBINE[key](kwargs[key], item) if key in _COMBINE and key in kwargs else item
     return kwargs, unhonoured
 
 

@@ -25,6 +25,8 @@ class EngineConfig:
     the batch (on CPU each sequence is forwarded and sampled alone, token by token;
     on CUDA batches run batch-invariant kernels with the ``triton_invariant``
     attention backend; no cross-request prefix cache). ``enforce_eager``: no CUDA graphs.
+    ``cuda_graph_batch_sizes``: the decode batch sizes CUDA graphs are captured for (default:
+    1, 2, 4, 8 and every 16th up to ``max_num_seqs``; larger batches decode eagerly).
     ``fused_kernels``: the Triton norm/rotary/activation kernels of
     :mod:`miles_host.kernels` in every forward (default: on CUDA with triton; the
     batch-invariant forward always uses them where usable, trainer included).
@@ -49,6 +51,7 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] | None = None
     attention_backend: str = "torch"
     fused_kernels: bool | None = None
     overlap_schedule: bool | None = None
@@ -62,6 +65,8 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_batch_sizes is not None and not all(s >= 1 for s in self.cuda_graph_batch_sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be >= 1, got {self.cuda_graph_batch_sizes}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:

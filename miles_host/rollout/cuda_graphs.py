@@ -35,8 +35,11 @@ def stack_routes(captured: dict[int, torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([captured[layer].to(torch.int32) for layer in sorted(captured)], dim=1)
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes graphs are captured for."""
+def graph_batch_sizes(max_num_seqs: int, batch_sizes: list[int] | None = None) -> list[int]:
+    """The padded batch sizes graphs are captured for: ``batch_sizes`` up to ``max_num_seqs``
+    (SGLang's ``--cuda-graph-bs``), or by default 1, 2, 4, 8, then every 16th and ``max_num_seqs``."""
+    if batch_sizes is not None:
+        return sorted({s for s in batch_sizes if 1 <= s <= max_num_seqs})
     ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({s for s in ladder if s <= max_num_seqs} | {max_num_seqs})
 
@@ -55,7 +58,7 @@ class DecodeGraphs:
 
     def __init__(
         self, model: torch.nn.Module, kv_cache: PagedKVCache, *, device: torch.device, attention_backend: str,
-        max_num_seqs: int, max_blocks_per_seq: int, fused_kernels: bool,
+        max_num_seqs: int, max_blocks_per_seq: int, fused_kernels: bool, batch_sizes: list[int] | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -65,7 +68,7 @@ class DecodeGraphs:
         self.fused_kernels = fused_kernels
         self.max_bs = max_num_seqs
         self.max_blocks = max_blocks_per_seq
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_num_seqs, batch_sizes)  # larger decode batches run eagerly
         bs = self.max_bs
         # [num_fields * max_bs] fixed fields, then up to max_bs * max_blocks (flat index, block) pairs
         self.fields_end = self.num_fields * bs

@@ -112,7 +112,7 @@ class Engine(MemoryOccupation):
             model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
             batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
-            fused_kernels=cfg.fused_kernels,
+            fused_kernels=cfg.fused_kernels, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
         )
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)

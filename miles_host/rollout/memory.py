@@ -106,7 +106,7 @@ class MemoryOccupation:
             runner.graphs = DecodeGraphs(
                 runner.model, runner.kv_cache, device=runner.device, attention_backend=runner.attention_backend,
                 max_num_seqs=runner.max_num_seqs, max_blocks_per_seq=runner.max_blocks_per_seq,
-                fused_kernels=runner.fused_kernels,
+                fused_kernels=runner.fused_kernels, batch_sizes=runner.cuda_graph_batch_sizes,
             )
         except Exception as error:  # noqa: BLE001 - as at start-up: decode eagerly, say why
             logger.warning("CUDA graph capture after resume_memory_occupation failed (%s); decoding eagerly", error)

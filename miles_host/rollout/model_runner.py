@@ -121,6 +121,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         use_cuda_graph: bool = False,
         fused_kernels: bool = False,
+        cuda_graph_batch_sizes: list[int] | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -132,6 +133,7 @@ class ModelRunner:
         self.token_by_token = batch_invariant and device.type != "cuda"
         self.fused_kernels = fused_kernels and not self.token_by_token
         self.max_num_seqs = max_num_seqs
+        self.cuda_graph_batch_sizes = cuda_graph_batch_sizes
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         #: the captured decode graphs (None: decode runs eagerly)
         self.graphs: DecodeGraphs | None = None
@@ -144,7 +146,7 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, kv_cache, device=device, attention_backend=attention_backend,
                     max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
-                    fused_kernels=self.fused_kernels,
+                    fused_kernels=self.fused_kernels, batch_sizes=cuda_graph_batch_sizes,
                 )
             except Exception as error:  # noqa: BLE001 - fall back to eager, say why
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", error)

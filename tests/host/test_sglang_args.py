@@ -127,7 +127,7 @@ def test_slime_sglang_args_with_the_embedded_engine_warn_once_naming_the_ignored
     assert len(warnings) == 1
     named = set(warnings[0].split("embedded engine: ")[1].split(" (")[0].split())
     assert named == {"--sglang-enable-dp-attention", "--sglang-dp-size", "--sglang-enable-dp-lm-head",
-                     "--sglang-moe-dense-tp-size", "--sglang-cuda-graph-max-bs", "--router-policy"}
+                     "--sglang-moe-dense-tp-size", "--router-policy"}  # --sglang-cuda-graph-max-bs: honoured
     config = MilesConfig(**{"sglang_dp_size": 8, "router_policy": "round_robin"})
     assert sglang_embedded.warn_unhonoured_flags(config) == []  # once per process
 

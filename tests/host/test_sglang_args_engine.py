@@ -24,6 +24,7 @@ def test_the_engine_receives_the_honoured_sglang_flags(tiny_model):
         sglang_chunked_prefill_size=512, sglang_max_prefill_tokens=1024, sglang_max_total_tokens=2048,
         sglang_disable_cuda_graph=True, sglang_disable_radix_cache=True, sglang_enable_deterministic_inference=True,
         sglang_disable_overlap_schedule=True, sglang_mem_fraction_static=0.5, sglang_kv_cache_dtype="auto",
+        sglang_cuda_graph_bs=[8, 1, 2, 4, 16], sglang_cuda_graph_max_bs=4,
         sglang_ep_size=8,  # no meaning here: leaves the engine as it is
     )
     manager = MilesPluginManager()
@@ -36,6 +37,22 @@ def test_the_engine_receives_the_honoured_sglang_flags(tiny_model):
     assert engine.num_kv_cache_tokens == 2048  # the pool SGLang's --max-total-tokens asks for
     assert cfg.enforce_eager and not cfg.enable_prefix_caching and cfg.batch_invariant
     assert cfg.overlap_schedule is False and cfg.kv_cache_dtype == torch.float32  # auto: the model's dtype
+    assert cfg.cuda_graph_batch_sizes == [1, 2, 4]  # the listed sizes up to the maximum
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_decode_graphs_are_captured_for_the_given_batch_sizes(tiny_model):
+    from miles_host.rollout import Engine
+
+    engine = Engine.from_pretrained(str(tiny_model), dtype=torch.bfloat16, device="cuda", mem_fraction_static=0.2,
+                                    max_num_seqs=8, cuda_graph_batch_sizes=[1, 3, 64])
+    assert engine.runner.graphs.sizes == [1, 3]  # 64 > max_num_seqs: batches above 3 decode eagerly
+    engine.add_request("r", [2, 3, 4], {"max_new_tokens": 4, "temperature": 0.0, "n": 2})
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert len(outputs) == 2 and engine.runner.graphs.num_replays > 0
 
 
 def test_defaults_leave_the_engine_defaults():
