@@ -30,7 +30,7 @@ class TrainingModeArgs:
     custom_loss_function_path: str | None = flag(None, "--loss-type custom_loss: module.fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics), slime's signature (batch: slime's keys plus miles_log_probs; logits [1, T, V])", type=str, group="algorithm")
     custom_pg_loss_reducer_function_path: str | None = flag(None, "module.fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer of the per-token policy-gradient loss (slime's signature; the reducer returns the micro-batch's sum as slime's sum_of_sample_mean does); other terms keep the default reduction", type=str, group="algorithm")
     disable_compute_advantages_and_returns: bool = flag(False, "do not compute advantages (they are zero): for sft_loss or a custom loss that does not read them", group="algorithm")
-    rollout_function_path: str | None = flag(None, "module.fn(args, rollout_id, data_source, evaluation=False) returning groups of samples (slime's contract; a RolloutFnTrainOutput-like object with .samples and .metrics too) instead of the built-in rollout manager; slime.rollout.sft_rollout.generate_rollout is miles_host.sft.generate_rollout, slime's default slime.rollout.sglang_rollout.generate_rollout the built-in manager", type=str, group="rollout")
+    rollout_function_path: str | None = flag(None, "module.fn(args, rollout_id, data_source, evaluation=False) returning groups of samples (slime's contract; a RolloutFnTrainOutput-like object with .samples and .metrics too) instead of the built-in rollout manager; slime.rollout.sft_rollout.generate_rollout is miles_host.sft.generate_rollout, slime's default slime.rollout.sglang_rollout.generate_rollout the built-in manager; evaluation keeps the built-in rollout", type=str, group="rollout")
     save_debug_rollout_data: str | None = flag(None, "write each step's samples to this path ({rollout_id} is substituted), as slime does: torch.save of {'rollout_id', 'samples'}", type=str, group="debug")
     load_debug_rollout_data: str | None = flag(None, "train on the samples saved by --save-debug-rollout-data at this path ({rollout_id} substituted) instead of generating; implies --debug-train-only", type=str, group="debug")
     load_debug_rollout_data_subsample: float | None = flag(None, "keep this fraction of each loaded rollout (its first and last halves, as slime does)", type=float, group="debug")
@@ -89,7 +89,9 @@ def needs_reward(config: Any) -> bool:
     """Whether the run scores samples with its own reward (``--rm-type`` / ``--custom-rm-path`` /
     ``--rm-url``): the built-in rollout generates the training samples, or there is an evaluation.
     Loaded samples and a rollout function's carry their rewards (slime's contract)."""
-    generated_here = not trains_only(config) and not config.rollout_function_path
+    from miles_host.rollout_function import resolve_rollout_function_path
+
+    generated_here = not trains_only(config) and resolve_rollout_function_path(config.rollout_function_path) is None
     return generated_here or bool(config.eval_prompt_data)
 
 

@@ -99,8 +99,8 @@ class Run:
             config.rollout_shuffle,
             config.rollout_seed,
             # a rollout function reads the records as they are (slime's SFT rollout: chat messages, no template)
-            apply_chat_template=(config.apply_chat_template or None) if config.rollout_function_path
-            else config.apply_chat_template,
+            apply_chat_template=(config.apply_chat_template or None)
+            if resolve_rollout_function_path(config.rollout_function_path) else config.apply_chat_template,
             tool_key=config.tool_key,
         )
         pairs = config.eval_prompt_data or []

@@ -77,3 +77,13 @@ def test_data_source_hands_out_groups_as_slimes_does():
     again = source.get_samples(2)
     assert again[0] is first[1] and again[1][0].prompt == "2+1=" and again[1][0].group_index == 2
     assert len(source) == 5
+
+
+def test_slimes_default_rollout_path_is_the_built_in_rollout(tiny_task, tmp_path, capsys):
+    """slime's default --rollout-function-path generates with the engine: a reward is still needed."""
+    model, data = tiny_task
+    args = base_args(model, data, tmp_path / "out", "--rollout-function-path",
+                     "slime.rollout.sglang_rollout.generate_rollout", "--dry-run")
+    assert main(args) == 0
+    assert main([arg for arg in args if arg not in ("--rm-type", "exact")]) == 2
+    assert "no reward configured" in capsys.readouterr().err
