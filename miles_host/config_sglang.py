@@ -96,7 +96,7 @@ def router_field(name: str) -> str:
 def _field(arg: A, prefix: str, default: Any, group: str, origin: str) -> tuple[str, Any, Any]:
     name = prefix + arg.name.replace("-", "_")
     aliases = ["--" + (prefix + alias).replace("_", "-") for alias in arg.aliases]
-    help_text = f"{origin}: {arg.help}" if arg.help else origin
+    help_text = (f"{origin}: {arg.help}" if arg.help else origin).replace("%", "%%")  # argparse formats help
     if arg.kind == "bool":
         return name, bool, flag(False, help_text, aliases=aliases, group=group)
     return name, Any, flag(default, help_text, type=KIND_TYPES[arg.kind], nargs=arg.nargs, aliases=aliases,
