@@ -106,6 +106,11 @@ def check_training_mode_functions(config: Any, registries: Any) -> None:
         if path:
             _function(path, "--" + name.replace("_", "-"))
     function = load_rollout_function(config.rollout_function_path)
+    no_advantages = config.disable_compute_advantages_and_returns or config.loss_type == "sft_loss"
+    if no_advantages and registries.advantage_estimators.get(config.advantage_estimator).needs_critic:
+        raise ValueError(f"--advantage-estimator {config.advantage_estimator} trains a critic on the returns, which "
+                         f"--loss-type {config.loss_type} / --disable-compute-advantages-and-returns do not compute; "
+                         "use a critic-free estimator (the default grpo)")
     if config.debug_train_only and function is None and not config.load_debug_rollout_data:
         raise ValueError("--debug-train-only starts no rollout engine, so the built-in rollout has nothing to generate "
                          "with; give --load-debug-rollout-data PATH (samples saved by --save-debug-rollout-data) or an "

@@ -299,3 +299,10 @@ def test_sft_over_two_trainer_processes_matches_one_process(tmp_path):
     for want, have in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"), strict=True):
         for key in ("train/loss", "train/sft_nll", "train/grad_norm"):
             assert have[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_sft_with_a_critic_estimator_is_refused(tmp_path, capsys):
+    data = write_sft_data(tmp_path, 4)
+    assert main(sft_flags(data, tmp_path / "out", "--debug-train-only", "--advantage-estimator", "ppo",
+                          "--dry-run")) == 2
+    assert "trains a critic" in capsys.readouterr().err
