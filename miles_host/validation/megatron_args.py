@@ -213,8 +213,6 @@ ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
     ArchitectureCheck("qk_head_dim", ("qk_nope_head_dim",), _mla(lambda a: a.qk_nope_head_dim)),
     ArchitectureCheck("qk_pos_emb_head_dim", ("qk_rope_head_dim",), _mla(lambda a: a.qk_rope_head_dim)),
     ArchitectureCheck("v_head_dim", ("v_head_dim",), _mla(lambda a: a.v_head_dim)),
-    ArchitectureCheck("use_gated_attention", ("model_type",), lambda m, c: False),
-    ArchitectureCheck("attention_output_gate", ("model_type",), lambda m, c: False),
     ArchitectureCheck("num_experts", ("num_experts", "n_routed_experts", "num_local_experts"),
                       lambda m, c: m.moe.num_experts if m.moe is not None else None),
     ArchitectureCheck("moe_router_topk", ("num_experts_per_tok",), _moe(lambda e: e.top_k)),
@@ -244,6 +242,25 @@ _MOE_SWITCHES = ("moe_shared_expert_gate", "moe_router_score_function", "moe_rou
                  "moe_router_enable_expert_bias")
 
 
+#: flags that describe a model miles does not build: field -> (the value of the models it builds, the feature)
+UNBUILT_FEATURES: dict[str, tuple[Any, str]] = {
+    "use_gated_attention": (False, "gated attention (Qwen3-Next, Qwen3.5)"),
+    "attention_output_gate": (False, "an attention output gate (Qwen3-Next, Qwen3.5)"),
+    "softmax_type": ("vanilla", "attention sinks (gpt-oss)"),
+    "moe_latent_size": (None, "MoE latent projections (Nemotron-3)"),
+    "custom_model_provider_path": (None, "a custom Megatron model provider (miles builds the model from "
+                                         "--hf-checkpoint through its model family adapter)"),
+}
+
+
+def check_unbuilt_features(config: Any) -> None:
+    """A flag of :data:`UNBUILT_FEATURES` set to another value names the feature miles does not build."""
+    for name, (value, feature) in UNBUILT_FEATURES.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{flag_name(name)} {_shown(getattr(config, name))} describes {feature}, a model miles "
+                             "cannot build; use a model of an installed family (miles plugins), or drop the flag")
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """A Megatron layer spec of slime's scripts: the HF model types it builds, and
@@ -254,7 +271,8 @@ class LayerSpec:
     miles_builds: bool = True
 
 
-#: ``(module, function)`` of ``--spec`` -> what it builds
+#: ``(module, function)`` of ``--spec`` -> what it builds (upstream miles' ``miles_plugins.models.*``
+#: specs are slime's ``slime_plugins.models.*``: :data:`SPEC_PACKAGES`)
 SPECS: dict[tuple[str, str], LayerSpec] = {
     ("slime_plugins.models.glm4", "get_glm_spec"): LayerSpec(("glm4",), "GLM-4 dense (sandwich norms)"),
     ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): LayerSpec(("minimax_m2",), "MiniMax-M2"),
@@ -273,6 +291,18 @@ SPECS: dict[tuple[str, str], LayerSpec] = {
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec"): LayerSpec(
         (), "Megatron-Core's TransformerEngine GPT layer (any model miles builds)"),
 }
+
+
+#: packages whose ``models.*`` specs are the same (slime's and upstream miles' plugin packages)
+SPEC_PACKAGES = ("slime_plugins.", "miles_plugins.")
+
+
+def spec_key(spec: list[str]) -> tuple[str, ...]:
+    """``--spec MODULE FUNCTION`` as a :data:`SPECS` key (``miles_plugins.`` read as ``slime_plugins.``)."""
+    key = tuple(spec)
+    if key and key[0].startswith(SPEC_PACKAGES[1]):
+        key = (SPEC_PACKAGES[0] + key[0][len(SPEC_PACKAGES[1]):], *key[1:])
+    return key
 
 
 def _hf_value(hf: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
@@ -337,29 +367,45 @@ def architecture_mismatches(config: Any, native: Any, given: set[str]) -> list[s
     return problems
 
 
+def _family_installed(model_types: tuple[str, ...]) -> bool:
+    from miles_host.plugin_manager import model_family_for
+
+    for model_type in model_types:
+        try:
+            model_family_for(model_type)
+            return True
+        except ValueError:
+            continue
+    return False
+
+
 def check_spec(config: Any, model_type: str) -> None:
-    """``--spec MODULE FUNCTION`` names a spec of :data:`SPECS` that builds ``model_type``."""
+    """``--spec MODULE FUNCTION`` names a spec of :data:`SPECS` that builds ``model_type`` (the
+    checkpoint's); a spec of a model no installed family builds says so."""
     if not config.spec:
         return
-    key = tuple(config.spec)
+    key, given = spec_key(config.spec), " ".join(config.spec)
     known = "; ".join(f"{' '.join(k)} ({spec.description})" for k, spec in SPECS.items())
     if len(key) != 2 or key not in SPECS:
-        raise ValueError(f"--spec {' '.join(config.spec)}: not a layer spec miles knows; known: {known}")
+        raise ValueError(f"--spec {given}: not a layer spec miles knows; known: {known}")
     spec = SPECS[key]
-    if not spec.miles_builds:
+    if not spec.model_types or model_type in spec.model_types:
+        return
+    if spec.miles_builds or _family_installed(spec.model_types):
         raise ValueError(
-            f"--spec {' '.join(key)} builds {spec.description}, a model miles cannot build (no model family for "
-            f"model_type {'/'.join(spec.model_types)}); use a model of an installed family (miles plugins)"
-        )
-    if spec.model_types and model_type not in spec.model_types:
-        raise ValueError(
-            f"--spec {' '.join(key)} builds {spec.description} (model_type {'/'.join(spec.model_types)}), but "
+            f"--spec {given} builds {spec.description} (model_type {'/'.join(spec.model_types)}), but "
             f"--hf-checkpoint is model_type {model_type}; drop --spec or give the matching checkpoint"
         )
+    raise ValueError(
+        f"--spec {given} builds {spec.description}, a model miles cannot build (no installed model family "
+        f"handles model_type {'/'.join(spec.model_types)}); --hf-checkpoint is model_type {model_type}: drop "
+        "--spec, or use a model of an installed family (miles plugins)"
+    )
 
 
 def check_megatron_model_args(config: Any, registries: Any) -> None:
     """Host check: the Megatron architecture flags the user gave describe ``--hf-checkpoint``'s model."""
+    check_unbuilt_features(config)
     given = user_set_fields(config)
     if not (given & set(architecture_fields())) and not config.spec:
         return

@@ -288,10 +288,24 @@ def test_spec_of_a_model_miles_builds(models, capsys, tmp_path):
     (["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"], "a model miles cannot build"),
     (["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"], "a model miles cannot build"),
     (["my_plugins.models.mine", "get_spec"], "not a layer spec miles knows"),
+    # upstream miles spells slime's specs miles_plugins.models.*
+    (["miles_plugins.models.glm4", "get_glm_spec"], "--spec miles_plugins.models.glm4 get_glm_spec builds GLM-4"),
+    (["miles_plugins.models.glm5.glm5", "get_glm5_spec"], "a model miles cannot build"),
 ])
 def test_spec_that_does_not_fit_is_an_error(models, capsys, spec, message):
     code, err = _run(capsys, models, "glm4_moe", "--spec", *spec)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("argv, feature", [
+    (["--use-gated-attention"], "gated attention (Qwen3-Next, Qwen3.5)"),
+    (["--softmax-type", "learnable"], "attention sinks (gpt-oss)"),
+    (["--moe-latent-size", "1024"], "MoE latent projections (Nemotron-3)"),
+    (["--custom-model-provider-path", "my.provider"], "a custom Megatron model provider"),
+])
+def test_flags_of_models_miles_does_not_build_say_so(models, capsys, argv, feature):
+    code, err = _run(capsys, models, "qwen3", *argv)
+    assert code == 2 and f"describes {feature}" in err and "a model miles cannot build" in err, err
 
 
 # -- --moe-layer-freq ----------------------------------------------------------------------
