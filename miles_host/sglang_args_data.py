@@ -5,7 +5,8 @@ the PyPI wheel ``sglang==0.5.15.post1``, the newest SGLang version slime ships p
 every option its ``ServerArgs.add_cli_args`` registers. Router arguments: ``RouterArgs`` of
 ``sglang-router==0.3.2`` (``sglang_router/router_args.py``), the options
 ``RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)`` registers,
-as slime adds them. The rows were read off an argparse parser those functions filled.
+as slime adds them. The rows were read off an argparse parser those functions filled
+(``scripts/pin_sglang_args.py``, from the two wheels).
 
 Each row :class:`A` is one option: its name (the flag without ``--``; router rows without
 their ``router-`` prefix), a kind (how a value is read: ``str``, ``int``, ``float``, ``bool``
@@ -14,8 +15,8 @@ SGLang's default, its help (first sentence), ``nargs`` where it takes several va
 other spellings. Deprecated spellings SGLang still accepts with their own destination
 (``--cuda-graph-bs``, ``--disable-cuda-graph``) are rows of their own, as SGLang registers them.
 
-To move to another SGLang version, replace the rows and the version strings, then run
-``tests/host/test_sglang_args.py``.
+To move to another SGLang version, regenerate the rows with that script, update the version
+strings, then run ``tests/host/test_sglang_args*.py`` and ``tests/plugins/sglang/test_sglang_args*.py``.
 """
 
 from __future__ import annotations
