@@ -22,7 +22,7 @@ from miles_host.config_training_modes import TrainingModeArgs, check_training_mo
 class ClusterArgs:
     actor_num_nodes: int = flag(1, "nodes for training workers", type=int, group="cluster")
     actor_num_gpus_per_node: int = flag(1, "GPUs per node for training", type=int, group="cluster")
-    rollout_num_gpus: int | None = flag(None, "GPUs for rollout engines, one engine each (with --colocate: default one per trainer GPU; must divide their number)", type=optional_int, group="cluster")
+    rollout_num_gpus: int | None = flag(None, "GPUs for rollout engines, --rollout-num-gpus-per-engine each (with --colocate: default one per trainer GPU; must divide their number)", type=optional_int, group="cluster")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine: the tensor parallel size of each SGLang server --rollout-backend sglang launches (real SGLang); the embedded engine and miles serve take 1", type=int, group="cluster")
     num_gpus_per_node: int = flag(8, "slime compatibility: accepted and ignored (placement comes from --actor-num-gpus-per-node and --rollout-num-gpus)", type=int, group="cluster")
     colocate: bool = flag(False, "training and rollout share GPUs (engine i on trainer i's GPU); the engines free their KV cache and CUDA graphs while training", group="cluster")
