@@ -19,7 +19,7 @@ import pytest
 from miles_host.cli.backend_choice import choose_train_backend
 from miles_host.cli.main import main
 from miles_host.validation import ignored_flags
-from miles_host.validation.megatron_args import moe_layer_pattern
+from miles_host.validation.megatron_arch import moe_layer_pattern
 from miles_megatron.plugin import megatron_available
 
 MEGATRON = megatron_available()[0]
@@ -94,7 +94,8 @@ def qwen3_model_args(hf: dict) -> list[str]:
 def qwen3_moe_model_args(hf: dict) -> list[str]:
     """``scripts/models/qwen3-30B-A3B.sh`` (its perf flags included)."""
     return ["--disable-bias-linear", "--qk-layernorm", "--group-query-attention",
-            "--num-attention-heads", str(hf["num_attention_heads"]), "--num-query-groups", str(hf["num_key_value_heads"]),
+            "--num-attention-heads", str(hf["num_attention_heads"]),
+            "--num-query-groups", str(hf["num_key_value_heads"]),
             "--kv-channels", str(hf["head_dim"]), "--num-layers", str(hf["num_hidden_layers"]),
             "--hidden-size", str(hf["hidden_size"]), "--ffn-hidden-size", str(hf["intermediate_size"]),
             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--norm-epsilon", "1e-6",
@@ -102,7 +103,8 @@ def qwen3_moe_model_args(hf: dict) -> list[str]:
             "--vocab-size", str(hf["vocab_size"]), "--rotary-base", str(_rope_theta(hf)),
             "--moe-ffn-hidden-size", str(hf["moe_intermediate_size"]), "--moe-router-score-function", "softmax",
             "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", str(hf["num_experts_per_tok"]),
-            "--moe-layer-freq", _moe_layer_freq(hf, 0), "--num-experts", str(hf.get("num_experts") or hf["num_local_experts"]),
+            "--moe-layer-freq", _moe_layer_freq(hf, 0),
+            "--num-experts", str(hf.get("num_experts") or hf["num_local_experts"]),
             "--moe-grouped-gemm", "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32",
             "--moe-permute-fusion", "--moe-aux-loss-coeff", "0"]
 
@@ -122,7 +124,8 @@ def deepseek_v3_model_args(hf: dict) -> list[str]:
             "--rotary-base", str(_rope_theta(hf)), "--mscale", "1.0", "--mscale-all-dim", "1.0",
             "--attention-softmax-in-fp32", "--no-rope-fusion",
             "--num-experts", str(hf["n_routed_experts"]), "--moe-layer-freq", _moe_layer_freq(hf, 1),
-            "--moe-ffn-hidden-size", str(hf["moe_intermediate_size"]), "--moe-router-topk", str(hf["num_experts_per_tok"]),
+            "--moe-ffn-hidden-size", str(hf["moe_intermediate_size"]),
+            "--moe-router-topk", str(hf["num_experts_per_tok"]),
             "--moe-shared-expert-intermediate-size", str(hf["moe_intermediate_size"] * hf["n_shared_experts"]),
             "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
