@@ -454,3 +454,32 @@ def test_window_layout_and_rope_type(sliding_model, capsys, argv, message):
         assert code == 0, err
     else:
         assert code == 2 and message in err, err
+
+
+# -- end to end on CPU ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not MEGATRON, reason="megatron-core is not installed")
+def test_slime_argument_set_trains_with_tensor_parallel_megatron(tmp_path):
+    """The quickstart model launched as a slime script launches it: its MODEL_ARGS, PERF_ARGS with
+    ``--tensor-model-parallel-size 2 --sequence-parallel`` and no ``--train-backend``: two Megatron
+    trainer processes (gloo) train one step and the trained weights reach the engine."""
+    from miles_host.quickstart_preset import QUICKSTART_DIR
+
+    hf = json.loads((QUICKSTART_DIR / "model" / "config.json").read_text())
+    slime_perf = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+                  "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+                  "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full", "--recompute-method",
+                  "uniform", "--recompute-num-layers", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+                  "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend", "flash"]
+    out = tmp_path / "out"
+    code = main(["run", *qwen3_model_args(hf), *slime_perf, "--actor-num-gpus-per-node", "2", "--num-rollout", "1",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--no-progress", "--worker-timeout", "120",
+                 "--output-dir", str(out)])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 1 and steps[0]["train/grad_norm"] > 0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-5  # the engine and the TP trainers agree
+    config = json.loads((out / "config.json").read_text())
+    assert config["train_backend"] == "megatron" and config["tensor_model_parallel_size"] == 2
