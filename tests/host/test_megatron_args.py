@@ -411,6 +411,7 @@ def test_perf_flags_reach_the_transformer_config(models):
         "attention_softmax_in_fp32": True, "moe_token_dispatcher_type": "alltoall", "moe_router_dtype": "fp32"}
     assert transformer_config_overrides(config, cpu)["moe_token_dispatcher_type"] == "allgather"
     assert dispatcher_for("flex", cuda) == "alltoall"
+    assert transformer_config_overrides(config, cuda, model_parallel=True)["moe_token_dispatcher_type"] == "allgather"
     hf = read_hf_config(str(built["qwen3_moe"][0]))
     moe = transformer_config(native_config(hf, model_family_for(hf["model_type"])),
                              overrides=transformer_config_overrides(config, cpu))

@@ -124,10 +124,11 @@ class MegatronTrainer(NativeTrainer):
                            "sequence over the tensor-parallel ranks)")
         from miles_megatron.perf_flags import log_dispatcher_note, transformer_config_overrides
 
-        log_dispatcher_note(self.config, self.device)
+        log_dispatcher_note(self.config, self.device, self.sizes.parallel)
+        overrides = transformer_config_overrides(self.config, self.device, self.sizes.parallel)
         return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
                                               sequence_parallel=sequence_parallel and self.sizes.tp > 1,
-                                              overrides=transformer_config_overrides(self.config, self.device))
+                                              overrides=overrides)
 
     def train(self, samples):
         with on_device(self.device):
