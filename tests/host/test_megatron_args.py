@@ -484,3 +484,33 @@ def test_slime_argument_set_trains_with_tensor_parallel_megatron(tmp_path):
     assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-5  # the engine and the TP trainers agree
     config = json.loads((out / "config.json").read_text())
     assert config["train_backend"] == "megatron" and config["tensor_model_parallel_size"] == 2
+
+
+@pytest.mark.skipif(not MEGATRON, reason="megatron-core is not installed")
+def test_megatron_trainer_with_slime_moe_perf_flags_on_cpu(tmp_path):
+    """A Qwen3-MoE step on the one-process megatron trainer with slime's MoE PERF_ARGS: the
+    router-dtype / softmax flags reach the model and (float32 on CPU) change no number."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.plugins.megatron.conftest import save_models
+    from tests.plugins.megatron.test_megatron_trainer import MODELS as TRAINER_MODELS
+    from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer
+
+    existed = dist.is_initialized()
+    models = save_models(tmp_path, {"qwen3_moe": TRAINER_MODELS["qwen3_moe"]})
+    perf = ("--moe-router-dtype", "fp32", "--attention-softmax-in-fp32", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-aux-loss-coeff", "0")
+    results = []
+    for flags in ((), perf):
+        trainer = make_trainer(models, "qwen3_moe", "megatron", *flags)
+        config = trainer.model.gpt.config
+        results.append((trainer.train(make_samples()), trainer.model.state_dict(),
+                        (config.moe_router_dtype, config.attention_softmax_in_fp32, config.moe_token_dispatcher_type)))
+        trainer.close()
+    (plain, plain_weights, plain_config), (slime, slime_weights, slime_config) = results
+    assert plain_config == (None, False, "allgather") and slime_config == ("fp32", True, "allgather")  # CPU: allgather
+    assert plain["train/loss"] == pytest.approx(slime["train/loss"], abs=1e-6)
+    assert all(torch.allclose(plain_weights[k], slime_weights[k], atol=1e-6) for k in plain_weights)
+    if not existed and dist.is_initialized():
+        dist.destroy_process_group()
