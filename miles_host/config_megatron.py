@@ -56,6 +56,9 @@ class MegatronModelArgs:
     rotary_percent: float = flag(1.0, "fraction of each head rotated" + _CHECKED, type=float, group=_ARCH)
     rotary_interleaved: bool = flag(False, "rotate interleaved pairs" + _CHECKED, group=_ARCH)
     rope_type: str | None = flag(None, "rope or yarn (Megatron: MLA defaults to yarn, other attention to rope)" + _CHECKED, type=str, choices=["rope", "yarn"], group=_ARCH)
+    original_max_position_embeddings: int | None = flag(None, "yarn: the context the rope was trained for" + _CHECKED, type=optional_int, aliases=["--yarn-original-max-position-embeddings"], group=_ARCH)
+    beta_fast: float | None = flag(None, "yarn beta_fast" + _CHECKED, type=float, aliases=["--yarn-beta-fast"], group=_ARCH)
+    beta_slow: float | None = flag(None, "yarn beta_slow" + _CHECKED, type=float, aliases=["--yarn-beta-slow"], group=_ARCH)
     use_rope_scaling: bool = flag(False, "Llama-3 rope scaling" + _CHECKED, group=_ARCH)
     rotary_scaling_factor: float = flag(1.0, "rope scaling factor (yarn, Llama-3)" + _CHECKED, type=float, group=_ARCH)
     mscale: float = flag(1.0, "yarn mscale" + _CHECKED, type=float, group=_ARCH)
@@ -116,6 +119,7 @@ class MegatronTrainingArgs:
     no_bias_dropout_fusion: bool = flag(False, "Megatron: no fused bias + dropout + add (miles never fuses it)", group=_PERF)
     grad_reduce_in_bf16: bool = flag(False, "Megatron: reduce gradients in bf16 (miles reduces float32 gradients)", group=_PERF)
     use_flash_attn: bool = flag(False, "Megatron's older switch for flash attention (see --attention-backend)", group=_PERF)
+    qkv_format: str = flag("thd", "upstream miles: attention input layout, thd (packed) or bshd (padded)", type=str, choices=["thd", "bshd"], group=_PERF)
     no_check_for_nan_in_loss_and_grad: bool = flag(False, "Megatron: skip its NaN check (miles counts NaN steps: --max-consecutive-nan-steps)", group=_PERF)
     moe_grouped_gemm: bool = flag(False, "experts as one grouped GEMM (miles: --moe-kernel in the engine, grouped GEMM in training where fast)", group=_PERF)
     moe_permute_fusion: bool = flag(False, "TransformerEngine's fused token permutation", group=_PERF)
@@ -180,6 +184,7 @@ MEGATRON_IGNORED: dict[str, str] = {
     "grad_reduce_in_bf16": "gradients are float32 and reduced in float32",
     "use_flash_attn": "the native model picks its attention kernel (SDPA / flash); the megatron backend runs "
                       "Megatron-Core's local attention",
+    "qkv_format": "miles packs each micro-batch's samples into one sequence (thd) on every backend",
     "seq_length": "samples are packed at their own lengths (--max-tokens-per-gpu bounds a micro-batch)",
 }
 

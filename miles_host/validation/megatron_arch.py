@@ -76,12 +76,13 @@ def _dense_gqa(m: Any, config: Any) -> Any:
     return m.num_kv_heads < m.num_heads
 
 
-def _yarn(attribute: str, default: float) -> Callable[[Any, Any], Any]:
+def _yarn(attribute: str, default: float | None) -> Callable[[Any, Any], Any]:
+    """The yarn parameter ``attribute`` of the rope (``default`` when the config has none); yarn models only."""
     def expected(m: Any, config: Any) -> Any:
         if m.rope.rope_type != "yarn":
             return SKIP
         value = getattr(m.rope, attribute)
-        return default if value is None else float(value)
+        return default if value is None else value
     return expected
 
 
@@ -193,6 +194,12 @@ ARCHITECTURE_CHECKS: tuple[ArchitectureCheck, ...] = (
                       lambda m, c: m.rope.rope_type == "llama3", absent_counts=True),
     ArchitectureCheck("rotary_scaling_factor", ("rope_scaling.factor", "rope_parameters.factor"),
                       lambda m, c: m.rope.factor),
+    ArchitectureCheck("original_max_position_embeddings",
+                      ("rope_scaling.original_max_position_embeddings",
+                       "rope_parameters.original_max_position_embeddings"),
+                      _yarn("original_max_position_embeddings", None)),
+    ArchitectureCheck("beta_fast", ("rope_scaling.beta_fast", "rope_parameters.beta_fast"), _yarn("beta_fast", 32.0)),
+    ArchitectureCheck("beta_slow", ("rope_scaling.beta_slow", "rope_parameters.beta_slow"), _yarn("beta_slow", 1.0)),
     ArchitectureCheck("mscale", ("rope_scaling.mscale", "rope_parameters.mscale"), _yarn("mscale", 1.0)),
     ArchitectureCheck("mscale_all_dim", ("rope_scaling.mscale_all_dim", "rope_parameters.mscale_all_dim"),
                       _yarn("mscale_all_dim", 0.0)),

@@ -200,7 +200,10 @@ def test_slime_model_args_pass_dry_run(models, name, capsys):
 
 
 def _replace(argv: list[str], flag: str, value: str | None) -> list[str]:
-    """``argv`` with ``flag``'s value replaced (``None``: a switch, dropped)."""
+    """``argv`` with ``flag``'s value replaced (``None``: a switch, dropped; a flag the script
+    does not give: appended)."""
+    if flag not in argv:
+        return [*argv, flag, value]
     index = argv.index(flag)
     if value is None:
         return argv[:index] + argv[index + 1:]
@@ -238,6 +241,10 @@ WRONG = [
     ("deepseek_v3", "--moe-shared-expert-intermediate-size", "2048", "n_shared_experts", "1"),
     ("deepseek_v3", "--moe-layer-freq", "[1]*2", "first_k_dense_replace", "1"),
     ("deepseek_v3", "--multi-latent-attention", None, "kv_lora_rank", "16"),
+    # yarn parameters, as upstream miles' Kimi scripts spell them (flags appended to the script's)
+    ("deepseek_v3", "--original-max-position-embeddings", "8192", "rope_parameters.original_max_position_embeddings",
+     "4096"),
+    ("deepseek_v3", "--beta-fast", "16", "rope_parameters.beta_fast", "32"),
     ("glm4_moe", "--rotary-percent", "1", "rope_parameters.partial_rotary_factor", "0.5"),
     ("glm4_moe", "--add-qkv-bias", None, "attention_bias", "True"),
     ("glm4_moe", "--moe-router-enable-expert-bias", None, "model_type", "glm4_moe"),
