@@ -26,7 +26,8 @@ class ArchitectureCheck:
     (``native``: the family adapter's :class:`~miles_host.models.ModelConfig`).
     ``keys``: the config.json keys it comes from (the first one present is named).
     ``absent_counts``: a boolean switch whose absence describes the model too
-    (checked whenever the script gives a full ``MODEL_ARGS`` block). ``actual(config,
+    (checked whenever the script gives a full ``MODEL_ARGS`` block: ``--num-layers``,
+    ``--hidden-size`` and ``--num-attention-heads``). ``actual(config,
     native)``: the value Megatron would build with, where more than one flag sets it
     (default: the field's value). ``also_when``: checked too when one of these flags is given."""
 

@@ -6,7 +6,7 @@ the user gave is compared with what the adapter read (:class:`ArchitectureCheck`
 records, one per flag): a disagreement is a ValueError naming the flag, its value,
 the config key and the config's value. Boolean switches (``--swiglu``,
 ``--qk-layernorm``, ...) whose absence also describes the model are checked both
-ways once the script gives a full ``MODEL_ARGS`` block (``--num-layers`` is set).
+ways once the script gives a full ``MODEL_ARGS`` block (:data:`MODEL_ARGS_BLOCK`).
 The records are in :mod:`miles_host.validation.megatron_arch`; flags of features
 miles builds in no model (:data:`UNBUILT_FEATURES`) name the feature.
 
@@ -124,9 +124,13 @@ def _same(given: Any, expected: Any) -> bool:
     return given == expected
 
 
+#: flags every MODEL_ARGS block of slime's scripts gives: with all of them, the switches' absence counts
+MODEL_ARGS_BLOCK = ("num_layers", "hidden_size", "num_attention_heads")
+
+
 def architecture_mismatches(config: Any, native: Any, given: set[str]) -> list[str]:
     """One message per architecture flag that disagrees with the native config (empty: all agree)."""
-    complete = "num_layers" in given
+    complete = set(MODEL_ARGS_BLOCK) <= given
     moe_described = "num_experts" in given
     hf = native.hf_config
     path = getattr(config, "hf_checkpoint", None) or "the checkpoint"

@@ -271,8 +271,11 @@ def test_the_reference_values_are_the_hf_configs(models):
 
 
 def test_a_partial_model_args_block_checks_only_what_it_gives(models, capsys):
-    code, err = _run(capsys, models, "glm4_moe", "--hidden-size", "64", "--num-experts", "8")
-    assert code == 0, err
+    code, err = _run(capsys, models, "glm4_moe", "--num-layers", "2", "--hidden-size", "64", "--num-experts", "8")
+    assert code == 0, err  # no --num-attention-heads: not a full block, absent switches are not read
+    code, err = _run(capsys, models, "glm4_moe", "--num-layers", "2", "--hidden-size", "64",
+                     "--num-attention-heads", "4")
+    assert code == 2 and "--swiglu off (not given) disagrees" in err, err
 
 
 # -- --spec --------------------------------------------------------------------------------
