@@ -2,13 +2,12 @@
 
 miles builds the model from the HF ``config.json`` through its model family adapter;
 slime's ``MODEL_ARGS`` describe the same model to Megatron. Each architecture flag
-the user gave is compared with what the adapter read (:class:`ArchitectureCheck`
-records, one per flag): a disagreement is a ValueError naming the flag, its value,
+the user gave is compared with what the adapter read (the
+:class:`~miles_host.validation.megatron_arch.ArchitectureCheck` records, one per flag): a disagreement is a ValueError naming the flag, its value,
 the config key and the config's value. Boolean switches (``--swiglu``,
 ``--qk-layernorm``, ...) whose absence also describes the model are checked both
 ways once the script gives a full ``MODEL_ARGS`` block (:data:`MODEL_ARGS_BLOCK`).
-The records are in :mod:`miles_host.validation.megatron_arch`; flags of features
-miles builds in no model (:data:`UNBUILT_FEATURES`) name the feature.
+Flags of features miles builds in no model (:data:`UNBUILT_FEATURES`) name the feature.
 
 ``--spec`` names the Megatron layer spec a slime script builds with; :data:`SPECS`
 says which model types each known spec builds, and whether miles builds those.
@@ -49,8 +48,8 @@ def check_unbuilt_features(config: Any) -> None:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """A Megatron layer spec of slime's scripts: the HF model types it builds, and
-    whether miles builds those models (``None``: which miles does not)."""
+    """A Megatron layer spec of slime's scripts: the HF model types it builds (empty: any),
+    and whether a model family of miles builds them."""
 
     model_types: tuple[str, ...]
     description: str
@@ -229,8 +228,8 @@ def check_megatron_training_args(config: Any, registries: Any) -> None:
     given = user_set_fields(config)
     for name, (value, why) in REQUIRED_VALUES.items():
         if name in given and getattr(config, name) != value:
-            raise ValueError(f"{flag_name(name)} {_shown(getattr(config, name))}: {why}; give "
-                             f"{flag_name(name)} {_shown(value)} or drop the flag")
+            instead = "drop it" if isinstance(value, bool) else f"give {flag_name(name)} {_shown(value)} or drop it"
+            raise ValueError(f"{flag_name(name)} {_shown(getattr(config, name))}: {why}; {instead}")
     stages = {name: getattr(config, name) for name in ("decoder_first_pipeline_num_layers",
                                                        "decoder_last_pipeline_num_layers")}
     if all(value is None for value in stages.values()):
