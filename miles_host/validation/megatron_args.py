@@ -2,11 +2,12 @@
 
 miles builds the model from the HF ``config.json`` through its model family adapter;
 slime's ``MODEL_ARGS`` describe the same model to Megatron. Each architecture flag
-the user gave is compared with what the adapter read (the
-:class:`~miles_host.validation.megatron_arch.ArchitectureCheck` records, one per flag): a disagreement is a ValueError naming the flag, its value,
-the config key and the config's value. Boolean switches (``--swiglu``,
-``--qk-layernorm``, ...) whose absence also describes the model are checked both
-ways once the script gives a full ``MODEL_ARGS`` block (:data:`MODEL_ARGS_BLOCK`).
+the user gave is compared with what the adapter read (the records of
+:mod:`miles_host.validation.megatron_arch`, one per flag): a disagreement is a
+ValueError naming the flag, its value, the config key and the config's value.
+Boolean switches (``--swiglu``, ``--qk-layernorm``, ...) whose absence also
+describes the model are checked both ways once the script gives a full
+``MODEL_ARGS`` block (:data:`MODEL_ARGS_BLOCK`).
 Flags of features miles builds in no model (:data:`UNBUILT_FEATURES`) name the feature.
 
 ``--spec`` names the Megatron layer spec a slime script builds with; :data:`SPECS`
