@@ -524,3 +524,47 @@ def test_megatron_trainer_with_slime_moe_perf_flags_on_cpu(tmp_path):
     assert all(torch.allclose(plain_weights[k], slime_weights[k], atol=1e-6) for k in plain_weights)
     if not existed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not MEGATRON, reason="megatron-core is not installed")
+def test_slime_moe_argument_set_trains_with_expert_parallel_megatron(tmp_path):
+    """A tiny Qwen3-MoE (random weights, the quickstart's tokenizer) launched with slime's
+    qwen3-30B-A3B MODEL_ARGS and ``--expert-model-parallel-size 2``, no ``--train-backend``:
+    two Megatron trainer processes (gloo) train one step; the engine's and the trainers'
+    log-probs of the rollout agree."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from miles_host.quickstart_preset import QUICKSTART_DIR
+
+    folder = tmp_path / "moe"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=99, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
+        max_position_embeddings=128, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(QUICKSTART_DIR / "model" / name, folder / name)
+    hf = json.loads((folder / "config.json").read_text())
+    slime_perf = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
+                  "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                  "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                  "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+                  "--attention-softmax-in-fp32", "--attention-backend", "flash"]
+    out = tmp_path / "out"
+    code = main(["run", "--hf-checkpoint", str(folder), "--prompt-data", str(QUICKSTART_DIR / "data" / "train.jsonl"),
+                 "--label-key", "label", "--rm-type", "exact", *qwen3_moe_model_args(hf), *slime_perf,
+                 "--actor-num-gpus-per-node", "2", "--num-rollout", "1", "--rollout-batch-size", "2",
+                 "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--device", "cpu",
+                 "--dtype", "float32", "--no-progress", "--worker-timeout", "120", "--output-dir", str(out),
+                 "--entropy-coef", "0.01"])  # a random model's rewards are all 0: the entropy term moves it
+    assert code == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "train/loss" in r]
+    assert len(steps) == 1 and steps[0]["train/grad_norm"] > 0
+    assert steps[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert json.loads((out / "config.json").read_text())["train_backend"] == "megatron"
