@@ -79,7 +79,7 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
     run = Run(config, manager)
     sampling_params = run.rollout.sampling_params
     run.rollout.sampling_params = lambda *a, **k: {**sampling_params(*a, **k), "ignore_eos": True}
-    run.sync_weights(bump=False)
+    run.sync_weights(version=run.state.weight_version)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     steps = []

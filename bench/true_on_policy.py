@@ -79,7 +79,7 @@ def run_mode(model_dir: Path, data: Path, args, true_on_policy: bool) -> dict:
     run = Run(config, manager)
     sampling_params = run.rollout.sampling_params
     run.rollout.sampling_params = lambda *a, **k: {**sampling_params(*a, **k), "ignore_eos": True}
-    run.sync_weights(bump=False)
+    run.sync_weights(version=run.state.weight_version)
     steps = []
     for rollout_id in range(args.steps):
         if torch.cuda.is_available():

@@ -140,10 +140,11 @@ class Run:
 
     # -- pieces of a step --------------------------------------------------------
 
-    def sync_weights(self, version: int) -> float:
+    def sync_weights(self, version: int | None = None) -> float:
         """Push the trainer's weights to the engine as weight ``version`` (the number of
-        training steps behind them); seconds taken."""
+        training steps behind them; default: the next version); seconds taken."""
         start = time.perf_counter()
+        version = self.state.weight_version + 1 if version is None else version
         self.state.weight_version = version
         if trains_only(self.config):  # no engine to push to
             return 0.0

@@ -91,10 +91,11 @@ class FullyAsyncRun(Run):
         self.batch = []
         return metrics
 
-    def sync_weights(self, version: int) -> float:
+    def sync_weights(self, version: int | None = None) -> float:
         """The push runs on the producer's thread between two engine steps (requests in
         flight handled by ``--pause-generation-mode``); new requests get ``version``."""
         start = time.perf_counter()
+        version = self.state.weight_version + 1 if version is None else version
 
         def push() -> None:
             Run.sync_weights(self, version)

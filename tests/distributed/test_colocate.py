@@ -63,7 +63,7 @@ def test_colocated_phases_release_and_offload_every_worker(tiny_task, tmp_path):
         assert len(run.backend.clients) == 2 and config.weight_sync == "broadcast"  # CPU: no CUDA IPC
         local = run.trainer.local
         trained = [p.data_ptr() for p in local.model.parameters()]
-        run.phases.to_rollout(lambda: run.sync_weights(bump=False))
+        run.phases.to_rollout(lambda: run.sync_weights(version=run.state.weight_version))
         assert local.train_state_offloaded
         offloaded = [p.data_ptr() for p in local.model.parameters()]
         assert all(a != b for a, b in zip(trained, offloaded))

@@ -63,7 +63,7 @@ def test_rollout_process_logprobs_equal_trainer_after_each_sync(tiny_task, tmp_p
     run = make_run(config, manager)
     try:
         initial = {n: t.clone() for n, t in run.trainer.model.state_dict().items()}
-        run.sync_weights(bump=False)
+        run.sync_weights(version=run.state.weight_version)
         for rollout_id in range(2):
             groups, _ = run.rollout.generate(rollout_id)
             samples = [s for g in groups for s in g]

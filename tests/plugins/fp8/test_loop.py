@@ -52,7 +52,7 @@ def test_fp8_run_step(tmp_path):
     run = Run(run_config, manager)
     assert isinstance(run.trainer.model.layers[0].attn.qkv_proj, Fp8Linear)
     assert isinstance(run.backend.engine.model.layers[0].attn.qkv_proj, Fp8InferenceLinear)
-    run.sync_weights(bump=False)
+    run.sync_weights(version=run.state.weight_version)
     groups, _ = run.rollout.generate(0)
     metrics = run.trainer.train([s for g in groups for s in g])
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))

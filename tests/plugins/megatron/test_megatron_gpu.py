@@ -229,7 +229,7 @@ def grpo_step_with_r3(model, root) -> dict[str, float]:
     config, _ = resolve_run_config(argv, manager)
     run = Run(config, manager)
     assert type(run.trainer).__name__ == "MegatronTrainer"
-    run.sync_weights(bump=False)
+    run.sync_weights(version=run.state.weight_version)
     groups, _ = run.rollout.generate(0)
     samples = [s for group in groups for s in group]
     calls = record_routing_maps(run.trainer)

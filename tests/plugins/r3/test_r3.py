@@ -87,7 +87,7 @@ def _run(model, data, tmp_path, *flags):
     ]
     config, _ = resolve_run_config(argv, manager)
     run = Run(config, manager)
-    run.sync_weights(bump=False)
+    run.sync_weights(version=run.state.weight_version)
     groups, _ = run.rollout.generate(0)
     samples = [s for g in groups for s in g]
     metrics = run.trainer.train(samples)
