@@ -61,8 +61,11 @@ def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple
     return model_dir, data
 
 
-def bench_miles(model_dir: Path, data: Path, args) -> dict:
+def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) -> dict:
+    """miles' steps (``Run.step``), or with ``fully_async`` those of ``FullyAsyncRun``: the
+    producer thread generates on the same GPU while this thread trains."""
     from miles_host.cli.args import resolve_run_config
+    from miles_host.fully_async.run import FullyAsyncRun
     from miles_host.loop import Run
     from miles_host.plugin_manager import MilesPluginManager
 
@@ -73,10 +76,11 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
         *(["--sglang-disable-overlap-schedule"] if args.no_overlap else []),
+        *(["--fully-async"] if fully_async else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
-    run = Run(config, manager)
+    run = (FullyAsyncRun if fully_async else Run)(config, manager)
     sampling_params = run.rollout.sampling_params
     run.rollout.sampling_params = lambda *a, **k: {**sampling_params(*a, **k), "ignore_eos": True}
     run.sync_weights(version=run.state.weight_version)
@@ -91,9 +95,16 @@ def bench_miles(model_dir: Path, data: Path, args) -> dict:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith("perf/")}))
     if args.profile:
         profile_step(run, args.steps)
+    if fully_async:
+        run.producer.stop()
     steady = steps[1:] or steps
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
+    extra = {}
+    if fully_async:
+        extra = {"trainer_idle_s": med("perf/trainer_idle_time_s"), "engine_idle_s": med("perf/engine_idle_time_s"),
+                 "avg_staleness": med("rollout/fully_async/avg_staleness")}
     return {
+        **extra,
         "first_step_s": steps[0]["perf/step_time_s"],
         "step_s": med("perf/step_time_s"),
         "rollout_s": med("perf/rollout_time_s"),
@@ -181,7 +192,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--train-compile", action="store_true", help="miles: torch.compile the decoder layers")
-    parser.add_argument("--only", choices=["miles", "trl"])
+    parser.add_argument("--only", choices=["miles", "miles_async", "trl"])
+    parser.add_argument("--fully-async", action="store_true",
+                        help="miles synchronous vs --fully-async (the producer generating on the same GPU while the "
+                             "trainer trains), each in its own process; TRL not run")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
@@ -198,15 +212,18 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir, data = build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
     results = {}
+    systems = ("miles", "miles_async") if args.fully_async else ("miles", "trl")
     if args.only is None and not args.tiny:
         # each system in a fresh process: neither inherits the other's GPU memory or allocator state
-        for system in ("miles", "trl"):
+        for system in systems:
             result = run_isolated(system, args)
             if result is not None:
                 results[system] = result
     else:
         if args.only in (None, "miles"):
             results["miles"] = bench_miles(model_dir, data, args)
+        if args.only == "miles_async" or (args.only is None and args.fully_async):
+            results["miles_async"] = bench_miles(model_dir, data, args, fully_async=True)
         if args.only == "trl":
             results["trl"] = bench_trl(model_dir, data, args)
         if args.result_json:
@@ -220,6 +237,14 @@ def main() -> None:
               f"{completion_tokens / r['step_s']:9.0f} {r['peak_gb']:8.1f}")
     if "miles" in results and "trl" in results:
         print(f"speed-up per steady step: {results['trl']['step_s'] / results['miles']['step_s']:.2f}x")
+    if "miles" in results and "miles_async" in results:
+        sync, fa = results["miles"], results["miles_async"]
+        overlap = (sync["rollout_s"] + sync["train_s"] - fa["step_s"]) / min(sync["rollout_s"], sync["train_s"])
+        results["async_vs_sync"] = {"ratio": fa["step_s"] / sync["step_s"], "overlap": overlap}
+        print(f"fully-async step {fa['step_s']:.2f} s vs synchronous {sync['step_s']:.2f} s: "
+              f"{fa['step_s'] / sync['step_s']:.2f}x (goal <= 0.75x); overlap achieved {overlap:.0%} of the shorter "
+              f"phase; trainer idle {fa['trainer_idle_s']:.2f} s/step, engine idle {fa['engine_idle_s']:.2f} s/step, "
+              f"staleness {fa['avg_staleness']:.2f}")
     print(json.dumps(results))
 
 
