@@ -9,11 +9,22 @@ step time is the median of the steps after the first.
     python bench/grpo_step.py                 # both, on the H200
     python bench/grpo_step.py --only miles
     python bench/grpo_step.py --tiny          # CPU smoke test
+    python bench/grpo_step.py --only miles --fully-async   # miles synchronous vs --fully-async
+
+``--fully-async`` compares miles' synchronous step with ``FullyAsyncRun``'s (the
+producer thread generating on the same GPU while the main thread trains): step, rollout
+(for the asynchronous run: what the trainer waited for its batch), train, trainer and
+engine idle time, staleness, the step ratio (goal: asynchronous <= 0.75x synchronous)
+and the overlap achieved, (sync rollout + sync train - async step) / min(sync rollout,
+sync train). When one GPU cannot overlap, the same table says why: the generation
+throughput and the training time of the asynchronous run against the synchronous run's
+(both phases slowed by sharing the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -95,8 +106,7 @@ def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) ->
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith("perf/")}))
     if args.profile:
         profile_step(run, args.steps)
-    if fully_async:
-        run.producer.stop()
+    run.close()  # the asynchronous run's producer stops here; the trainer's resources go
     steady = steps[1:] or steps
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
     extra = {}
@@ -114,6 +124,57 @@ def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) ->
         "response_len": med("rollout/response_len_mean"),
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan"),
     }
+
+
+def bench_miles_and_free(model_dir: Path, data: Path, args, fully_async: bool) -> dict:
+    """:func:`bench_miles`, then its run's memory freed, so a second run in this process
+    starts from the same GPU memory as the first (the engine sizes its KV cache from the
+    memory in use). ``left_gb``: GPU memory still allocated afterwards; well above zero,
+    the second run had less room (run without ``--only``: each run in its own process)."""
+    result = bench_miles(model_dir, data, args, fully_async=fully_async)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        result["left_gb"] = torch.cuda.memory_allocated() / 1e9
+        if result["left_gb"] > 1.0:
+            print(f"warning: {result['left_gb']:.1f} GB still allocated after the run; the next run in this process "
+                  "has less room for its KV cache (run without --only for one process per run)")
+    return result
+
+
+def async_comparison(sync: dict, fa: dict) -> dict:
+    """The fully-async step against the synchronous one (steady-state medians of each):
+    the ratio, the overlap achieved (the fraction of the shorter synchronous phase hidden
+    behind the other), and what sharing the GPU cost each phase."""
+    shorter = min(sync["rollout_s"], sync["train_s"])
+    return {
+        "sync_step_s": sync["step_s"],
+        "async_step_s": fa["step_s"],
+        "ratio": fa["step_s"] / sync["step_s"],
+        "goal_met": fa["step_s"] <= 0.75 * sync["step_s"],
+        "overlap": (sync["rollout_s"] + sync["train_s"] - fa["step_s"]) / shorter if shorter > 0 else float("nan"),
+        "trainer_idle_s": fa["trainer_idle_s"],
+        "engine_idle_s": fa["engine_idle_s"],
+        "avg_staleness": fa["avg_staleness"],
+        # < 1: generation slowed by the training it shares the GPU with
+        "generation_speed_vs_sync": fa["rollout_tok_per_s"] / sync["rollout_tok_per_s"],
+        # > 1: training slowed by the generation it shares the GPU with
+        "train_time_vs_sync": fa["train_s"] / sync["train_s"],
+    }
+
+
+def print_async_table(sync: dict, fa: dict, cmp: dict) -> None:
+    print("\nmiles synchronous vs --fully-async (steady-state medians; async rollout = the trainer's wait for its batch)")
+    print(f"{'run':<12} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'gen tok/s':>10} "
+          f"{'trainer idle s':>15} {'engine idle s':>14} {'staleness':>10}")
+    for name, r in (("synchronous", sync), ("fully-async", fa)):
+        print(f"{name:<12} {r['step_s']:8.2f} {r['rollout_s']:10.2f} {r['train_s']:8.2f} {r['sync_s']:7.3f} "
+              f"{r['rollout_tok_per_s']:10.0f} {r.get('trainer_idle_s', r['rollout_s']):15.2f} "
+              f"{r.get('engine_idle_s', float('nan')):14.2f} {r.get('avg_staleness', 0.0):10.2f}")
+    print(f"async / sync step: {cmp['ratio']:.2f}x (goal <= 0.75x: {'met' if cmp['goal_met'] else 'not met'}); "
+          f"overlap achieved: {cmp['overlap']:.0%} of the shorter synchronous phase")
+    print(f"sharing the GPU: generation at {cmp['generation_speed_vs_sync']:.0%} of its synchronous speed, "
+          f"training {cmp['train_time_vs_sync']:.2f}x its synchronous time")
 
 
 def profile_step(run, rollout_id: int) -> None:
@@ -188,15 +249,17 @@ def run_isolated(system: str, args) -> dict | None:
     return json.loads(out.read_text())[system]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--train-compile", action="store_true", help="miles: torch.compile the decoder layers")
-    parser.add_argument("--only", choices=["miles", "miles_async", "trl"])
+    parser.add_argument("--only", choices=["miles", "miles_async", "trl"],
+                        help="one system in this process (with --fully-async, --only miles runs both miles runs here, "
+                             "one after the other)")
     parser.add_argument("--fully-async", action="store_true",
                         help="miles synchronous vs --fully-async (the producer generating on the same GPU while the "
-                             "trainer trains), each in its own process; TRL not run")
-    parser.add_argument("--steps", type=int, default=3)
+                             "trainer trains); without --only each in its own process; TRL not run")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 3; 2 with --tiny)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -206,9 +269,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
-        args.prompts, args.samples, args.new_tokens, args.prompt_len, args.steps = 4, 4, 16, 8, 2
+        args.prompts, args.samples, args.new_tokens, args.prompt_len = 4, 4, 16, 8
+    args.steps = args.steps or (2 if args.tiny else 3)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir, data = build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
     results = {}
@@ -221,31 +285,28 @@ def main() -> None:
                 results[system] = result
     else:
         if args.only in (None, "miles"):
-            results["miles"] = bench_miles(model_dir, data, args)
-        if args.only == "miles_async" or (args.only is None and args.fully_async):
-            results["miles_async"] = bench_miles(model_dir, data, args, fully_async=True)
+            results["miles"] = bench_miles_and_free(model_dir, data, args, fully_async=False)
+        if args.only == "miles_async" or (args.only in (None, "miles") and args.fully_async):
+            results["miles_async"] = bench_miles_and_free(model_dir, data, args, fully_async=True)
         if args.only == "trl":
             results["trl"] = bench_trl(model_dir, data, args)
-        if args.result_json:
-            args.result_json.write_text(json.dumps(results))
     completion_tokens = args.prompts * args.samples * args.new_tokens
     print(f"\nGRPO step, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens")
-    print(f"{'system':<8} {'first s':>8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'tok/s':>9} {'peak GB':>8}")
+    print(f"{'system':<12} {'first s':>8} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'tok/s':>9} "
+          f"{'peak GB':>8}")
     for name, r in results.items():
-        print(f"{name:<8} {r['first_step_s']:8.2f} {r['step_s']:8.2f} {r.get('rollout_s', float('nan')):10.2f} "
+        print(f"{name:<12} {r['first_step_s']:8.2f} {r['step_s']:8.2f} {r.get('rollout_s', float('nan')):10.2f} "
               f"{r.get('train_s', float('nan')):8.2f} {r.get('sync_s', float('nan')):7.3f} "
               f"{completion_tokens / r['step_s']:9.0f} {r['peak_gb']:8.1f}")
     if "miles" in results and "trl" in results:
         print(f"speed-up per steady step: {results['trl']['step_s'] / results['miles']['step_s']:.2f}x")
     if "miles" in results and "miles_async" in results:
-        sync, fa = results["miles"], results["miles_async"]
-        overlap = (sync["rollout_s"] + sync["train_s"] - fa["step_s"]) / min(sync["rollout_s"], sync["train_s"])
-        results["async_vs_sync"] = {"ratio": fa["step_s"] / sync["step_s"], "overlap": overlap}
-        print(f"fully-async step {fa['step_s']:.2f} s vs synchronous {sync['step_s']:.2f} s: "
-              f"{fa['step_s'] / sync['step_s']:.2f}x (goal <= 0.75x); overlap achieved {overlap:.0%} of the shorter "
-              f"phase; trainer idle {fa['trainer_idle_s']:.2f} s/step, engine idle {fa['engine_idle_s']:.2f} s/step, "
-              f"staleness {fa['avg_staleness']:.2f}")
+        results["async_vs_sync"] = async_comparison(results["miles"], results["miles_async"])
+        print_async_table(results["miles"], results["miles_async"], results["async_vs_sync"])
+    if args.result_json:
+        args.result_json.write_text(json.dumps(results))
     print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
