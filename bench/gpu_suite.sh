@@ -4,6 +4,7 @@
 # out of time loses only itself). Usage on the GPU machine:
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests rollout rollout_plain grpo grpo_async (miles synchronous vs --fully-async on one GPU: step ratio, overlap, idle, staleness)
+#        grpo_async_profile (the same, one more step of each profiled: GPU busy time, kernels)
 #        two_gpu_async (needs 2 GPUs: the quickstart --fully-async, engine process on the second GPU) grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
@@ -59,6 +60,7 @@ for step in "${steps[@]}"; do
     rollout_plain) run rollout_plain 200 python3 bench/rollout.py --repeats 2 --skip-hf --no-overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
     grpo_async) run grpo_async 480 python3 bench/grpo_step.py --only miles --train-compile --fully-async --steps 4 ;;  # synchronous then --fully-async, one GPU, one process
+    grpo_async_profile) run grpo_async_profile 500 python3 bench/grpo_step.py --only miles --train-compile --fully-async --steps 2 --profile ;;  # GPU busy time of each step: what one GPU leaves to overlap
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;

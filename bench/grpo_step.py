@@ -18,7 +18,8 @@ engine idle time, staleness, the step ratio (goal: asynchronous <= 0.75x synchro
 and the overlap achieved, (sync rollout + sync train - async step) / min(sync rollout,
 sync train). When one GPU cannot overlap, the same table says why: the generation
 throughput and the training time of the asynchronous run against the synchronous run's
-(both phases slowed by sharing the GPU).
+(both phases slowed by sharing the GPU), and with ``--profile`` the GPU busy time of one
+more step of each (a GPU busy through the synchronous step has nothing left to overlap).
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) ->
         metrics = run.step(rollout_id)
         steps.append(metrics)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith("perf/")}))
-    if args.profile:
-        profile_step(run, args.steps)
+    profiled = profile_step(run, args.steps) if args.profile else {}
     run.close()  # the asynchronous run's producer stops here; the trainer's resources go
     steady = steps[1:] or steps
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
@@ -115,6 +115,7 @@ def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) ->
                  "avg_staleness": med("rollout/fully_async/avg_staleness")}
     return {
         **extra,
+        **profiled,
         "first_step_s": steps[0]["perf/step_time_s"],
         "step_s": med("perf/step_time_s"),
         "rollout_s": med("perf/rollout_time_s"),
@@ -160,6 +161,8 @@ def async_comparison(sync: dict, fa: dict) -> dict:
         "generation_speed_vs_sync": fa["rollout_tok_per_s"] / sync["rollout_tok_per_s"],
         # > 1: training slowed by the generation it shares the GPU with
         "train_time_vs_sync": fa["train_s"] / sync["train_s"],
+        **({f"{k}_{run}": r[k] for run, r in (("sync", sync), ("async", fa))
+            for k in ("gpu_busy_s", "gpu_busy_fraction", "profiled_step_s") if k in r}),
     }
 
 
@@ -175,10 +178,28 @@ def print_async_table(sync: dict, fa: dict, cmp: dict) -> None:
           f"overlap achieved: {cmp['overlap']:.0%} of the shorter synchronous phase")
     print(f"sharing the GPU: generation at {cmp['generation_speed_vs_sync']:.0%} of its synchronous speed, "
           f"training {cmp['train_time_vs_sync']:.2f}x its synchronous time")
+    if "gpu_busy_s" in sync and torch.cuda.is_available():
+        print(f"--profile: the GPU was busy {sync['gpu_busy_fraction']:.0%} of a synchronous step "
+              f"({sync['gpu_busy_s']:.2f} of {sync['profiled_step_s']:.2f} s) and {fa['gpu_busy_fraction']:.0%} of an "
+              f"asynchronous one ({fa['gpu_busy_s']:.2f} of {fa['profiled_step_s']:.2f} s): what one GPU leaves to overlap")
 
 
-def profile_step(run, rollout_id: int) -> None:
-    """One more step under the host profiler and the CUDA profiler: where the time goes."""
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start_us, end_us)`` intervals (kernels of several
+    streams running at once count once)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e6
+
+
+def profile_step(run, rollout_id: int) -> dict:
+    """One more step under the host profiler and the CUDA profiler: where the time goes.
+    Returns the profiled step's time and the time the GPU ran kernels or copies in it (any
+    thread's: with ``--fully-async`` the producer's too); a GPU busy through a synchronous
+    step leaves an asynchronous run on the same GPU nothing to overlap."""
     import cProfile
     import pstats
 
@@ -194,6 +215,13 @@ def profile_step(run, rollout_id: int) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(30)
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(trace.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+    from torch.autograd import DeviceType
+
+    device = [(e.time_range.start, e.time_range.end) for e in trace.events() if e.device_type == DeviceType.CUDA]
+    step_s = metrics["perf/step_time_s"]
+    gpu_busy_s = busy_seconds(device) if torch.cuda.is_available() else float("nan")
+    print(f"profiled step {step_s:.2f} s: GPU busy {gpu_busy_s:.2f} s ({gpu_busy_s / step_s:.0%})")
+    return {"profiled_step_s": step_s, "gpu_busy_s": gpu_busy_s, "gpu_busy_fraction": gpu_busy_s / step_s}
 
 
 def bench_trl(model_dir: Path, data: Path, args) -> dict:

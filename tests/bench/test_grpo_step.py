@@ -46,3 +46,11 @@ def test_tiny_sync_vs_fully_async_in_one_process(tmp_path):
     assert cmp["ratio"] == pytest.approx(fa["step_s"] / sync["step_s"])
     shorter = min(sync["rollout_s"], sync["train_s"])
     assert cmp["overlap"] == pytest.approx((sync["rollout_s"] + sync["train_s"] - fa["step_s"]) / shorter)
+
+
+def test_busy_seconds_counts_overlapping_kernels_once():
+    from bench.grpo_step import busy_seconds
+
+    # [0, 3] and [2, 5] overlap (5 us busy), [7, 8] apart, [7.5, 7.8] inside it: 6 us
+    assert busy_seconds([(7.0, 8.0), (0.0, 3.0), (2.0, 5.0), (7.5, 7.8)]) == pytest.approx(6e-6)
+    assert busy_seconds([]) == 0.0
