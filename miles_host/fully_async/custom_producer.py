@@ -43,6 +43,7 @@ class CustomGenerateProducer(RolloutProducer):
     async def _run_trajectories(self) -> None:
         manager, config = self.manager, self.config
         async with EngineDriver(self.backend, config.rollout_return_routed_experts) as driver:
+            await driver.on_engine_thread(self.stream.use_on_this_thread)  # the driver steps the engine there
             runner = TrajectoryRunner(manager, manager.custom_generate, driver, config.sglang_server_concurrency,
                                       manager.sessions())
             try:
@@ -53,7 +54,7 @@ class CustomGenerateProducer(RolloutProducer):
                         started = time.perf_counter()
                         await asyncio.to_thread(self._wake.wait, 0.05)
                         self._wake.clear()
-                        self.idle_s += time.perf_counter() - started
+                        self._add_idle(time.perf_counter() - started)
                         continue
                     done, _ = await asyncio.wait(self.running_groups, timeout=0.05,
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -108,7 +109,7 @@ class CustomGenerateProducer(RolloutProducer):
             try:
                 if mode != "in_place":
                     await self._retract(driver)
-                result = await driver.on_engine_thread(fn)
+                result = await driver.on_engine_thread(lambda: self.stream.after_trainer(fn))
             except BaseException as error:  # handed to the caller; the backend may be broken: stop
                 future.set_exception(error)
                 raise
@@ -116,7 +117,7 @@ class CustomGenerateProducer(RolloutProducer):
                 future.set_result(result)
             finally:
                 driver.accept_requests()
-                self.idle_s += time.perf_counter() - started
+                self._add_idle(time.perf_counter() - started)
 
     async def _retract(self, driver: EngineDriver) -> None:
         """Abort the requests in flight and wait for every trajectory to return (its samples

@@ -27,9 +27,11 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from miles_host.fully_async.buffer import FinishedGroups
+from miles_host.fully_async.streams import ProducerStream
 from miles_host.rollout_manager import RolloutManager, RolloutStats
 from miles_host.sample import Sample, Status
 
@@ -66,6 +68,8 @@ class RolloutProducer:
         self._thread: threading.Thread | None = None
         self._filtered_in_a_row = 0
         self._records: dict[int, Any] | None = None
+        #: the CUDA stream the producer's engine work goes to (an in-process engine on a GPU)
+        self.stream = ProducerStream.for_backend(self.backend)
         #: seconds the engines had nothing to generate (buffer full, nothing to start) or were paused by a call
         self.idle_s = 0.0
 
@@ -96,7 +100,7 @@ class RolloutProducer:
         while True:
             try:
                 return future.result(timeout=0.2)
-            except TimeoutError:
+            except FutureTimeout:
                 if not self.running and not future.done():
                     raise RuntimeError("the rollout producer stopped before running the call") from None
 
@@ -161,21 +165,29 @@ class RolloutProducer:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._serve_commands()
-                self._start_groups()
-                if self.in_flight:
-                    self._step()
-                else:
-                    started = time.perf_counter()
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    self.idle_s += time.perf_counter() - started
+            with self.stream.context():
+                self._generate()
         except BaseException as error:  # noqa: BLE001 - the trainer's thread re-raises it
             self.buffer.fail(error)
             self._fail_commands(error)
         else:
             self._fail_commands(RuntimeError("the rollout producer stopped"))
+
+    def _generate(self) -> None:
+        while not self._stop.is_set():
+            self._serve_commands()
+            self._start_groups()
+            if self.in_flight:
+                self._step()
+            else:
+                started = time.perf_counter()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                self._add_idle(time.perf_counter() - started)
+
+    def _add_idle(self, seconds: float) -> None:
+        with self._lock:
+            self.idle_s += seconds
 
     def _fail_commands(self, error: BaseException) -> None:
         while self._commands:
@@ -190,12 +202,12 @@ class RolloutProducer:
             started = time.perf_counter()
             try:
                 self._pause(mode)
-                future.set_result(fn())
+                future.set_result(self.stream.after_trainer(fn))
             except BaseException as error:
                 future.set_exception(error)
                 raise
             finally:
-                self.idle_s += time.perf_counter() - started
+                self._add_idle(time.perf_counter() - started)
 
     def _room(self) -> bool:
         return len(self.in_flight) + self.group_size <= self.max_samples and not self.buffer.full
