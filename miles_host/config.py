@@ -14,6 +14,7 @@ from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 from miles_host.config_megatron import MegatronArgs
+from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
 from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
 
@@ -246,6 +247,7 @@ class MilesConfig(
     MegatronArgs,
     SGLangServerArgs,
     SGLangRouterArgs,
+    OptimLoggingArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -329,6 +331,7 @@ def validate_config(config: MilesConfig) -> None:
     check_async_settings(config)
     check_sglang_args(config)
     check_training_modes(config)
+    check_optim_logging(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "

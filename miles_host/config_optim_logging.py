@@ -1,0 +1,103 @@
+"""slime/Megatron flags of the optimizer, data balancing, checkpoint retention, log-prob
+chunking, chat-template arguments and experiment tracking (wandb, TensorBoard).
+
+Spellings and defaults are slime's (``slime/utils/arguments.py``) or Megatron-LM's
+(``megatron/training/arguments.py``); each help text says what the flag does here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from miles_host.config_fields import flag, optional_int
+
+#: optimizers by ``--optimizer`` name: the torch class each trainer that builds its own
+#: optimizer (native, DP, FSDP) uses
+OPTIMIZERS = ("adam", "sgd")
+
+
+def json_dict(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (``'{"enable_thinking": false}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error}): {text!r}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is needed, got {type(value).__name__}: {text!r}")
+    return value
+
+
+@dataclass
+class OptimizerArgs:
+    optimizer: str = flag("adam", "optimizer (Megatron's spelling): adam (AdamW with --adam-beta1/2, --adam-eps, --weight-decay) "
+                          "or sgd (--sgd-momentum, --weight-decay)", type=str, choices=OPTIMIZERS, group="train")
+    sgd_momentum: float = flag(0.9, "momentum of --optimizer sgd (Megatron's default)", type=float, group="train")
+    optimizer_cpu_offload: bool = flag(False, "keep the optimizer state on CPU and take the optimizer step there: gradients "
+                                       "are copied to float32 CPU master parameters, stepped, and the parameters copied "
+                                       "back (native trainer; other backends refuse it)", group="train")
+    balance_data: bool = flag(False, "split each optimizer step's samples across data-parallel ranks so every rank gets "
+                              "about the same number of tokens (longest first onto the lightest rank); without it "
+                              "samples are dealt out in order", group="train")
+    log_probs_chunk_size: int = flag(-1, "compute log-probs over the vocabulary this many tokens at a time to bound the "
+                                     "logits' memory (-1: all tokens at once); the values are the same either way",
+                                     type=int, group="train")
+
+
+@dataclass
+class RetentionArgs:
+    save_retain_interval: int | None = flag(None, "keep the checkpoints of rollouts that are multiples of this "
+                                            "interval (and the newest one); delete the other --save checkpoints as "
+                                            "newer ones are written (default: keep all)", type=optional_int,
+                                            group="checkpoint")
+
+
+@dataclass
+class ChatTemplateArgs:
+    apply_chat_template_kwargs: dict = flag({}, "JSON object of extra keyword arguments to the tokenizer's "
+                                            "apply_chat_template with --apply-chat-template (e.g. "
+                                            "'{\"enable_thinking\": false}')", type=json_dict, group="data")
+
+
+@dataclass
+class TrackingArgs:
+    wandb_mode: str | None = flag(None, "wandb mode: online, offline or disabled (default: wandb's, or WANDB_MODE)",
+                                  type=str, choices=["online", "offline", "disabled"], group="output")
+    wandb_key: str | None = flag(None, "wandb API key: wandb.login(key=...) before the run starts", type=str, group="output")
+    wandb_host: str | None = flag(None, "wandb server URL (self-hosted wandb)", type=str, group="output")
+    wandb_team: str | None = flag(None, "wandb entity (team) of the run", type=str, group="output")
+    wandb_group: str | None = flag(None, "wandb group of the run (also its name prefix, as slime names runs)", type=str,
+                                   group="output")
+    wandb_dir: str | None = flag(None, "directory of wandb's local files (default: --output-dir)", type=str, group="output")
+    wandb_run_id: str | None = flag(None, "resume this wandb run id (wandb.init(id=..., resume='allow'))", type=str,
+                                    group="output")
+    disable_wandb_random_suffix: bool = flag(False, "name the wandb run exactly --wandb-group (slime appends a random "
+                                             "suffix otherwise)", group="output")
+    wandb_always_use_train_step: bool = flag(False, "slime compatibility: accepted; every metric is logged against "
+                                             "the rollout step here, as slime's train step is", group="output")
+    tb_project_name: str | None = flag(None, "TensorBoard: event files go to <TENSORBOARD_DIR or --output-dir/"
+                                       "tensorboard>/<this>/<--tb-experiment-name>", type=str, group="output")
+    tb_experiment_name: str | None = flag(None, "TensorBoard experiment (sub-directory under --tb-project-name)", type=str,
+                                          group="output")
+
+
+@dataclass
+class OptimLoggingArgs(OptimizerArgs, RetentionArgs, ChatTemplateArgs, TrackingArgs):
+    """The flags of this module, one base of :class:`miles_host.config.MilesConfig`."""
+
+
+def check_optim_logging(config: Any) -> None:
+    """Values of this module's flags that cannot work; ValueError naming the flag."""
+    if config.save_retain_interval is not None and config.save_retain_interval <= 0:
+        raise ValueError(f"--save-retain-interval must be a positive number of rollouts, got {config.save_retain_interval}")
+    if config.save_retain_interval is not None and not config.save:
+        raise ValueError("--save-retain-interval needs --save: it chooses which --save checkpoints to keep")
+    if config.log_probs_chunk_size == 0 or config.log_probs_chunk_size < -1:
+        raise ValueError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (all at once), got "
+                         f"{config.log_probs_chunk_size}")
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if config.optimizer == "sgd" and config.optimizer_cpu_offload:
+        raise ValueError("--optimizer-cpu-offload runs AdamW on CPU (as Megatron's hybrid CPU optimizer does); "
+                         "drop it with --optimizer sgd")
