@@ -1,0 +1,236 @@
+"""slime's launch scripts, argument array by argument array, through ``miles run``.
+
+Each set copies the structure and flag content of one of slime's scripts
+(``scripts/run-qwen3-4B.sh``, ``run-qwen3-30B-A3B.sh``, ``run-deepseek-r1.sh``,
+``run-glm4.5-355B-A32B.sh``): MODEL_ARGS + CKPT_ARGS + ROLLOUT_ARGS + EVAL_ARGS + PERF_ARGS +
+GRPO_ARGS + OPTIMIZER_ARGS + WANDB_ARGS + SGLANG_ARGS + MISC_ARGS. Paths point at tiny local
+checkpoints built with transformers; MODEL_ARGS are computed from their configs
+(:mod:`tests.host.test_megatron_args`); sizes that must fit a 2-layer, 4-head model
+(parallel sizes, GPUs) are scaled down, every flag of the script stays.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from miles_host.cli.main import main
+from tests.host.test_megatron_args import MODELS
+
+#: flags still refused while the work of the launch-script issue lands; filled from a run of
+#: this test (the sub-cases that give one are xfail with the list in the reason)
+STILL_REFUSED: dict[str, list[str]] = {}
+
+
+def _ckpt_args(folder: Path, root: Path, name: str, save: bool) -> list[str]:
+    args = ["--hf-checkpoint", str(folder), "--ref-load", str(folder)]
+    if save:  # an empty --load starts fresh, as slime's does
+        args += ["--load", str(root / f"{name}_slime"), "--save", str(root / f"{name}_slime"), "--save-interval", "20"]
+    return args
+
+
+def _rollout_args(root: Path, batch: int, samples: int, response: int, *extra: str) -> list[str]:
+    return ["--prompt-data", str(root / "dapo.jsonl"), "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler", "--num-rollout", "3000",
+            "--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples),
+            "--rollout-max-response-len", str(response), "--rollout-temperature", "0.8", *extra]
+
+
+def _eval_args(root: Path, interval: bool, samples: int, response: int) -> list[str]:
+    return [*(["--eval-interval", "20"] if interval else []), "--eval-prompt-data", "aime", str(root / "aime.jsonl"),
+            "--n-samples-per-eval-prompt", str(samples), "--eval-max-response-len", str(response), "--eval-top-p", "0.7"]
+
+
+def _perf_args(tp: int, pp: int, cp: int, ep: int, tokens: int, *extra: str) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--pipeline-model-parallel-size", str(pp),
+            "--context-parallel-size", str(cp), "--expert-model-parallel-size", str(ep),
+            "--expert-tensor-parallel-size", "1", *extra, "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1", "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu", str(tokens)]
+
+
+GRPO_ARGS = ["--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+             "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
+OPTIMIZER_ARGS = ["--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+                  "--adam-beta1", "0.9", "--adam-beta2", "0.98"]
+CPU_OPTIMIZER_ARGS = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
+MISC_ARGS = ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+             "--attention-softmax-in-fp32", "--attention-backend", "flash"]
+SLIME_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+
+
+def qwen3_4b(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[str]]:
+    """``scripts/run-qwen3-4B.sh``."""
+    return {
+        "LAUNCH": ["--rollout-backend", "sglang", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate"],
+        "MODEL_ARGS": model_args,
+        "CKPT_ARGS": _ckpt_args(folder, root, "qwen3", save=True),
+        "ROLLOUT_ARGS": _rollout_args(root, 32, 8, 8192, "--global-batch-size", "256", "--balance-data"),
+        "EVAL_ARGS": _eval_args(root, True, 16, 16384),
+        "PERF_ARGS": _perf_args(2, 1, 1, 1, 9216),
+        "GRPO_ARGS": GRPO_ARGS,
+        "OPTIMIZER_ARGS": OPTIMIZER_ARGS,
+        "WANDB_ARGS": [],  # commented out in the script
+        "SGLANG_ARGS": ["--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7"],
+        "MISC_ARGS": MISC_ARGS,
+    }
+
+
+def qwen3_30b_a3b(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[str]]:
+    """``scripts/run-qwen3-30B-A3B.sh`` (EP 8 -> 2 for 8 tiny experts on 2 GPUs)."""
+    return {
+        "LAUNCH": ["--rollout-backend", "sglang", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate"],
+        "MODEL_ARGS": model_args,
+        "CKPT_ARGS": _ckpt_args(folder, root, "qwen3_moe", save=False),
+        "ROLLOUT_ARGS": _rollout_args(root, 8, 4, 8192, "--global-batch-size", "32", "--balance-data"),
+        "EVAL_ARGS": _eval_args(root, False, 16, 16384),
+        "PERF_ARGS": _perf_args(2, 1, 1, 2, 20480),
+        "GRPO_ARGS": [*GRPO_ARGS, "--use-tis", "--tis-level", "geometric"],
+        "OPTIMIZER_ARGS": [*OPTIMIZER_ARGS, *CPU_OPTIMIZER_ARGS],
+        "WANDB_ARGS": ["--use-wandb", "--wandb-project", "slime-dev", "--wandb-group", "qwen3-30B-A3B-TIS",
+                       "--wandb-run-id", "qwen3-30B-A3B-TIS-sequence", "--wandb-key", "0123456789abcdef",
+                       "--wandb-mode", "disabled"],
+        "SGLANG_ARGS": ["--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+                        "--sglang-cuda-graph-bs", "1", "2", "4", "8", *map(str, range(16, 257, 8))],
+        "MISC_ARGS": MISC_ARGS,
+    }
+
+
+def deepseek_r1(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[str]]:
+    """``scripts/run-deepseek-r1.sh`` (PP 4 / CP 4 / EP 32 / TP 8 -> 2 / 1 / 2 / 1 on 4 GPUs)."""
+    return {
+        "LAUNCH": ["--rollout-backend", "sglang", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "4", "--colocate"],
+        "MODEL_ARGS": model_args,
+        "CKPT_ARGS": _ckpt_args(folder, root, "deepseek_v3", save=True),
+        "ROLLOUT_ARGS": _rollout_args(root, 128, 8, 32768, "--over-sampling-batch-size", "256",
+                                      "--dynamic-sampling-filter-path", SLIME_FILTER, "--num-steps-per-rollout", "4",
+                                      "--balance-data"),
+        "EVAL_ARGS": _eval_args(root, True, 8, 32768),
+        "PERF_ARGS": _perf_args(1, 2, 1, 2, 16384, "--decoder-last-pipeline-num-layers", "1"),
+        "GRPO_ARGS": GRPO_ARGS,
+        "OPTIMIZER_ARGS": [*OPTIMIZER_ARGS, *CPU_OPTIMIZER_ARGS],
+        "WANDB_ARGS": [],
+        "SGLANG_ARGS": ["--rollout-num-gpus-per-engine", "4", "--sglang-mem-fraction-static", "0.7",
+                        "--sglang-enable-ep-moe", "--sglang-enable-dp-attention", "--sglang-dp-size", "2",
+                        "--sglang-moe-dense-tp-size", "1", "--sglang-enable-dp-lm-head", "--sglang-disable-radix-cache",
+                        "--sglang-enable-deepep-moe", "--sglang-deepep-mode", "auto", "--sglang-server-concurrency", "1024"],
+        "MISC_ARGS": [*MISC_ARGS, "--moe-enable-deepep", "--moe-token-dispatcher-type", "flex"],
+    }
+
+
+def glm45_355b(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[str]]:
+    """``scripts/run-glm4.5-355B-A32B.sh`` (TP 8 / PP 4 / CP 2 / EP 16 -> 2 / 1 / 1 / 2 on 2 GPUs)."""
+    return {
+        "LAUNCH": ["--rollout-backend", "sglang", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate",
+                   "--save-debug-rollout-data", str(root / "glm_data.pt")],
+        "MODEL_ARGS": model_args,
+        "CKPT_ARGS": _ckpt_args(folder, root, "glm4_moe", save=False),
+        "ROLLOUT_ARGS": _rollout_args(root, 128, 8, 32768, "--over-sampling-batch-size", "256",
+                                      "--dynamic-sampling-filter-path", SLIME_FILTER, "--num-steps-per-rollout", "4",
+                                      "--balance-data", "--rollout-stop-token-ids", "120", "121", "122"),
+        "EVAL_ARGS": _eval_args(root, True, 8, 32768),
+        "PERF_ARGS": _perf_args(2, 1, 1, 2, 16384),
+        "GRPO_ARGS": ["--advantage-estimator", "gspo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+                      "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "1e-4", "--eps-clip-high", "2e-4",
+                      "--use-tis"],
+        "OPTIMIZER_ARGS": [*OPTIMIZER_ARGS, *CPU_OPTIMIZER_ARGS],
+        "WANDB_ARGS": [],
+        "SGLANG_ARGS": ["--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+                        "--sglang-enable-dp-attention", "--sglang-dp-size", "2"],
+        "MISC_ARGS": MISC_ARGS,
+    }
+
+
+SCRIPTS = {"qwen3": qwen3_4b, "qwen3_moe": qwen3_30b_a3b, "deepseek_v3": deepseek_r1, "glm4_moe": glm45_355b}
+ORDER = ["LAUNCH", "MODEL_ARGS", "CKPT_ARGS", "ROLLOUT_ARGS", "OPTIMIZER_ARGS", "GRPO_ARGS", "WANDB_ARGS", "PERF_ARGS",
+         "EVAL_ARGS", "SGLANG_ARGS", "MISC_ARGS"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``(root, {name: (folder, MODEL_ARGS)})``: tiny checkpoints (model, tokenizer) and data files."""
+    root = tmp_path_factory.mktemp("slime-scripts")
+    records = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(4)]
+    for name in ("dapo.jsonl", "aime.jsonl"):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = {}
+    for name, (build, model_args) in MODELS.items():
+        hf = build(root / name)
+        _tiny_tokenizer(root / name)
+        built[name] = (root / name, model_args(hf))
+    return root, built
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    """A 128-token word-level tokenizer with a chat template (the tiny configs' vocab size)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for i in range(125):
+        vocab[chr(33 + i) if 33 + i < 127 else f"w{i}"] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(folder)
+
+
+def script_argv(checkpoints, name: str) -> list[str]:
+    root, built = checkpoints
+    folder, model_args = built[name]
+    arrays = SCRIPTS[name](root, folder, model_args)
+    return [arg for key in ORDER for arg in arrays[key]]
+
+
+def run_miles(argv: list[str], capsys) -> tuple[int, str]:
+    """``miles run ARGV``: exit code and stderr (argparse's own errors exit 2)."""
+    try:
+        code = main(["run", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def refused_flags(err: str) -> list[str]:
+    """The flags argparse did not know (``unrecognized arguments: ...``)."""
+    found = re.search(r"unrecognized arguments: (.*)", err)
+    return [word for word in found.group(1).split() if word.startswith("--")] if found else []
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_slime_script_passes_dry_run(checkpoints, name, capsys):
+    code, err = run_miles([*script_argv(checkpoints, name), "--dry-run"], capsys)
+    refused = refused_flags(err)
+    assert not refused, f"{name}: flags still refused: {' '.join(refused)}"
+    assert code == 0, f"{name}: the dry run stopped:\n{err[-3000:]}"
+
+
+def reduced(argv: list[str], root: Path) -> list[str]:
+    """The Qwen3 dense script with its sizes reduced to a CPU run of 2 steps: every flag stays."""
+    values = {"--num-rollout": "2", "--rollout-batch-size": "2", "--n-samples-per-prompt": "2",
+              "--rollout-max-response-len": "4", "--global-batch-size": "4", "--eval-max-response-len": "4",
+              "--n-samples-per-eval-prompt": "1", "--eval-interval": "1", "--save-interval": "1",
+              "--max-tokens-per-gpu": "64", "--tensor-model-parallel-size": "1", "--actor-num-gpus-per-node": "1",
+              "--rollout-num-gpus-per-engine": "1"}
+    out = list(argv)
+    for flag, value in values.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+    drop = {"--colocate", "--sequence-parallel"}  # one CPU process: no GPUs to share, no TP to split over
+    return [a for a in out if a not in drop] + ["--device", "cpu", "--output-dir", str(root / "qwen3_out")]
+
+
+def test_qwen3_script_trains_on_cpu(checkpoints, capsys):
+    """The reducible script (Qwen3 dense) end to end: 2 rollouts, a checkpoint each, metrics."""
+    root, _ = checkpoints
+    argv = reduced(script_argv(checkpoints, "qwen3"), root)
+    code, err = run_miles(argv, capsys)
+    assert not refused_flags(err), f"flags still refused: {' '.join(refused_flags(err))}"
+    assert code == 0, err[-3000:]
+    lines = (root / "qwen3_out" / "metrics.jsonl").read_text().splitlines()
+    assert len([json.loads(line) for line in lines if "train/loss" in json.loads(line)]) == 2
+    assert (root / "qwen3_slime" / "latest_checkpointed_iteration.txt").exists()
