@@ -127,6 +127,12 @@ class Sample:
         versions = [v for v in self.token_weight_versions if v is not None]
         return min(versions) if versions else None
 
+    def get_reward_value(self, args: Any) -> Any:
+        """The reward the advantages use, as slime's ``Sample.get_reward_value``: the
+        ``--reward-key`` entry of a dict reward, else the reward (for slime-contract functions)."""
+        key = getattr(args, "reward_key", None)
+        return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
+
     @property
     def prompt_length(self) -> int:
         """Tokens before the response."""
