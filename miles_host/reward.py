@@ -207,7 +207,9 @@ class RewardScorer:
         self.group = bool(config.group_rm)
         self.timeout_s: float | None = config.rm_timeout  # in-process rewards; --rm-url times its requests itself
         if config.custom_rm_path:
-            self.function = load_function(config.custom_rm_path, "--custom-rm-path")
+            from miles_host.function_contracts import load_adapted  # imports this module
+
+            self.function = load_adapted(config.custom_rm_path, "custom_rm_path", config)
             self.source = f"--custom-rm-path {config.custom_rm_path}"
         elif config.rm_url:
             self.function = remote_reward(config.rm_url, config.rm_timeout, config.rm_max_retries)
