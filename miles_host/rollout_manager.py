@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterable, Iterator
 from miles_host.custom_generate import EngineDriver, GenerateSession, TrajectoryRunner  # noqa: F401 - GenerateSession re-exported
 from miles_host.data import PromptDataset, PromptRecord
 from miles_host.health import check_failed_fraction
-from miles_host.reward import RewardScorer, load_function
+from miles_host.function_contracts import load_adapted
+from miles_host.reward import RewardScorer
 from miles_host.sample import Sample, Status, compact_expert_ids, output_token_versions
 
 
@@ -81,13 +82,14 @@ class RolloutManager:
         self.buffer: list[list[Sample]] = []  # groups carried to the next rollout (partial rollout)
         self.keep_group = keep_group_with_signal if config.over_sampling_batch_size else None
         if config.dynamic_sampling_filter_path:
-            self.keep_group = load_function(config.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+            self.keep_group = load_adapted(config.dynamic_sampling_filter_path, "dynamic_sampling_filter_path", config)
         self.eos_ids = _eos_ids(tokenizer)
         self.next_group_index = 0
         self.custom_generate = None
         self.session_server = None  # started at the first custom rollout with --use-session-server
         if config.custom_generate_function_path:
-            self.custom_generate = load_function(config.custom_generate_function_path, "--custom-generate-function-path")
+            self.custom_generate = load_adapted(config.custom_generate_function_path, "custom_generate_function_path",
+                                                config)
 
     # -- building requests --------------------------------------------------
 
