@@ -18,7 +18,6 @@ from miles_host.data import missing_data_file
 from miles_host.distributed.placement import check_placement, wants_distributed
 from miles_host.models.loading import native_config, read_hf_config
 from miles_host.plugin_manager import model_family_for
-from miles_host.reward import load_function
 from miles_host.rollout_backend import resolve_device
 from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
 from miles_host.validation.output_paths import check_output_paths
@@ -82,11 +81,14 @@ def model_config(config: Any) -> Any:
 
 
 def check_user_functions(config: Any, registries: Any) -> None:
-    """``module.fn`` flags import and name a function."""
+    """``module.fn`` flags import and name a function whose contract (slime's or miles') can be called
+    (:mod:`miles_host.function_contracts`)."""
+    from miles_host.function_contracts import load_adapted
+
     for name in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
         path = getattr(config, name)
         if path:
-            load_function(path, flag_name(name))
+            load_adapted(path, name, config)
 
 
 def check_device(config: Any, registries: Any) -> None:
