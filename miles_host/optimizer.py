@@ -1,0 +1,103 @@
+"""The trainer's optimizer: ``--optimizer`` adam or sgd, Megatron's weight-decay groups,
+and ``--optimizer-cpu-offload``.
+
+Weight decay follows Megatron-LM (``megatron/core/optimizer``): biases and every
+one-dimensional parameter (norm weights) take none; matrices and embeddings take
+``--weight-decay``.
+
+With ``--optimizer-cpu-offload`` the optimizer keeps float32 master copies of the
+parameters and its state on the CPU: each step copies the gradients there, steps, and
+copies the parameters back to the device (Megatron's CPU optimizer does the same, so the
+device holds no optimizer state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+def no_weight_decay(name: str, parameter: torch.Tensor) -> bool:
+    """Megatron's rule: biases and 1-D parameters (norm weights) are not decayed."""
+    return name.endswith(".bias") or parameter.dim() <= 1
+
+
+def parameter_groups(named_parameters: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Two groups, decayed and not (an empty one is left out), over the trainable parameters."""
+    decayed, plain = [], []
+    for name, parameter in named_parameters:
+        if parameter.requires_grad:
+            (plain if no_weight_decay(name, parameter) else decayed).append(parameter)
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def _adam(groups: list[dict], config: Any, lr: float, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                             fused=fused)
+
+
+def _sgd(groups: list[dict], config: Any, lr: float, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum)
+
+
+#: ``--optimizer`` name -> the torch optimizer over parameter groups
+OPTIMIZER_BUILDERS: dict[str, Callable[[list[dict], Any, float, bool], torch.optim.Optimizer]] = {
+    "adam": _adam,
+    "sgd": _sgd,
+}
+
+
+def build_optimizer(named_parameters: Iterable[tuple[str, torch.Tensor]], config: Any, *, lr: float | None = None,
+                    fused: bool = False, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """The ``--optimizer`` over Megatron's weight-decay groups (on CPU with ``cpu_offload``)."""
+    lr = config.lr if lr is None else lr
+    groups = parameter_groups(named_parameters, config.weight_decay)
+    if cpu_offload:
+        return CpuOffloadOptimizer(groups, lambda cpu_groups: OPTIMIZER_BUILDERS[config.optimizer](
+            cpu_groups, config, lr, False), lr)
+    return OPTIMIZER_BUILDERS[config.optimizer](groups, config, lr, fused)
+
+
+class CpuOffloadOptimizer(torch.optim.Optimizer):
+    """An optimizer whose state and step live on the CPU.
+
+    Its own ``param_groups`` hold the device parameters (the learning-rate schedule sets
+    ``lr`` there; ``zero_grad`` clears their gradients); ``state`` stays empty, so moving
+    optimizer state between devices (``--offload-train``) leaves the CPU state alone. The
+    inner optimizer steps float32 CPU copies; :meth:`step` copies gradients in and
+    parameters out. ``state_dict`` is the inner optimizer's."""
+
+    def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer], lr: float):
+        super().__init__(groups, {"lr": lr})
+        self.masters = [[p.detach().to("cpu", torch.float32, copy=True) for p in group["params"]]
+                        for group in self.param_groups]
+        cpu_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": masters}
+                      for group, masters in zip(self.param_groups, self.masters)]
+        self.inner = make_inner(cpu_groups)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise ValueError("--optimizer-cpu-offload: a closure cannot be re-evaluated on the CPU copies")
+        for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups, self.masters):
+            inner_group["lr"] = group["lr"]
+            for parameter, master in zip(group["params"], masters):
+                master.grad = None if parameter.grad is None else parameter.grad.detach().to("cpu", torch.float32)
+        self.inner.step()
+        for group, masters in zip(self.param_groups, self.masters):
+            for parameter, master in zip(group["params"], masters):
+                if master.grad is not None:
+                    parameter.copy_(master.to(parameter.device, parameter.dtype), non_blocking=True)
+                master.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+        with torch.no_grad():  # the masters follow the parameters (loaded with the model)
+            for group, masters in zip(self.param_groups, self.masters):
+                for parameter, master in zip(group["params"], masters):
+                    master.copy_(parameter.detach().to("cpu", torch.float32))
