@@ -178,6 +178,10 @@ class NativeTrainer(TrainerBase):
     can_offload_train_state = True
     #: the state is on the CPU now (between ``offload_train_state`` and ``onload_train_state``)
     train_state_offloaded = False
+    #: why ``--optimizer-cpu-offload`` cannot work with this trainer (None: it can)
+    cpu_offload_refusal: str | None = None
+    #: the ``--optimizer`` values this trainer builds
+    optimizer_names: tuple[str, ...] = ("adam", "sgd")
 
     def __init__(self, config: Any, manager: Any):
         self.config = config
@@ -215,15 +219,20 @@ class NativeTrainer(TrainerBase):
         self.consecutive_nan_steps = 0
 
     def _make_optimizer(self, fused: bool | None = None) -> None:
-        """AdamW over the model's parameters and its learning-rate schedule."""
+        """The ``--optimizer`` over the model's parameters (no weight decay on biases and norms, as
+        Megatron) and its learning-rate schedule (:mod:`miles_host.optimizer`)."""
+        from miles_host.optimizer import build_optimizer
+
         config = self.config
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
+        if config.optimizer not in self.optimizer_names:
+            raise ValueError(f"--optimizer {config.optimizer}: the {type(self).__name__} builds "
+                             f"{', '.join(self.optimizer_names)} only; give one of them")
+        if config.optimizer_cpu_offload and self.cpu_offload_refusal:
+            raise ValueError(f"--optimizer-cpu-offload: {self.cpu_offload_refusal}; drop the flag")
+        self.optimizer = build_optimizer(
+            self.model.named_parameters(), config,
             fused=self.device.type == "cuda" if fused is None else fused,
+            cpu_offload=config.optimizer_cpu_offload,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.last_step_lr: float | None = None  # the learning rate of the last optimizer step taken
