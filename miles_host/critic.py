@@ -30,13 +30,11 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
         self.config = config
-        self.optimizer = torch.optim.AdamW(
-            self.parameters(),
-            lr=config.critic_lr if config.critic_lr is not None else config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
+        from miles_host.optimizer import build_optimizer
+
+        # the policy's --optimizer and weight-decay groups, on the device
+        self.optimizer = build_optimizer(self.named_parameters(), config,
+                                         lr=config.critic_lr if config.critic_lr is not None else config.lr)
 
     def values(self, batch: Any) -> torch.Tensor:
         """``[R]`` values of the batch's response tokens."""
