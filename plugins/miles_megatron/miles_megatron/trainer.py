@@ -66,6 +66,10 @@ class MegatronTrainer(NativeTrainer):
     #: under TP/EP/PP ``state_dict`` gathers the optimizer state: every rank must call it
     #: (and the trainer group's process group is the default one, which Megatron needs)
     collective_state_dict = True
+    #: checkpoints hold Adam's moments per parameter (optimizer_state.py)
+    optimizer_names = ("adam",)
+    cpu_offload_refusal = ("the megatron backend keeps its AdamW state per rank with the parameters (a CPU-offloaded "
+                           "step is not implemented there); --train-backend native runs the optimizer step on CPU")
 
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
         from miles_megatron.parallel import Sizes
