@@ -1,4 +1,10 @@
-"""Split one optimizer step's samples across data-parallel ranks, balanced by tokens."""
+"""Split one optimizer step's samples across data-parallel ranks.
+
+``--balance-data`` (slime's flag) balances the ranks' tokens (:func:`split_by_tokens`);
+without it the samples are dealt out in turn, sample ``i`` to rank ``i % world``
+(:func:`split_in_turn`, slime's split without the flag). Either split gives every rank
+the indices of its samples in their original order, and every rank computes the same
+split from the same samples."""
 
 from __future__ import annotations
 
@@ -22,3 +28,17 @@ def split_by_tokens(samples: Sequence[Any], world: int) -> list[list[int]]:
         loads[rank] += len(samples[i].tokens)
         counts[rank] += 1
     return [[i for i in range(len(samples)) if owner[i] == rank] for rank in range(world)]
+
+
+def split_in_turn(samples: Sequence[Any], world: int) -> list[list[int]]:
+    """Sample ``i`` to rank ``i % world`` (no regard to lengths)."""
+    return [list(range(rank, len(samples), world)) for rank in range(world)]
+
+
+#: ``--balance-data`` -> the split
+SPLITS = {True: split_by_tokens, False: split_in_turn}
+
+
+def split_samples(samples: Sequence[Any], world: int, balance: bool) -> list[list[int]]:
+    """The split ``--balance-data`` asks for."""
+    return SPLITS[bool(balance)](samples, world)
