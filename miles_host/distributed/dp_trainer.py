@@ -1,5 +1,6 @@
-"""Data-parallel native trainer: the same model on every rank, samples split by
-tokens, gradients summed over the trainers' process group.
+"""Data-parallel native trainer: the same model on every rank, samples split across the
+ranks (balanced by tokens with ``--balance-data``, else dealt out in turn:
+:mod:`miles_host.distributed.balance`), gradients summed over the trainers' process group.
 
 Replicated: every rank holds the whole model and optimizer, and one fp32 gradient
 all-reduce gives bit-level agreement with one process. ``--train-backend fsdp``
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from miles_host.distributed.balance import split_by_tokens
+from miles_host.distributed.balance import split_samples
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.algorithms.losses import micro_batch_share
 from miles_host.lr_schedule import step_sizes
@@ -113,7 +114,7 @@ class DataParallelTrainer(NativeTrainer):
         offset = 0
         sources: list[int] = []  # per step, the lowest rank that has samples (it names the metrics)
         for chunk in chunks:
-            split = split_by_tokens(chunk, self.world)
+            split = split_samples(chunk, self.world, self.config.balance_data)
             sources.append(min(r for r in range(self.world) if split[r]))
             local = [offset + i for i in split[self.rank]]
             per_step.append(local)
