@@ -145,3 +145,26 @@ def _candidate_folders(root: Path) -> tuple[list[Path], list[str]]:
         problems.append(f"{latest_file} names iteration {latest}, but {root / f'iter_{latest:07d}'} is missing")
     order = sorted((i for i in found if latest is None or i <= latest), reverse=True)
     return [found[i] for i in order], problems
+
+
+def retained(rollout_id: int, interval: int) -> bool:
+    """Whether ``--save-retain-interval`` keeps the checkpoint of ``rollout_id``: the ones taken
+    after a multiple of ``interval`` completed rollouts (rollout ``interval - 1``, ``2 * interval - 1``, ...)."""
+    return (rollout_id + 1) % interval == 0
+
+
+def prune_checkpoints(directory: str, newest: int, interval: int | None) -> list[Path]:
+    """With ``--save-retain-interval``: delete the ``iter_*`` folders older than ``newest`` that
+    :func:`retained` does not keep (Megatron's retention: between retained checkpoints only the
+    newest one stays). Folders newer than ``newest`` (a resumed run's abandoned future) are left
+    alone. Returns the folders deleted."""
+    if interval is None:
+        return []
+    root = Path(directory)
+    deleted = []
+    for path in sorted(root.iterdir()):
+        match = _ITER.fullmatch(path.name)
+        if match and path.is_dir() and int(match.group(1)) < newest and not retained(int(match.group(1)), interval):
+            shutil.rmtree(path)
+            deleted.append(path)
+    return deleted

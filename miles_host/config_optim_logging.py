@@ -93,6 +93,9 @@ def check_optim_logging(config: Any) -> None:
         raise ValueError(f"--save-retain-interval must be a positive number of rollouts, got {config.save_retain_interval}")
     if config.save_retain_interval is not None and not config.save:
         raise ValueError("--save-retain-interval needs --save: it chooses which --save checkpoints to keep")
+    if config.save_retain_interval is not None and config.save_interval and config.save_retain_interval % config.save_interval:
+        raise ValueError(f"--save-retain-interval {config.save_retain_interval} must be a multiple of --save-interval "
+                         f"{config.save_interval} (as Megatron asserts): otherwise no saved checkpoint is retained")
     if config.log_probs_chunk_size == 0 or config.log_probs_chunk_size < -1:
         raise ValueError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (all at once), got "
                          f"{config.log_probs_chunk_size}")
