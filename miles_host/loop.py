@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles_host.checkpoint import load_checkpoint, save_checkpoint
+from miles_host.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from miles_host.config_training_modes import trains_only
 from miles_host.data import PromptDataset
 from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
@@ -194,6 +194,7 @@ class Run:
                     "weight_version": self.state.weight_version,
                 },
             )
+            prune_checkpoints(self.config.save, rollout_id, self.config.save_retain_interval)
         if self.config.save_hf:
             from miles_host.models import save_pretrained
 
