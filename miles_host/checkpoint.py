@@ -78,6 +78,16 @@ def save_checkpoint(directory: str, rollout_id: int, payload: dict) -> Path:
     return folder
 
 
+def has_checkpoint(directory: str | None) -> bool:
+    """Whether ``--load`` has anything to resume: a latest-file or an ``iter_*`` folder. A missing
+    or empty directory has not (the run starts fresh, as slime's does); a damaged one has, so
+    :func:`load_checkpoint` reports it instead of a silent fresh start."""
+    if not directory or not Path(directory).is_dir():
+        return False
+    root = Path(directory)
+    return (root / LATEST).exists() or any(_ITER.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+
+
 def load_checkpoint(directory: str) -> dict[str, Any]:
     """The newest intact checkpoint under ``directory`` (``--load``).
 

@@ -44,3 +44,14 @@ def test_newer_folders_of_an_abandoned_run_are_left(tmp_path):
 def test_values_that_cannot_work(values, message):
     with pytest.raises(ValueError, match=message):
         MilesConfig(**values)
+
+
+def test_an_empty_or_missing_load_directory_has_nothing_to_resume(tmp_path):
+    from miles_host.checkpoint import has_checkpoint
+
+    assert not has_checkpoint(str(tmp_path / "missing"))
+    assert not has_checkpoint(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert not has_checkpoint(str(tmp_path))
+    (tmp_path / "iter_0000003").mkdir()  # a damaged one counts: loading it reports the damage
+    assert has_checkpoint(str(tmp_path))
