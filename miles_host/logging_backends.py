@@ -6,10 +6,12 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import warnings
 from pathlib import Path
 from typing import Any
 
+from miles_host.checkpoint import has_checkpoint
 from miles_host.protocols import MetricsLoggerBase
 from miles_host.run_control import fresh_metrics_file, write_error
 
@@ -33,7 +35,7 @@ class JsonlLogger(MetricsLoggerBase):
     def __init__(self, config: Any):
         self.path = Path(config.output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh_metrics_file(self.path, resuming=bool(config.load))
+        fresh_metrics_file(self.path, resuming=has_checkpoint(config.load))
 
     def log(self, metrics: dict, step: int) -> None:
         line = (json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n").encode()
@@ -56,8 +58,37 @@ class JsonlLogger(MetricsLoggerBase):
         pass
 
 
+def tensorboard_dir(config: Any) -> Path:
+    """Where TensorBoard's event files go: ``$TENSORBOARD_DIR`` (slime's variable) or
+    ``<output_dir>/tensorboard``, then ``--tb-project-name`` / ``--tb-experiment-name`` when given."""
+    root = Path(os.environ.get("TENSORBOARD_DIR") or Path(config.output_dir) / "tensorboard")
+    for part in (config.tb_project_name, config.tb_experiment_name):
+        if part:
+            root = root / part
+    return root
+
+
+def wandb_init_kwargs(config: Any, suffix: str | None = None) -> dict[str, Any]:
+    """``wandb.init`` arguments from the wandb flags: project, entity (``--wandb-team``), group,
+    a run name (the group and a random suffix, as slime names runs, unless
+    ``--disable-wandb-random-suffix``), ``--wandb-run-id`` resumed, mode and directory."""
+    kwargs: dict[str, Any] = {"project": config.wandb_project or "miles", "dir": config.wandb_dir or config.output_dir}
+    if config.wandb_team:
+        kwargs["entity"] = config.wandb_team
+    if config.wandb_group:
+        kwargs["group"] = config.wandb_group
+        random_suffix = suffix if suffix is not None else secrets.token_hex(3)
+        kwargs["name"] = config.wandb_group if config.disable_wandb_random_suffix else f"{config.wandb_group}_{random_suffix}"
+    if config.wandb_run_id:
+        kwargs["id"] = config.wandb_run_id
+        kwargs["resume"] = "allow"
+    if config.wandb_mode:
+        kwargs["mode"] = config.wandb_mode
+    return kwargs
+
+
 class TensorBoardLogger(MetricsLoggerBase):
-    """TensorBoard event files under ``<output_dir>/tensorboard`` (needs tensorboard)."""
+    """TensorBoard event files under :func:`tensorboard_dir` (needs tensorboard)."""
 
     def __init__(self, config: Any):
         try:
@@ -66,7 +97,7 @@ class TensorBoardLogger(MetricsLoggerBase):
             warnings.warn("--use-tensorboard: tensorboard is not installed (pip install tensorboard); not logging there")
             self.writer = None
             return
-        self.writer = SummaryWriter(str(Path(config.output_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(tensorboard_dir(config)))
 
     def log(self, metrics: dict, step: int) -> None:
         if self.writer is None:
@@ -81,7 +112,8 @@ class TensorBoardLogger(MetricsLoggerBase):
 
 
 class WandbLogger(MetricsLoggerBase):
-    """Weights & Biases (needs wandb and a login)."""
+    """Weights & Biases (needs wandb): logs in with ``--wandb-key`` (at ``--wandb-host``) when
+    given, and starts the run with :func:`wandb_init_kwargs`."""
 
     def __init__(self, config: Any):
         try:
@@ -90,7 +122,11 @@ class WandbLogger(MetricsLoggerBase):
             warnings.warn("--use-wandb: wandb is not installed (pip install wandb); not logging there")
             self.run = None
             return
-        self.run = wandb.init(project=config.wandb_project or "miles", config=config.to_dict(), dir=config.output_dir)
+        if config.wandb_key or config.wandb_host:
+            wandb.login(key=config.wandb_key, host=config.wandb_host)
+        if config.wandb_dir:
+            Path(config.wandb_dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(config=config.to_dict(), **wandb_init_kwargs(config))
 
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:

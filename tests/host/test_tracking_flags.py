@@ -1,0 +1,43 @@
+"""The wandb and TensorBoard flags reach wandb.login / wandb.init and the event-file directory."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from miles_host.config import MilesConfig
+from miles_host.logging_backends import WandbLogger, tensorboard_dir, wandb_init_kwargs
+
+
+def test_wandb_flags_reach_init_and_login(monkeypatch, tmp_path):
+    calls = {}
+    fake = types.ModuleType("wandb")
+    fake.login = lambda **kw: calls.setdefault("login", kw)
+    fake.init = lambda **kw: calls.setdefault("init", kw) and None
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = MilesConfig(use_wandb=True, wandb_project="slime-dev", wandb_group="qwen3-30B-A3B-TIS",
+                         wandb_run_id="run-7", wandb_key="k3y", wandb_host="https://wandb.example",
+                         wandb_team="team", wandb_mode="offline", wandb_dir=str(tmp_path / "wb"),
+                         output_dir=str(tmp_path / "out"))
+    WandbLogger(config)
+    assert calls["login"] == {"key": "k3y", "host": "https://wandb.example"}
+    init = calls["init"]
+    assert (init["project"], init["entity"], init["group"], init["id"], init["resume"], init["mode"], init["dir"]) == (
+        "slime-dev", "team", "qwen3-30B-A3B-TIS", "run-7", "allow", "offline", str(tmp_path / "wb"))
+    assert init["name"].startswith("qwen3-30B-A3B-TIS_") and len(init["name"]) > len("qwen3-30B-A3B-TIS_")
+    assert init["config"]["wandb_group"] == "qwen3-30B-A3B-TIS"
+
+
+def test_wandb_defaults_and_fixed_name(tmp_path):
+    config = MilesConfig(output_dir=str(tmp_path))
+    assert wandb_init_kwargs(config) == {"project": "miles", "dir": str(tmp_path)}
+    named = MilesConfig(wandb_group="g", disable_wandb_random_suffix=True)
+    assert wandb_init_kwargs(named)["name"] == "g"
+
+
+def test_tensorboard_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    config = MilesConfig(output_dir=str(tmp_path), tb_project_name="proj", tb_experiment_name="exp")
+    assert tensorboard_dir(config) == tmp_path / "tensorboard" / "proj" / "exp"
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    assert tensorboard_dir(MilesConfig(output_dir=str(tmp_path))) == tmp_path / "tb"
