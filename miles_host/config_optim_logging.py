@@ -7,6 +7,7 @@ Spellings and defaults are slime's (``slime/utils/arguments.py``) or Megatron-LM
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +24,9 @@ def json_dict(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"not JSON ({error}): {text!r}") from error
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from error
     if not isinstance(value, dict):
-        raise ValueError(f"a JSON object is needed, got {type(value).__name__}: {text!r}")
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}: {text!r}")
     return value
 
 
