@@ -95,11 +95,11 @@ class RolloutManager:
 
     def prompt_ids(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt (the chat template when ``--apply-chat-template``, given the
-        record's ``--tool-key`` ``tools``)."""
+        record's ``--tool-key`` ``tools`` and ``--apply-chat-template-kwargs``)."""
         if self.config.apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             encoded = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                         tokenize=True)
+                                                         tokenize=True, **self.config.apply_chat_template_kwargs)
             if hasattr(encoded, "keys"):  # transformers 5 returns a BatchEncoding
                 encoded = encoded["input_ids"]
             return [int(t) for t in encoded]
