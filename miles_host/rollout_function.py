@@ -88,7 +88,8 @@ class PromptDataSource:
         if config.apply_chat_template:  # slime's data set hands out the rendered prompt text
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             prompt = manager.tokenizer.apply_chat_template(messages, tools=metadata.get("tools") or None,
-                                                           add_generation_prompt=True, tokenize=False)
+                                                           add_generation_prompt=True, tokenize=False,
+                                                           **config.apply_chat_template_kwargs)
         return [
             Sample(prompt=copy.deepcopy(prompt), label=record.label,
                    metadata={**metadata, "prompt_index": record.index},
