@@ -279,6 +279,8 @@ class NativeTrainer(TrainerBase):
         )
         args = (batch.input_ids_T, batch.positions_T, batch.cu_seqlens, batch.target_ids_T)
         kwargs = dict(temperature=self.config.rollout_temperature or 1.0, ctx=ctx, return_entropy=with_entropy)
+        if self.config.log_probs_chunk_size > 0:  # tokens per lm-head chunk (-1: the model's default)
+            kwargs["chunk_size"] = self.config.log_probs_chunk_size
         engine_dtype = self._true_on_policy_dtype(model)
         if engine_dtype is not None:
             log_probs_T, entropy_T = self._forward_in_engine_dtype(model, engine_dtype, args, kwargs)
