@@ -160,8 +160,18 @@ def checkpoints(tmp_path_factory):
     for name, (build, model_args) in MODELS.items():
         hf = build(root / name)
         _tiny_tokenizer(root / name)
+        if name == "qwen3":  # the reducible one trains: it needs weights
+            _save_weights(root / name)
         built[name] = (root / name, model_args(hf))
     return root, built
+
+
+def _save_weights(folder: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
 
 
 def _tiny_tokenizer(folder: Path) -> None:
@@ -215,12 +225,13 @@ def reduced(argv: list[str], root: Path) -> list[str]:
               "--rollout-max-response-len": "4", "--global-batch-size": "4", "--eval-max-response-len": "4",
               "--n-samples-per-eval-prompt": "1", "--eval-interval": "1", "--save-interval": "1",
               "--max-tokens-per-gpu": "64", "--tensor-model-parallel-size": "1", "--actor-num-gpus-per-node": "1",
-              "--rollout-num-gpus-per-engine": "1"}
+              "--rollout-num-gpus-per-engine": "1", "--rollout-backend": "embedded"}
     out = list(argv)
     for flag, value in values.items():
         if flag in out:
             out[out.index(flag) + 1] = value
-    drop = {"--colocate", "--sequence-parallel"}  # one CPU process: no GPUs to share, no TP to split over
+    # one CPU process: no GPUs to share; Megatron turns sequence parallelism off at TP 1 itself
+    drop = {"--colocate", "--sequence-parallel"}
     return [a for a in out if a not in drop] + ["--device", "cpu", "--output-dir", str(root / "qwen3_out")]
 
 
@@ -233,4 +244,5 @@ def test_qwen3_script_trains_on_cpu(checkpoints, capsys):
     assert code == 0, err[-3000:]
     lines = (root / "qwen3_out" / "metrics.jsonl").read_text().splitlines()
     assert len([json.loads(line) for line in lines if "train/loss" in json.loads(line)]) == 2
+    assert "no checkpoint there yet; starting fresh" in err  # the script's --load was empty
     assert (root / "qwen3_slime" / "latest_checkpointed_iteration.txt").exists()
