@@ -24,11 +24,12 @@ def no_weight_decay(name: str, parameter: torch.Tensor) -> bool:
 
 
 def parameter_groups(named_parameters: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
-    """Two groups, decayed and not (an empty one is left out), over the trainable parameters."""
+    """Two groups, decayed and not (an empty one is left out), over the trainable parameters;
+    one group without weight decay (the layout of checkpoints written before the split)."""
     decayed, plain = [], []
     for name, parameter in named_parameters:
         if parameter.requires_grad:
-            (plain if no_weight_decay(name, parameter) else decayed).append(parameter)
+            (plain if no_weight_decay(name, parameter) and weight_decay else decayed).append(parameter)
     groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 

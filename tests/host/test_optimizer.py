@@ -68,6 +68,7 @@ def test_biases_and_norms_are_not_decayed():
     groups = parameter_groups(model.named_parameters(), 0.1)
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    assert [len(g["params"]) for g in parameter_groups(model.named_parameters(), 0.0)] == [6]  # one group
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
