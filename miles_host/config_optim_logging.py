@@ -76,12 +76,22 @@ class TrackingArgs:
                                     group="output")
     disable_wandb_random_suffix: bool = flag(False, "name the wandb run exactly --wandb-group (slime appends a random "
                                              "suffix otherwise)", group="output")
-    wandb_always_use_train_step: bool = flag(False, "slime compatibility: accepted; every metric is logged against "
-                                             "the rollout step here, as slime's train step is", group="output")
+    wandb_always_use_train_step: bool = flag(False, "slime compatibility: accepted and ignored (every metric is logged "
+                                             "against the rollout step)", group="output")
+    log_multi_turn: bool = flag(False, "slime compatibility: accepted and ignored (multi-turn samples keep their turns "
+                                "in the samples --save-debug-rollout-data writes)", group="output")
     tb_project_name: str | None = flag(None, "TensorBoard: event files go to <TENSORBOARD_DIR or --output-dir/"
                                        "tensorboard>/<this>/<--tb-experiment-name>", type=str, group="output")
     tb_experiment_name: str | None = flag(None, "TensorBoard experiment (sub-directory under --tb-project-name)", type=str,
                                           group="output")
+
+
+#: flags of this module accepted only so that slime scripts parse (one warning each when given:
+#: :mod:`miles_host.validation.ignored_flags`)
+TRACKING_IGNORED: dict[str, str] = {
+    "wandb_always_use_train_step": "every metric is logged against the rollout step (one x-axis for all)",
+    "log_multi_turn": "multi-turn samples keep their turns in the samples --save-debug-rollout-data writes",
+}
 
 
 @dataclass

@@ -41,3 +41,16 @@ def test_tensorboard_directory(monkeypatch, tmp_path):
     assert tensorboard_dir(config) == tmp_path / "tensorboard" / "proj" / "exp"
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     assert tensorboard_dir(MilesConfig(output_dir=str(tmp_path))) == tmp_path / "tb"
+
+
+def test_tracking_flags_without_an_effect_warn_once(capsys, monkeypatch):
+    from miles_host.validation import ignored_flags
+    from miles_host.validation.ignored_flags import warn_ignored_flags
+
+    monkeypatch.setattr(ignored_flags, "_warned", set())
+    config = MilesConfig(wandb_always_use_train_step=True, log_multi_turn=True,
+                         user_set=["wandb_always_use_train_step", "log_multi_turn"])
+    warned = warn_ignored_flags(config)
+    assert warned == ["--wandb-always-use-train-step", "--log-multi-turn"]
+    assert "rollout step" in capsys.readouterr().err
+    assert warn_ignored_flags(config) == []  # once per process
