@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 from miles_host.config_fields import flag_name
 from miles_host.config_megatron import MEGATRON_IGNORED
+from miles_host.config_optim_logging import TRACKING_IGNORED
 from miles_host.validation.plugin_settings import user_set_fields
 
 #: field name -> what miles does instead (the warning's text)
@@ -22,6 +23,7 @@ ACCEPTED_AND_IGNORED: dict[str, str] = {
     ),
     "model_name": "the model is --hf-checkpoint; the name is only recorded in config.json",
     **MEGATRON_IGNORED,
+    **TRACKING_IGNORED,
 }
 
 _warned: set[str] = set()
