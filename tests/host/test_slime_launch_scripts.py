@@ -219,30 +219,61 @@ def test_slime_script_passes_dry_run(checkpoints, name, capsys):
     assert code == 0, f"{name}: the dry run stopped:\n{err[-3000:]}"
 
 
-def reduced(argv: list[str], root: Path) -> list[str]:
-    """The Qwen3 dense script with its sizes reduced to a CPU run of 2 steps: every flag stays."""
-    values = {"--num-rollout": "2", "--rollout-batch-size": "2", "--n-samples-per-prompt": "2",
-              "--rollout-max-response-len": "4", "--global-batch-size": "4", "--eval-max-response-len": "4",
-              "--n-samples-per-eval-prompt": "1", "--eval-interval": "1", "--save-interval": "1",
-              "--max-tokens-per-gpu": "64", "--tensor-model-parallel-size": "1", "--actor-num-gpus-per-node": "1",
-              "--rollout-num-gpus-per-engine": "1", "--rollout-backend": "embedded"}
-    out = list(argv)
-    for flag, value in values.items():
-        if flag in out:
-            out[out.index(flag) + 1] = value
+def reduced(argv: list[str], root: Path, out: str, **values: str) -> list[str]:
+    """A script with its sizes reduced to a CPU run of 2 steps: every flag stays; ``values``
+    replace more (``lr="0.01"`` for ``--lr``)."""
+    sizes = {"--num-rollout": "2", "--rollout-batch-size": "2", "--n-samples-per-prompt": "2",
+             "--rollout-max-response-len": "4", "--global-batch-size": "4", "--eval-max-response-len": "4",
+             "--n-samples-per-eval-prompt": "1", "--eval-interval": "1", "--save-interval": "1",
+             "--max-tokens-per-gpu": "64", "--tensor-model-parallel-size": "1", "--actor-num-gpus-per-node": "1",
+             "--rollout-num-gpus-per-engine": "1", "--rollout-backend": "embedded",
+             "--load": str(root / f"{out}_ckpt"), "--save": str(root / f"{out}_ckpt"),
+             **{"--" + key.replace("_", "-"): value for key, value in values.items()}}
+    argv = list(argv)
+    for flag, value in sizes.items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
     # one CPU process: no GPUs to share; Megatron turns sequence parallelism off at TP 1 itself
     drop = {"--colocate", "--sequence-parallel"}
-    return [a for a in out if a not in drop] + ["--device", "cpu", "--output-dir", str(root / "qwen3_out")]
+    return [a for a in argv if a not in drop] + ["--device", "cpu", "--output-dir", str(root / out)]
+
+
+async def slime_parity_reward(args, sample, **kwargs):
+    """A slime-contract reward: the parity of the last response token."""
+    return float(sample.tokens[-1] % 2)
+
+
+def _train_metrics(folder: Path) -> list[dict]:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "train/loss" in r]
 
 
 def test_qwen3_script_trains_on_cpu(checkpoints, capsys):
     """The reducible script (Qwen3 dense) end to end: 2 rollouts, a checkpoint each, metrics."""
     root, _ = checkpoints
-    argv = reduced(script_argv(checkpoints, "qwen3"), root)
+    argv = reduced(script_argv(checkpoints, "qwen3"), root, "qwen3_out")
     code, err = run_miles(argv, capsys)
     assert not refused_flags(err), f"flags still refused: {' '.join(refused_flags(err))}"
     assert code == 0, err[-3000:]
-    lines = (root / "qwen3_out" / "metrics.jsonl").read_text().splitlines()
-    assert len([json.loads(line) for line in lines if "train/loss" in json.loads(line)]) == 2
+    assert len(_train_metrics(root / "qwen3_out")) == 2
     assert "no checkpoint there yet; starting fresh" in err  # the script's --load was empty
-    assert (root / "qwen3_slime" / "latest_checkpointed_iteration.txt").exists()
+    assert (root / "qwen3_out_ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_cpu_offloaded_optimizer_trains_as_the_device_one(checkpoints, capsys):
+    """The Qwen3 script with the 30B-A3B script's OPTIMIZER_ARGS (--optimizer-cpu-offload ...): the same
+    losses and gradient norms as without them (the step on CPU master copies is AdamW's)."""
+    root, built = checkpoints
+    plain_arrays = qwen3_4b(root, *built["qwen3"])
+    runs = {}
+    for label, optimizer_args in (("plain", OPTIMIZER_ARGS), ("offload", [*OPTIMIZER_ARGS, *CPU_OPTIMIZER_ARGS])):
+        arrays = {**plain_arrays, "OPTIMIZER_ARGS": optimizer_args}
+        argv = reduced([a for key in ORDER for a in arrays[key]], root, f"qwen3_{label}", lr="0.01", num_rollout="3")
+        argv += ["--custom-rm-path", f"{__name__}.slime_parity_reward"]  # a reward with signal, slime's contract
+        code, err = run_miles(argv, capsys)
+        assert code == 0, err[-3000:]
+        runs[label] = _train_metrics(root / f"qwen3_{label}")
+    assert any(step["train/grad_norm"] > 0 for step in runs["plain"])  # the steps moved the weights
+    for plain, offload in zip(runs["plain"], runs["offload"], strict=True):
+        for key in ("train/loss", "train/grad_norm"):
+            assert offload[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
