@@ -77,11 +77,23 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
         cpu_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": masters}
                       for group, masters in zip(self.param_groups, self.masters)]
         self.inner = make_inner(cpu_groups)
+        #: the masters are copied again from the parameters before the first step: whatever set the
+        #: parameters after construction (a data-parallel broadcast, a checkpoint) is what trains
+        self._masters_current = False
+
+    @torch.no_grad()
+    def _copy_parameters_to_masters(self) -> None:
+        for group, masters in zip(self.param_groups, self.masters):
+            for parameter, master in zip(group["params"], masters):
+                master.copy_(parameter.detach().to("cpu", torch.float32))
+        self._masters_current = True
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
         if closure is not None:
             raise ValueError("--optimizer-cpu-offload: a closure cannot be re-evaluated on the CPU copies")
+        if not self._masters_current:
+            self._copy_parameters_to_masters()
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups, self.masters):
             inner_group["lr"] = group["lr"]
             for parameter, master in zip(group["params"], masters):
@@ -98,7 +110,4 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
-        with torch.no_grad():  # the masters follow the parameters (loaded with the model)
-            for group, masters in zip(self.param_groups, self.masters):
-                for parameter, master in zip(group["params"], masters):
-                    master.copy_(parameter.detach().to("cpu", torch.float32))
+        self._copy_parameters_to_masters()  # the masters follow the parameters (loaded with the model)

@@ -127,3 +127,20 @@ def test_backends_that_cannot_refuse_by_name():
     megatron = pytest.importorskip("miles_megatron.trainer")
     assert megatron.MegatronTrainer.optimizer_names == ("adam",)
     assert "megatron" in megatron.MegatronTrainer.cpu_offload_refusal
+
+
+def test_cpu_offload_trains_parameters_set_after_construction():
+    """A data-parallel broadcast (or any write) between construction and the first step is kept."""
+    config = _config(weight_decay=0.0)
+    model, twin = Tiny(), Tiny()
+    offloaded = build_optimizer(model.named_parameters(), config, cpu_offload=True)
+    with torch.no_grad():
+        for a, b in zip(model.parameters(), twin.parameters()):
+            a.add_(0.5)
+            b.add_(0.5)
+    plain = build_optimizer(twin.named_parameters(), config)
+    for module, optimizer in ((model, offloaded), (twin, plain)):
+        _grads(module, 0)
+        optimizer.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)
