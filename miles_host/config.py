@@ -184,9 +184,13 @@ class TrainArgs:
     lr_decay_style: str = flag("constant", "constant, linear, cosine", type=str, choices=["constant", "linear", "cosine"], group="train")
     lr_warmup_iters: int = flag(0, "warm-up optimizer steps", type=int, group="train")
     lr_decay_iters: int | None = flag(None, "decay optimizer steps", type=optional_int, group="train")
-    weight_decay: float = flag(0.0, "AdamW weight decay", type=float, group="train")
+    weight_decay: float = flag(0.0, "weight decay of matrices and embeddings (biases and norm weights take none, as in "
+                               "Megatron); default 0, unlike Megatron's and slime's 0.01, so runs that never gave it keep "
+                               "their numerics (slime's scripts give --weight-decay 0.1 explicitly)", type=float,
+                               group="train")
     adam_beta1: float = flag(0.9, "AdamW beta1", type=float, group="train")
-    adam_beta2: float = flag(0.98, "AdamW beta2", type=float, group="train")
+    adam_beta2: float = flag(0.98, "AdamW beta2; default 0.98, unlike Megatron's and slime's 0.999: the value every "
+                             "slime script gives explicitly", type=float, group="train")
     adam_eps: float = flag(1e-8, "AdamW eps", type=float, group="train")
     clip_grad: float = flag(1.0, "gradient norm clip", type=float, group="train")
     train_compile: bool = flag(False, "torch.compile the trainer's decoder layers (CUDA; dynamic shapes)", group="train")
