@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
+from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
 from miles_host.config_megatron import MegatronArgs
 from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
 from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
@@ -252,6 +253,7 @@ class MilesConfig(
     SGLangServerArgs,
     SGLangRouterArgs,
     OptimLoggingArgs,
+    EvalRewardArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -334,6 +336,7 @@ def validate_config(config: MilesConfig) -> None:
     check_learning_settings(config)
     check_async_settings(config)
     check_sglang_args(config)
+    check_eval_rewards(config)  # before the checks that read --eval-prompt-data
     check_training_modes(config)
     check_optim_logging(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
