@@ -26,7 +26,7 @@ from miles_host.checkpoint import has_checkpoint, load_checkpoint, prune_checkpo
 from miles_host.config_training_modes import trains_only
 from miles_host.data import PromptDataset
 from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
-from miles_host.evaluation import evaluate, load_eval_data
+from miles_host.evaluation import load_eval_datasets, run_evals
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.phases import Phases
@@ -103,8 +103,7 @@ class Run:
             if resolve_rollout_function_path(config.rollout_function_path) else config.apply_chat_template,
             tool_key=config.tool_key,
         )
-        pairs = config.eval_prompt_data or []
-        self.eval_datasets = {name: load_eval_data(config, path) for name, path in zip(pairs[::2], pairs[1::2])}
+        self.eval_datasets = load_eval_datasets(config)  # --eval-config or --eval-prompt-data
         #: --debug-train-only / --load-debug-rollout-data: no engine is started
         self.backend = NoEngine() if trains_only(config) else build(
             registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
@@ -228,16 +227,13 @@ class Run:
                   "rollout not dumped, the run continues", file=sys.stderr)
 
     def run_eval(self, rollout_id: int) -> dict[str, float]:
-        """``--eval-prompt-data``: accuracy (mean reward) per named data set."""
-        pairs = self.config.eval_prompt_data or []
-        metrics = {}
-        for name, path in zip(pairs[::2], pairs[1::2]):
-            accuracy = evaluate(self.config, self.rollout, path, rollout_id, self.eval_datasets.get(name))
-            metrics[f"eval/{name}/accuracy"] = accuracy
+        """``--eval-config`` / ``--eval-prompt-data``: accuracy (mean reward) per named data set
+        (and pass@k with ``--log-passrate``)."""
+        metrics = run_evals(self.config, self.rollout, rollout_id, self.eval_datasets)
         if metrics:
             print(
                 f"miles: eval after {rollout_id} rollout(s): "
-                + ", ".join(f"{k.split('/')[1]} accuracy {v:.1%}" for k, v in metrics.items()),
+                + ", ".join(f"{k.split('/')[1]} accuracy {v:.1%}" for k, v in metrics.items() if k.endswith("/accuracy")),
                 file=sys.stderr,
             )
         return metrics
