@@ -26,7 +26,8 @@ _DESCRIPTIONS = {
 }
 
 
-def _hub_reward(rm_type: str):
+def hub_reward(rm_type: str):
+    """The reward function of hub type ``rm_type`` (``boxed_`` prefix understood)."""
     needs_label = rm_type.removeprefix(hub.BOXED_PREFIX) in _NEEDS_LABEL
 
     def reward(sample, config=None):
@@ -52,6 +53,6 @@ def _exact(sample, config=None):
 
 def miles_register_reward_functions():
     """The host's built-in rewards."""
-    records = [RewardFunction(name, _describe(name), fn=_hub_reward(name)) for name in hub.rm_types()]
+    records = [RewardFunction(name, _describe(name), fn=hub_reward(name)) for name in hub.rm_types()]
     records.append(RewardFunction("exact", "normalised exact match against the label", fn=_exact))
     return records
