@@ -37,6 +37,7 @@ from miles_host.rollout_function import FunctionRollout, resolve_rollout_functio
 from miles_host.rollout_manager import RolloutManager
 from miles_host.run_control import SaveLock, Stopped, StopSignals, remove_partial_files
 from miles_host.sample import Sample, Status
+from miles_host.sample_filters import apply_rollout_sample_filter
 from miles_host.tokenizer_loading import load_tokenizer
 from miles_host.validation import validate
 from miles_host.validation.output_paths import save_hf_path
@@ -247,7 +248,11 @@ class Run:
                                            config.load_debug_rollout_data_subsample)
         if self.rollout_function is not None:
             return self.rollout_function.generate(rollout_id)
-        return self.rollout.generate(rollout_id)
+        groups, stats = self.rollout.generate(rollout_id)
+        removed = apply_rollout_sample_filter(config, groups)  # --rollout-sample-filter-path
+        if config.rollout_sample_filter_path:
+            stats.extra.setdefault("metrics", {})["rollout/removed_samples"] = removed
+        return groups, stats
 
     def step(self, rollout_id: int) -> dict[str, Any]:
         """One RL step; its metrics."""
