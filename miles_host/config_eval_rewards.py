@@ -4,6 +4,7 @@
   it replaces ``--eval-prompt-data``, whose name/path pairs it then holds.
 - ``--eval-input-key`` / ``--eval-label-key`` / ``--eval-tool-key``: the eval data's keys
   (default: ``--input-key`` ...), ``--eval-top-k`` (default: ``--rollout-top-k``).
+- ``--rollout-sample-filter-path``: slime's per-sample loss filter (:mod:`miles_host.sample_filters`).
 - ``--log-passrate``: pass@k of every eval data set (k = 1, 2, 4, ... up to its samples per
   prompt), slime's unbiased estimator over the samples whose reward is 1.
 
@@ -26,6 +27,7 @@ class EvalRewardArgs:
     eval_label_key: str | None = flag(None, "label key of the eval data (default: --label-key)", type=str, group="eval")
     eval_tool_key: str | None = flag(None, "tools key of the eval data (default: --tool-key)", type=str, group="eval")
     eval_top_k: int | None = flag(None, "eval top-k (default: --rollout-top-k)", type=optional_int, group="eval")
+    rollout_sample_filter_path: str | None = flag(None, "module.fn(args, groups) after the built-in rollout (slime's contract): it sets sample.remove_sample = True on samples whose tokens must not enter the loss (their loss mask becomes zeros; their reward still counts in the group's normalisation)", type=str, group="rollout")
     log_passrate: bool = flag(False, "log eval/<name>/pass@k for k = 1, 2, 4, ... up to the samples per eval prompt (unbiased estimator; a sample passes when its reward is 1)", group="eval")
 
 
