@@ -33,6 +33,7 @@ from miles_host.phases import Phases
 from miles_host.progress import Progress
 from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightSyncTransport, build
 from miles_host.reward import RewardScorer
+from miles_host.reward_post_process import apply_reward_post_process
 from miles_host.rollout_function import FunctionRollout, resolve_rollout_function_path
 from miles_host.rollout_manager import RolloutManager
 from miles_host.run_control import SaveLock, Stopped, StopSignals, remove_partial_files
@@ -247,11 +248,14 @@ class Run:
             return load_debug_rollout_data(config.load_debug_rollout_data, rollout_id,
                                            config.load_debug_rollout_data_subsample)
         if self.rollout_function is not None:
-            return self.rollout_function.generate(rollout_id)
-        groups, stats = self.rollout.generate(rollout_id)
-        removed = apply_rollout_sample_filter(config, groups)  # --rollout-sample-filter-path
-        if config.rollout_sample_filter_path:
-            stats.extra.setdefault("metrics", {})["rollout/removed_samples"] = removed
+            groups, stats = self.rollout_function.generate(rollout_id)
+        else:
+            groups, stats = self.rollout.generate(rollout_id)
+            removed = apply_rollout_sample_filter(config, groups)  # --rollout-sample-filter-path
+            if config.rollout_sample_filter_path:
+                stats.extra.setdefault("metrics", {})["rollout/removed_samples"] = removed
+        if config.custom_reward_post_process_path:  # (loaded debug data was saved after it)
+            stats.extra.setdefault("metrics", {}).update(apply_reward_post_process(config, groups))
         return groups, stats
 
     def step(self, rollout_id: int) -> dict[str, Any]:
