@@ -5,6 +5,8 @@
 - ``--eval-input-key`` / ``--eval-label-key`` / ``--eval-tool-key``: the eval data's keys
   (default: ``--input-key`` ...), ``--eval-top-k`` (default: ``--rollout-top-k``).
 - ``--rollout-sample-filter-path``: slime's per-sample loss filter (:mod:`miles_host.sample_filters`).
+- ``--custom-reward-post-process-path``: slime's reward post-process
+  (:mod:`miles_host.reward_post_process`).
 - ``--log-passrate``: pass@k of every eval data set (k = 1, 2, 4, ... up to its samples per
   prompt), slime's unbiased estimator over the samples whose reward is 1.
 
@@ -28,6 +30,7 @@ class EvalRewardArgs:
     eval_tool_key: str | None = flag(None, "tools key of the eval data (default: --tool-key)", type=str, group="eval")
     eval_top_k: int | None = flag(None, "eval top-k (default: --rollout-top-k)", type=optional_int, group="eval")
     rollout_sample_filter_path: str | None = flag(None, "module.fn(args, groups) after the built-in rollout (slime's contract): it sets sample.remove_sample = True on samples whose tokens must not enter the loss (their loss mask becomes zeros; their reward still counts in the group's normalisation)", type=str, group="rollout")
+    custom_reward_post_process_path: str | None = flag(None, "module.fn(args, samples) -> (raw_rewards, rewards), slime's contract: the rewards the advantages use instead of the group normalisation (turns on --disable-rewards-normalization); samples: the step's unfailed samples", type=str, group="reward")
     log_passrate: bool = flag(False, "log eval/<name>/pass@k for k = 1, 2, 4, ... up to the samples per eval prompt (unbiased estimator; a sample passes when its reward is 1)", group="eval")
 
 
@@ -36,6 +39,9 @@ def check_eval_rewards(config: Any) -> None:
     pairs into ``--eval-prompt-data``, as slime does."""
     if config.eval_top_k is not None and config.eval_top_k == 0:
         raise ValueError("--eval-top-k must be -1 (off) or a positive number, got 0")
+    from miles_host.reward_post_process import check_post_process
+
+    check_post_process(config)
     if config.eval_config:
         from miles_host.eval_config import load_eval_config
 
