@@ -21,7 +21,7 @@ parameters is slime's, four miles'. :func:`adapt` returns a function with miles'
 contract either way, so the rest of the run calls one convention.
 
 slime's filter-hub paths (``slime.rollout.filter_hub...``) name the built-in filter with
-the same rule (:data:`SLIME_FUNCTIONS`).
+the same rule (:data:`SLIME_FUNCTIONS`); :class:`DynamicFilterOutput` is slime's filter result.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ SLIME_FUNCTIONS = {
     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std":
         "miles_host.rollout_manager.keep_group_with_signal",
 }
+
+
+@dataclass
+class DynamicFilterOutput:
+    """slime's filter result, for slime-contract filters written without slime installed:
+    ``keep`` the group or not, and why not (``reason``)."""
+
+    keep: bool
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_host.function_contracts import adapt, contract_of, load_adapted
+from miles_host.function_contracts import DynamicFilterOutput, adapt, contract_of, load_adapted
 from miles_host.reward import RewardScorer
 from miles_host.sample import Sample, Status
 
@@ -31,7 +31,7 @@ def slime_group_reward(args, samples, **kwargs):
 
 
 @dataclass
-class DynamicFilterOutput:  # slime's record: keep, reason
+class SlimeFilterOutput:  # slime's own record (keep, reason), as a filter importing slime returns it
     keep: bool
     reason: str | None = None
 
@@ -39,7 +39,11 @@ class DynamicFilterOutput:  # slime's record: keep, reason
 def slime_filter(args, samples, **kwargs):
     rewards = [s.get_reward_value(args) for s in samples]
     keep = max(rewards) > min(rewards)
-    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
+    return SlimeFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
+
+
+def miles_output_filter(args, samples):
+    return DynamicFilterOutput(keep=len(samples) > 1)
 
 
 def slime_bool_filter(args, samples, **kwargs):
@@ -108,7 +112,7 @@ def test_slime_group_reward():
 @pytest.mark.parametrize("path, rewards, kept", [
     (f"{HERE}.slime_filter", [1.0, 0.0], True), (f"{HERE}.slime_filter", [1.0, 1.0], False),
     (f"{HERE}.slime_bool_filter", [1.0, 1.0], False), (f"{HERE}.miles_filter", [0.0, 1.0], True),
-    (f"{HERE}.miles_filter", [0.0, 0.0], False),
+    (f"{HERE}.miles_filter", [0.0, 0.0], False), (f"{HERE}.miles_output_filter", [0.0, 0.0], True),
     ("slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", [1.0, 1.0], False),
     ("slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", [1.0, 0.0], True),
 ])
