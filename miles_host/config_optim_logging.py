@@ -40,7 +40,7 @@ class OptimizerArgs:
                                        "back (native trainer; other backends refuse it)", group="train")
     balance_data: bool = flag(False, "split each optimizer step's samples across data-parallel ranks so every rank gets "
                               "about the same number of tokens (longest first onto the lightest rank); without it "
-                              "samples are dealt out in order", group="train")
+                              "sample i goes to rank i %% world, as in slime", group="train")
     log_probs_chunk_size: int = flag(-1, "tokens per chunk of the trainer's log-prob computation (the lm-head logits "
                                      "of one chunk exist at a time, forward and backward); -1: the model's default of "
                                      "1024 (the trainer always chunks, so slime's -1, no chunking, is not offered); "
