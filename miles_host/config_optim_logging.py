@@ -113,6 +113,3 @@ def check_optim_logging(config: Any) -> None:
                          f"{config.log_probs_chunk_size}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if config.optimizer == "sgd" and config.optimizer_cpu_offload:
-        raise ValueError("--optimizer-cpu-offload runs AdamW on CPU (as Megatron's hybrid CPU optimizer does); "
-                         "drop it with --optimizer sgd")
