@@ -18,7 +18,7 @@ from miles_host.routing import RoutingHooks
 
 
 class Critic(torch.nn.Module):
-    """Value model = CausalLM body + ``Linear(hidden, 1)``, with its own AdamW."""
+    """Value model = CausalLM body + ``Linear(hidden, 1)``, with its own optimizer (the policy's kind)."""
 
     def __init__(self, config: Any, manager: Any, device: torch.device):
         super().__init__()
