@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from miles_host.buffer_filter import take_buffered
 from miles_host.custom_generate import EngineDriver, GenerateSession, TrajectoryRunner  # noqa: F401 - GenerateSession re-exported
 from miles_host.data import PromptDataset, PromptRecord
 from miles_host.health import check_failed_fraction
@@ -178,7 +179,7 @@ class RolloutManager:
         kept: list[list[Sample]] = []
         in_flight: dict[str, tuple[list[Sample], int]] = {}  # rid -> (group, sample position)
         waiting: dict[int, list[Sample]] = {}  # group_index -> group with samples in flight
-        carried, self.buffer = self.buffer, []
+        carried, self.buffer = take_buffered(config, rollout_id, self.buffer)  # --buffer-filter-path
         for group in self._groups_to_continue(carried, kept):
             self.submit_group(group, rollout_id, in_flight, waiting, kept, stats)
         while len(kept) < target:
@@ -224,7 +225,7 @@ class RolloutManager:
         target = config.rollout_batch_size
         kept: list[list[Sample]] = []
         running: dict[asyncio.Task, list[Sample]] = {}
-        carried, self.buffer = self.buffer, []
+        carried, self.buffer = take_buffered(config, rollout_id, self.buffer)  # --buffer-filter-path
         async with EngineDriver(self.backend, config.rollout_return_routed_experts) as driver:
             runner = TrajectoryRunner(self, self.custom_generate, driver, config.sglang_server_concurrency,
                                       self.sessions())
@@ -429,7 +430,7 @@ class RolloutManager:
         """Groups beyond the batch and unfinished groups: buffered with ``--partial-rollout``,
         dropped (and counted) otherwise."""
         if self.config.partial_rollout:
-            self.buffer = surplus + unfinished
+            self.buffer = self.buffer + surplus + unfinished  # groups --buffer-filter-path left wait first
             stats.buffered_samples = sum(len(g) for g in self.buffer)
         else:
             stats.dropped_samples = sum(len(g) for g in surplus + unfinished)
