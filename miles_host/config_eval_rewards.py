@@ -7,6 +7,7 @@
 - ``--rollout-sample-filter-path``: slime's per-sample loss filter (:mod:`miles_host.sample_filters`).
 - ``--custom-reward-post-process-path``: slime's reward post-process
   (:mod:`miles_host.reward_post_process`).
+- ``--buffer-filter-path``: slime's partial-rollout buffer filter (:mod:`miles_host.buffer_filter`).
 - ``--log-passrate``: pass@k of every eval data set (k = 1, 2, 4, ... up to its samples per
   prompt), slime's unbiased estimator over the samples whose reward is 1.
 
@@ -31,6 +32,7 @@ class EvalRewardArgs:
     eval_top_k: int | None = flag(None, "eval top-k (default: --rollout-top-k)", type=optional_int, group="eval")
     rollout_sample_filter_path: str | None = flag(None, "module.fn(args, groups) after the built-in rollout (slime's contract): it sets sample.remove_sample = True on samples whose tokens must not enter the loss (their loss mask becomes zeros; their reward still counts in the group's normalisation)", type=str, group="rollout")
     custom_reward_post_process_path: str | None = flag(None, "module.fn(args, samples) -> (raw_rewards, rewards), slime's contract: the rewards the advantages use instead of the group normalisation (turns on --disable-rewards-normalization); samples: the step's unfailed samples", type=str, group="reward")
+    buffer_filter_path: str | None = flag(None, "module.fn(args, rollout_id, buffer, num_samples) -> the groups of the --partial-rollout buffer the next rollout continues (slime's contract; it pops them from buffer, the rest waits); default: all of them", type=str, group="rollout")
     log_passrate: bool = flag(False, "log eval/<name>/pass@k for k = 1, 2, 4, ... up to the samples per eval prompt (unbiased estimator; a sample passes when its reward is 1)", group="eval")
 
 
