@@ -41,6 +41,11 @@ def check_eval_rewards(config: Any) -> None:
     pairs into ``--eval-prompt-data``, as slime does."""
     if config.eval_top_k is not None and config.eval_top_k == 0:
         raise ValueError("--eval-top-k must be -1 (off) or a positive number, got 0")
+    if getattr(config, "fully_async", False):
+        for name in ("rollout_sample_filter_path", "buffer_filter_path", "custom_reward_post_process_path"):
+            if getattr(config, name):
+                raise ValueError(f"--{name.replace('_', '-')} with --fully-async: the fully asynchronous producer "
+                                 "does not run it; drop one of the two")
     from miles_host.reward_post_process import check_post_process
 
     check_post_process(config)

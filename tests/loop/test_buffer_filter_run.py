@@ -75,3 +75,12 @@ def test_a_partial_rollout_run_with_a_buffer_filter(tiny_task, tmp_path, filter_
     for call in calls:
         assert call["buffered"] == metrics[call["rollout_id"] - 1]["rollout/buffered_samples"] // 4
     assert metrics[2]["rollout/buffered_samples"] > metrics[1]["rollout/buffered_samples"]
+
+
+def test_fully_async_refuses_the_hooks_it_does_not_run():
+    from miles_host.config import MilesConfig
+    from miles_host.config_eval_rewards import check_eval_rewards
+
+    for flag in ("rollout_sample_filter_path", "buffer_filter_path", "custom_reward_post_process_path"):
+        with pytest.raises(ValueError, match="with --fully-async"):
+            check_eval_rewards(MilesConfig(fully_async=True, **{flag: "m.f"}))
