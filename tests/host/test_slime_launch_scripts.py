@@ -303,3 +303,19 @@ def test_cpu_offloaded_optimizer_trains_as_the_device_one(checkpoints, capsys):
     for plain, offload in zip(runs["plain"], runs["offload"], strict=True):
         for key in ("train/loss", "train/grad_norm"):
             assert offload[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("native", None),
+    ("fsdp", "--optimizer-cpu-offload with --train-backend fsdp: the FSDP2 trainer"),
+    ("megatron", "--optimizer-cpu-offload with --train-backend megatron: the megatron backend"),
+])
+def test_cpu_offload_refused_before_the_run_where_the_trainer_cannot(checkpoints, backend, message, capsys):
+    root, built = checkpoints
+    arrays = {**qwen3_4b(root, *built["qwen3"]), "OPTIMIZER_ARGS": [*OPTIMIZER_ARGS, *CPU_OPTIMIZER_ARGS]}
+    argv = reduced([a for key in ORDER for a in arrays[key]], root, f"qwen3_{backend}")
+    code, err = run_miles([*argv, "--train-backend", backend, "--dry-run"], capsys)
+    if message is None:
+        assert code == 0, err[-2000:]
+    else:
+        assert code == 2 and message in err, err[-2000:]
