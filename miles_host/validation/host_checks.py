@@ -20,6 +20,7 @@ from miles_host.models.loading import native_config, read_hf_config
 from miles_host.plugin_manager import model_family_for
 from miles_host.rollout_backend import resolve_device
 from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
+from miles_host.validation.optimizer_checks import check_optimizer_flags
 from miles_host.validation.output_paths import check_output_paths
 
 #: flags no backend of this version honours: refused when set
@@ -194,4 +195,5 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_recompute_flags,
     check_speculative_flags,
     check_batch_split,
+    check_optimizer_flags,
 )
