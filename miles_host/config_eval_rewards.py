@@ -3,7 +3,8 @@
 - ``--eval-config``: slime's per-dataset evaluation YAML (:mod:`miles_host.eval_config`);
   it replaces ``--eval-prompt-data``, whose name/path pairs it then holds.
 - ``--eval-input-key`` / ``--eval-label-key`` / ``--eval-tool-key``: the eval data's keys
-  (default: ``--input-key`` ...), ``--eval-top-k`` (default: ``--rollout-top-k``).
+  (default: ``--input-key`` ...), ``--eval-top-k`` (default: ``--rollout-top-k``),
+  ``--eval-reward-key`` (default: ``--reward-key``).
 - ``--rollout-sample-filter-path``: slime's per-sample loss filter (:mod:`miles_host.sample_filters`).
 - ``--custom-reward-post-process-path``: slime's reward post-process
   (:mod:`miles_host.reward_post_process`).
@@ -29,6 +30,7 @@ class EvalRewardArgs:
     eval_input_key: str | None = flag(None, "prompt key of the eval data (default: --input-key)", type=str, group="eval")
     eval_label_key: str | None = flag(None, "label key of the eval data (default: --label-key)", type=str, group="eval")
     eval_tool_key: str | None = flag(None, "tools key of the eval data (default: --tool-key)", type=str, group="eval")
+    eval_reward_key: str | None = flag(None, "key of an eval reward that is a dict (default: --reward-key)", type=str, group="eval")
     eval_top_k: int | None = flag(None, "eval top-k (default: --rollout-top-k)", type=optional_int, group="eval")
     rollout_sample_filter_path: str | None = flag(None, "module.fn(args, groups) after the built-in rollout (slime's contract): it sets sample.remove_sample = True on samples whose tokens must not enter the loss (their loss mask becomes zeros; their reward still counts in the group's normalisation)", type=str, group="rollout")
     custom_reward_post_process_path: str | None = flag(None, "module.fn(args, samples) -> (raw_rewards, rewards), slime's contract: the rewards the advantages use instead of the group normalisation (turns on --disable-rewards-normalization); samples: the step's unfailed samples", type=str, group="reward")

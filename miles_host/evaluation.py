@@ -154,8 +154,13 @@ def sample_rewards(scorer: Any, samples: list[Sample]) -> list[float]:
 
 def dataset_scorer(config: Any, rollout: Any, spec: EvalDataset) -> Any:
     """The scorer of a data set: its ``custom_rm_path``, else (without ``--custom-rm-path``)
-    its built-in ``rm_type``, else the run's."""
+    its built-in ``rm_type``, else the run's; ``--eval-reward-key`` picks the number from a
+    dict reward instead of ``--reward-key``."""
     base = rollout.scorer
+    if getattr(config, "eval_reward_key", None):
+        base = copy.copy(base)
+        base.config = copy.copy(base.config)
+        base.config.reward_key = config.eval_reward_key
     if spec.custom_rm_path:
         from miles_host.function_contracts import load_adapted
 

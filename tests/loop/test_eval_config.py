@@ -160,3 +160,21 @@ def test_a_run_logs_each_dataset_and_pass_at_k(tiny_task, tmp_path):
         assert {"eval/train_like/pass@1", "eval/train_like/pass@2", "eval/held/pass@4"} <= set(metrics)
         # with 0/1 rewards pass@1 is the accuracy
         assert metrics["eval/train_like/pass@1"] == pytest.approx(metrics["eval/train_like/accuracy"])
+
+
+def test_eval_reward_key_picks_from_a_dict_reward(tmp_path):
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q{i}", "label": str(10 + i)}) + "\n" for i in range(4)))
+    config_file = tmp_path / "eval.yaml"
+    config_file.write_text(f"eval: {{datasets: [{{name: dapo, path: {data}, rm_type: dapo, n_samples_per_eval_prompt: 2}}]}}")
+
+    def answer(tag, index, k):  # the first sample of prompts 0 and 1 right: 2 of 8
+        return f"Answer: {10 + index if k == 0 and index < 2 else 0}"
+
+    results = {}
+    for key in (None, "acc"):
+        config = MilesConfig(label_key="label", rm_type="exact", eval_config=str(config_file), eval_reward_key=key)
+        validate_config(config)
+        results[key] = run_evals(config, Rollout(config, AnsweringBackend(answer)), 0, load_eval_datasets(config))
+    assert results[None]["eval/dapo/accuracy"] == pytest.approx((2 * 1.0 + 6 * -1.0) / 8)  # dapo's score: +1 / -1
+    assert results["acc"]["eval/dapo/accuracy"] == pytest.approx(2 / 8)
