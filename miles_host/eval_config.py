@@ -15,7 +15,10 @@ mappings, or a mapping keyed by name) and optional ``defaults``. Each data set n
 ``tool_key``                   ``--eval-tool-key``, ``--tool-key``
 ``metadata_key``               ``--metadata-key``
 ``apply_chat_template``        ``--apply-chat-template``
+``stop`` / ``stop_token_ids``  ``--rollout-stop`` / ``--rollout-stop-token-ids``
 =============================  ==========================================================
+
+slime's other data-set keys (:data:`UNSUPPORTED_KEYS`) are refused by name.
 
 ``rm_type`` (a built-in reward) and ``custom_rm_path`` score that data set's samples
 (``--custom-rm-path`` still wins over ``rm_type``, as in slime); ``rm_type`` and
@@ -41,7 +44,14 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "tool_key": ("eval_tool_key", "tool_key"),
     "metadata_key": ("metadata_key",),
     "apply_chat_template": ("apply_chat_template",),
+    "stop": ("rollout_stop",),
+    "stop_token_ids": ("rollout_stop_token_ids",),
 }
+#: slime data-set keys that have no meaning here: refused by name rather than ignored
+UNSUPPORTED_KEYS = ("multimodal_keys", "apply_chat_template_kwargs", "min_new_tokens", "repetition_penalty",
+                    "skip_special_tokens", "no_stop_trim", "custom_generate_function_path", "app_service",
+                    "eval_task_timeout", "min_eval_samples", "eval_early_stop_remaining",
+                    "eval_early_stop_idle_timeout", "message_processor", "reward_model", "remote_environment")
 #: data-set keys that only the data set (or defaults) sets
 OWN_KEYS = ("rm_type", "custom_rm_path", "metadata_overrides")
 
@@ -62,6 +72,8 @@ class EvalDataset:
     tool_key: str | None = None
     metadata_key: str | None = None
     apply_chat_template: bool = False
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
     rm_type: str | None = None
     custom_rm_path: str | None = None
     metadata_overrides: dict[str, Any] = field(default_factory=dict)
@@ -88,6 +100,10 @@ def _from_flags(config: Any, attributes: tuple[str, ...]) -> Any:
 
 def resolve(config: Any, entry: dict, defaults: dict, where: str) -> EvalDataset:
     """An :class:`EvalDataset` from one data-set mapping, the defaults and the flags."""
+    unsupported = sorted((set(entry) | set(defaults)) & set(UNSUPPORTED_KEYS))
+    if unsupported:
+        raise ValueError(f"{where}: slime's data-set key(s) {unsupported} are not supported by miles' evaluation; "
+                         "remove them")
     unknown = sorted(set(entry) - _KNOWN) + sorted(set(defaults) - _KNOWN)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(_KNOWN)}")

@@ -72,10 +72,17 @@ def evaluate(config: Any, rollout: Any, path: str, rollout_id: int, dataset: Pro
 
 
 def eval_params(config: Any, rollout: Any, spec: EvalDataset, seed: int) -> dict:
-    """The rollout's eval sampling params with the data set's length, temperature, top-p and top-k."""
+    """The rollout's eval sampling params with the data set's length, temperature, top-p, top-k
+    and stop strings / token ids."""
     max_new = spec.max_response_len or config.rollout_max_response_len
     params = rollout.sampling_params(max_new, seed, eval_mode=True)
     params.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+    for key in ("stop", "stop_token_ids"):
+        value = getattr(spec, key)
+        if value:
+            params[key] = list(value)
+        else:
+            params.pop(key, None)
     return params
 
 

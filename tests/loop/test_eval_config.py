@@ -92,6 +92,7 @@ eval:
       top_p: 0.5
       top_k: 3
       max_response_len: 12
+      stop: ["?"]
 """)
     return config_file
 
@@ -117,6 +118,7 @@ def test_two_datasets_have_their_own_settings_metrics_and_pass_at_k(two_datasets
     assert len(params["addition"]) == 5 * 4 and len(params["boxed"]) == 4 * 8
     assert {(p["temperature"], p["top_p"], p["top_k"], p["max_new_tokens"]) for p in params["addition"]} == {(0.7, 0.9, -1, 6)}
     assert {(p["temperature"], p["top_p"], p["top_k"], p["max_new_tokens"]) for p in params["boxed"]} == {(1.0, 0.5, 3, 12)}
+    assert all(p["stop"] == ["?"] for p in params["boxed"]) and not any("stop" in p for p in params["addition"])
 
     for name, prompts in (("addition", 5), ("boxed", 4)):
         counts = [correct_count(i, n[name]) for i in range(prompts)]
@@ -133,7 +135,8 @@ def test_bad_eval_configs_are_named(tmp_path):
     for text, message in (("eval: {datasets: []}", "no data sets"),
                           ("eval: {datasets: [{name: a}]}", "needs path"),
                           ("eval: {datasets: [{name: a, path: p, tempurature: 1}]}", "unknown key.*tempurature"),
-                          ("eval: {datasets: [{name: a, path: p, rm_type: nope}]}", "rm_type 'nope'")):
+                          ("eval: {datasets: [{name: a, path: p, rm_type: nope}]}", "rm_type 'nope'"),
+                          ("eval: {defaults: {min_new_tokens: 2}, datasets: [{name: a, path: p}]}", "min_new_tokens.*not supported")):
         bad.write_text(text)
         with pytest.raises(ValueError, match=message):
             validate_config(MilesConfig(eval_config=str(bad)))
