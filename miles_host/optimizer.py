@@ -13,7 +13,8 @@ device holds no optimizer state).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import MutableMapping
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -61,14 +62,52 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.Tensor]], config
     return OPTIMIZER_BUILDERS[config.optimizer](groups, config, lr, fused)
 
 
+class _MasterStateView(MutableMapping):
+    """``optimizer.state`` of a :class:`CpuOffloadOptimizer`, keyed by the device parameters as
+    a torch optimizer's is: reading one gives its CPU state copied to the parameter's device (what
+    a backend that gathers the state across ranks needs), writing one stores it on the CPU.
+    Iteration lists nothing: code that moves every optimizer tensor between devices
+    (``--offload-train``) leaves the CPU state where it is."""
+
+    def __init__(self, owner: "CpuOffloadOptimizer"):
+        self.owner = owner
+
+    def _master(self, parameter: torch.Tensor) -> torch.Tensor:
+        master = self.owner.master_of.get(id(parameter))
+        if master is None:
+            raise KeyError("not a parameter of this optimizer")
+        return master
+
+    def __getitem__(self, parameter: torch.Tensor) -> dict:
+        master = self._master(parameter)
+        if master not in self.owner.inner.state:
+            raise KeyError("no state yet")
+        return {key: value.to(parameter.device) if torch.is_tensor(value) and key != "step" else value
+                for key, value in self.owner.inner.state[master].items()}
+
+    def __setitem__(self, parameter: torch.Tensor, state: dict) -> None:
+        self.owner.inner.state[self._master(parameter)] = {
+            key: value.detach().to("cpu", torch.float32) if torch.is_tensor(value) else value
+            for key, value in state.items()}
+
+    def __delitem__(self, parameter: torch.Tensor) -> None:
+        del self.owner.inner.state[self._master(parameter)]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 class CpuOffloadOptimizer(torch.optim.Optimizer):
     """An optimizer whose state and step live on the CPU.
 
     Its own ``param_groups`` hold the device parameters (the learning-rate schedule sets
-    ``lr`` there; ``zero_grad`` clears their gradients); ``state`` stays empty, so moving
-    optimizer state between devices (``--offload-train``) leaves the CPU state alone. The
-    inner optimizer steps float32 CPU copies; :meth:`step` copies gradients in and
-    parameters out. ``state_dict`` is the inner optimizer's."""
+    ``lr`` there; ``zero_grad`` clears their gradients); ``state`` is a view of the CPU
+    state by device parameter (:class:`_MasterStateView`). The inner optimizer steps float32
+    CPU copies; :meth:`step` copies gradients in and parameters out. ``state_dict`` is the
+    inner optimizer's."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer], lr: float):
         super().__init__(groups, {"lr": lr})
@@ -77,6 +116,9 @@ class CpuOffloadOptimizer(torch.optim.Optimizer):
         cpu_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": masters}
                       for group, masters in zip(self.param_groups, self.masters)]
         self.inner = make_inner(cpu_groups)
+        self.master_of = {id(p): m for group, masters in zip(self.param_groups, self.masters)
+                          for p, m in zip(group["params"], masters)}
+        self.state = _MasterStateView(self)
         #: the masters are copied again from the parameters before the first step: whatever set the
         #: parameters after construction (a data-parallel broadcast, a checkpoint) is what trains
         self._masters_current = False
