@@ -68,8 +68,6 @@ class MegatronTrainer(NativeTrainer):
     collective_state_dict = True
     #: checkpoints hold Adam's moments per parameter (optimizer_state.py)
     optimizer_names = ("adam",)
-    cpu_offload_refusal = ("the megatron backend keeps its AdamW state per rank with the parameters (a CPU-offloaded "
-                           "step is not implemented there); --train-backend native runs the optimizer step on CPU")
 
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
         from miles_megatron.parallel import Sizes
