@@ -37,7 +37,7 @@ class Fsdp2Trainer(DataParallelTrainer):
     #: ``state_dict`` is a collective: the trainer group must call it on every rank
     collective_state_dict = True
     cpu_offload_refusal = ("the FSDP2 trainer steps sharded parameters (DTensors), which have no CPU master copies "
-                           "here; --train-backend native or dp runs the optimizer step on CPU")
+                           "here; --train-backend native_dp (replicated) runs the optimizer step on CPU")
 
     def __init__(self, config: Any, manager: Any, group: Any, rank: int = 0, world: int = 1):
         if not dist.is_initialized():
