@@ -30,7 +30,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from miles_host.reward import load_function
+from miles_host.function_loading import load_function
 
 #: the contract names a function may declare as ``fn.miles_contract``
 CONTRACTS = ("slime", "miles")

@@ -18,44 +18,19 @@ call it has to run in a subprocess of its own (or behind ``--rm-url``).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import math
 import numbers
-import os
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable
 
+from miles_host.function_contracts import load_adapted
+from miles_host.function_loading import load_function  # noqa: F401 - re-exported: the flags' loader
 from miles_host.sample import Sample, Status
-
-
-def load_function(path: str, flag: str) -> Callable:
-    """``package.module.fn`` -> the function; ValueError naming the flag otherwise.
-
-    Modules are looked up on ``sys.path`` and then in the current directory (the
-    ``miles`` console script, unlike ``python -m``, does not put it on the path)."""
-    module_name, _, attribute = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{flag} must be 'module.function', got {path!r}")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)  # last: never shadows an installed module
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"{flag} {path!r}: cannot import {module_name!r}: {error} (searched the current directory {cwd} "
-            "and sys.path; put the module there or add its folder to PYTHONPATH)"
-        ) from error
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"{flag} {path!r}: {module_name} has no function {attribute!r}")
-    return function
 
 
 def _call(function: Callable, *args: Any) -> Any:
@@ -207,8 +182,6 @@ class RewardScorer:
         self.group = bool(config.group_rm)
         self.timeout_s: float | None = config.rm_timeout  # in-process rewards; --rm-url times its requests itself
         if config.custom_rm_path:
-            from miles_host.function_contracts import load_adapted  # imports this module
-
             self.function = load_adapted(config.custom_rm_path, "custom_rm_path", config)
             self.source = f"--custom-rm-path {config.custom_rm_path}"
         elif config.rm_url:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from miles_host.devices import resolve_device, resolve_dtype  # noqa: F401 - re-exported
 from miles_host.protocols import RolloutBackendBase
 from miles_host.routing import RoutingHooks
 from miles_host.sglang_embedded import engine_kwargs_from_config
@@ -18,22 +17,6 @@ from miles_host.sglang_embedded import engine_kwargs_from_config
 
 #: share of GPU memory for the engine's weights + KV cache when the trainer shares the GPU
 DEFAULT_COLOCATED_MEM_FRACTION = 0.3
-
-
-def resolve_device(config: Any) -> torch.device:
-    """``--device auto``: CUDA when available, else CPU."""
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {config.device} asked for, but no CUDA device is available; use --device cpu")
-    return torch.device(config.device)
-
-
-def resolve_dtype(config: Any, device: torch.device) -> torch.dtype:
-    """``--dtype auto``: bf16 on GPU, float32 on CPU."""
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
 
 
 class EmbeddedRolloutBackend(RolloutBackendBase):

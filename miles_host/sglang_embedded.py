@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from miles_host.config_sglang import given_router_flags, given_server_args, server_field
+from miles_host.devices import resolve_device, resolve_dtype
 
 #: SGLang's --kv-cache-dtype values the engine stores, in a model of that dtype (fp8 / fp4 pools it does not have)
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -175,8 +176,6 @@ def check_engine_sglang_args(config: Any) -> None:
 
 def check_kv_cache_dtype(config: Any) -> None:
     """``--sglang-kv-cache-dtype bf16`` is the engine's KV cache only when the model runs in bf16."""
-    from miles_host.rollout_backend import resolve_device, resolve_dtype
-
     value = getattr(config, "sglang_kv_cache_dtype", "auto")
     if value in KV_CACHE_DTYPES:
         model_dtype = resolve_dtype(config, resolve_device(config))

@@ -23,7 +23,7 @@ from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share
 from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.loss_types import micro_batch_loss
 from miles_host import offload
-from miles_host.rollout_backend import resolve_device
+from miles_host.devices import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.protocols import TrainerBase
 from miles_host.routing import RoutingHooks
@@ -295,7 +295,7 @@ class NativeTrainer(TrainerBase):
         rollout, float32 master): the dtype the trainer's forward must compute in."""
         if not self.config.true_on_policy:
             return None
-        from miles_host.rollout_backend import resolve_dtype
+        from miles_host.devices import resolve_dtype
 
         dtype = resolve_dtype(self.config, self.device)
         master = next(model.parameters()).dtype

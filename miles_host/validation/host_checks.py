@@ -18,7 +18,7 @@ from miles_host.data import missing_data_file
 from miles_host.distributed.placement import check_placement, wants_distributed
 from miles_host.models.loading import native_config, read_hf_config
 from miles_host.plugin_manager import model_family_for
-from miles_host.rollout_backend import resolve_device
+from miles_host.devices import resolve_device
 from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
 from miles_host.validation.optimizer_checks import check_optimizer_flags
 from miles_host.validation.output_paths import check_output_paths
