@@ -113,7 +113,7 @@ class TensorBoardLogger(MetricsLoggerBase):
 
 class WandbLogger(MetricsLoggerBase):
     """Weights & Biases (needs wandb): logs in with ``--wandb-key`` (at ``--wandb-host``) when
-    given, and starts the run with :func:`wandb_init_kwargs`."""
+    given and the mode is online, and starts the run with :func:`wandb_init_kwargs`."""
 
     def __init__(self, config: Any):
         try:
@@ -122,7 +122,7 @@ class WandbLogger(MetricsLoggerBase):
             warnings.warn("--use-wandb: wandb is not installed (pip install wandb); not logging there")
             self.run = None
             return
-        if config.wandb_key or config.wandb_host:
+        if (config.wandb_key or config.wandb_host) and config.wandb_mode not in ("offline", "disabled"):
             wandb.login(key=config.wandb_key, host=config.wandb_host)
         if config.wandb_dir:
             Path(config.wandb_dir).mkdir(parents=True, exist_ok=True)

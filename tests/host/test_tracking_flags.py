@@ -17,13 +17,13 @@ def test_wandb_flags_reach_init_and_login(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     config = MilesConfig(use_wandb=True, wandb_project="slime-dev", wandb_group="qwen3-30B-A3B-TIS",
                          wandb_run_id="run-7", wandb_key="k3y", wandb_host="https://wandb.example",
-                         wandb_team="team", wandb_mode="offline", wandb_dir=str(tmp_path / "wb"),
+                         wandb_team="team", wandb_mode="online", wandb_dir=str(tmp_path / "wb"),
                          output_dir=str(tmp_path / "out"))
     WandbLogger(config)
     assert calls["login"] == {"key": "k3y", "host": "https://wandb.example"}
     init = calls["init"]
     assert (init["project"], init["entity"], init["group"], init["id"], init["resume"], init["mode"], init["dir"]) == (
-        "slime-dev", "team", "qwen3-30B-A3B-TIS", "run-7", "allow", "offline", str(tmp_path / "wb"))
+        "slime-dev", "team", "qwen3-30B-A3B-TIS", "run-7", "allow", "online", str(tmp_path / "wb"))
     assert init["name"].startswith("qwen3-30B-A3B-TIS_") and len(init["name"]) > len("qwen3-30B-A3B-TIS_")
     assert init["config"]["wandb_group"] == "qwen3-30B-A3B-TIS"
 
@@ -54,3 +54,13 @@ def test_tracking_flags_without_an_effect_warn_once(capsys, monkeypatch):
     assert warned == ["--wandb-always-use-train-step", "--log-multi-turn"]
     assert "rollout step" in capsys.readouterr().err
     assert warn_ignored_flags(config) == []  # once per process
+
+
+def test_no_login_offline(monkeypatch, tmp_path):
+    calls = {}
+    fake = types.ModuleType("wandb")
+    fake.login = lambda **kw: calls.setdefault("login", kw)
+    fake.init = lambda **kw: calls.setdefault("init", kw) and None
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    WandbLogger(MilesConfig(use_wandb=True, wandb_key="k3y", wandb_mode="offline", output_dir=str(tmp_path)))
+    assert "login" not in calls and calls["init"]["mode"] == "offline"
