@@ -83,7 +83,8 @@ def qwen3_4b(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[
 
 
 def qwen3_30b_a3b(root: Path, folder: Path, model_args: list[str]) -> dict[str, list[str]]:
-    """``scripts/run-qwen3-30B-A3B.sh`` (EP 8 -> 2 for 8 tiny experts on 2 GPUs)."""
+    """``scripts/run-qwen3-30B-A3B.sh`` (EP 8 -> 2 for 8 tiny experts on 2 GPUs; ``--wandb-mode disabled``
+    added so that a test run never reaches wandb's servers with the placeholder key)."""
     return {
         "LAUNCH": ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--colocate"],
         "MODEL_ARGS": model_args,
