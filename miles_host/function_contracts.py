@@ -2,15 +2,12 @@
 
 Three flags name a user function that slime also takes, each with two contracts:
 
-======================================  ==========================================  ========================================
-flag                                    slime                                        miles
-======================================  ==========================================  ========================================
-``--custom-rm-path``                    ``reward(args, sample, **kwargs)``           ``reward(sample, config=None)``
-``--dynamic-sampling-filter-path``      ``filter(args, samples, **kwargs)`` ->       ``filter(group, scalar)`` -> bool
-                                        bool or ``DynamicFilterOutput``
-``--custom-generate-function-path``     ``generate(args, sample, sampling_params)``  ``generate(args, sample, sampling_params,
-                                                                                     session)``
-======================================  ==========================================  ========================================
+- ``--custom-rm-path``: slime's ``reward(args, sample, **kwargs)`` (``samples`` with
+  ``--group-rm``), miles' ``reward(sample, config=None)``;
+- ``--dynamic-sampling-filter-path``: slime's ``filter(args, samples, **kwargs)`` returning a
+  bool or a ``DynamicFilterOutput``, miles' ``filter(group, scalar)`` returning a bool;
+- ``--custom-generate-function-path``: slime's ``generate(args, sample, sampling_params)``,
+  miles' ``generate(args, sample, sampling_params, session)``.
 
 The contract is read from the function before the run starts, never guessed from a
 failure: a function may say it with ``fn.miles_contract = "slime"`` or ``"miles"``;
