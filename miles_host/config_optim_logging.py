@@ -48,6 +48,14 @@ class OptimizerArgs:
 
 
 @dataclass
+class TisLevelArgs:
+    tis_level: str = flag("token", "level of the --use-tis ratio (slime's MIS spelling): token (each token's), "
+                          "sequence (the product over the sequence's tokens) or geometric (their geometric mean), "
+                          "then truncated to [--tis-clip-low, --tis-clip]", type=str,
+                          choices=["token", "sequence", "geometric"], group="correction")
+
+
+@dataclass
 class RetentionArgs:
     save_retain_interval: int | None = flag(None, "keep the checkpoints of rollouts that are multiples of this "
                                             "interval (and the newest one); delete the other --save checkpoints as "
@@ -95,7 +103,7 @@ TRACKING_IGNORED: dict[str, str] = {
 
 
 @dataclass
-class OptimLoggingArgs(OptimizerArgs, RetentionArgs, ChatTemplateArgs, TrackingArgs):
+class OptimLoggingArgs(OptimizerArgs, TisLevelArgs, RetentionArgs, ChatTemplateArgs, TrackingArgs):
     """The flags of this module, one base of :class:`miles_host.config.MilesConfig`."""
 
 
@@ -111,5 +119,8 @@ def check_optim_logging(config: Any) -> None:
     if config.log_probs_chunk_size == 0 or config.log_probs_chunk_size < -1:
         raise ValueError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (all at once), got "
                          f"{config.log_probs_chunk_size}")
+    if config.tis_level != "token" and not config.use_tis:
+        raise ValueError(f"--tis-level {config.tis_level} sets the level of the --use-tis ratio; add --use-tis (or "
+                         "--use-mis with --mis-level for masked importance sampling)")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
