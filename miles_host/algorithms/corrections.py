@@ -116,9 +116,15 @@ def tis_bounds(config) -> tuple[float, float]:
 
 
 def tis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengths, config) -> CorrectionResult:
-    """Truncated importance sampling: weight ``clamp(exp(train - rollout), low, high)``."""
+    """Truncated importance sampling: weight ``clamp(exp(train - rollout), low, high)``; with
+    ``--tis-level sequence`` / ``geometric`` the log-ratio is first the sequence's sum / mean
+    (as ``mis_level``), clamped to +-20 before ``exp``."""
     log_ratio, mask = _prepare(train_log_probs, rollout_log_probs, loss_mask, response_lengths)
     low, high = tis_bounds(config)
+    level = getattr(config, "tis_level", "token")
+    if level != "token":
+        level_ratio = _lookup(MIS_LEVELS, "tis_level", level)(log_ratio, mask, response_lengths)
+        log_ratio = level_ratio.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND)
     ratio = log_ratio.exp()
     weights = ratio.clamp(min=low, max=high)
     metrics = {
