@@ -22,10 +22,20 @@ from tests.host.test_megatron_args import MODELS
 
 #: script -> the flags argparse still refuses (from a run of this test): its dry run and CPU run are
 #: xfail (strict=False) naming them until they are accepted
-REFUSED_FLAGS: dict[str, list[str]] = {}
+REFUSED_FLAGS: dict[str, list[str]] = {
+    "deepseek_v3": ["--sglang-enable-ep-moe", "--sglang-enable-deepep-moe"],
+}
 #: script -> the refusal that still stops its dry run although every flag parses (its CPU run, with
 #: reduced sizes, is not affected)
-DRY_RUN_REFUSALS: dict[str, str] = {}
+_ENGINE_TP = ("--rollout-num-gpus-per-engine {}: the embedded engine runs on one GPU (slime's SGLang engines "
+              "with tensor parallel size {} are not chosen for the script)")
+DRY_RUN_REFUSALS: dict[str, str] = {
+    "qwen3": _ENGINE_TP.format(2, 2),
+    "qwen3_moe": _ENGINE_TP.format(2, 2),
+    "deepseek_v3": _ENGINE_TP.format(4, 4) + "; then: the megatron backend (picked by the script's parallel sizes) "
+                   "does not build multi-latent attention / yarn rope",
+    "glm4_moe": _ENGINE_TP.format(2, 2),
+}
 
 
 def _ckpt_args(folder: Path, root: Path, name: str, save: bool) -> list[str]:
