@@ -121,7 +121,7 @@ def tis_correction(train_log_probs, rollout_log_probs, loss_mask, response_lengt
     (as ``mis_level``), clamped to +-20 before ``exp``."""
     log_ratio, mask = _prepare(train_log_probs, rollout_log_probs, loss_mask, response_lengths)
     low, high = tis_bounds(config)
-    level = getattr(config, "tis_level", "token")
+    level = config.tis_level
     if level != "token":
         level_ratio = _lookup(MIS_LEVELS, "tis_level", level)(log_ratio, mask, response_lengths)
         log_ratio = level_ratio.clamp(-LOG_RATIO_SAFETY_BOUND, LOG_RATIO_SAFETY_BOUND)
