@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
     rollout_plain) run rollout_plain 200 python3 bench/rollout.py --repeats 2 --skip-hf --no-overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
     grpo_async) run grpo_async 480 python3 bench/grpo_step.py --train-compile --fully-async --steps 4 ;;  # synchronous, then --fully-async, each in its own process (one process runs out of KV-cache room for the second)
-    grpo_async_profile) run grpo_async_profile 500 python3 bench/grpo_step.py --train-compile --fully-async --steps 2 --profile ;;  # GPU busy time of each step: what one GPU leaves to overlap
+    grpo_async_profile) run grpo_async_profile 560 python3 bench/grpo_step.py --train-compile --fully-async --steps 3 --profile ;;  # both step times (medians after the first) and the GPU busy time of one more step of each: what one GPU leaves to overlap
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
