@@ -15,6 +15,13 @@ size, ...) are refused when given, naming the miles flag to use. ``--sglang-conf
 flag (a YAML of server groups), not SGLang's ``--config``. Router flags configure an SGLang
 router, which miles does not start; they are accepted and warned about.
 
+SGLang switches removed before the pinned version that slime scripts still give
+(``--sglang-enable-ep-moe``, ``--sglang-enable-deepep-moe``, ...; the
+:data:`~miles_host.sglang_args_data.REMOVED_SERVER_SWITCHES` rows) are accepted as deprecated
+aliases: they set the option SGLang set in their place (``--sglang-ep-size`` to the engine's
+tensor parallel size, ``--sglang-moe-a2a-backend deepep``), with one warning line
+(:func:`apply_removed_switches`), and are never passed on themselves.
+
 Host fields declared elsewhere with an ``sglang_`` name (``--sglang-mem-fraction-static``, the
 speculative flags) keep their declaration: these dataclasses are the last bases of
 ``MilesConfig``, so the earlier declaration wins.
@@ -25,10 +32,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from typing import Any, Callable
 
 from miles_host.config_fields import flag, flag_name
-from miles_host.sglang_args_data import ROUTER_ARGS, SERVER_ARGS, SGLANG_ROUTER_VERSION, SGLANG_VERSION, A
+from miles_host.sglang_args_data import (
+    REMOVED_SERVER_SWITCHES,
+    ROUTER_ARGS,
+    SERVER_ARGS,
+    SGLANG_ROUTER_VERSION,
+    SGLANG_VERSION,
+    A,
+    Removed,
+)
 
 _SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -103,6 +119,25 @@ def _field(arg: A, prefix: str, default: Any, group: str, origin: str) -> tuple[
                            group=group)
 
 
+#: SGLang options whose value miles sets itself, and the config field it takes it from (what a removed
+#: switch copies: ``--enable-ep-moe`` set ``--ep-size`` to ``--tp-size``)
+MILES_VALUES: dict[str, str] = {"tp-size": "rollout_num_gpus_per_engine"}
+
+
+def _removed_meaning(switch: Removed) -> str:
+    if switch.copy_of is not None:
+        source = MILES_VALUES.get(switch.copy_of)
+        origin = f"{flag_name(source)}, " if source else ""
+        return f"--sglang-{switch.target} = the engine's --{switch.copy_of} ({origin}as SGLang set it)"
+    return f"--sglang-{switch.target} {switch.value}"
+
+
+def _removed_field(switch: Removed) -> tuple[str, Any, Any]:
+    return server_field(switch.name), bool, flag(
+        False, f"deprecated: removed from SGLang; accepted as SGLang mapped it: {_removed_meaning(switch)}",
+        group="sglang")
+
+
 _SERVER_ORIGIN = f"SGLang {SGLANG_VERSION} server"
 _ROUTER_ORIGIN = f"sglang-router {SGLANG_ROUTER_VERSION}"
 
@@ -111,6 +146,7 @@ SGLangServerArgs = dataclasses.make_dataclass(
     [
         *(_field(arg, "sglang_", arg.default, "sglang", _SERVER_ORIGIN) for arg in SERVER_ARGS
           if arg.name not in _OWN_FIELDS),
+        *(_removed_field(switch) for switch in REMOVED_SERVER_SWITCHES),
         ("sglang_config", Any, flag(
             None, "slime's YAML of SGLang server groups (per-group worker types and ServerArgs overrides); miles "
             "launches one group of identical servers, so it is refused with the sglang backend", type=str,
@@ -184,8 +220,42 @@ def server_flags(config: Any, only: Any = None, exclude: Any = ()) -> list[str]:
     return argv
 
 
+_warned_removed: set[str] = set()
+
+
+def apply_removed_switches(config: Any, stream: Any = None) -> dict[str, Any]:
+    """Each given removed switch (:data:`~miles_host.sglang_args_data.REMOVED_SERVER_SWITCHES`) sets
+    its target option as SGLang did; one warning line (per process) names them. A target given
+    with another value is a ValueError. Returns ``{target field: value}`` for the switches given;
+    applying twice changes nothing."""
+    applied: dict[str, Any] = {}
+    names = []
+    for switch in REMOVED_SERVER_SWITCHES:
+        if not getattr(config, server_field(switch.name), False):
+            continue
+        target = server_field(switch.target)
+        value = getattr(config, MILES_VALUES[switch.copy_of]) if switch.copy_of is not None else switch.value
+        current = getattr(config, target)
+        default = _default_of(config, target, SERVER_ARGS_BY_FIELD[target].default)
+        if current not in (default, value):
+            raise ValueError(
+                f"--sglang-{switch.name} sets {flag_name(target)} {value} (SGLang's mapping of the removed switch), "
+                f"but {flag_name(target)} is {current}; give one of the two")
+        setattr(config, target, value)
+        applied[target] = value
+        names.append(f"--sglang-{switch.name} (now {flag_name(target)} {value})")
+    new = [name for name in names if name not in _warned_removed]
+    if new:
+        _warned_removed.update(new)
+        print(f"miles: warning: deprecated SGLang switches, removed from SGLang and applied as it mapped them: "
+              f"{', '.join(new)}", file=stream or sys.stderr)
+    return applied
+
+
 def check_sglang_args(config: Any) -> None:
-    """The options miles sets itself are refused when given, naming what sets them."""
+    """The options miles sets itself are refused when given, naming what sets them; the removed
+    switches given are applied first (:func:`apply_removed_switches`)."""
+    apply_removed_switches(config)
     for name, instead in MILES_SETS.items():
         field_name = server_field(name)
         arg = SERVER_ARGS_BY_FIELD[field_name]

@@ -15,6 +15,12 @@ SGLang's default, its help (first sentence), ``nargs`` where it takes several va
 other spellings. Deprecated spellings SGLang still accepts with their own destination
 (``--cuda-graph-bs``, ``--disable-cuda-graph``) are rows of their own, as SGLang registers them.
 
+SGLang switches removed before the pinned version that slime scripts still give
+(``--enable-ep-moe`` in slime's DeepSeek-R1 script) are the :class:`Removed` rows of
+:data:`REMOVED_SERVER_SWITCHES`, written by hand (the script does not produce them): each names
+the option SGLang set in their place while it still accepted them (``ServerArgs``'s deprecated
+argument handling: ``ep_size = tp_size`` for ``--enable-ep-moe``) and the value it set.
+
 To move to another SGLang version, regenerate the rows with that script, update the version
 strings, then run ``tests/host/test_sglang_args*.py`` and ``tests/plugins/sglang/test_sglang_args*.py``.
 """
@@ -36,6 +42,29 @@ class A(NamedTuple):
     help: str
     nargs: str | None = None
     aliases: tuple[str, ...] = ()
+
+
+class Removed(NamedTuple):
+    """A removed SGLang switch and the option SGLang set in its place (see the module docstring)."""
+
+    name: str
+    #: the option it set
+    target: str
+    #: the value it set, or the name of the option whose value it copied (``copy_of``)
+    value: Any = None
+    copy_of: str | None = None
+
+
+#: deprecated SGLang switches, mapped by SGLang as their deprecation notes said, then removed
+REMOVED_SERVER_SWITCHES: tuple[Removed, ...] = (
+    Removed('enable-ep-moe', 'ep-size', copy_of='tp-size'),
+    Removed('enable-deepep-moe', 'moe-a2a-backend', 'deepep'),
+    Removed('enable-flashinfer-cutlass-moe', 'moe-runner-backend', 'flashinfer_cutlass'),
+    Removed('enable-flashinfer-cutedsl-moe', 'moe-runner-backend', 'flashinfer_cutedsl'),
+    Removed('enable-flashinfer-trtllm-moe', 'moe-runner-backend', 'flashinfer_trtllm'),
+    Removed('enable-triton-kernel-moe', 'moe-runner-backend', 'triton_kernel'),
+    Removed('enable-flashinfer-mxfp4-moe', 'moe-runner-backend', 'flashinfer_mxfp4'),
+)
 
 
 SERVER_ARGS: tuple[A, ...] = (
