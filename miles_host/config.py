@@ -15,6 +15,7 @@ from typing import Any
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
 from miles_host.config_megatron import MegatronArgs
+from miles_host.config_opd import OpdArgs
 from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
 from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
@@ -254,6 +255,7 @@ class MilesConfig(
     SGLangRouterArgs,
     OptimLoggingArgs,
     EvalRewardArgs,
+    OpdArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
