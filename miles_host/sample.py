@@ -115,6 +115,8 @@ class Sample:
     #: per response token: the weight version that generated it (None: not sampled by the policy)
     token_weight_versions: list = field(default_factory=list)
     spec_info: dict = field(default_factory=dict)
+    #: per response token: the OPD teacher's log-prob of it (``--use-opd``; None: not scored)
+    teacher_log_probs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
@@ -147,7 +149,7 @@ class Sample:
                 f"Sample.response_length ({self.response_length}) must be between 0 and "
                 f"len(tokens) ({len(self.tokens)})"
             )
-        for name in ("loss_mask", "rollout_log_probs"):
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
             value = getattr(self, name)
             if value is not None and len(value) != self.response_length:
                 raise ValueError(
