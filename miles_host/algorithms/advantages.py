@@ -346,12 +346,16 @@ def _value_targets(estimator: AdvantageEstimator, advantages, inputs: AdvantageI
     return [a + v.detach().to(a.dtype) for a, v in zip(advantages, inputs.values)]
 
 
-def compute_advantages(estimator: AdvantageEstimator | str, inputs: AdvantageInputs, config) -> AdvantageOutputs:
+def compute_advantages(estimator: AdvantageEstimator | str, inputs: AdvantageInputs, config,
+                       token_penalties: Sequence[torch.Tensor] | None = None) -> AdvantageOutputs:
     """Run ``estimator`` (a record, or the name of one of :data:`ADVANTAGE_ESTIMATORS`) and
     whiten when its record (``whiten``) or ``config.normalize_advantages`` asks.
 
     ``returns`` are the unwhitened advantages (slime's convention), plus the critic
-    values for an estimator whose record ``needs_critic``.
+    values for an estimator whose record ``needs_critic``. ``token_penalties`` (per
+    sample ``[L_i]``, e.g. the OPD reverse KL of :mod:`miles_host.opd.penalty`) are
+    subtracted from the advantages after the estimator and before whitening, as upstream
+    miles applies its OPD penalty; the returns keep the estimator's values.
     """
     if isinstance(estimator, str):
         if estimator not in ADVANTAGE_ESTIMATORS:
@@ -361,6 +365,9 @@ def compute_advantages(estimator: AdvantageEstimator | str, inputs: AdvantageInp
         estimator = ADVANTAGE_ESTIMATORS[estimator]
     raw = estimator.fn(inputs, config)
     returns = _value_targets(estimator, raw, inputs)
+    if token_penalties is not None:
+        _check_per_token("token_penalties", token_penalties, inputs.response_lengths)
+        raw = [a - p.detach().to(a.dtype) for a, p in zip(raw, token_penalties)]
     if estimator.whiten or config.normalize_advantages:
         return AdvantageOutputs(normalize_advantages(raw, inputs.masks()), returns)
     return AdvantageOutputs(list(raw), returns)
