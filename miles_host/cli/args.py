@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from miles_host.cli.backend_choice import choose_train_backend
+from miles_host.cli.backend_choice import choose_backends
 from miles_host.config import NON_FLAG_FIELDS, MilesConfig
 from miles_host.config_fields import flag_name
 from miles_host.distributed.placement import prepare as prepare_processes
@@ -157,7 +157,7 @@ def resolve_run_config(
     parser.set_defaults(**from_file)
     args = parser.parse_args(list(argv))
     given = given_dests(parser, argv) | set(from_file)
-    choose_train_backend(args, given, set(manager.plugins))  # slime scripts: model parallelism trains with Megatron
+    choose_backends(args, given, set(manager.plugins))  # slime scripts: Megatron training, SGLang engines
     switches = parse_plugin_names(args.plugin_switches)
     disabled = [s[3:] for s in switches if s.startswith("no:")]
     selected = [
