@@ -182,6 +182,8 @@ class NativeTrainer(TrainerBase):
     cpu_offload_refusal: str | None = None
     #: the ``--optimizer`` values this trainer builds
     optimizer_names: tuple[str, ...] = ("adam", "sgd")
+    #: metrics of the last rollout's advantages (``opd/*`` with ``--use-opd``)
+    advantage_metrics: dict[str, float] = {}
 
     def __init__(self, config: Any, manager: Any):
         self.config = config
@@ -340,7 +342,13 @@ class NativeTrainer(TrainerBase):
         if self.config.disable_compute_advantages_and_returns or self.config.loss_type == "sft_loss":  # not read: zero
             return [torch.zeros(s.response_length) for s in samples], None
         inputs = advantage_inputs(samples, ref_log_probs, old_log_probs, values, self.config)
-        outputs = compute_advantages(self.estimator, inputs, self.config)  # whitening, value targets: the record's
+        penalties = None
+        if self.config.use_opd:  # on-policy distillation: the teacher's reverse KL leaves the advantages
+            from miles_host.opd.penalty import opd_penalties
+
+            penalties, self.advantage_metrics = opd_penalties(samples, old_log_probs, self.config)
+        outputs = compute_advantages(self.estimator, inputs, self.config,  # whitening, value targets: the record's
+                                     token_penalties=penalties)
         return outputs.advantages, outputs.returns
 
     def rank_counters(self) -> dict[str, float]:
@@ -410,6 +418,8 @@ class NativeTrainer(TrainerBase):
         always`` (plugins that record routes in that pass, R2, set it)."""
         if self.config.old_logprob_pass == "always" or not one_optimizer_step:
             return True
+        if self.config.use_opd and not self.config.use_rollout_logprobs:  # the OPD penalty reads them
+            return True
         return bool(self.config.kl_coef and self.ref_model is not None)
 
     def _rollout_metrics(self, samples: list[Sample], metrics: dict[str, list[float]]) -> dict[str, float]:
@@ -417,6 +427,7 @@ class NativeTrainer(TrainerBase):
         for sample in samples:
             sample.metadata.pop("_train_index", None)
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
+        out.update(self.advantage_metrics)
         if self.last_step_lr is not None:
             out["train/lr"] = self.last_step_lr
         return out

@@ -136,6 +136,8 @@ class DataParallelTrainer(NativeTrainer):
         if self.config.kl_coef and ref is not None:
             old = self._gather_per_sample(old, samples)  # the estimator's token KL needs every sample
             ref = self._gather_per_sample(ref, samples)
+        elif self.config.use_opd:
+            old = self._gather_per_sample(old, samples)  # so does the OPD penalty
         advantages = self.advantages(samples, ref, self._fill(old, samples))
         if isinstance(advantages, tuple):  # newer NativeTrainer: (advantages, value targets)
             advantages = advantages[0]
