@@ -29,6 +29,7 @@ from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_deb
 from miles_host.evaluation import load_eval_datasets, run_evals
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.lr_schedule import resolve_lr_decay_iters
+from miles_host.opd.teachers import build_teacher_scoring
 from miles_host.phases import Phases
 from miles_host.progress import Progress
 from miles_host.protocols import MetricsLogger, RolloutBackend, Trainer, WeightSyncTransport, build
@@ -110,6 +111,7 @@ class Run:
         self.backend = NoEngine() if trains_only(config) else build(
             registries.rollout_backends, config.rollout_backend, RolloutBackend, config, manager)
         self.scorer = RewardScorer(config, registries.reward_functions)
+        self.teacher = build_teacher_scoring(config)  # --use-opd: scores each step's samples
         self.rollout = RolloutManager(config, self.backend, self.tokenizer, self.scorer, self.dataset)
         #: --rollout-function-path (None: the built-in rollout manager generates)
         self.rollout_function = None
@@ -276,12 +278,18 @@ class Run:
                           rollout_metrics: dict[str, Any]) -> dict[str, Any]:
         """``--debug-rollout-only``: the rollout saved and summarised; no training, no weight push."""
         samples = [s for group in groups for s in group]
+        rollout_metrics.update(self.score_with_teacher(samples))
         self.save_rollout(rollout_id, groups, stats, samples)
         metrics = {"rollout_id": rollout_id, **self.rollout_summary(samples, stats), **rollout_metrics}
         if self.config.eval_interval and (rollout_id + 1) % self.config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
         metrics["perf/step_time_s"] = time.perf_counter() - step_start
         return metrics
+
+    def score_with_teacher(self, samples: list[Sample]) -> dict[str, float]:
+        """``--use-opd``: the teacher's log-probs of the step's samples, after generation and
+        before they are saved or trained (:mod:`miles_host.opd.teachers`); its metrics."""
+        return self.teacher.score(samples) if self.teacher is not None else {}
 
     def save_rollout(self, rollout_id: int, groups: list[list[Sample]], stats: Any, samples: list[Sample]) -> None:
         """``--save-debug-rollout-data`` and ``--dump-rollouts``: the step's samples, before training."""
@@ -321,6 +329,7 @@ class Run:
         """Train on a rollout's groups, push the weights, evaluate when due; the step's metrics."""
         config = self.config
         samples = [s for group in groups for s in group]
+        rollout_metrics.update(self.score_with_teacher(samples))
         self.save_rollout(rollout_id, groups, stats, samples)
         self.phases.to_train()
         train_start = time.perf_counter()

@@ -174,6 +174,12 @@ def _no_reward(*args: Any) -> Any:
     raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
 
 
+def _zero_reward(*args: Any) -> float:
+    """The reward of ``--use-opd`` without a reward flag: 0 for every sample (upstream
+    miles' pure-OPD reward post-process gives the same)."""
+    return 0.0
+
+
 class RewardScorer:
     """Resolves the configured reward once and scores groups of samples."""
 
@@ -193,6 +199,9 @@ class RewardScorer:
             record = registry.get(config.rm_type)
             self.function = record.fn
             self.group = self.group or record.group
+        elif config.use_opd:  # on-policy distillation alone: the teacher's reverse KL is the only signal
+            self.function = _zero_reward
+            self.source = "--use-opd without a reward (0)"
         else:  # runs whose samples carry their rewards (loaded, SFT, a rollout function's); scoring is an error
             self.function = _no_reward
             self.source = "no reward"

@@ -17,17 +17,12 @@ from typing import Any
 
 import torch
 
-from miles_host.checkpoint import LATEST, load_checkpoint, read_checkpoint
+from miles_host.checkpoint import load_checkpoint, read_checkpoint
 from miles_host.devices import resolve_device, resolve_dtype
 from miles_host.models import ForwardContext, PackedAttention, load_pretrained
+from miles_host.opd.checks import is_checkpoint_directory
 from miles_host.sample import Sample
 from miles_host.trainer import PackedBatch, micro_batches
-
-
-def is_checkpoint_directory(path: str | Path) -> bool:
-    """A miles ``--save`` directory (a latest-file or ``iter_*`` folders), not an HF model."""
-    root = Path(path)
-    return (root / LATEST).is_file() or any(root.glob("iter_*"))
 
 
 def load_teacher_model(config: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from miles_host.config_training_modes import check_training_mode_functions, need
 from miles_host.data import missing_data_file
 from miles_host.distributed.placement import check_placement, wants_distributed
 from miles_host.models.loading import native_config, read_hf_config
+from miles_host.opd.checks import check_opd
 from miles_host.plugin_manager import model_family_for
 from miles_host.devices import resolve_device
 from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
@@ -70,8 +71,9 @@ def check_required_inputs(config: Any, registries: Any) -> None:
         raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
     if not Path(config.prompt_data).is_file():
         raise missing_data_file(config.prompt_data, "--prompt-data")
-    if not (config.rm_type or config.custom_rm_path or config.rm_url) and needs_reward(config):
-        raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url")
+    if not (config.rm_type or config.custom_rm_path or config.rm_url) and needs_reward(config) and not config.use_opd:
+        raise ValueError("no reward configured: set --rm-type, --custom-rm-path or --rm-url (or --use-opd: "
+                         "on-policy distillation alone)")
 
 
 def model_config(config: Any) -> Any:
@@ -196,4 +198,5 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_speculative_flags,
     check_batch_split,
     check_optimizer_flags,
+    check_opd,
 )
