@@ -14,6 +14,7 @@ from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
+from miles_host.config_lora import LoraArgs
 from miles_host.config_megatron import MegatronArgs
 from miles_host.config_opd import OpdArgs
 from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
@@ -256,6 +257,7 @@ class MilesConfig(
     OptimLoggingArgs,
     EvalRewardArgs,
     OpdArgs,
+    LoraArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
