@@ -5,6 +5,7 @@
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests rollout rollout_plain grpo grpo_async (miles synchronous vs --fully-async on one GPU: step ratio, overlap, idle, staleness)
 #        grpo_async_profile (the same, one more step of each profiled: GPU busy time, kernels)
+#        grpo_async_process (the same with the engine in its own process on the trainer's GPU)
 #        two_gpu_async (needs 2 GPUs: the quickstart --fully-async, engine process on the second GPU) grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
@@ -61,6 +62,7 @@ for step in "${steps[@]}"; do
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
     grpo_async) run grpo_async 480 python3 bench/grpo_step.py --train-compile --fully-async --steps 4 ;;  # synchronous, then --fully-async, each in its own process (one process runs out of KV-cache room for the second)
     grpo_async_profile) run grpo_async_profile 560 python3 bench/grpo_step.py --train-compile --fully-async --steps 3 --profile ;;  # both step times (medians after the first) and the GPU busy time of one more step of each: what one GPU leaves to overlap
+    grpo_async_process) run grpo_async_process 560 python3 bench/grpo_step.py --train-compile --fully-async --engine-process --steps 3 ;;  # the engine in its own process on the trainer's GPU (--colocate): no shared interpreter lock
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;

@@ -89,6 +89,7 @@ def bench_miles(model_dir: Path, data: Path, args, fully_async: bool = False) ->
         "--output-dir", str(args.workdir / "miles_out"), "--no-progress", *(["--train-compile"] if args.train_compile else []),
         *(["--sglang-disable-overlap-schedule"] if args.no_overlap else []),
         *(["--fully-async"] if fully_async else []),
+        *(["--colocate", "--rollout-backend", "process"] if fully_async and args.engine_process else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -295,6 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
     parser.add_argument("--no-overlap", action="store_true", help="miles: read each decode step before launching the next")
     parser.add_argument("--profile", action="store_true", help="miles: profile one extra step (host and CUDA)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="with --fully-async: the engine in its own process on the trainer's GPU (--colocate "
+                             "--rollout-backend process: no shared interpreter lock, both resident) instead of the "
+                             "producer thread's in-process engine")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_grpo_bench"))
     args = parser.parse_args(argv)

@@ -368,12 +368,12 @@ def check_async_settings(config: MilesConfig) -> None:
             f"{1 / config.rollout_batch_size:g}")
     if not config.fully_async:
         return
-    if config.colocate or config.offload_rollout or config.offload_train:
-        flag = "--colocate" if config.colocate else "--offload-rollout" if config.offload_rollout else "--offload-train"
+    if config.offload_rollout or config.offload_train:
+        flag = "--offload-rollout" if config.offload_rollout else "--offload-train"
         raise ValueError(
             f"--fully-async with {flag}: fully asynchronous rollout keeps generating while the trainer trains, so "
-            "the engines cannot hand their memory (or the GPU) to the trainer between phases; drop one of the two "
-            "(give the engines their own GPUs with --rollout-num-gpus, or train synchronously)")
+            "neither side can hand its memory to the other between phases; drop one of the two (--colocate alone "
+            "shares the GPUs with both sides resident, or give the engines their own GPUs with --rollout-num-gpus)")
     if config.custom_generate_function_path and config.pause_generation_mode in ("retract", "abort"):
         raise ValueError(
             f"--pause-generation-mode {config.pause_generation_mode} with --custom-generate-function-path: a "

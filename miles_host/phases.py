@@ -43,7 +43,12 @@ class PhasePlan:
     @classmethod
     def from_config(cls, config: Any) -> "PhasePlan":
         """``--colocate`` or ``--offload-rollout``: the engines release their KV cache while
-        training (and their weights with ``--offload-rollout``); ``--offload-train``."""
+        training (and their weights with ``--offload-rollout``); ``--offload-train``. With
+        ``--fully-async`` there are no phases to take turns in: colocated engines keep their
+        memory and generate while the trainer trains on the same GPUs (the validation refuses
+        the offload flags there)."""
+        if config.fully_async:
+            return cls()
         release = bool(config.colocate or config.offload_rollout)
         tags = ("kv_cache", "weights") if config.offload_rollout else ("kv_cache",) if release else ()
         return cls(tags, bool(config.offload_train), bool(config.colocate))

@@ -10,6 +10,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from miles_host.cli.main import main
 from miles_host.data import PromptDataset
 from miles_host.checkpoint import load_checkpoint
@@ -110,3 +112,31 @@ def test_a_fully_async_run_over_ray_placed_workers(tiny_task, tmp_path):
     assert [r["rollout/weight_version"] for r in read_metrics(out)] == [1, 2, 3]
     groups = Counter(s["group_index"] for _, s in trained_samples(out))
     assert len(groups) == 12 and set(groups.values()) == {4}
+
+
+def test_a_colocated_engine_process_generates_while_the_trainer_trains(tiny_task, tmp_path):
+    """``--fully-async --colocate``: the engine process shares the trainer's device with both
+    sides resident (no memory handed over between phases) and keeps generating during training."""
+    model, data = tiny_task
+    out = tmp_path / "colocated"
+    argv = base_args(model, data, out, "--fully-async", "--colocate", "--rollout-backend", "process", "--dump-rollouts",
+                     "--num-rollout", "3")
+    assert main(argv) == 0
+    rows = [r for r in read_metrics(out) if r["rollout_id"] >= 0]
+    assert [r["rollout/weight_version"] for r in rows] == [1, 2, 3]
+    assert not any("perf/phase_switch_time_s" in r for r in rows)  # nothing released or resumed
+    samples = trained_samples(out)
+    assert set(Counter(s["group_index"] for _, s in samples).values()) == {4}
+    assert max(staleness(r, s) for r, s in samples) >= 1  # generated while an earlier step trained
+
+
+def test_fully_async_refuses_the_offload_flags_and_plans_no_phases():
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.phases import PhasePlan
+    from miles_host.plugin_manager import MilesPluginManager
+
+    for flag in ("--offload-rollout", "--offload-train"):
+        with pytest.raises(ValueError, match=f"--fully-async with {flag}"):
+            resolve_run_config(["--fully-async", "--colocate", flag], MilesPluginManager())
+    config, _ = resolve_run_config(["--fully-async", "--colocate"], MilesPluginManager())
+    assert not PhasePlan.from_config(config).active
