@@ -81,7 +81,7 @@ MILES_SETS: dict[str, str] = {
     "port": "the launcher (a free port per server)",
     "trust-remote-code": "the model loader (local HF directories of supported families)",
     "random-seed": "--rollout-seed",
-    "enable-memory-saver": "--offload-rollout",
+    "enable-memory-saver": "--colocate / --offload-rollout (servers miles launches release memory with it)",
     "nnodes": "the launcher (one node per server)",
     "node-rank": "the launcher (one node per server)",
     "dist-init-addr": "the launcher (one node per server)",

@@ -8,6 +8,15 @@ buckets through ``/update_weights_from_tensor``. A request that fails (server
 error after retries, malformed answer) comes back as an output with
 ``finish_reason {"type": "abort", "message": ...}``: that sample is FAILED and
 the run carries on.
+
+Colocated (``--colocate``, ``--offload-rollout``), the servers give their GPU memory to the
+trainer between rollouts as slime's do: ``release_memory_occupation`` flushes the cache and
+posts ``/release_memory_occupation {"tags": [...]}`` (SGLang's tags: ``kv_cache`` with the
+``cuda_graph`` memory over it, and ``weights`` under ``--offload-rollout``);
+``resume_memory_occupation`` posts ``/resume_memory_occupation`` one tag at a time in
+slime's order: ``weights`` before the weight push, ``cuda_graph`` then ``kv_cache`` after it
+(:class:`miles_host.phases.Phases` calls the two). Servers miles launches get
+``--enable-memory-saver`` for it (:mod:`miles_sglang.launcher`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 _STEP_WAIT_S = 0.05
 _ABORT_WAIT_S = 30.0
+_FLUSH_TRIES = 60
+_FLUSH_WAIT_S = 0.5
+
+#: the host's memory tags (:class:`miles_host.phases.PhasePlan`) -> SGLang's: the decode CUDA graphs
+#: are captured over the KV cache, so they go and come with it (slime releases both)
+SGLANG_MEMORY_TAGS: dict[str, tuple[str, ...]] = {"kv_cache": ("kv_cache", "cuda_graph"), "weights": ("weights",)}
+#: the order slime resumes SGLang's memory in: weights (before the weight push), CUDA graphs, KV cache
+RESUME_ORDER = ("weights", "cuda_graph", "kv_cache")
 
 
 def server_urls(config: Any) -> list[str]:
@@ -57,8 +74,10 @@ def failed_output(rid: str, index: int, message: str, num_prompt_tokens: int, we
 
 
 class SGLangRolloutBackend(RolloutBackendBase):
-    """A client of one or more SGLang (or ``miles serve``) servers (the servers keep their
-    memory: ``--colocate`` / ``--offload-rollout`` are refused with this backend)."""
+    """A client of one or more SGLang (or ``miles serve``) servers; colocated, the servers
+    release their memory between rollouts through SGLang's memory endpoints."""
+
+    releases_memory = True
 
     def __init__(self, config: Any, manager: Any = None):
         self.config = config
@@ -86,6 +105,7 @@ class SGLangRolloutBackend(RolloutBackendBase):
         self._epoch = 0  # bumped by abort_all: results of older requests that arrive later are dropped
         self._next_client = itertools.count()
         self._weight_version: Any = None
+        self._released: set[str] = set()  # SGLang memory tags the servers hold released
 
     # -- the rollout backend interface ----------------------------------------------
 
@@ -178,6 +198,34 @@ class SGLangRolloutBackend(RolloutBackendBase):
         self._weight_version = weight_version
         return weight_version
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Every server releases the memory of the host ``tags`` (None: KV cache and weights),
+        after its cache is flushed (no request may be in flight); returns the SGLang tags
+        released now (those released already are not asked for again: SGLang refuses that)."""
+        wanted = [t for host_tag in (tags or SGLANG_MEMORY_TAGS) for t in _sglang_tags(host_tag)]
+        release = [t for t in RESUME_ORDER if t in wanted and t not in self._released]
+        if not release:
+            return []
+        if self._in_flight:
+            raise RuntimeError(f"release_memory_occupation with {self._in_flight} sglang requests in flight; finish "
+                               "or abort them first")
+        for client in self.clients:
+            _flush_cache(client)
+            client.request("POST", "/release_memory_occupation", {"tags": release}, retries=0)
+        self._released.update(release)
+        return release
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Every server takes back the memory of the host ``tags`` (None: everything released), one
+        SGLang tag per request in slime's order (:data:`RESUME_ORDER`); returns the tags resumed."""
+        wanted = self._released if tags is None else {t for host_tag in tags for t in _sglang_tags(host_tag)}
+        resume = [t for t in RESUME_ORDER if t in wanted and t in self._released]
+        for tag in resume:
+            for client in self.clients:
+                client.request("POST", "/resume_memory_occupation", {"tags": [tag]}, retries=0)
+            self._released.discard(tag)
+        return resume
+
     def shutdown(self) -> None:
         """Stop the request threads (in-flight requests are abandoned)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -241,6 +289,24 @@ class SGLangRolloutBackend(RolloutBackendBase):
         meta.setdefault("output_token_logprobs", [])
         meta.update(id=rid, index=index, finish_reason=reason, routed_experts=routes if want_routes else None)
         return {**result, "output_ids": output_ids, "meta_info": meta}
+
+
+def _sglang_tags(host_tag: str) -> tuple[str, ...]:
+    if host_tag not in SGLANG_MEMORY_TAGS:
+        raise ValueError(f"unknown memory tag {host_tag!r}; the tags are {sorted(SGLANG_MEMORY_TAGS)}")
+    return SGLANG_MEMORY_TAGS[host_tag]
+
+
+def _flush_cache(client: SGLangClient) -> None:
+    """``/flush_cache`` until it succeeds (SGLang answers 400 while requests are still queued)."""
+    for attempt in range(_FLUSH_TRIES):
+        try:
+            client.request("GET", "/flush_cache")
+            return
+        except SGLangHTTPError as error:
+            if error.status != 400 or attempt == _FLUSH_TRIES - 1:
+                raise
+            time.sleep(_FLUSH_WAIT_S)
 
 
 def split_buckets(named: list, max_bytes: int) -> list[list]:

@@ -128,8 +128,8 @@ def build_generate_job(state: ServerState, body: dict) -> tuple[GenerateJob, lis
     (:mod:`miles_sglang.generate_fields`); ``sampling_params`` pass through to the engine
     unchanged (it validates them); ValueError names what is wrong."""
     check_request_fields(body)
-    if "weights" in state.released_tags:
-        raise ValueError("the weights are released: call /resume_memory_occupation first")
+    if state.released_tags:
+        raise ValueError(f"memory {sorted(state.released_tags)} is released: call /resume_memory_occupation first")
     prompts, single = _prompts(state, body)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params", {})
     if not all(isinstance(p, dict) for p in params):
@@ -337,35 +337,57 @@ async def continue_generation(state: ServerState, request, body: dict) -> Any:
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
-def _memory_tags(body: dict) -> set[str]:
-    tags = body.get("tags") or ["kv_cache", "weights"]
-    if not isinstance(tags, list) or not set(tags) <= {"kv_cache", "weights"}:
-        raise ValueError(f"tags must be a list of 'kv_cache' / 'weights', got {tags!r}")
-    return set(tags)
+#: SGLang's memory tags (``GPU_MEMORY_ALL_TYPES``), in the order a resume brings them back
+MEMORY_TAGS = ("weights", "cuda_graph", "kv_cache")
+#: the tags that name memory of the embedded engine; its decode CUDA graphs go and come with its KV
+#: cache, so ``cuda_graph`` is only recorded (and must be released before it is resumed, as in SGLang)
+ENGINE_MEMORY_TAGS = frozenset({"weights", "kv_cache"})
+
+
+def _memory_tags(body: dict) -> list[str]:
+    """``body["tags"]`` checked; absent, null or empty: every tag (SGLang's meaning)."""
+    tags = body.get("tags") or list(MEMORY_TAGS)
+    if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
+        raise ValueError(f"tags must be a list of {', '.join(repr(t) for t in MEMORY_TAGS)}, got {tags!r}")
+    return [tag for tag in MEMORY_TAGS if tag in tags]
 
 
 async def release_memory_occupation(state: ServerState, request, body: dict) -> Any:
-    """POST /release_memory_occupation ``{"tags": [...]}``: the engine must be idle.
-
-    On CPU nothing is freed (the embedded engine keeps its tensors); generation
-    is refused until the weights are resumed, as on a real server.
-    """
+    """POST /release_memory_occupation ``{"tags": [...]}`` (SGLang's ``ReleaseMemoryOccupationReqInput``):
+    the engine, which must be idle, frees its KV cache (``kv_cache``) or moves its weights to host
+    memory (``weights``) (:meth:`miles_host.rollout.Engine.release_memory_occupation`). A tag already
+    released is refused, as SGLang does. Generation is refused until every tag is resumed."""
     tags = _memory_tags(body)
 
     def release(engine):
+        again = sorted(set(tags) & state.released_tags)
+        if again:
+            raise ValueError(f"memory {again} is released already: resume it first")
         if engine.has_unfinished():
             raise ValueError("release_memory_occupation needs an idle engine: requests are in flight")
-        engine.flush_cache()
-        state.released_tags |= tags
+        engine.release_memory_occupation(sorted(set(tags) & ENGINE_MEMORY_TAGS))
+        state.released_tags |= set(tags)
 
     await state.worker.call_async(release)
     return None
 
 
 async def resume_memory_occupation(state: ServerState, request, body: dict) -> Any:
-    """POST /resume_memory_occupation ``{"tags": [...]}``."""
+    """POST /resume_memory_occupation ``{"tags": [...]}`` (SGLang's ``ResumeMemoryOccupationReqInput``;
+    absent: every tag): the released tags come back (weights to the device, a new KV cache; the
+    decode graphs are captured again once nothing is released). A tag not released is refused, as
+    SGLang does (its scheduler removes each tag from the released set)."""
     tags = _memory_tags(body)
-    await state.worker.call_async(lambda engine: state.released_tags.difference_update(tags))
+
+    def resume(engine):
+        missing = [tag for tag in tags if tag not in state.released_tags]
+        if missing:
+            raise ValueError(f"memory {missing} is not released: release_memory_occupation first "
+                             f"(released now: {sorted(state.released_tags)})")
+        engine.resume_memory_occupation(sorted(set(tags) & ENGINE_MEMORY_TAGS))
+        state.released_tags -= set(tags)
+
+    await state.worker.call_async(resume)
     return None
 
 

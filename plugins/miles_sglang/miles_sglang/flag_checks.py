@@ -63,3 +63,18 @@ def check_server_flags(config: Any, stream: Any = None) -> list[str]:
         return warned + _warn_once(ignored, "no meaning for miles serve (the embedded engine behind SGLang's API); "
                                    "install SGLang to have them honoured", stream)
     return warned
+
+
+def check_colocated_servers(config: Any, stream: Any = None) -> list[str]:
+    """``--colocate`` / ``--offload-rollout`` with servers at ``--sglang-url`` or behind a router:
+    their memory is released through SGLang's memory endpoints, which free GPU memory only on
+    servers started with ``--enable-memory-saver`` (miles starts its own with it); one warning.
+    Returns the flags warned about now."""
+    flags = [flag for flag, on in (("--colocate", config.colocate), ("--offload-rollout", config.offload_rollout))
+             if on and flag not in _warned]
+    if not flags or launches_servers(config):
+        return []
+    _warned.update(flags)
+    print(f"miles: warning: {' '.join(flags)}: the servers at --sglang-url / --sglang-router-ip free GPU memory "
+          "between phases only if they were started with --enable-memory-saver", file=stream or sys.stderr)
+    return flags

@@ -6,8 +6,9 @@ real SGLang (``python -m sglang.launch_server``) when it is importable, else ``m
 (the embedded engine behind the same API); ``--sglang-server-command`` forces one. The
 servers are separate processes, stopped when the run ends.
 
-Real SGLang gets tensor parallel size ``--rollout-num-gpus-per-engine`` (``--tp-size``) and
-every ``--sglang-*`` server flag the user gave (:func:`miles_host.config_sglang.server_flags`);
+Real SGLang gets tensor parallel size ``--rollout-num-gpus-per-engine`` (``--tp-size``),
+``--enable-memory-saver`` under ``--colocate`` / ``--offload-rollout`` (the memory endpoints
+free GPU memory only with it), and every ``--sglang-*`` server flag the user gave (:func:`miles_host.config_sglang.server_flags`);
 with ``--rollout-num-gpus`` server ``i`` starts at GPU ``trainers + i * per_engine``
 (``--base-gpu-id``). ``miles serve`` gets the SGLang options it has
 (:data:`miles_sglang.serve_cli.SGLANG_OPTIONS`); it runs one GPU per server.
@@ -75,6 +76,8 @@ def server_command(config: Any, port: int, kind: str, index: int = 0) -> list[st
                    "--tp-size", str(config.rollout_num_gpus_per_engine)]
         if config.rollout_return_routed_experts:
             command.append("--enable-return-routed-experts")
+        if getattr(config, "colocate", False) or getattr(config, "offload_rollout", False):
+            command.append("--enable-memory-saver")  # release_memory_occupation frees memory only with it
         first_gpu = base_gpu_id(config, index)
         if first_gpu is not None:
             command += ["--base-gpu-id", str(first_gpu)]

@@ -235,8 +235,9 @@ class OpenAIServer:
                      grammar_field: str = "response_format") -> tuple[GenerateJob, asyncio.Event]:
         """Queue one engine job (all prompts, ``n`` samples each) and the event its progress sets;
         a ValueError from the engine is the request's fault (400, naming the field it is about)."""
-        if "weights" in self.state.released_tags:
-            raise OpenAIError(503, "the weights are released: call /resume_memory_occupation first",
+        if self.state.released_tags:
+            raise OpenAIError(503, f"memory {sorted(self.state.released_tags)} is released: call "
+                              "/resume_memory_occupation first",
                               type="service_unavailable")
         base = rid or new_rid()
         rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]

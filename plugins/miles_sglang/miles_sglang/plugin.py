@@ -61,19 +61,13 @@ def _disk_transport(config):
 
 
 def check_sglang_backend(config, registries):
-    """``RolloutBackend.validate``: the HTTP client cannot make the servers release their memory
-    between phases, so ``--colocate`` and ``--offload-rollout`` are refused; the server flags
-    are checked by :func:`miles_sglang.flag_checks.check_server_flags`."""
-    from miles_sglang.flag_checks import check_server_flags
+    """``RolloutBackend.validate``: the server flags (:func:`miles_sglang.flag_checks.check_server_flags`);
+    colocated, servers started outside miles are told to need ``--enable-memory-saver``
+    (:func:`miles_sglang.flag_checks.check_colocated_servers`)."""
+    from miles_sglang.flag_checks import check_colocated_servers, check_server_flags
 
-    for name in ("colocate", "offload_rollout"):
-        if getattr(config, name):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(
-                f"{flag}: the rollout backend 'sglang' cannot release its memory between phases; use "
-                "--rollout-backend embedded or process, or drop the flag"
-            )
     check_server_flags(config)
+    check_colocated_servers(config)
 
 
 def miles_register_rollout_backends():
