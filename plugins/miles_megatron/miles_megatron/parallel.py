@@ -14,9 +14,10 @@ Each rank builds its shard of the GPTModel and:
 - :func:`shard_state`: takes its shard of the full Megatron-named state (what
   :func:`~miles_megatron.weights.native_to_megatron` gives), following Megatron's
   layouts: column-parallel weights (``linear_qkv``, already interleaved per query
-  group, and ``output_layer``) and the vocab-parallel embedding by rows, row-parallel
-  weights (``linear_proj``, ``linear_fc2``) by columns, SwiGLU ``linear_fc1`` as
-  ``[gate_r; up_r]`` (each half split by rows, as Megatron's gated column-parallel
+  group, MLA's down and up projections, and ``output_layer``) and the vocab-parallel
+  embedding by rows, row-parallel
+  weights (``linear_proj``, ``linear_fc2``) by columns, SwiGLU ``linear_fc1`` (the MLP's
+  and the shared experts') as ``[gate_r; up_r]`` (each half split by rows, as Megatron's gated column-parallel
   layout), routed experts as ``ep_rank * local + e`` (SequentialMLP numbering, whole
   experts); norms and routers are replicated; the vocabulary is padded to a multiple
   of TP with zero rows (:func:`padded_vocab`).
@@ -28,7 +29,8 @@ Each rank builds its shard of the GPTModel and:
   entropy over the whole vocabulary with the host's ``chunked_log_probs``, so the
   loss is the one-process loss.
 - :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for these
-  layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP;
+  layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP (not
+  MLA's latent norms, whose inputs are gathered whole);
   the non-expert gradients averaged over Megatron's data-parallel replicas (EP of
   them; they agree up to summation order). MoE layers dispatch with the all-gather
   dispatcher over the EP group: each rank's tokens (its sequence shard under sequence
@@ -117,7 +119,8 @@ def _layout(name: str, dims: Mapping[str, int], gated: bool = True) -> tuple[str
         return "expert", 0
     if name not in dims:
         return "replicated", 0
-    if gated and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
+    # the MLP's and the shared experts' (``mlp.shared_experts.linear_fc1``) SwiGLU fc1
+    if gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return "gated", dims[name]
     return "tp", dims[name]
 
@@ -268,10 +271,12 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
             param.grad = torch.zeros_like(param)
     if sizes.tp > 1:
         group = ps.get_tensor_model_parallel_group()
+        # MLA's q_layernorm normalises the whole (gathered) query latent: its gradient is complete
+        per_head = ("k_layernorm",) if gpt.config.multi_latent_attention else ("q_layernorm", "k_layernorm")
         for name, param in named:
             # per-head q/k norms see this rank's heads; under sequence parallelism the marked norms
             # (and Megatron's routers) see this rank's positions: partial gradients
-            if "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False):
+            if any(norm in name for norm in per_head) or getattr(param, "sequence_parallel", False):
                 dist.all_reduce(param.grad, group=group)
     if sizes.pp > 1:
         from miles_megatron.pipeline import reduce_tied_embedding_grads

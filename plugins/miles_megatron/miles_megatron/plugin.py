@@ -102,6 +102,7 @@ def check_model(config):
     the tensor-parallel ranks: refused by the validation stage, not when the trainer starts."""
     from miles_host.validation.host_checks import model_config
 
+    from miles_megatron.mla import tensor_parallel_problems
     from miles_megatron.pipeline import check_layers
     from miles_megatron.weights import megatron_transformer_config_kwargs
 
@@ -115,6 +116,10 @@ def check_model(config):
             f"--tensor-model-parallel-size {tp}: the model's {native.num_heads} attention heads and "
             f"{native.num_kv_heads} KV heads must each divide evenly over the tensor-parallel ranks"
         )
+    uneven = tensor_parallel_problems(native, tp)
+    if uneven:
+        raise ValueError(f"--tensor-model-parallel-size {tp}: the model's MLA down projections are split over the "
+                         f"tensor-parallel ranks; {', '.join(uneven)} must divide by {tp}")
 
 
 def miles_register_train_backends():

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_megatron.layout import PaddedLayout
+from miles_megatron.mla import set_latent_norm_eps
 from miles_megatron.replay import RouterReplayBridge
 from miles_megatron.runtime import on_device, quiet_imports
 from miles_megatron.weights import (
@@ -96,7 +97,7 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
     the run's Megatron flags this backend honours
     (:func:`miles_megatron.perf_flags.transformer_config_overrides`; ``moe_*`` ones for MoE
     models only)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from miles_megatron.mla import config_class
 
     kwargs = megatron_transformer_config_kwargs(native_config)
     kwargs.update(LOCAL_SETTINGS)
@@ -117,7 +118,7 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
         kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=LOCAL_SETTINGS["params_dtype"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Apex/TE fallbacks
-        return TransformerConfig(**kwargs)
+        return config_class(kwargs)(**kwargs)
 
 
 def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu",
@@ -138,6 +139,10 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # this stage's layers
+        if config.multi_latent_attention:
+            from miles_megatron.mla_spec import with_latent_core_attention
+
+            spec = with_latent_core_attention(spec)
         if sequence_parallel:
             from miles_megatron.sequence_parallel import norms_for_sequence_parallel
 
@@ -169,10 +174,13 @@ def _stage_kwargs() -> dict[str, Any]:
 def adjust_layer(layer: torch.nn.Module) -> None:
     """This backend's changes to a Megatron ``TransformerLayer`` (decoder and MTP layers alike)."""
     layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
+    if layer.config.multi_latent_attention:
+        set_latent_norm_eps(layer)
     router = getattr(layer.mlp, "router", None)
-    if router is not None and not router.enable_expert_bias:
-        # torch.compile'd bookkeeping run at every routing that does nothing without an
-        # expert bias: skipped (no Dynamo trace per router, no compiler needed on GPU)
+    if router is not None:
+        # torch.compile'd token counting at every routing, read only by Megatron's expert-bias
+        # update, which this backend never runs (the bias stays the checkpoint's, as in the
+        # native trainer): skipped (no Dynamo trace per router, no compiler needed on GPU)
         router._apply_expert_bias = _no_expert_bias
     if router is not None and layer.mlp.attn_tp_group.size() > 1 and not layer.config.sequence_parallel:
         layer.mlp.attn_tp_group = _TensorParallelCheckOnly(layer.mlp.attn_tp_group)
@@ -226,7 +234,8 @@ class DecoderPass:
     layout: PaddedLayout
     ids_SB: torch.Tensor
     positions_SB: torch.Tensor
-    rotary_SB1D: torch.Tensor
+    #: the rope of a GQA decoder (None for MLA, whose attention computes its own)
+    rotary_SB1D: torch.Tensor | None
     #: this rank's output: the final-norm hidden states (under PP, the last stage's only)
     hidden_SBH: torch.Tensor
 
@@ -287,8 +296,7 @@ class MegatronPolicy(torch.nn.Module):
         self.sizes = current_sizes()
         #: set by the host trainer; Megatron's recomputation is fixed when the model is built
         self.gradient_checkpointing = False
-        top_k = native_config.moe.top_k if native_config.moe is not None else 0
-        self.replay = RouterReplayBridge(gpt, routing_hooks, top_k)
+        self.replay = RouterReplayBridge(gpt, routing_hooks, native_config.moe)
         #: autocast of the last forward, re-entered by each layer (recomputation in backward)
         self.autocast_state = AutocastState()
         for layer in gpt.decoder.layers:
@@ -308,8 +316,9 @@ class MegatronPolicy(torch.nn.Module):
         config = native.config
         del native
         gpt.to(device)
-        # a plain attribute, not a buffer (Megatron moves it lazily to torch.cuda.current_device())
-        gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
+        if not gpt.config.multi_latent_attention:  # (MLA layers keep their own rope)
+            # a plain attribute, not a buffer (Megatron moves it lazily to torch.cuda.current_device())
+            gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
         return cls(gpt, config, routing_hooks)
 
     # -- what the trainer and the loop read ----------------------------------------
@@ -366,8 +375,10 @@ class MegatronPolicy(torch.nn.Module):
             else:
                 x_SBH = stage_input(layout)
                 self.gpt.decoder.set_input_tensor(x_SBH)  # where Megatron's non-first stage reads its input
-            freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
-            rotary_SB1D = freqs_PD[positions_SB]
+            rotary_SB1D = None  # MLA: the attention ropes each token by its index in the sequence
+            if not self.gpt.config.multi_latent_attention:
+                freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
+                rotary_SB1D = freqs_PD[positions_SB]
             hidden_SBH = self.gpt.decoder(
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )

@@ -4,7 +4,9 @@
 A forward pre-hook on every MoE layer's ``TopKRouter`` decides the ids that layer
 uses, the way the native MoE layer does (:class:`miles_host.routing.RoutingHooks`):
 
-- the router's own top-k is computed from the router input (no gradient);
+- the router's own top-k is computed from the router input (no gradient) as the native
+  router takes it (:meth:`miles_host.models.mlp.Router.default_choice`: softmax or sigmoid
+  scores, plus the expert bias, group-limited for DeepSeek), which is Megatron's own choice;
 - with routing plugins (``miles_select_experts`` / ``miles_experts_selected``, e.g.
   miles-r3) they choose and observe the ids, in packed token order;
 - without them, ``RoutingContext.replay_expert_ids[layer]`` is replayed, rows of -1
@@ -50,9 +52,16 @@ def moe_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
 class RouterReplayBridge:
     """Installs the pre-hooks; :meth:`set_forward` gives them each forward's routing."""
 
-    def __init__(self, gpt: torch.nn.Module, routing_hooks: Any, top_k: int):
+    def __init__(self, gpt: torch.nn.Module, routing_hooks: Any, moe: Any):
+        """``moe``: the native :class:`~miles_host.models.config.MoEConfig` (None: a dense model)."""
+        from miles_host.models.mlp import Router
+
         self.routing_hooks = routing_hooks
-        self.top_k = top_k
+        self.moe = moe
+        self.top_k = moe.top_k if moe is not None else 0
+        if moe is not None:
+            with torch.device("meta"):  # only its choice rule is used (no weight)
+                self.choice_rule = Router(1, moe)
         self.routers = moe_routers(gpt)
         self.routing = None
         self.layout = None
@@ -102,12 +111,12 @@ class RouterReplayBridge:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
-            # the router's GEMM (in the input's dtype, bf16 under autocast), float32 softmax: the
-            # native router's scores, and the top-k Megatron itself would take
+            # the router's GEMM (in the input's dtype, bf16 under autocast), float32 scores: the
+            # native router's choice scores, and the top-k Megatron itself would take
             weight = router.weight.to(hidden_SBH.dtype)
             logits_NE = F.linear(hidden_SBH.reshape(-1, hidden_SBH.shape[-1]), weight)
-            scores_NE = torch.softmax(logits_NE.float(), dim=-1)
-            own_NK = torch.topk(scores_NE, self.top_k, dim=-1).indices
+            scores_NE = choice_scores(logits_NE, self.moe.score_func, router.expert_bias)
+            own_NK = self.choice_rule.default_choice(scores_NE)
             rows_T = layout.megatron_row_T
             own_TK = own_NK[rows_T]
             if self.routing_hooks.active:
@@ -124,6 +133,19 @@ class RouterReplayBridge:
         replay.clear_indices()
         replay.set_target_indices(target_NK)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+#: the native router's score functions (float32)
+SCORES = {
+    "softmax": lambda logits: torch.softmax(logits.float(), dim=-1),
+    "sigmoid": lambda logits: torch.sigmoid(logits.float()),
+}
+
+
+def choice_scores(logits_NE: torch.Tensor, score_func: str, expert_bias: torch.Tensor | None) -> torch.Tensor:
+    """The scores the experts are chosen on: the score function's, plus the expert bias if any."""
+    scores_NE = SCORES[score_func](logits_NE)
+    return scores_NE if expert_bias is None else scores_NE + expert_bias.float()
 
 
 def _sequence_shard(rows_N: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,18 @@ def seed_rng(seed: int, device: torch.device) -> None:
 
 def _fix_megatron_without_te() -> None:
     """megatron-core 0.16 tests ``te_general_gemm is not None`` in the router GEMM but
-    only defines the name when TransformerEngine imports."""
+    only defines the name when TransformerEngine imports; and its MLA module believes
+    TransformerEngine present when Megatron's TE extension imports (with mock classes in
+    place of TE's, which its ``isinstance`` checks then reject): told the truth."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 _lock = threading.RLock()

@@ -11,9 +11,17 @@ Megatron-Core conventions used (local layer spec, no TransformerEngine):
 - ``decoder.layers.{i}.self_attention.linear_qkv`` holds q, k, v interleaved per
   query group: for each KV head, its ``num_heads / num_kv_heads`` query heads,
   then its key head, then its value head. miles keeps ``[q; k; v]``.
-- MLA (DeepSeek): ``linear_q_down_proj`` / ``linear_q_up_proj`` /
-  ``linear_kv_down_proj`` / ``linear_kv_up_proj`` with ``q_layernorm`` /
-  ``kv_layernorm``.
+- MLA (DeepSeek; :mod:`miles_megatron.mla`): native ``q_a_proj`` / ``q_a_norm`` /
+  ``q_b_proj`` (or ``q_proj``), ``kv_a_proj`` / ``kv_a_norm`` / ``kv_b_proj``, ``o_proj``
+  (HF's ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` / ``q_proj``, ``kv_a_proj_with_mqa``,
+  ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``) are Megatron's ``linear_q_down_proj``,
+  ``q_layernorm``, ``linear_q_up_proj`` / ``linear_q_proj``, ``linear_kv_down_proj``,
+  ``kv_layernorm``, ``linear_kv_up_proj``, ``linear_proj``, layouts unchanged (both
+  split each head's query/key into ``[nope, rope]`` and the latent into
+  ``[kv_lora_rank, rope]``).
+- MoE routing (:mod:`miles_megatron.moe_routing`): ``router.weight``, the expert bias
+  (DeepSeek's ``e_score_correction_bias``) as ``router.expert_bias``, shared experts as
+  ``shared_experts.linear_fc{1,2}``.
 - SwiGLU ``linear_fc1`` is ``[gate; up]``, as miles' ``gate_up_proj``.
 - Routed experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}`` (SequentialMLP).
 - MTP (draft) layers: native ``mtp.{j}.*`` (:class:`~miles_host.models.model.MTPLayer`)
@@ -33,6 +41,9 @@ import re
 from typing import Any, Callable, Mapping
 
 import torch
+
+from miles_megatron.mla import mla_config_kwargs, mla_problems
+from miles_megatron.moe_routing import moe_config_kwargs, moe_problems
 
 Tensors = dict[str, torch.Tensor]
 
@@ -208,14 +219,18 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         (config.final_logit_softcap is not None, "final logit soft-capping (Gemma-2)"),
         (config.sandwich_norm, "post-attention/post-MLP norms (Gemma, GLM-4): need a custom layer spec"),
         ("sliding_attention" in config.layer_types, "sliding-window layers"),
-        (config.rope.rope_type != "default", f"rope scaling {config.rope.rope_type!r}"),
-        (config.rope.interleaved or config.rope.rotary_dim != config.head_dim, "interleaved or partial rotary"),
-        (config.mla is not None, "multi-head latent attention (needs Megatron's MLA spec)"),
+        (config.mla is None and config.rope.rope_type != "default", f"rope scaling {config.rope.rope_type!r}"),
+        (config.mla is None and (config.rope.interleaved or config.rope.rotary_dim != config.head_dim),
+         "interleaved or partial rotary"),
         (config.qk_norm == "full", "q/k norm over all heads (MiniMax-M2)"),
         (config.o_bias or config.mlp_bias, "output-projection or MLP biases"),
         (config.norm_unit_offset or config.embed_scale is not None, "Gemma's (1+w) norms / embedding scale"),
     ]
     problems = [what for bad, what in unsupported if bad]
+    if config.mla is not None:
+        problems += mla_problems(config)
+    if config.moe is not None:
+        problems += moe_problems(config.moe)
     if problems:
         raise ValueError(f"the megatron backend does not support {', '.join(problems)} yet; use --train-backend native")
     kwargs: dict[str, Any] = {
@@ -233,20 +248,10 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         "add_qkv_bias": config.qkv_bias,
         "qk_layernorm": config.qk_norm == "head",
     }
+    if config.mla is not None:
+        kwargs.update(mla_config_kwargs(config))
     if config.moe is not None:
-        moe = config.moe
-        if moe.score_func != "softmax" or not moe.norm_topk_prob or moe.n_group != 1 or moe.shared_intermediate_size:
-            raise ValueError(
-                "the megatron backend maps softmax top-k routing with normalised weights and no shared experts "
-                "(Qwen3-MoE) for now; use --train-backend native for this model"
-            )
-        kwargs.update(
-            num_moe_experts=config.moe.num_experts,
-            moe_router_topk=config.moe.top_k,
-            moe_ffn_hidden_size=config.moe.intermediate_size,
-            moe_layer_freq=[int(is_moe) for is_moe in config.moe_layers],  # dense layers stay dense
-            moe_enable_routing_replay=True,
-        )
+        kwargs.update(moe_config_kwargs(config.moe, config.moe_layers))
     return kwargs
 
 
