@@ -22,19 +22,17 @@ from tests.host.test_megatron_args import MODELS
 
 #: script -> the flags argparse still refuses (from a run of this test): its dry run and CPU run are
 #: xfail (strict=False) naming them until they are accepted
-REFUSED_FLAGS: dict[str, list[str]] = {
-    "deepseek_v3": ["--sglang-enable-ep-moe", "--sglang-enable-deepep-moe"],
-}
+REFUSED_FLAGS: dict[str, list[str]] = {}
 #: script -> the refusal that still stops its dry run although every flag parses (its CPU run, with
 #: reduced sizes, is not affected)
-_ENGINE_TP = ("--rollout-num-gpus-per-engine {}: the embedded engine runs on one GPU (slime's SGLang engines "
-              "with tensor parallel size {} are not chosen for the script)")
 DRY_RUN_REFUSALS: dict[str, str] = {
-    "qwen3": _ENGINE_TP.format(2, 2),
-    "qwen3_moe": _ENGINE_TP.format(2, 2),
-    "deepseek_v3": _ENGINE_TP.format(4, 4) + "; then: the megatron backend (picked by the script's parallel sizes) "
-                   "does not build multi-latent attention / yarn rope",
-    "glm4_moe": _ENGINE_TP.format(2, 2),
+    "qwen3_moe": "the megatron backend (picked by the script's parallel sizes) runs one trainer process per "
+                 "TP x EP x PP rank with data-parallel size 1: TP 2 x EP 2 asks for 4 trainers, where the script "
+                 "(expert parallelism folded into TP x DP, --expert-tensor-parallel-size 1) has 2",
+    "deepseek_v3": "the megatron backend (picked by the script's parallel sizes) does not build multi-latent "
+                   "attention / yarn rope",
+    "glm4_moe": "the megatron backend (picked by the script's parallel sizes) does not build GLM-4.5's partial "
+                "rotary embedding",
 }
 
 
@@ -242,12 +240,22 @@ def _script_cases(names=tuple(SCRIPTS), dry_run: bool = True) -> list:
             if _reason(name, dry_run) else name for name in names]
 
 
+@pytest.fixture
+def sglang_installed(monkeypatch):
+    """slime's scripts run where SGLang is installed: the servers the sglang backend launches (picked
+    by ``--rollout-num-gpus-per-engine N > 1``) are real SGLang with tensor parallel size N. Here,
+    without SGLang, they would be ``miles serve`` (one GPU each), which the dry run refuses with
+    "install SGLang" (tests/host/test_backend_choice.py)."""
+    monkeypatch.setattr("miles_sglang.launcher.server_kind", lambda config: "sglang")
+
+
 @pytest.mark.parametrize("name", _script_cases())
-def test_slime_script_passes_dry_run(checkpoints, name, capsys):
+def test_slime_script_passes_dry_run(checkpoints, name, capsys, sglang_installed):
     code, err = run_miles([*script_argv(checkpoints, name), "--dry-run"], capsys)
     refused = refused_flags(err)
     assert not refused, f"{name}: flags still refused: {' '.join(refused)}"
     assert code == 0, f"{name}: the dry run stopped:\n{err[-3000:]}"
+    assert "roll out with --rollout-backend sglang" in err  # slime's engines: SGLang, tensor parallel
 
 
 async def slime_parity_reward(args, sample, **kwargs):
