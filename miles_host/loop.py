@@ -42,6 +42,7 @@ from miles_host.sample import Sample, Status
 from miles_host.sample_filters import apply_rollout_sample_filter
 from miles_host.tokenizer_loading import load_tokenizer
 from miles_host.validation import validate
+from miles_host.lora import save_checkpoint_adapter, save_hf_checkpoint
 from miles_host.validation.output_paths import save_hf_path
 
 
@@ -186,7 +187,7 @@ class Run:
     def _write_checkpoint(self, rollout_id: int, positions: dict | None) -> None:
         positions = self.current_positions(positions)
         if self.config.save:
-            save_checkpoint(
+            folder = save_checkpoint(
                 self.config.save,
                 rollout_id,
                 {
@@ -197,13 +198,11 @@ class Run:
                     "weight_version": self.state.weight_version,
                 },
             )
+            save_checkpoint_adapter(self.trainer, folder, self.config)  # a LoRA run's PEFT adapter beside it
             prune_checkpoints(self.config.save, rollout_id, self.config.save_retain_interval)
         if self.config.save_hf:
-            from miles_host.models import save_pretrained
-
             path = save_hf_path(self.config.save_hf, rollout_id)
-            # a sharded trainer's gathered weights; None: the model's own state dict is whole
-            save_pretrained(self.trainer.model, path, state_dict=self.trainer.full_state_dict())
+            save_hf_checkpoint(self.trainer, path, self.config)  # a LoRA run: its PEFT adapter (or merged weights)
             self.tokenizer.save_pretrained(path)
 
     def resume(self) -> None:

@@ -237,7 +237,7 @@ class TrainBackend(Record):
     ``distributed_variant``: the backend that does this one's work over processes when the
     run needs several (``native`` -> ``native_dp``); empty: it serves such runs as it is.
     ``honoured_flags``: fields of the accepted-and-ignored list that this backend reads
-    (no warning when it is the one chosen).
+    (no warning when it is the one chosen). ``lora``: it trains LoRA adapters (``--lora-rank``).
     """
 
     factory: Callable[..., Any] | None = None
@@ -245,6 +245,7 @@ class TrainBackend(Record):
     multi_process: bool = False
     distributed_variant: str = ""
     honoured_flags: tuple[str, ...] = ()
+    lora: bool = False
 
     required = ("factory",)
 

@@ -22,6 +22,7 @@ from miles_host.algorithms.kl import compute_approx_kl
 from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share
 from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.loss_types import micro_batch_loss
+from miles_host.lora import apply_lora, merged_state_dict
 from miles_host import offload
 from miles_host.devices import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
@@ -194,6 +195,8 @@ class NativeTrainer(TrainerBase):
         precision = manager.registries.precisions.get(config.precision)
         self.model = self.apply_precision(self.model, precision)
         self.convert_for_rollout = precision.convert_for_rollout
+        # --lora-rank: adapters on the chosen linears, everything else frozen (before the optimizer is built)
+        self.lora = apply_lora(self.model, config)
         if config.train_compile and config.true_on_policy:
             # compiled kernels would not compute what the engine's batch-invariant kernels do
             logger.warning("--train-compile is ignored with --true-on-policy (batch-invariant eager path)")
@@ -427,6 +430,8 @@ class NativeTrainer(TrainerBase):
         for sample in samples:
             sample.metadata.pop("_train_index", None)
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
+        if self.lora is not None:
+            out.update(self.lora.metrics())
         out.update(self.advantage_metrics)
         if self.last_step_lr is not None:
             out["train/lr"] = self.last_step_lr
@@ -538,8 +543,8 @@ class NativeTrainer(TrainerBase):
     # -- weights and state ----------------------------------------------------
 
     def named_weights_for_rollout(self):
-        """``(name, tensor)`` pairs the rollout engine loads, after the precision's conversion."""
-        named = [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+        """``(name, tensor)`` pairs the rollout engine loads (LoRA merged), after the precision's conversion."""
+        named = [(name, tensor.detach()) for name, tensor in merged_state_dict(self.model).items()]
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
     def state_dict(self) -> dict:

@@ -51,4 +51,4 @@ def _native(config, manager):
 def miles_register_train_backends():
     """The native trainer (one process; FSDP2 across GPUs)."""
     return [TrainBackend("native", "native PyTorch trainer over the shared model code", factory=_native,
-                         validate=check_native_trainer, distributed_variant="native_dp")]
+                         validate=check_native_trainer, distributed_variant="native_dp", lora=True)]

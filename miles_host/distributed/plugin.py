@@ -53,11 +53,11 @@ def miles_register_train_backends():
     return [
         TrainBackend(
             "native_dp", "native trainer, data-parallel over --actor-num-gpus-per-node processes (gloo/NCCL)",
-            factory=_dp, trainer_class=_replicated, multi_process=True, validate=check_native_trainer,
+            factory=_dp, trainer_class=_replicated, multi_process=True, validate=check_native_trainer, lora=True,
         ),
         TrainBackend(
             "fsdp", "native trainer with FSDP2 (fully_shard per decoder layer) over --actor-num-gpus-per-node processes",
-            factory=_dp, trainer_class=_sharded, multi_process=True, validate=check_native_trainer,
+            factory=_dp, trainer_class=_sharded, multi_process=True, validate=check_native_trainer, lora=True,
         ),
     ]
 

@@ -20,6 +20,7 @@ from miles_host.models.loading import native_config, read_hf_config
 from miles_host.opd.checks import check_opd
 from miles_host.plugin_manager import model_family_for
 from miles_host.devices import resolve_device
+from miles_host.lora.checks import check_lora
 from miles_host.validation.megatron_args import check_megatron_model_args, check_megatron_training_args
 from miles_host.validation.optimizer_checks import check_optimizer_flags
 from miles_host.validation.output_paths import check_output_paths
@@ -199,4 +200,5 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_batch_split,
     check_optimizer_flags,
     check_opd,
+    check_lora,
 )

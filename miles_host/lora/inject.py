@@ -1,0 +1,109 @@
+"""Put LoRA layers into a loaded model: ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``,
+``--target-modules``, ``--exclude-modules``, ``--lora-adapter-path``.
+
+The chosen linears become :class:`~miles_host.lora.layers.LoraLinear` (same parameter names
+for the base weights, which are frozen: no gradients, no optimizer state); every other
+parameter of the model is frozen too, so the optimizer the trainer builds next holds the
+adapters only.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_host.lora.layers import LoraLinear, LoraPart
+from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
+from miles_host.lora.targets import ALL_LINEAR, Candidate, adaptable_modules, available_names, non_linear_modules, select, split_names
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """What :func:`apply_lora` did: adapted HF linears and the parameter counts."""
+
+    adapted_modules: int
+    trainable_params: int
+    total_params: int
+
+    def metrics(self) -> dict[str, float]:
+        """``lora/*`` metrics logged with every training step."""
+        return {
+            "lora/trainable_params": float(self.trainable_params),
+            "lora/total_params": float(self.total_params),
+            "lora/trainable_fraction": self.trainable_params / self.total_params,
+        }
+
+
+def family_of(model: torch.nn.Module) -> Any:
+    """The model-family record of a native model (its HF names)."""
+    from miles_host.models.loading import default_family_lookup
+
+    return default_family_lookup(model.config.model_type)
+
+
+def candidates_of(model: torch.nn.Module) -> list[Candidate]:
+    """The HF linears of ``model`` that can carry adapters."""
+    return adaptable_modules(model, family_of(model))
+
+
+def _targets(config: Any) -> list[str]:
+    """``--target-modules`` (default all-linear); with ``--lora-adapter-path`` and no
+    ``--target-modules``, the modules the adapter holds."""
+    if config.target_modules is None and config.lora_adapter_path:
+        return adapter_modules(config.lora_adapter_path)
+    return split_names(config.target_modules) or [ALL_LINEAR]
+
+
+def check_adapter_shape(config: Any) -> None:
+    """``--lora-adapter-path``'s rank and alpha must be the run's: a silent mismatch would
+    rescale the adapter (alpha / r) or not fit its matrices."""
+    adapter = read_adapter_config(config.lora_adapter_path)
+    if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_rank, config.lora_alpha):
+        raise ValueError(
+            f"--lora-adapter-path {config.lora_adapter_path} has r={adapter.get('r')}, "
+            f"lora_alpha={adapter.get('lora_alpha')}, the run --lora-rank {config.lora_rank} --lora-alpha "
+            f"{config.lora_alpha:g}; give --lora-rank {adapter.get('r')} --lora-alpha {adapter.get('lora_alpha')}"
+        )
+
+
+def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
+    """Adapt ``model`` in place as the LoRA flags say (None: ``--lora-rank 0``, LoRA off)."""
+    if not config.lora_rank:
+        return None
+    if config.lora_adapter_path:
+        check_adapter_shape(config)
+    candidates = candidates_of(model)
+    if not candidates:
+        quantized = non_linear_modules(model)
+        why = (f"its linears are {type(model.get_submodule(quantized[0])).__name__} modules of --precision "
+               f"{config.precision} (LoRA over a quantized base is not supported yet; use the default precision)"
+               if quantized else "the model family maps none of its linears to HF modules")
+        raise ValueError(f"--lora-rank {config.lora_rank}: no module of this model can carry an adapter: {why}")
+    chosen = select(candidates, _targets(config), split_names(config.exclude_modules))
+    if not chosen:
+        raise ValueError(f"--exclude-modules {config.exclude_modules} leaves no module of --target-modules "
+                         f"{config.target_modules or ALL_LINEAR} to adapt; {available_names(candidates)}")
+    model.requires_grad_(False)
+    by_native: dict[str, list[LoraPart]] = {}
+    for candidate in chosen:
+        by_native.setdefault(candidate.native, []).append(candidate.part)
+    for native, parts in by_native.items():
+        parent_name, _, attribute = native.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        base = getattr(parent, attribute)
+        setattr(parent, attribute, LoraLinear(base, parts, config.lora_rank, config.lora_alpha,
+                                              config.lora_dropout))
+    if config.lora_adapter_path:
+        load_adapter(model, config.lora_adapter_path)
+    summary = LoraSummary(
+        adapted_modules=len(chosen),
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        total_params=sum(p.numel() for p in model.parameters()),
+    )
+    print(f"miles: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on {summary.adapted_modules} modules: "
+          f"{summary.trainable_params:,} trainable of {summary.total_params:,} parameters "
+          f"({100 * summary.trainable_params / summary.total_params:.2f}%)", file=sys.stderr)
+    return summary

@@ -1,0 +1,117 @@
+"""Which linears can carry adapters, under their HF module names, and which the flags pick.
+
+The native model fuses HF linears (``q/k/v -> qkv_proj``, ``gate/up -> gate_up_proj``); the
+model family's weight mapping says how. :func:`adaptable_modules` asks it: the native weight's
+row numbers go through ``convert_native_tensor`` and come back split and renamed, so each HF
+linear is found with the rows of the native linear it owns. Only plain ``torch.nn.Linear``
+modules of the decoder qualify (the lm head is read as a matrix, not called; MoE routers and
+stacked experts are no linears).
+
+Matching follows PEFT's rules on those HF module paths: a name matches a module whose path
+equals it or ends with ``.<name>``; ``all-linear`` is every adaptable module (PEFT leaves the
+output layer out too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from miles_host.lora.layers import LoraLinear, LoraPart
+
+ALL_LINEAR = "all-linear"
+#: native modules that never carry adapters: the output layer (PEFT's all-linear skips it;
+#: the model reads its weight directly) and the multi-token-prediction layers (no HF modules)
+_NEVER = ("lm_head", "mtp.")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An HF linear that can carry an adapter: inside native module ``native`` at ``part``."""
+
+    native: str
+    part: LoraPart
+
+
+def split_names(text: str | list[str] | None) -> list[str]:
+    """``--target-modules`` / ``--exclude-modules`` as a list (comma-separated, blanks dropped)."""
+    if text is None:
+        return []
+    items = text if isinstance(text, (list, tuple)) else text.split(",")
+    return [item.strip() for item in items if item.strip()]
+
+
+def _row_parts(family: Any, native_weight: str, out_features: int, config: Any) -> list[tuple[str, int, int]] | None:
+    """``(hf_weight_name, start, stop)`` of each HF tensor the native weight splits into;
+    None when the family does not map it or a part is not a whole, contiguous row range."""
+    probe = torch.arange(out_features, dtype=torch.float64)[:, None].expand(out_features, 2)
+    try:
+        if family.convert_native_tensor is not None:
+            pieces = family.convert_native_tensor(native_weight, probe, config)
+        else:
+            pieces = [(family.native_to_hf(native_weight) if family.native_to_hf else native_weight, probe)]
+    except (ValueError, RuntimeError):
+        return None
+    out = []
+    for hf_name, piece in pieces:
+        if piece.dim() != 2 or piece.shape[1] != 2 or not torch.equal(piece[:, 0], piece[:, 1]):
+            return None  # split along the input features: not a row slice
+        rows = piece[:, 0].long()
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        if stop - start != rows.numel() or not torch.equal(rows, torch.arange(start, stop)):
+            return None
+        out.append((hf_name, start, stop))
+    return out
+
+
+def adaptable_modules(model: torch.nn.Module, family: Any) -> list[Candidate]:
+    """Every HF linear of ``model`` that can carry an adapter, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        if any(name == n or name.startswith(n) for n in _NEVER) or type(module) not in (torch.nn.Linear, LoraLinear):
+            continue
+        parts = _row_parts(family, f"{name}.weight", module.out_features, model.config)
+        for hf_weight, start, stop in parts or ():
+            hf_module = hf_weight.removesuffix(".weight")
+            found.append(Candidate(name, LoraPart(hf_module.rsplit(".", 1)[-1], hf_module, start, stop)))
+    return found
+
+
+def non_linear_modules(model: torch.nn.Module) -> list[str]:
+    """Native names of matrix modules that are not plain linears (a precision recipe's
+    quantized layers), for the message that explains why they cannot be adapted."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and type(module) not in (torch.nn.Linear, LoraLinear)]
+
+
+def matches(path: str, name: str) -> bool:
+    """PEFT's rule for a list entry: the module path equals ``name`` or ends with ``.name``."""
+    return path == name or path.endswith("." + name)
+
+
+def select(candidates: list[Candidate], targets: Iterable[str], excludes: Iterable[str]) -> list[Candidate]:
+    """The candidates ``targets`` pick (``all-linear``: all) minus those ``excludes`` names.
+
+    ValueError when a target or exclude name matches no adaptable module (a typo adapts
+    nothing silently otherwise), listing the names that exist."""
+    targets, excludes = list(targets), list(excludes)
+    unmatched = [t for t in targets if t != ALL_LINEAR and not any(matches(c.part.hf_module, t) for c in candidates)]
+    unmatched += [e for e in excludes if not any(matches(c.part.hf_module, e) for c in candidates)]
+    if unmatched:
+        raise ValueError(
+            f"--target-modules/--exclude-modules: {', '.join(unmatched)} matches no adaptable module of this model; "
+            f"{available_names(candidates)}"
+        )
+    chosen = [c for c in candidates if ALL_LINEAR in targets or any(matches(c.part.hf_module, t) for t in targets)]
+    return [c for c in chosen if not any(matches(c.part.hf_module, e) for e in excludes)]
+
+
+def available_names(candidates: list[Candidate]) -> str:
+    """The adaptable names, for error messages: the leaf names and one full path as an example."""
+    if not candidates:
+        return "the model has no adaptable linear modules"
+    leaves = list(dict.fromkeys(c.part.key for c in candidates))
+    return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, or a full module path "
+            f"such as {candidates[0].part.hf_module})")

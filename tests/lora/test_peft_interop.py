@@ -1,0 +1,100 @@
+"""LoRA adapters cross between miles and PEFT: the logits agree with the transformers
+model under ``peft`` (the independent reference) within float32 tolerance, both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles_host.config import MilesConfig
+from miles_host.lora import apply_lora, lora_modules, merged_state_dict, save_adapter
+from miles_host.models import load_pretrained
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+RANK, ALPHA = 4, 8
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(2, 99, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def _hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _merged_model(path, lora_model):
+    merged = load_pretrained(str(path), dtype=torch.float32)
+    merged.load_state_dict(merged_state_dict(lora_model))
+    return merged
+
+
+def _assert_close(have: torch.Tensor, want: torch.Tensor) -> None:
+    assert (have - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), (have - want).abs().max()
+
+
+@pytest.mark.parametrize("targets", [None, "q_proj,v_proj,down_proj", "all-linear"])
+def test_adapter_saved_by_miles_gives_the_same_logits_under_peft(hf_checkpoint, tmp_path, targets):
+    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA, target_modules=targets,
+                         exclude_modules="layers.1.self_attn.q_proj" if targets == "all-linear" else None)
+    model = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    apply_lora(model, config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a trained adapter: B away from its zero start
+        for module in lora_modules(model).values():
+            for b in module.lora_B.values():
+                b.normal_(0, 0.2)
+    save_adapter(model, tmp_path / "adapter", config)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["r"] == RANK and saved["lora_alpha"] == ALPHA
+    reference = peft.PeftModel.from_pretrained(_hf_model(hf_checkpoint), str(tmp_path / "adapter")).eval()
+    adapted = {name for name, m in reference.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    ids = _input_ids()
+    with torch.no_grad():
+        want = reference(ids).logits
+        merged = _merged_model(hf_checkpoint, model)(ids)
+        unmerged = model(ids)
+        base = _hf_model(hf_checkpoint)(ids).logits
+    assert len(adapted) == sum(len(m.parts) for m in lora_modules(model).values())
+    assert (want - base).abs().max() > 1e-2  # the adapter changes the model
+    _assert_close(merged, want)
+    _assert_close(unmerged, want)
+
+
+def test_adapter_trained_by_peft_gives_the_same_logits_in_miles(hf_checkpoint, tmp_path):
+    torch.manual_seed(2)
+    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"],
+                                  init_lora_weights=False)  # random A and B: a non-trivial adapter
+    reference = peft.get_peft_model(_hf_model(hf_checkpoint), peft_config).eval()
+    reference.save_pretrained(str(tmp_path / "peft_adapter"))
+    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
+                         lora_adapter_path=str(tmp_path / "peft_adapter"))
+    model = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    summary = apply_lora(model, config)
+    assert summary.adapted_modules == 4 * 2  # the adapter's modules: four per layer
+    ids = _input_ids()
+    with torch.no_grad():
+        want = reference(ids).logits
+        _assert_close(model(ids), want)
+        _assert_close(_merged_model(hf_checkpoint, model)(ids), want)
+
+
+def test_round_trip_through_peft_keeps_every_tensor(hf_checkpoint, tmp_path):
+    """miles -> adapter files -> miles: the same A and B, PEFT's key names."""
+    from safetensors.torch import load_file
+
+    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA)
+    first = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    apply_lora(first, config)
+    save_adapter(first, tmp_path / "a", config)
+    keys = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight" in keys
+    second = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    config.lora_adapter_path = str(tmp_path / "a")
+    apply_lora(second, config)
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
