@@ -14,7 +14,9 @@ Megatron's ``topk_routing_with_score_function`` computes, per score function
 Then ``moe_router_topk_scaling_factor`` (``routed_scaling_factor``). Group-limited routing
 (``moe_router_num_groups`` / ``moe_router_group_topk``) scores each group by the sum of its
 top ``topk / group_topk`` scores; DeepSeek (and the native router) sums the top 2, so the
-two agree when ``topk == 2 * topk_group`` (DeepSeek-V3: 8 = 2 x 4), else it is refused.
+two agree when ``topk == 2 * topk_group`` (DeepSeek-V3: 8 = 2 x 4). Otherwise
+(:func:`megatron_group_rule_differs`) the router replays the native choice at every
+forward (:mod:`miles_megatron.replay`) and Megatron gathers the weights at those experts.
 Shared experts are Megatron's ``SharedExpertMLP`` (``moe_shared_expert_intermediate_size``),
 added to the routed output as DeepSeek does; the dense layers of ``first_k_dense_replace``
 come from ``moe_layer_freq``.
@@ -50,14 +52,14 @@ SCORE_FUNCTIONS: dict[str, Callable[[Any], list[str]]] = {"softmax": _softmax_pr
 def moe_problems(moe: Any) -> list[str]:
     """What of a native MoE block Megatron's router and experts compute differently."""
     problems = list(SCORE_FUNCTIONS[moe.score_func](moe))
-    if moe.n_group > 1 and moe.top_k != GROUP_SCORE_TOP * moe.topk_group:
-        problems.append(
-            f"group-limited routing with top_k {moe.top_k} != {GROUP_SCORE_TOP} x topk_group {moe.topk_group} "
-            f"(Megatron scores a group by its top top_k/topk_group experts, DeepSeek by its top {GROUP_SCORE_TOP})"
-        )
     if moe.shared_expert_gate:
         problems.append("a sigmoid-gated shared expert (Qwen2-MoE)")
     return problems
+
+
+def megatron_group_rule_differs(moe: Any) -> bool:
+    """Whether Megatron's group score (its top ``top_k / topk_group``) is not the model's (top 2)."""
+    return moe.n_group > 1 and moe.top_k != GROUP_SCORE_TOP * moe.topk_group
 
 
 def moe_config_kwargs(moe: Any, moe_layers: list[bool]) -> dict[str, Any]:

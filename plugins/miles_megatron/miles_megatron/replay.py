@@ -13,7 +13,10 @@ uses, the way the native MoE layer does (:class:`miles_host.routing.RoutingHooks
   keeping the router's own choice;
 
 and the ids, reordered to Megatron's token order (padding rows keep the router's
-choice), become the layer's ``RouterReplay`` target (``REPLAY_FORWARD``). Megatron
+choice), become the layer's ``RouterReplay`` target (``REPLAY_FORWARD``). Where Megatron's
+group-limited top-k differs from the model's
+(:func:`~miles_megatron.moe_routing.megatron_group_rule_differs`), every forward replays
+the native choice that way, routing plugins or not. Megatron
 then gathers the router's scores at those ids, so the router keeps its gradient.
 Dense layers have no router and are never touched. The context stays set until the
 next forward, so a recomputation in backward (``--recompute-granularity full``)
@@ -38,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_megatron.moe_routing import megatron_group_rule_differs
+
 
 def moe_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """``{layer index (0-based): TopKRouter}`` of the MoE layers of a GPTModel."""
@@ -59,6 +64,8 @@ class RouterReplayBridge:
         self.routing_hooks = routing_hooks
         self.moe = moe
         self.top_k = moe.top_k if moe is not None else 0
+        #: Megatron's group-limited top-k is not the model's: every forward replays the native choice
+        self.native_choice = moe is not None and megatron_group_rule_differs(moe)
         if moe is not None:
             with torch.device("meta"):  # only its choice rule is used (no weight)
                 self.choice_rule = Router(1, moe)
@@ -101,7 +108,7 @@ class RouterReplayBridge:
         wanted = routing is not None and (
             self.routing_hooks.active or routing.replay_expert_ids.get(layer_index) is not None
         )
-        if not wanted:
+        if not wanted and not self.native_choice:
             replay.clear_indices()
             replay.clear_router_replay_action()  # Megatron's own top-k
             return
@@ -117,17 +124,19 @@ class RouterReplayBridge:
             logits_NE = F.linear(hidden_SBH.reshape(-1, hidden_SBH.shape[-1]), weight)
             scores_NE = choice_scores(logits_NE, self.moe.score_func, router.expert_bias)
             own_NK = self.choice_rule.default_choice(scores_NE)
-            rows_T = layout.megatron_row_T
-            own_TK = own_NK[rows_T]
-            if self.routing_hooks.active:
-                ids_TK = self.routing_hooks.select(
-                    layer_index, scores_NE[rows_T], self.top_k, routing, default_ids_TK=own_TK
-                )
-            else:
-                recorded_TK = routing.replay_expert_ids[layer_index].to(own_TK.device)
-                ids_TK = torch.where(recorded_TK[:, :1] >= 0, recorded_TK, own_TK)
-            target_NK = own_NK.clone()
-            target_NK[rows_T] = ids_TK.to(own_NK.dtype)
+            target_NK = own_NK
+            if wanted:
+                rows_T = layout.megatron_row_T
+                own_TK = own_NK[rows_T]
+                if self.routing_hooks.active:
+                    ids_TK = self.routing_hooks.select(
+                        layer_index, scores_NE[rows_T], self.top_k, routing, default_ids_TK=own_TK
+                    )
+                else:
+                    recorded_TK = routing.replay_expert_ids[layer_index].to(own_TK.device)
+                    ids_TK = torch.where(recorded_TK[:, :1] >= 0, recorded_TK, own_TK)
+                target_NK = own_NK.clone()
+                target_NK[rows_T] = ids_TK.to(own_NK.dtype)
             if sharded:  # rows are position-major: this TP rank's sequence shard is one chunk
                 target_NK = _sequence_shard(target_NK)
         replay.clear_indices()
