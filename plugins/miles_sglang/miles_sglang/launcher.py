@@ -8,7 +8,8 @@ servers are separate processes, stopped when the run ends.
 
 Real SGLang gets tensor parallel size ``--rollout-num-gpus-per-engine`` (``--tp-size``),
 ``--enable-memory-saver`` under ``--colocate`` / ``--offload-rollout`` (the memory endpoints
-free GPU memory only with it), and every ``--sglang-*`` server flag the user gave (:func:`miles_host.config_sglang.server_flags`);
+free GPU memory only with it), and every ``--sglang-*`` server flag the user gave
+(:func:`miles_host.config_sglang.server_flags`);
 with ``--rollout-num-gpus`` server ``i`` starts at GPU ``trainers + i * per_engine``
 (``--base-gpu-id``). ``miles serve`` gets the SGLang options it has
 (:data:`miles_sglang.serve_cli.SGLANG_OPTIONS`); it runs one GPU per server.

@@ -86,8 +86,9 @@ def test_colocated_step_releases_resumes_and_generates_with_pushed_weights(dense
         (output,) = drain(backend)
         assert output["meta_info"]["weight_version"] == "1"
         family, config = family_and_config(str(dense_model))
-        pushed = _transformers_greedy(dense_model, native_to_hf(native, family, config), prompt, GREEDY["max_new_tokens"])
-        original = _transformers_greedy(dense_model, [], prompt, GREEDY["max_new_tokens"])
+        new_tokens = GREEDY["max_new_tokens"]
+        pushed = _transformers_greedy(dense_model, native_to_hf(native, family, config), prompt, new_tokens)
+        original = _transformers_greedy(dense_model, [], prompt, new_tokens)
         assert output["output_ids"] == pushed
         assert pushed != original  # the push changed what greedy decoding gives
     finally:
@@ -158,7 +159,8 @@ def test_launched_sglang_servers_get_the_memory_saver_when_colocated(flags, save
 
     command = server_command(_config(**flags), 30001, "sglang")
     assert ("--enable-memory-saver" in command) is saver
-    assert "--enable-memory-saver" not in server_command(_config(rollout_num_gpus_per_engine=1, **flags), 30002, "miles")
+    miles_serve = server_command(_config(rollout_num_gpus_per_engine=1, **flags), 30002, "miles")
+    assert "--enable-memory-saver" not in miles_serve
 
 
 def test_servers_started_elsewhere_are_warned_about_once(capsys):
