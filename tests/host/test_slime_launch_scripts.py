@@ -29,8 +29,6 @@ DRY_RUN_REFUSALS: dict[str, str] = {
     "qwen3_moe": "the megatron backend (picked by the script's parallel sizes) runs one trainer process per "
                  "TP x EP x PP rank with data-parallel size 1: TP 2 x EP 2 asks for 4 trainers, where the script "
                  "(expert parallelism folded into TP x DP, --expert-tensor-parallel-size 1) has 2",
-    "deepseek_v3": "the megatron backend (picked by the script's parallel sizes) does not build multi-latent "
-                   "attention / yarn rope",
     "glm4_moe": "the megatron backend (picked by the script's parallel sizes) does not build GLM-4.5's partial "
                 "rotary embedding",
 }
