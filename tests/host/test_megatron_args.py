@@ -395,7 +395,6 @@ def test_slime_parallelism_picks_the_megatron_backend(models, capsys):
 
 @pytest.mark.skipif(not MEGATRON, reason="megatron-core is not installed")
 @pytest.mark.parametrize("name, argv, message", [
-    ("deepseek_v3", ["--sequence-parallel"], "multi-head latent attention (needs Megatron's MLA spec)"),
     ("qwen3", ["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported yet"),
     ("qwen3", ["--tensor-model-parallel-size", "2"], "--actor-num-gpus-per-node 2"),
 ])
