@@ -11,6 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.distributed.conftest import signal_reward, tiny_task  # noqa: E402, F401  (the trainer tests' task)
+
 COMMON = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
 
