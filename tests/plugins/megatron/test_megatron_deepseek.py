@@ -200,3 +200,43 @@ def test_two_gloo_ranks_give_the_one_process_losses_and_weights(models, size_fla
     finally:
         group.stop()
         _leave_groups()
+
+
+def _with(config, **changes):
+    """A copy of a native config with rope / mla / moe fields changed (``rope__factor=...``)."""
+    import dataclasses
+
+    parts = {}
+    for key, value in changes.items():
+        part, field = key.split("__")
+        parts.setdefault(part, {})[field] = value
+    return dataclasses.replace(config, **{part: dataclasses.replace(getattr(config, part), **fields)
+                                          for part, fields in parts.items()})
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rope__interleaved": False}, "MLA with rope_interleave=false"),
+    ({"rope__rope_type": "linear"}, "MLA with rope scaling 'linear'"),
+    ({"rope__attention_factor": 1.5}, "yarn attention factor 1.5"),
+    ({"rope__truncate": False}, "yarn with truncate=false"),
+    ({"moe__norm_topk_prob": False}, "sigmoid routing without norm_topk_prob"),
+])
+def test_what_megatron_computes_differently_is_refused_by_name(models, changes, message):
+    from miles_host.models import load_pretrained
+    from miles_megatron.weights import megatron_transformer_config_kwargs
+
+    config = load_pretrained(models[0]["deepseek_v3"]).config
+    assert megatron_transformer_config_kwargs(config)["multi_latent_attention"]
+    with pytest.raises(ValueError, match=f"does not support .*{message}.*use --train-backend native"):
+        megatron_transformer_config_kwargs(_with(config, **changes))
+
+
+def test_latent_down_projections_must_split_over_tensor_parallel_ranks(models):
+    from miles_host.models import load_pretrained
+    from miles_megatron.mla import tensor_parallel_problems
+
+    config = load_pretrained(models[0]["deepseek_v3"]).config  # q_lora_rank 32, kv_lora_rank 16 + rope 8
+    assert tensor_parallel_problems(config, 2) == tensor_parallel_problems(config, 8) == []
+    assert tensor_parallel_problems(config, 3) == ["q_lora_rank (32)"]
+    assert tensor_parallel_problems(config, 16) == ["kv_lora_rank + qk_rope_head_dim (24)"]
+    assert tensor_parallel_problems(_with(config, mla__q_lora_rank=None), 3) == []
