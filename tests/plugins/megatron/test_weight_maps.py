@@ -72,15 +72,19 @@ def test_unknown_weight_is_named():
 
 def test_transformer_config_refuses_what_megatron_cannot_express(native_model):
     config = native_model.config
+    rope, moe = config.rope, config.moe
+    if config.mla is None:
+        rope_unsupported = rope.rope_type != "default" or rope.interleaved or rope.rotary_dim != config.head_dim
+    else:  # Megatron's MLA: rope or yarn, on interleaved pairs (HF's rope_interleave), no projection biases
+        rope_unsupported = rope.rope_type not in ("default", "yarn") or not rope.interleaved or config.qkv_bias
     unsupported = (
         config.attn_logit_softcap is not None or config.sandwich_norm or "sliding_attention" in config.layer_types
-        or config.rope.rope_type != "default" or config.rope.interleaved or config.rope.rotary_dim != config.head_dim
-        or config.mla is not None or config.qk_norm == "full" or config.o_bias or config.mlp_bias
+        or rope_unsupported or config.qk_norm == "full" or config.o_bias or config.mlp_bias
         or config.norm_unit_offset or config.embed_scale is not None
     )
-    moe_unsupported = config.moe is not None and (
-        config.moe.score_func != "softmax" or not config.moe.norm_topk_prob or config.moe.n_group != 1
-        or config.moe.shared_intermediate_size
+    # Megatron renormalises the chosen weights (softmax over the top-k; sigmoid scores over their sum)
+    moe_unsupported = moe is not None and (
+        not moe.norm_topk_prob or moe.shared_expert_gate or (moe.score_func == "softmax" and moe.expert_bias)
     )
     if unsupported or moe_unsupported:
         with pytest.raises(ValueError, match="does not support|use --train-backend native"):
