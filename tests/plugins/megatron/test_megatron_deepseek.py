@@ -2,7 +2,8 @@
 DeepSeek's MoE routing, against transformers' DeepSeek-V3.
 
 A tiny ``deepseek_v3`` (hidden 64, 2 layers, the first dense, 8 routed experts in 4
-groups (or 4 in 2) + a shared expert, ``q_lora_rank`` set or not, yarn with ``mscale_all_dim`` != 1 so
+groups (or 4 in 2) + a shared expert, ``q_lora_rank`` set or not, ``v_head_dim`` equal to
+``qk_nope_head_dim`` or not, yarn with ``mscale_all_dim`` != 1 so
 both the cos/sin factor and the softmax scale differ from 1, a random
 ``e_score_correction_bias``, ``rms_norm_eps`` != the latent norms' 1e-6) saved with
 transformers. The megatron trainer's log-probs are transformers' (float32, CPU); training
@@ -26,21 +27,21 @@ YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096
         "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
-def _deepseek_v3(q_lora_rank: int | None, experts: int, groups: int, group_topk: int):
+def _deepseek_v3(q_lora_rank: int | None, experts: int, groups: int, group_topk: int, v_head_dim: int = 16):
     return lambda: transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1,
         num_experts_per_tok=2, n_group=groups, topk_group=group_topk, first_k_dense_replace=1,
         routed_scaling_factor=2.5, q_lora_rank=q_lora_rank,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=v_head_dim, rope_theta=10000.0,
         rope_scaling=dict(YARN), max_position_embeddings=163840, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 MODELS = {
     # slime's tiny DeepSeek-V3 routing: groups scored by their top 2 (Megatron's rule would take the top 1)
     "deepseek_v3": _deepseek_v3(32, experts=8, groups=4, group_topk=2),
-    # top_k = 2 x topk_group: Megatron's own group-limited top-k is DeepSeek's
-    "deepseek_v3_q_proj": _deepseek_v3(None, experts=4, groups=2, group_topk=1),
+    # top_k = 2 x topk_group: Megatron's own group-limited top-k is DeepSeek's; values narrower than keys
+    "deepseek_v3_q_proj": _deepseek_v3(None, experts=4, groups=2, group_topk=1, v_head_dim=12),
 }
 FLAGS = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1")
 KEYS = ("train/loss", "train/grad_norm", "train/pg_loss", "train/entropy_loss", "train/kl_loss")
