@@ -7,9 +7,9 @@ groups (or 4 in 2) + a shared expert, ``q_lora_rank`` set or not, ``v_head_dim``
 both the cos/sin factor and the softmax scale differ from 1, a random
 ``e_score_correction_bias``, ``rms_norm_eps`` != the latent norms' 1e-6) saved with
 transformers. The megatron trainer's log-probs are transformers' (float32, CPU); training
-steps give the native trainer's losses and weights, in one process and with TP = 2 / EP = 2
-(two gloo trainer processes); the weights go back to HF names unchanged. Skipped where
-megatron-core is not installed.
+steps give the native trainer's losses and weights, in one process and with TP = 2 (with and
+without sequence parallelism), EP = 2 or PP = 2 (two gloo trainer processes); the weights go back
+to HF names unchanged. Skipped where megatron-core is not installed.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def test_r3_replays_through_deepseek_routing(models):
     ("--tensor-model-parallel-size", ()),
     ("--tensor-model-parallel-size", ("--sequence-parallel",)),
     ("--expert-model-parallel-size", ()),
-], ids=["tp2", "tp2_sp", "ep2"])
+    ("--pipeline-model-parallel-size", ()),  # the dense layer on the first stage, the MoE layer on the second
+], ids=["tp2", "tp2_sp", "ep2", "pp2"])
 def test_two_gloo_ranks_give_the_one_process_losses_and_weights(models, size_flag, extra):
     from miles_host.distributed.trainer_group import TrainerGroup
     from tests.plugins.megatron.test_megatron_parallel import _leave_groups
