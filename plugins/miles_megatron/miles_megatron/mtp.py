@@ -20,7 +20,10 @@ itself), so the megatron backend runs the draft on it:
   draft's loss trains the draft only.
 
 One rank only for now (TP = EP = PP = 1): the MTP parameters are not in the TP/EP shard
-maps, nor placed on a pipeline stage.
+maps, nor placed on a pipeline stage. MLA models build the layer with the policy's latent
+core attention (:mod:`miles_megatron.mla_spec`); a model whose group-limited routing
+Megatron scores differently (:func:`~miles_megatron.moe_routing.megatron_group_rule_differs`)
+is refused, as its draft router is not bridged to the native choice.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from miles_megatron.moe_routing import megatron_group_rule_differs
 from miles_megatron.runtime import on_device, quiet_imports
 
 
@@ -42,6 +46,13 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
             "--enable-mtp-training with --train-backend megatron runs at tensor, expert and pipeline parallel "
             "size 1 for now (the MTP layer is not in the TP/EP shard maps nor on a pipeline stage); use sizes 1 "
             "or --train-backend native"
+        )
+    moe = policy.config.moe
+    if moe is not None and megatron_group_rule_differs(moe):
+        raise ValueError(
+            f"--enable-mtp-training with --train-backend megatron: the draft's MoE router would take Megatron's "
+            f"group-limited top-k, which differs from this model's (top_k {moe.top_k}, topk_group {moe.topk_group}: "
+            "groups are scored by their top 2 experts); use --train-backend native"
         )
     if policy.has_mtp_draft:
         return
@@ -58,6 +69,10 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         decoder_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        if config.multi_latent_attention:
+            from miles_megatron.mla_spec import with_latent_core_attention
+
+            decoder_spec = with_latent_core_attention(decoder_spec)
         block = MultiTokenPredictionBlock(config, get_gpt_mtp_block_spec(config, decoder_spec, False))
     for layer in block.layers:
         adjust_layer(layer.transformer_layer)

@@ -261,3 +261,22 @@ def test_on_gpu_log_probs_follow_transformers_within_bf16_and_a_step_trains(mode
     assert float(diff.mean()) < 1e-2 and float(diff.max()) < 5e-2, diff
     metrics = trainer.train(samples)
     assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/grad_norm"] > 0
+
+
+def test_mtp_draft_on_an_mla_layer_equals_the_native_draft(models):
+    """``--plugins spec --enable-mtp-training``: Megatron's MTP layer with MLA (and DeepSeek routing) gives
+    the native draft's losses; where Megatron's group-limited top-k is not the model's, it is refused."""
+    flags = ("--plugins", "spec", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2")
+    native = make_trainer(models, "deepseek_v3_q_proj", "native", *flags)
+    megatron = make_trainer(models, "deepseek_v3_q_proj", "megatron", *flags)
+    assert type(megatron.model.gpt.mtp.layers[0].transformer_layer.self_attention).__name__ == "MLASelfAttention"
+    draft = {k: v for k, v in native.model.state_dict().items() if k.startswith("mtp.")}
+    megatron.model.load_state_dict({**megatron.model.state_dict(), **draft})
+    megatron._make_optimizer()  # fresh AdamW state over the loaded draft
+    samples = make_samples()
+    for _ in range(2):
+        want, got = native.train(samples), megatron.train(samples)
+        for key in ("train/mtp/loss", "train/loss", "train/grad_norm"):
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    with pytest.raises(ValueError, match="draft's MoE router would take Megatron's group-limited top-k"):
+        make_trainer(models, "deepseek_v3", "megatron", *flags)
