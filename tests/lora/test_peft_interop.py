@@ -92,7 +92,7 @@ def test_round_trip_through_peft_keeps_every_tensor(hf_checkpoint, tmp_path):
     save_adapter(first, tmp_path / "a", config)
     keys = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight" in keys
-    assert "base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight" in keys
+    assert "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight" in keys
     second = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
     config.lora_adapter_path = str(tmp_path / "a")
     apply_lora(second, config)
