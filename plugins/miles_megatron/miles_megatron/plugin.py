@@ -5,6 +5,8 @@ trainer (:mod:`miles_megatron.trainer`) runs the native trainer's RL step on a
 Megatron-Core ``GPTModel`` (local layer spec, no TransformerEngine) built from the
 family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
+DeepSeek-V3/R1 runs on Megatron-Core's MLA and yarn rope (:mod:`miles_megatron.mla`) with
+DeepSeek's sigmoid, expert-bias, group-limited routing (:mod:`miles_megatron.moe_routing`).
 Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * EP * PP trainer
 processes (TP, EP and PP alone or combined; gloo on CPU, NCCL on GPU;
 :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP is refused with
