@@ -143,6 +143,11 @@ def check_opd_combinations(config: Any) -> None:
         which = "--loss-type sft_loss" if config.loss_type == "sft_loss" else "--disable-compute-advantages-and-returns"
         raise ValueError(f"--use-opd with {which}: the OPD penalty acts through the advantages, which this run does "
                          "not use; drop one of the two")
+    if config.over_sampling_batch_size and not config.dynamic_sampling_filter_path and not has_training_reward(config):
+        raise ValueError("--use-opd without a reward gives every sample reward 0, and the built-in dynamic sampling "
+                         "filter of --over-sampling-batch-size drops every group whose rewards all agree: no group "
+                         "would ever be kept; drop --over-sampling-batch-size, give a reward, or give "
+                         "--dynamic-sampling-filter-path")
     if config.eval_prompt_data and not has_training_reward(config) and not _eval_sets_have_rewards(config):
         raise ValueError("--use-opd without a reward trains on the teacher alone, but evaluation (--eval-prompt-data) "
                          "needs a reward to score its answers: give each --eval-config data set its rm_type or "

@@ -101,6 +101,8 @@ def test_opd_without_reward_is_accepted_but_not_with_an_unscored_evaluation(opd_
     assert main(no_reward_args(student, data, tmp_path / "a", *opd)) == 0
     assert main(no_reward_args(student, data, tmp_path / "b", "--dry-run")) == 2
     assert "no reward configured" in capsys.readouterr().err
+    assert main(no_reward_args(student, data, tmp_path / "o", *opd, "--over-sampling-batch-size", "8")) == 2
+    assert "no group would ever be kept" in capsys.readouterr().err
     assert main(no_reward_args(student, data, tmp_path / "c", *opd, "--eval-prompt-data", "add", str(data))) == 2
     assert "evaluation (--eval-prompt-data) needs a reward" in capsys.readouterr().err
     eval_config = tmp_path / "eval.yaml"
