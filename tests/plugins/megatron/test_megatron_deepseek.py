@@ -148,7 +148,8 @@ def test_weights_go_back_to_hf_names_unchanged(models, tmp_path):
     save_pretrained(load_pretrained(path), tmp_path / "hf", state_dict=trainer.full_state_dict())
     original, exported = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "hf/model.safetensors"))
     assert exported.keys() == original.keys()
-    for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+    hf_names = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    for name in hf_names:
         assert f"model.layers.0.self_attn.{name}.weight" in exported
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
