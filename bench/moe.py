@@ -254,25 +254,35 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
     try:
+        graphed_sampling = engine.runner.sampling_graphs
         for batch in args.batches:
             prompts = torch.randint(1, vocab - 1, (batch, args.prompt_len), generator=generator).tolist()
-            t_full = timed(lambda: generate(engine, prompts, args.new_tokens), device, args.repeats)
-            t_first = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
-            decode = batch * (args.new_tokens - 1) / (t_full - t_first) if t_full > t_first else float("nan")
-            weight_bytes, _ = step_bytes(model, batch)
-            seconds = sum((weight_bytes + batch * (args.prompt_len + i) * engine.kv_bytes_per_token) / HBM_BYTES_PER_S
-                          for i in range(1, args.new_tokens))
-            bound = batch * (args.new_tokens - 1) / seconds
-            rows.append(dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
-                             case=f"decode b{batch}", tok_s=decode, bound_tok_s=bound, fraction=decode / bound,
-                             weight_bytes=weight_bytes))
-            print(f"[{label}] decode batch {batch:>3}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
-                  f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
+            for sampling in ("graphed", "eager") if args.compare_eager_sampling else ("graphed",):
+                engine.runner.sampling_graphs = graphed_sampling if sampling == "graphed" else None
+                suffix = "" if sampling == "graphed" else " (eager sampling)"
+                t_full = timed(lambda: generate(engine, prompts, args.new_tokens), device, args.repeats)
+                t_first = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
+                decode = batch * (args.new_tokens - 1) / (t_full - t_first) if t_full > t_first else float("nan")
+                weight_bytes, _ = step_bytes(model, batch)
+                seconds = sum((weight_bytes + batch * (args.prompt_len + i) * engine.kv_bytes_per_token)
+                              / HBM_BYTES_PER_S for i in range(1, args.new_tokens))
+                bound = batch * (args.new_tokens - 1) / seconds
+                rows.append(dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
+                                 case=f"decode b{batch}{suffix}", tok_s=decode, bound_tok_s=bound,
+                                 fraction=decode / bound, weight_bytes=weight_bytes))
+                print(f"[{label}] decode batch {batch:>3}{suffix}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
+                      f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
+        engine.runner.sampling_graphs = graphed_sampling
         if args.profile_batch and device == "cuda":
             from bench.quantized_decode import profile_decode
 
             prompts = torch.randint(1, vocab - 1, (args.profile_batch, args.prompt_len), generator=generator).tolist()
             profile_decode(engine, prompts, args.new_tokens, label, top=10)
+        if args.host_profile_batch:
+            from bench.quantized_decode import host_profile_decode
+
+            prompts = torch.randint(1, vocab - 1, (args.host_profile_batch, args.prompt_len), generator=generator).tolist()
+            host_profile_decode(engine, prompts, args.new_tokens, label)
         if args.prefill_seqs:
             prompts = torch.randint(1, vocab - 1, (args.prefill_seqs, args.prefill_len), generator=generator).tolist()
             t_prefill = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
@@ -447,6 +457,10 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mem-fraction", type=float, default=0.85)
+    parser.add_argument("--compare-eager-sampling", action="store_true",
+                        help="each decode batch also with the sampling graphs off (the eager sampler), same engine")
+    parser.add_argument("--host-profile-batch", type=int, default=0,
+                        help="host time per decode step at this batch, by Python function (cProfile)")
     parser.add_argument("--profile-batch", type=int, default=0, help="GPU kernel time per token at this batch "
                         "(torch.profiler, after the timed cases)")
     parser.add_argument("--sweep", action="store_true", help="tile sweep instead of the engine benchmark")

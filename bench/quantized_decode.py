@@ -411,6 +411,29 @@ def profile_decode(engine, prompts: list[list[int]], new_tokens: int, label: str
         print(f"[{label}]   {sum(times) / new_tokens:8.1f} {len(times) / new_tokens:6.1f}  {name[:110]}", flush=True)
 
 
+def host_profile_decode(engine, prompts: list[list[int]], new_tokens: int, label: str, top: int = 30) -> None:
+    """Host time of a decode step, by Python function (cProfile over one generate): a step
+    whose host work outlasts its GPU work leaves the GPU waiting between graph replays; the
+    time spent waiting for the GPU's results says how much of the step the GPU set."""
+    import cProfile
+    import io
+    import pstats
+
+    generate(engine, prompts, new_tokens)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    generate(engine, prompts, new_tokens)
+    profiler.disable()
+    wall = time.perf_counter() - start
+    print(f"[{label}] host profile, batch {len(prompts)}: {wall / new_tokens * 1e6:.1f} us per token of wall time "
+          "(under cProfile)", flush=True)
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(f"[{label}] by {order}:\n" + text.getvalue().split("ncalls", 1)[-1][:6000], flush=True)
+
+
 # ---------------------------------------------------------------------- report
 
 

@@ -71,8 +71,7 @@ class MemoryOccupation:
         if "kv_cache" in tags:
             self.flush_cache()  # the cached prefixes' K/V are about to go
             self._graphs_released = self.runner.graphs is not None
-            self.runner.graphs = None  # captured over the cache's addresses
-            self.runner._last_sampling = None
+            self.runner.release_graphs()  # captured over the cache's addresses
             self.kv_cache.release()
         if "weights" in tags:
             offload.move_modules([self.model], "cpu")
@@ -97,17 +96,6 @@ class MemoryOccupation:
         offload.settle(self.device)
 
     def _capture_graphs(self) -> None:
-        """The decode graphs again, over the new cache, as :class:`ModelRunner` captured them."""
-        from miles_host.rollout.cuda_graphs import DecodeGraphs
-
-        runner = self.runner
+        """The decode graphs again, over the new cache and weights, as :class:`ModelRunner` captured them."""
         self._graphs_released = False
-        try:
-            runner.graphs = DecodeGraphs(
-                runner.model, runner.kv_cache, device=runner.device, attention_backend=runner.attention_backend,
-                max_num_seqs=runner.max_num_seqs, max_blocks_per_seq=runner.max_blocks_per_seq,
-                fused_kernels=runner.fused_kernels, batch_sizes=runner.cuda_graph_batch_sizes,
-            )
-        except Exception as error:  # noqa: BLE001 - as at start-up: decode eagerly, say why
-            logger.warning("CUDA graph capture after resume_memory_occupation failed (%s); decoding eagerly", error)
-            runner.graphs = None
+        self.runner.capture_graphs(" after resume_memory_occupation")

@@ -26,6 +26,7 @@ from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.logprobs import PositionExtras, position_extras
 from miles_host.rollout.penalties import LogitsProcessing
 from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample_with_distribution, seeded_uniforms
+from miles_host.rollout.sampling_graphs import SamplingGraphs
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence
 
@@ -137,20 +138,39 @@ class ModelRunner:
         self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
         #: the captured decode graphs (None: decode runs eagerly)
         self.graphs: DecodeGraphs | None = None
+        #: the captured sampling of small decode batches (None: sampling runs eagerly)
+        self.sampling_graphs: SamplingGraphs | None = None
         self.prefill_forwards = 0
         self._last_sampling: tuple[list, list, SamplingBatch] | None = None
         self._routes_host: torch.Tensor | None = None  # pinned staging of captured routes
         self._routes_used = 0
         if use_cuda_graph:
-            try:
-                self.graphs = DecodeGraphs(
-                    model, kv_cache, device=device, attention_backend=attention_backend,
-                    max_num_seqs=max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
-                    fused_kernels=self.fused_kernels, batch_sizes=cuda_graph_batch_sizes,
-                )
-            except Exception as error:  # noqa: BLE001 - fall back to eager, say why
-                logger.warning("CUDA graph capture failed (%s); decoding eagerly", error)
-                self.graphs = None
+            self.capture_graphs()
+
+    def capture_graphs(self, reason: str = "") -> None:
+        """Capture the decode graphs (and set up the sampling graphs over their pool); on
+        failure decode eagerly and say why."""
+        try:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, device=self.device, attention_backend=self.attention_backend,
+                max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
+                fused_kernels=self.fused_kernels, batch_sizes=self.cuda_graph_batch_sizes,
+            )
+        except Exception as error:  # noqa: BLE001 - fall back to eager, say why
+            logger.warning("CUDA graph capture%s failed (%s); decoding eagerly", reason, error)
+            self.graphs = None
+        self.sampling_graphs = None
+        if self.graphs is not None and not self.batch_invariant:
+            hidden = next(iter(self.graphs.outputs.values()))[0]  # the forward graphs' hidden states
+            self.sampling_graphs = SamplingGraphs(
+                self._logits, sizes=self.graphs.sizes, hidden_size=hidden.shape[-1], dtype=hidden.dtype,
+                device=self.device, pool=self.graphs.pool,
+            )
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph (they read the KV cache's and the weights' addresses)."""
+        self.graphs = self.sampling_graphs = None
+        self._last_sampling = None
 
     # ------------------------------------------------------------------ inputs
 
@@ -277,7 +297,23 @@ class ModelRunner:
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
         hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
+        if self.sampling_graphs is not None:
+            sampled = self._sample_graphed(hidden_BH, seqs)
+            if sampled is not None:
+                return sampled
         return self._sample(self._logits(hidden_BH), seqs)[:2]
+
+    def _sample_graphed(self, hidden_BH: torch.Tensor, samplers: list[Sequence]):
+        """:meth:`_sample`'s token ids and logprobs by a replayed sampling graph, or None when
+        the batch samples eagerly (:mod:`miles_host.rollout.sampling_graphs`)."""
+        graphs = self.sampling_graphs
+        if graphs.padded_size(len(samplers)) is None or any(s.needs_processed_logits for s in samplers):
+            return None
+        sampling = self._sampling_batch(samplers, hidden_BH)
+        if not graphs.accepts(sampling):
+            return None
+        uniforms_B = None if sampling.all_greedy else self._uniforms(samplers, hidden_BH.device)
+        return graphs.sample(hidden_BH, sampling, uniforms_B)
 
     def _sample(
         self, logits_BV: torch.Tensor, samplers: list[Sequence]
