@@ -34,6 +34,9 @@ def test_only_the_adapters_train_and_the_outputs_carry_them(tiny_task, tmp_path,
                                                            + 128 + 64)
     assert metrics[-1]["lora/trainable_fraction"] == pytest.approx(
         metrics[-1]["lora/trainable_params"] / metrics[-1]["lora/total_params"])
+    # the engine samples from the trained adapters: its log-probs are the trainer's up to float32
+    # rounding (an engine left on the base weights differs by ~1e-2 from the second rollout on)
+    assert all(m["train/train_rollout_logprob_abs_diff_max"] < 1e-5 for m in metrics)
     trainer = load_checkpoint(str(tmp_path / "ck"))["trainer"]
     weights = trainer["model"]
     for name, tensor in start.items():  # the base never moved
@@ -113,3 +116,18 @@ def test_two_gloo_trainers_train_the_adapters_as_one_process(tiny_task, tmp_path
     for name in a["model"]:
         assert (a["model"][name] - b["model"][name]).abs().max() <= 1e-5, name
     assert len(b["optimizer"]["state"]) == sum(_is_lora(n) for n in b["model"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lora_on_cuda_trains_under_bf16_autocast_and_syncs_merged_weights(tiny_task, tmp_path, signal_reward):
+    """On the GPU: adapters train under bf16 autocast, the engine runs the merged weights in
+    bf16; trainer and engine log-probs differ by bf16 rounding only."""
+    model, data = tiny_task
+    argv = base_args(model, data, tmp_path / "out", "--num-rollout", "3", "--device", "cuda", *LORA, *signal_reward,
+                     "--save-hf", str(tmp_path / "hf"))
+    assert run_one_process(argv) == 0
+    metrics = read_metrics(tmp_path / "out")
+    assert all(m["lora/trainable_fraction"] < 1 for m in metrics)
+    assert all(m["train/train_rollout_logprob_abs_diff"] < 5e-2 for m in metrics)
+    assert (tmp_path / "hf" / "adapter_model.safetensors").is_file()
