@@ -17,7 +17,7 @@ class LoraArgs:
     lora_rank: int = flag(0, "LoRA rank of the policy's adapters; 0: LoRA off (the whole model trains)", type=int, group="lora")
     lora_alpha: int = flag(16, "LoRA alpha: the adapters' update is scaled by alpha / rank", type=int, group="lora")
     lora_dropout: float = flag(0.0, "dropout on the adapters' input (training forward only)", type=float, group="lora")
-    target_modules: str | None = flag(None, "modules that get adapters, comma-separated PEFT (HF) names such as q_proj,v_proj or full module paths, or all-linear (the default; with --lora-adapter-path: the adapter's modules)", type=str, group="lora")
+    target_modules: str | None = flag(None, "modules that get adapters, comma-separated PEFT (HF) names such as q_proj,v_proj, full module paths, upstream's Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), or all-linear (the default; with --lora-adapter-path: the adapter's modules)", type=str, group="lora")
     exclude_modules: str | None = flag(None, "modules of --target-modules that get no adapter (comma-separated, names as --target-modules)", type=str, group="lora")
     lora_adapter_path: str | None = flag(None, "start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors; its r and lora_alpha must be --lora-rank and --lora-alpha)", type=str, group="lora")
     merge_lora: bool = flag(False, "with --save-hf: write the merged HF checkpoint (W + alpha/r * B @ A) instead of the PEFT adapter", group="lora")

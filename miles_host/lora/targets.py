@@ -22,6 +22,16 @@ import torch
 from miles_host.lora.layers import LoraLinear, LoraPart
 
 ALL_LINEAR = "all-linear"
+#: spellings upstream miles also accepts: its other names of all-linear, and Megatron's
+#: module names (its scripts' ``--target-modules linear_qkv,linear_proj``) as the HF names they fuse
+ALIASES = {
+    "all": (ALL_LINEAR,),
+    "all_linear": (ALL_LINEAR,),
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
 #: native modules that never carry adapters: the output layer (PEFT's all-linear skips it;
 #: the model reads its weight directly) and the multi-token-prediction layers (no HF modules)
 _NEVER = ("lm_head", "mtp.")
@@ -36,11 +46,13 @@ class Candidate:
 
 
 def split_names(text: str | list[str] | None) -> list[str]:
-    """``--target-modules`` / ``--exclude-modules`` as a list (comma-separated, blanks dropped)."""
+    """``--target-modules`` / ``--exclude-modules`` as a list (comma-separated, blanks dropped,
+    :data:`ALIASES` expanded)."""
     if text is None:
         return []
     items = text if isinstance(text, (list, tuple)) else text.split(",")
-    return [item.strip() for item in items if item.strip()]
+    names = [name for item in items if item.strip() for name in ALIASES.get(item.strip(), (item.strip(),))]
+    return list(dict.fromkeys(names))
 
 
 def _row_parts(family: Any, native_weight: str, out_features: int, config: Any) -> list[tuple[str, int, int]] | None:

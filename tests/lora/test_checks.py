@@ -92,3 +92,20 @@ def test_an_adapter_of_another_rank_names_the_flags_to_give(tmp_path):
                              lora_adapter_path=str(tmp_path / "adapter"))
     with pytest.raises(ValueError, match="does not fit the adapted modules"):
         apply_lora(model, mismatched)
+
+
+def test_upstream_spellings_of_target_modules(tmp_path):
+    """Megatron's module names (upstream scripts) and all / all_linear pick the same modules."""
+    from miles_host.lora import lora_modules
+
+    path = build_checkpoint(tmp_path / "m", "qwen3")
+
+    def adapted(targets: str) -> set[str]:
+        model = load_pretrained(str(path), dtype=torch.float32)
+        apply_lora(model, MilesConfig(hf_checkpoint=str(path), lora_rank=2, target_modules=targets))
+        return {p.hf_module for m in lora_modules(model).values() for p in m.parts}
+
+    every = adapted("all-linear")
+    assert adapted("all") == adapted("all_linear") == every
+    assert adapted("linear_qkv,linear_proj,linear_fc1,linear_fc2") == every
+    assert adapted("linear_qkv") == adapted("q_proj,k_proj,v_proj")
