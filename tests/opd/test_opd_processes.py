@@ -1,4 +1,4 @@
-"""OPD over two trainer processes (gloo) and a rollout process equals one process: the
+"""OPD over two trainer processes (gloo: native_dp, or Megatron with PP 2 / TP 2) equals one process: the
 teacher scores in the loop's process and the data-parallel trainers gather every
 sample's old log-probs for the penalty."""
 
@@ -20,4 +20,20 @@ def test_two_trainers_and_a_rollout_process_match_one_process(opd_task, tmp_path
     assert len(got) == 2
     for want, have in zip(expected, got):
         for key in ("opd/kl", "opd/abs_log_prob_gap", "train/loss", "train/grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("parallel", ["--pipeline-model-parallel-size", "--tensor-model-parallel-size"])
+def test_megatron_model_parallel_trainers_match_the_native_trainer(opd_task, tmp_path, parallel):
+    """--train-backend megatron with PP 2 or TP 2 (two processes): the same OPD metrics and loss."""
+    pytest.importorskip("miles_megatron")
+    from miles_host.cli.main import main
+
+    student, teacher, data = opd_task
+    common = ("--num-rollout", "2", "--rollout-batch-size", "2", "--worker-timeout", "120")
+    assert main(opd_args(student, teacher, data, tmp_path / "native", *common)) == 0
+    assert main(opd_args(student, teacher, data, tmp_path / "megatron", *common, "--train-backend", "megatron",
+                         parallel, "2", "--actor-num-gpus-per-node", "2")) == 0
+    for want, have in zip(read_metrics(tmp_path / "native"), read_metrics(tmp_path / "megatron")):
+        for key in ("opd/kl", "opd/teacher_log_prob", "train/loss"):
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
