@@ -131,3 +131,17 @@ def test_lora_on_cuda_trains_under_bf16_autocast_and_syncs_merged_weights(tiny_t
     assert all(m["lora/trainable_fraction"] < 1 for m in metrics)
     assert all(m["train/train_rollout_logprob_abs_diff"] < 5e-2 for m in metrics)
     assert (tmp_path / "hf" / "adapter_model.safetensors").is_file()
+
+
+def test_a_resumed_lora_run_continues_like_an_uninterrupted_one(tiny_task, tmp_path, signal_reward):
+    model, data = tiny_task
+    common = (*LORA, "--lora-dropout", "0.1", *signal_reward)
+    straight = base_args(model, data, tmp_path / "straight", "--num-rollout", "3", *common)
+    first = base_args(model, data, tmp_path / "first", "--num-rollout", "2", *common, "--save", str(tmp_path / "ck"))
+    second = base_args(model, data, tmp_path / "second", "--num-rollout", "3", *common, "--load", str(tmp_path / "ck"))
+    for argv in (straight, first, second):
+        assert run_one_process(argv) == 0
+    want, have = read_metrics(tmp_path / "straight")[2], read_metrics(tmp_path / "second")[0]
+    for key in want:
+        if not key.startswith("perf/"):
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
