@@ -94,3 +94,10 @@ def test_served_teacher_run(opd_task, tmp_path):
     for have, want in zip(read_metrics(tmp_path / "served"), read_metrics(tmp_path / "embedded")):
         assert have["opd/kl"] == pytest.approx(want["opd/kl"], abs=1e-3)
         assert have["opd/teacher_log_prob"] == pytest.approx(want["opd/teacher_log_prob"], abs=1e-3)
+
+
+def test_fully_async_run_scores_every_trained_batch(opd_task, tmp_path):
+    student, teacher, data = opd_task
+    assert main(opd_args(student, teacher, data, tmp_path / "async", "--num-rollout", "2", "--fully-async")) == 0
+    for step in read_metrics(tmp_path / "async"):
+        assert step["opd/teacher_scored_samples"] == 16.0 and step["opd/kl"] > 0.5
