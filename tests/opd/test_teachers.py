@@ -53,6 +53,9 @@ def test_embedded_teacher_matches_transformers(opd_task, temperature):
 
 
 def test_megatron_spelling_is_the_embedded_teacher():
+    from miles_host.config_opd import OPD_TYPES
+
+    assert tuple(TEACHER_TYPES) == OPD_TYPES  # the flag's choices are the records
     assert TEACHER_TYPES["megatron"].build is TEACHER_TYPES["embedded"].build
     assert TEACHER_TYPES["megatron"].loads_checkpoint and not TEACHER_TYPES["sglang"].loads_checkpoint
 
