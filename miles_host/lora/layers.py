@@ -76,12 +76,15 @@ class LoraLinear(torch.nn.Linear):
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
         y_TO = F.linear(x_TI, self.weight, self.bias)
         h_TI = self.lora_dropout(x_TI)
+        rank = self.rank
+        a_list = [self.lora_A[part.key] for part in self.parts]
+        # every part's A in one GEMM ([T, parts * R]), then each part's B on its R columns
+        low_TR = F.linear(h_TI, a_list[0] if len(a_list) == 1 else torch.cat(a_list))
         pieces, position = [], 0
-        for part in self.parts:
+        for i, part in enumerate(self.parts):
             if part.start > position:  # rows of an HF part that carries no adapter
                 pieces.append(y_TO.new_zeros(*y_TO.shape[:-1], part.start - position))
-            a, b = self.lora_A[part.key], self.lora_B[part.key]
-            pieces.append(F.linear(F.linear(h_TI, a), b))
+            pieces.append(F.linear(low_TR[..., i * rank : (i + 1) * rank], self.lora_B[part.key]))
             position = part.stop
         if position < self.out_features:
             pieces.append(y_TO.new_zeros(*y_TO.shape[:-1], self.out_features - position))
@@ -96,10 +99,12 @@ class LoraLinear(torch.nn.Linear):
 def merged_weight(
     weight_OI: torch.Tensor, parts: list[LoraPart], a_by_key: dict, b_by_key: dict, scaling: float
 ) -> torch.Tensor:
-    """``W + scaling * B @ A`` on each part's rows, computed in float32 and cast back to W's dtype."""
-    merged = weight_OI.detach().float().clone()
+    """``W + scaling * B @ A`` on each part's rows, computed in float32 (or W's dtype when wider)
+    and cast back to W's dtype."""
+    compute = torch.promote_types(weight_OI.dtype, torch.float32)
+    merged = weight_OI.detach().to(compute, copy=True)
     for part in parts:
-        delta = b_by_key[part.key].detach().float() @ a_by_key[part.key].detach().float()
+        delta = b_by_key[part.key].detach().to(compute) @ a_by_key[part.key].detach().to(compute)
         merged[part.start : part.stop] += scaling * delta
     return merged.to(weight_OI.dtype)
 
