@@ -62,7 +62,8 @@ def test_teacher_log_probs_travel_with_dumped_and_debug_samples(opd_task, tmp_pa
     expected = EmbeddedTeacher(config).log_probs(samples)
     for sample, want in zip(samples, expected):
         assert sample.teacher_log_probs == pytest.approx(want, abs=1e-5)
-    dumped = [json.loads(line) for line in (tmp_path / "gen" / "rollouts" / "rollout_00000.jsonl").read_text().splitlines()]
+    dump = tmp_path / "gen" / "rollouts" / "rollout_00000.jsonl"
+    dumped = [json.loads(line) for line in dump.read_text().splitlines()]
     assert [d["teacher_log_probs"] for d in dumped] == [s.teacher_log_probs for s in samples]
 
     assert main(opd_args(student, teacher, data, tmp_path / "train", "--num-rollout", "1",
