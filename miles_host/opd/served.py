@@ -94,8 +94,9 @@ def response_log_probs(result: dict[str, Any], tokens: list[int], response_lengt
     if entries is None:
         raise ValueError("the teacher's /generate answer has no meta_info.input_token_logprobs (does the server "
                          "support return_logprob with logprob_start_len?)")
-    if len(entries) != len(tokens):
-        raise ValueError(f"the teacher returned {len(entries)} input log-probs for {len(tokens)} tokens")
+    if len(entries) <= response_length:  # the first input position has no log-prob
+        raise ValueError(f"the teacher returned {len(entries)} input log-probs for {len(tokens)} tokens, "
+                         f"{response_length} of them the response")
     tail = entries[len(entries) - response_length:] if response_length else []
     ids = [int(entry[1]) for entry in tail]
     if ids != tokens[len(tokens) - response_length:]:

@@ -158,3 +158,19 @@ def test_a_failing_sample_fails_alone_and_a_broken_teacher_stops_the_run():
     assert samples[0].teacher_log_probs is not None and samples[2].teacher_log_probs is not None
     with pytest.raises(RuntimeError, match="scored none of the step's 1 samples"):
         _scoring(_ListTeacher(fail_index=0)).score(samples_of()[:1])
+
+
+def test_served_answer_checks():
+    """The response tokens' entries are the last ones (SGLang: ``[logprob, id, text]``, the
+    first input position without a log-prob); a wrong answer is named."""
+    from miles_host.opd.served import response_log_probs
+
+    tokens = [5, 12, 7, 3, 11]
+    entries = [[None, 5, None], [-1.0, 12, None], [-2.0, 7, None], [-0.5, 3, None], [-0.25, 11, None]]
+    assert response_log_probs({"meta_info": {"input_token_logprobs": entries}}, tokens, 2) == [-0.5, -0.25]
+    with pytest.raises(ValueError, match="no meta_info.input_token_logprobs"):
+        response_log_probs({"meta_info": {}}, tokens, 2)
+    with pytest.raises(ValueError, match="other token ids"):
+        response_log_probs({"meta_info": {"input_token_logprobs": entries}}, [5, 12, 7, 3, 4], 2)
+    with pytest.raises(ValueError, match="2 input log-probs for 5 tokens"):
+        response_log_probs({"meta_info": {"input_token_logprobs": entries[-2:]}}, tokens, 2)
