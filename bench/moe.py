@@ -46,8 +46,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-HBM_BYTES_PER_S = 4.24e12
-BF16_FLOPS = 790e12
+from bench.device_peaks import bf16_flops, hbm_bytes_per_s  # noqa: E402
+
+HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
+BF16_FLOPS = bf16_flops()
 
 #: HF config dicts of the benchmarked shapes (the adapters map them to native configs)
 SHAPES = {

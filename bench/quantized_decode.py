@@ -65,7 +65,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-HBM_BYTES_PER_S = 4.24e12
+from bench.device_peaks import hbm_bytes_per_s  # noqa: E402
+
+HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 #: INT4 goal: linear weights of the rollout model >= 3.5x smaller than bf16
 INT4_GOAL = 3.5
 

@@ -26,7 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-HBM_BYTES_PER_S = 4.24e12
+from bench.device_peaks import hbm_bytes_per_s  # noqa: E402
+
+HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = 808e12
 
 FULL = dict(

@@ -16,7 +16,9 @@ from typing import Callable
 
 import torch
 
-HBM_BYTES_PER_S = 4.24e12
+from bench.device_peaks import hbm_bytes_per_s  # noqa: E402
+
+HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 #: Qwen3 shapes: hidden, intermediate, q heads, kv heads, head dim, layers
 MODELS = {
     "0.6b": (1024, 3072, 16, 8, 128, 28),
