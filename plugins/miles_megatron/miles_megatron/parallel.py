@@ -1,15 +1,18 @@
 """Tensor (TP) and expert (EP) model parallelism of the megatron backend.
 
-``TP * EP`` trainer processes (either size or both above 1), data-parallel size 1 in
-the host's sense: every rank sees the whole batch (pipeline parallelism, the third size,
-is :mod:`miles_megatron.pipeline`; :func:`rank_state` / :func:`full_state` combine the
-stage and shard maps). Megatron's ``parallel_state`` gets the sizes, the expert
-tensor-parallel size 1 (:data:`~miles_megatron.runtime.EXPERT_TP`: experts are whole);
-with TP and EP both above 1 Megatron sees ``EP`` data-parallel replicas of each TP
-shard (``world / (TP * PP)``; here they all train on the same batch) and carves its EP
-groups out of the ``TP x DP`` ranks (at TP = EP = 2, ranks 0-1 and 2-3 are both the TP
-and the EP groups, 0-2 and 1-3 the data-parallel and expert-data-parallel groups).
-Each rank builds its shard of the GPTModel and:
+The ranks follow Megatron-Core's two grids (``parallel_state.initialize_model_parallel``):
+the dense layers run on ``TP x PP x DP`` ranks, the MoE layers on ``ETP x EP x PP x EDP``
+of the same ranks, expert TP (ETP) 1 (:data:`~miles_megatron.runtime.EXPERT_TP`: experts
+are whole). Expert parallelism is carved out of each stage's ``TP x DP`` ranks, so EP
+needs no ranks of its own where it divides TP: TP 2 x EP 2 is two trainer processes,
+each holding half the heads and half the experts. Megatron's data-parallel size DP is
+the smallest that lets EP divide ``TP x DP`` (:attr:`Sizes.dp`: 1 where EP divides TP,
+``EP`` at TP 1); its replicas all train on the same batch here (data-parallel size 1 in
+the host's sense: every rank sees the whole batch). At TP 2 x EP 2 the EP group of a
+rank is its TP group; at TP 1 x EP 2 (DP 2) the EP group is the DP group. Pipeline
+parallelism, the third size, is :mod:`miles_megatron.pipeline` (:func:`rank_state` /
+:func:`full_state` combine the stage and shard maps). Each rank builds its shard of the
+GPTModel and:
 
 - :func:`shard_state`: takes its shard of the full Megatron-named state (what
   :func:`~miles_megatron.weights.native_to_megatron` gives), following Megatron's
@@ -19,8 +22,8 @@ Each rank builds its shard of the GPTModel and:
   weights (``linear_proj``, ``linear_fc2``) by columns, SwiGLU ``linear_fc1`` (the MLP's
   and the shared experts') as ``[gate_r; up_r]`` (each half split by rows, as Megatron's gated column-parallel
   layout), routed experts as ``ep_rank * local + e`` (SequentialMLP numbering, whole
-  experts); norms and routers are replicated; the vocabulary is padded to a multiple
-  of TP with zero rows (:func:`padded_vocab`).
+  experts: ETP 1, never split by TP); norms and routers are replicated; the vocabulary
+  is padded to a multiple of TP with zero rows (:func:`padded_vocab`).
 - :func:`gather_state`: the inverse, a collective of every rank (the full state on
   each, rank 0 keeps it).
 - :func:`vocab_parallel_head`: the full ``[V, H]`` output weight, gathered with
@@ -31,14 +34,14 @@ Each rank builds its shard of the GPTModel and:
 - :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for these
   layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP (not
   MLA's latent norms, whose inputs are gathered whole);
-  the non-expert gradients averaged over Megatron's data-parallel replicas (EP of
-  them; they agree up to summation order). MoE layers dispatch with the all-gather
+  the non-expert gradients averaged over Megatron's ``DP`` data-parallel replicas (they
+  agree up to summation order). MoE layers dispatch with the all-gather
   dispatcher over the EP group: each rank's tokens (its sequence shard under sequence
   parallelism, else the whole batch) reach every expert once per EP rank, so the
-  experts of one stage process ``EP`` copies of the batch (``TP * EP`` without sequence
+  experts of one stage process ``DP`` copies of the batch (``TP x DP`` without sequence
   parallelism: the TP ranks hold the same tokens); each expert's gradient is summed
-  over its expert-data-parallel group (the ranks holding that expert) and divided by
-  that number of copies (:func:`expert_batch_copies`).
+  over its expert-data-parallel group (the ``EDP`` ranks holding that expert) and divided
+  by that number of copies (:func:`expert_batch_copies`).
 - :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model,
   each parameter counted once: a rank's squared gradient norms are divided by the
   number of ranks of its stage holding the same gradient (:func:`_holders`), summed
@@ -47,6 +50,7 @@ Each rank builds its shard of the GPTModel and:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -54,20 +58,37 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from miles_megatron.runtime import EXPERT_TP
+
 _EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Model-parallel sizes of the trainer group (its world is ``tp * ep * pp`` ranks)."""
+    """Model-parallel sizes of the trainer group: ``tp * pp * dp`` ranks (see module doc)."""
 
     tp: int = 1
     ep: int = 1
     pp: int = 1
 
     @property
+    def dp(self) -> int:
+        """Megatron's data-parallel size: the smallest with ``ETP * EP`` dividing ``TP * DP``."""
+        experts = EXPERT_TP * self.ep
+        return experts // math.gcd(self.tp, experts)
+
+    @property
+    def edp(self) -> int:
+        """Megatron's expert-data-parallel size: ranks of a stage holding the same experts."""
+        return self.tp * self.dp // (EXPERT_TP * self.ep)
+
+    @property
     def world(self) -> int:
-        return self.tp * self.ep * self.pp
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        """``TP 2 x PP 1 x DP 1 (EP 2, expert TP 1)``: the sizes and Megatron's data-parallel size."""
+        return f"TP {self.tp} x PP {self.pp} x DP {self.dp} (EP {self.ep}, expert TP {EXPERT_TP})"
 
     @property
     def parallel(self) -> bool:
@@ -232,17 +253,17 @@ def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tens
 def _holders(name: str, dims: Mapping[str, int], sizes: Sizes) -> int:
     """Ranks of one pipeline stage holding this parameter's (identical) gradient."""
     if _EXPERT.match(name):
-        return sizes.tp  # the expert-data-parallel group (expert TP 1)
+        return sizes.edp  # the expert-data-parallel group (expert TP 1)
     if sizes.tp > 1 and name in dims:
-        return sizes.ep  # Megatron's data-parallel replicas of this TP shard
-    return sizes.tp * sizes.ep
+        return sizes.dp  # Megatron's data-parallel replicas of this TP shard
+    return sizes.tp * sizes.dp
 
 
 def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
     """Copies of the batch the experts of one stage process (see module doc): every
-    rank's tokens are all-gathered over its EP group; the ``TP * EP`` ranks hold the
-    whole batch each, or ``1 / TP`` of it under sequence parallelism."""
-    return sizes.ep if sequence_parallel else sizes.tp * sizes.ep
+    rank's tokens are all-gathered over its EP group; the ``TP * DP`` ranks of a stage
+    hold the whole batch each, or ``1 / TP`` of it under sequence parallelism."""
+    return sizes.dp if sequence_parallel else sizes.tp * sizes.dp
 
 
 def _average(params: list[torch.nn.Parameter], group, divisor: int) -> None:
@@ -282,8 +303,8 @@ def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
         from miles_megatron.pipeline import reduce_tied_embedding_grads
 
         reduce_tied_embedding_grads(gpt)
-    if sizes.ep > 1:
-        _average([p for n, p in named if not _EXPERT.match(n)], ps.get_data_parallel_group(), sizes.ep)
+    if sizes.dp > 1:
+        _average([p for n, p in named if not _EXPERT.match(n)], ps.get_data_parallel_group(), sizes.dp)
     _average([p for n, p in named if _EXPERT.match(n)], ps.get_expert_data_parallel_group(),
              expert_batch_copies(sizes, bool(gpt.config.sequence_parallel)))
 
@@ -302,7 +323,7 @@ def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch
             continue
         square += torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes)
     if sizes.parallel:
-        dist.all_reduce(square)  # the trainers' group: TP * EP * PP ranks
+        dist.all_reduce(square)  # the trainers' group: TP * PP * DP ranks
     total = torch.sqrt(square)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, param in named:

@@ -1,8 +1,8 @@
 """Pipeline parallelism (PP) of the megatron backend (``--pipeline-model-parallel-size N``).
 
-``N`` trainer processes, one pipeline stage each, or ``N * TP * EP`` with each
-stage sharded as :mod:`miles_megatron.parallel` describes (data-parallel size 1: every
-rank sees the whole batch), started as the host's trainer group like TP/EP. A rank
+``N`` trainer processes, one pipeline stage each, or ``N * TP * DP`` with each
+stage sharded as :mod:`miles_megatron.parallel` describes (Megatron's DP replicas, if
+EP needs them, on the same batch: every rank sees the whole batch), started as the host's trainer group like TP/EP. A rank
 talks to its own pipeline group (the same TP/EP rank of every stage); under sequence
 parallelism the stages pass on this TP rank's sequence shard.
 

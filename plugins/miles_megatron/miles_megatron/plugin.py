@@ -7,8 +7,9 @@ family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
 DeepSeek-V3/R1 runs on Megatron-Core's MLA and yarn rope (:mod:`miles_megatron.mla`) with
 DeepSeek's sigmoid, expert-bias, group-limited routing (:mod:`miles_megatron.moe_routing`).
-Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * EP * PP trainer
-processes (TP, EP and PP alone or combined; gloo on CPU, NCCL on GPU;
+Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * PP * DP trainer
+processes (TP, EP and PP alone or combined, EP carved out of TP x DP as Megatron-Core's
+grids do; gloo on CPU, NCCL on GPU;
 :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP is refused with
 the reason; ``--sequence-parallel`` runs
 with TP (:mod:`miles_megatron.sequence_parallel`). ``--plugins spec
@@ -49,7 +50,7 @@ def _trainer_class():
 
 
 def _megatron_trainer(config, manager):
-    """One process at TP = EP = PP = 1; else the host's trainer group of TP * EP * PP ranks."""
+    """One process at TP = EP = PP = 1; else the host's trainer group of TP * PP * DP ranks."""
     from miles_megatron.runtime import model_parallel_world
 
     trainer_class = _trainer_class()
@@ -68,10 +69,11 @@ def miles_activate(args):
 def check_megatron_backend(config, registries):
     """``TrainBackend.validate``: megatron-core is importable, the flags are ones this backend
     runs (:func:`miles_megatron.trainer.check_supported`), and the placement is one trainer
-    process per TP x EP x PP rank (``--actor-num-gpus-per-node TP*EP*PP``, data-parallel size 1)."""
+    process per rank of ``TP x PP x DP`` (``--actor-num-gpus-per-node`` that many; Megatron's
+    data-parallel size DP the smallest that EP divides into, the host's data-parallel size 1)."""
     from miles_host.distributed.placement import num_trainers, uses_ray, wants_distributed
 
-    from miles_megatron.runtime import model_parallel_world
+    from miles_megatron.runtime import config_sizes
     from miles_megatron.trainer import check_supported
 
     ok, why = megatron_available()
@@ -79,14 +81,14 @@ def check_megatron_backend(config, registries):
         raise ValueError(f"--train-backend megatron: {why}")
     check_supported(config)
     check_model(config)
-    world = model_parallel_world(config)
+    sizes = config_sizes(config)
+    world = sizes.world
     if world > 1:
         if num_trainers(config) != world or uses_ray(config):
             raise ValueError(
-                f"--train-backend megatron with TP {config.tensor_model_parallel_size} x EP "
-                f"{config.expert_model_parallel_size} x PP {config.pipeline_model_parallel_size} runs {world} trainer "
-                f"processes on one node (data-parallel size 1): pass --actor-num-gpus-per-node {world} "
-                f"(got {num_trainers(config)} trainer(s)"
+                f"--train-backend megatron with {sizes.describe()} runs {world} trainer processes on one node "
+                f"(Megatron's DP is the smallest that EP divides into; every rank trains on the whole batch): pass "
+                f"--actor-num-gpus-per-node {world} (got {num_trainers(config)} trainer(s)"
                 f"{', --use-ray' if uses_ray(config) else ''})"
             )
         return

@@ -4,13 +4,13 @@
   this version can honour (TP, EP and PP in any combination; CP = 1).
 - :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
   a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
-  store) at sizes 1, else the ``TP * EP * PP`` trainer ranks' group. The expert
-  tensor-parallel size is 1 (:data:`EXPERT_TP`): experts are never TP-split; with TP
-  and EP both above 1, Megatron's data-parallel size is ``EP`` (replicas that all see
-  the same batch here) and its expert-parallel groups are carved out of the
-  ``TP x DP`` ranks (rank order ``tp-cp-ep-dp-pp``: at TP = EP = 2 the EP group of a
-  rank is its TP group, the expert-data-parallel group its DP group), see
-  :mod:`miles_megatron.parallel`.
+  store) at sizes 1, else the ``TP * PP * DP`` trainer ranks' group. The expert
+  tensor-parallel size is 1 (:data:`EXPERT_TP`): experts are never TP-split; the
+  expert-parallel groups are carved out of each stage's ``TP x DP`` ranks, as
+  Megatron's ``initialize_model_parallel`` does, with Megatron's data-parallel size DP
+  the smallest that EP divides into (replicas that all see the same batch here): at
+  TP = EP = 2 two ranks, the EP group of a rank its TP group; at TP 1, EP 2 two ranks
+  (DP 2), see :class:`miles_megatron.parallel.Sizes`.
 - :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
   process's own CUDA generator).
 - :func:`on_device`: what Megatron code of the trainer runs under. On GPU, ``cuda:N``
@@ -57,20 +57,29 @@ EXPERT_TP = 1
 
 def check_parallel_sizes(config: Any) -> None:
     """What this version runs: TP, EP and PP in any combination (one trainer process per
-    rank, data-parallel size 1: every rank sees the whole batch); CP stays 1."""
+    rank of ``TP x PP x DP``, Megatron's DP the smallest that EP divides into; every rank
+    sees the whole batch); CP stays 1."""
     cp = getattr(config, PARALLEL_FLAGS["--context-parallel-size"])
     if cp != 1:
         raise ValueError(
             f"--train-backend megatron: --context-parallel-size {cp} is not supported yet: this version runs "
-            "tensor (TP), expert (EP) and pipeline (PP) parallelism, alone or combined (TP x EP x PP trainer "
-            "processes, one per rank), with context parallel size 1"
+            "tensor (TP), expert (EP) and pipeline (PP) parallelism, alone or combined (one trainer process per "
+            "rank), with context parallel size 1"
         )
 
 
+def config_sizes(config: Any):
+    """The :class:`~miles_megatron.parallel.Sizes` a config asks for."""
+    from miles_megatron.parallel import Sizes
+
+    return Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
+                 int(config.pipeline_model_parallel_size))
+
+
 def model_parallel_world(config: Any) -> int:
-    """Trainer processes one model replica needs (TP * EP * PP)."""
-    return (int(config.tensor_model_parallel_size) * int(config.expert_model_parallel_size)
-            * int(config.pipeline_model_parallel_size))
+    """Trainer processes one model replica needs: ``TP * PP * DP``, Megatron's data-parallel
+    size DP the smallest that EP divides into (``TP 2, EP 2``: 2; ``TP 1, EP 2``: 2)."""
+    return config_sizes(config).world
 
 
 def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
@@ -79,7 +88,7 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
     expert TP = :data:`EXPERT_TP`).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
-    default group must already hold the ``tp * ep * pp`` trainer ranks (the launcher's
+    default group must already hold the ``tp * pp * dp`` trainer ranks (the launcher's
     trainer group, see :mod:`miles_host.distributed.launcher`). ``timeout_s``
     (``--worker-timeout``): the timeout of Megatron's subgroups, whole minutes rounded up
     (Megatron's default is 30 minutes: a rank whose peer failed mid-step would wait that
@@ -87,8 +96,10 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    world = tp * ep * pp
-    what = f"TP {tp} x EP {ep} x PP {pp}"
+    from miles_megatron.parallel import Sizes
+
+    sizes = Sizes(tp, ep, pp)
+    world, what = sizes.world, sizes.describe()
     if not dist.is_initialized():
         if world != 1:
             raise ValueError(

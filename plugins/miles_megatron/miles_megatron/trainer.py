@@ -6,8 +6,9 @@ old/reference log-probs, micro-batching, the policy loss of
 :mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping,
 the LR schedule, metrics, weight export and checkpoints are the host's code; only
 the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
-``parallel_state`` over a one-rank group), or ``TP * EP * PP`` processes, one rank each
-(any combination of the three; data-parallel size 1: every rank
+``parallel_state`` over a one-rank group), or ``TP * PP * DP`` processes, one rank each
+(any combination of TP, EP and PP; Megatron's DP the smallest that EP divides into, its
+replicas on the same batch: every rank
 trains on the whole batch; :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`,
 started as the trainer group of :mod:`miles_host.distributed.launcher`); CP above 1 is refused;
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).
@@ -60,7 +61,7 @@ class MegatronTrainer(NativeTrainer):
     """The native trainer over a Megatron-Core GPTModel (see module doc).
 
     ``(config, manager)`` in one process; ``(config, manager, group, rank, world)`` as
-    a rank of the host's trainer group (``world`` = TP * EP * PP, the group the default one)."""
+    a rank of the host's trainer group (``world`` = TP * PP * DP, the group the default one)."""
 
     backend = "megatron"
     #: under TP/EP/PP ``state_dict`` gathers the optimizer state: every rank must call it
@@ -70,15 +71,14 @@ class MegatronTrainer(NativeTrainer):
     optimizer_names = ("adam",)
 
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
-        from miles_megatron.parallel import Sizes
+        from miles_megatron.runtime import config_sizes
 
         check_supported(config)
-        self.sizes = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
-                           int(config.pipeline_model_parallel_size))
+        self.sizes = config_sizes(config)
         if world != self.sizes.world:
             raise ValueError(
-                f"--train-backend megatron with TP {self.sizes.tp} x EP {self.sizes.ep} x PP {self.sizes.pp} needs "
-                f"{self.sizes.world} trainer processes, got {world}"
+                f"--train-backend megatron with {self.sizes.describe()} needs {self.sizes.world} trainer processes, "
+                f"got {world}"
             )
         self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)

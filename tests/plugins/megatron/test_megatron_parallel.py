@@ -1,6 +1,7 @@
 """``--train-backend megatron`` with TP = 2, EP = 2 or PP = 2 (two trainer processes), two
-of them (four: TP x PP, EP x PP, TP x EP) or all three (eight): gloo, CPU, float32, started
-by the host's trainer launcher, data-parallel size 1.
+of them (TP x EP: two, EP inside TP as Megatron-Core's expert grid puts it; TP x PP, EP x PP:
+four; TP 2 x EP 4: four, Megatron's DP 2) or all three (four): gloo, CPU, float32, started
+by the host's trainer launcher, data-parallel size 1 in the host's sense.
 
 Two optimizer steps give the one-process (TP = EP = PP = 1) losses, gradient norms and
 final weights; the weights gathered on rank 0 are complete under HF/native names;
@@ -91,24 +92,31 @@ _LAYOUTS = [
     ("qwen3_moe", {"ep": 2}, (), ("--plugins", "r3", "--use-routing-replay")),
     # TP with MoE: whole experts (expert TP 1), the TP ranks' copies of the tokens reach each expert
     ("qwen3_moe", {"tp": 2}, (), ()),
-    # TP x EP: the EP groups are the TP groups, Megatron's 2 data-parallel replicas see the same batch
+    # TP x EP on two ranks (expert TP 1): the EP group is the TP group, each rank half the heads and half the
+    # experts (slime's qwen3-30B-A3B script's layout)
     ("qwen3_moe", {"tp": 2, "ep": 2}, (), ()),
     # under sequence parallelism the routers see sequence shards: R3 routes the whole sequence, keeps the shard
     ("qwen3_moe", {"tp": 2, "ep": 2}, ("--sequence-parallel",), ("--plugins", "r3")),
-    # eight ranks: each stage TP x EP, the stages pass sequence shards
+    # EP above TP: Megatron's 2 data-parallel replicas of each TP shard see the same batch, one expert per rank
+    ("qwen3_moe", {"tp": 2, "ep": 4}, ("--sequence-parallel",), ()),
+    # four ranks: each stage TP x EP, the stages pass sequence shards
     ("qwen3_moe", {"tp": 2, "ep": 2, "pp": 2}, ("--sequence-parallel",), ()),
 ]
 _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
-               "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep2_pp2_sp"]
+               "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep4_sp", "tp2_ep2_pp2_sp"]
 
 
 @pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS, ids=_LAYOUT_IDS)
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
+    from miles_megatron.parallel import Sizes
 
     tp, ep, pp = (sizes.get(key, 1) for key in ("tp", "ep", "pp"))
-    world = tp * ep * pp
+    # Megatron-Core's rule: TP x PP x DP ranks, DP the smallest with EP dividing TP x DP (expert TP 1)
+    dp = ep // (2 if tp == 2 and ep % 2 == 0 else 1)
+    world = tp * pp * dp
+    assert Sizes(tp, ep, pp).world == world
     if DEVICE != "cpu" and torch.cuda.device_count() < world:
         pytest.skip(f"MILES_MEGATRON_TEST_DEVICE=cuda needs {world} GPUs")
     samples = make_samples(routes="r3" in shared)
@@ -120,6 +128,10 @@ def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, cl
         assert isinstance(group, TrainerGroup) and len(group.handles) == world - 1
         got = group.local.sizes
         assert (got.tp, got.ep, got.pp) == (tp, ep, pp)
+        from megatron.core import parallel_state as ps
+
+        assert (ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size()) == (dp, ep, 1)
         gpt = group.local.model.gpt
         if pp == 2:  # rank 0 is the first stage: the embedding and layer 0 (of 2), no head
             assert [layer.layer_number for layer in gpt.decoder.layers] == [1]

@@ -234,15 +234,16 @@ def test_bf16_autocast_keeps_the_native_precision_policy(models):
 
 @pytest.mark.parametrize("flags,message", [
     (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported yet.*"
-     "alone or combined \\(TP x EP x PP trainer processes"),
-    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"),
-     "TP 2 x EP 2 x PP 1 runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
+     "alone or combined \\(one trainer process per rank\\)"),
+    # EP carved out of TP x DP (Megatron's expert grid): EP 4 over TP 2 needs Megatron's DP 2
+    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4", "--actor-num-gpus-per-node", "2"),
+     "TP 2 x PP 1 x DP 2 \\(EP 4, expert TP 1\\) runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
     # TP/EP/PP runs one trainer process per rank: the placement must say so
     (("--tensor-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
     (("--pipeline-model-parallel-size", "2"), "runs 2 trainer processes.*--actor-num-gpus-per-node 2"),
     (("--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"), "--actor-num-gpus-per-node 2"),
     (("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"),
-     "TP 2 x EP 1 x PP 2 runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
+     "TP 2 x PP 2 x DP 1 \\(EP 1, expert TP 1\\) runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
 ], ids=["cp", "tp_ep_four_trainers", "tp_one_trainer", "pp_one_trainer", "ep_four_trainers", "tp_pp_two_trainers"])
 def test_parallel_sizes_it_does_not_run_are_refused_clearly(models, flags, message):
     with pytest.raises(ValueError, match=message):
