@@ -26,9 +26,6 @@ REFUSED_FLAGS: dict[str, list[str]] = {}
 #: script -> the refusal that still stops its dry run although every flag parses (its CPU run, with
 #: reduced sizes, is not affected)
 DRY_RUN_REFUSALS: dict[str, str] = {
-    "qwen3_moe": "the megatron backend (picked by the script's parallel sizes) runs one trainer process per "
-                 "TP x EP x PP rank with data-parallel size 1: TP 2 x EP 2 asks for 4 trainers, where the script "
-                 "(expert parallelism folded into TP x DP, --expert-tensor-parallel-size 1) has 2",
     "glm4_moe": "the megatron backend (picked by the script's parallel sizes) does not build GLM-4.5's partial "
                 "rotary embedding",
 }
