@@ -33,6 +33,11 @@ def check_lora(config: Any, registries: Any) -> None:
     if config.true_on_policy:
         raise ValueError("--true-on-policy with --lora-rank: the trainer computes W x + B (A x) while the engine "
                          "runs the merged weights (W + B A) x, so their log-probs are not bitwise equal; drop one")
+    default_precision = type(config).__dataclass_fields__["precision"].default
+    if config.precision != default_precision:
+        raise ValueError(f"--lora-rank {config.lora_rank} with --precision {config.precision}: LoRA over a quantized "
+                         f"base is not supported yet (the adapters wrap plain linears, and the merged weights would be "
+                         f"re-quantized at every sync); use --precision {default_precision} or --lora-rank 0")
     if config.merge_lora and not config.save_hf:
         raise ValueError("--merge-lora chooses what --save-hf writes (merged weights instead of the adapter); add "
                          "--save-hf DIR, or drop --merge-lora")

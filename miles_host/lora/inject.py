@@ -75,13 +75,15 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
         return None
     if config.lora_adapter_path:
         check_adapter_shape(config)
+    quantized = non_linear_modules(model)
+    if quantized:
+        raise ValueError(f"--lora-rank {config.lora_rank}: {len(quantized)} linears of the model are "
+                         f"{type(model.get_submodule(quantized[0])).__name__} modules (--precision {config.precision}); "
+                         "LoRA over a quantized base is not supported yet; use the default precision")
     candidates = candidates_of(model)
     if not candidates:
-        quantized = non_linear_modules(model)
-        why = (f"its linears are {type(model.get_submodule(quantized[0])).__name__} modules of --precision "
-               f"{config.precision} (LoRA over a quantized base is not supported yet; use the default precision)"
-               if quantized else "the model family maps none of its linears to HF modules")
-        raise ValueError(f"--lora-rank {config.lora_rank}: no module of this model can carry an adapter: {why}")
+        raise ValueError(f"--lora-rank {config.lora_rank}: no module of this model can carry an adapter (the model "
+                         "family maps none of its linears to HF modules)")
     chosen = select(candidates, _targets(config), split_names(config.exclude_modules))
     if not chosen:
         raise ValueError(f"--exclude-modules {config.exclude_modules} leaves no module of --target-modules "

@@ -24,6 +24,7 @@ REFUSED = [
     (["--lora-rank", "8", "--true-on-policy"], "--true-on-policy with --lora-rank"),
     (["--lora-rank", "8", "--merge-lora"], "--merge-lora chooses what --save-hf writes"),
     (["--lora-rank", "8", "--lora-adapter-path", "/nonexistent/adapter"], "needs adapter_config.json"),
+    (["--lora-rank", "8", "--plugins", "int4"], "LoRA over a quantized base is not supported yet"),
 ]
 
 
