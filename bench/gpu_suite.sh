@@ -65,6 +65,7 @@ for step in "${steps[@]}"; do
     grpo_async_process) run grpo_async_process 560 python3 bench/grpo_step.py --train-compile --fully-async --engine-process --steps 3 ;;  # the engine in its own process on the trainer's GPU (--colocate): no shared interpreter lock
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
+    lora) run lora 480 python3 bench/lora_step.py ;;  # LoRA (rank 16, all linears) vs full fine-tune GRPO step on the Qwen3-1.7B shape: step time, peak memory (goals <= 1.0x, <= 0.5x)
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     quantized_plain) run quantized_plain 300 python3 bench/quantized_decode.py --repeats 2 --no-overlap ;;

@@ -1,0 +1,200 @@
+"""LoRA vs full fine-tune: miles' GRPO step (``Run.step``) on a Qwen3-1.7B-shaped model.
+
+Random-init Qwen3-1.7B shape (hidden 2048, 28 layers, 16 q / 8 kv heads of dim 128,
+intermediate 6144, vocab 151936, tied embeddings), bf16 rollout, 16 prompts x 8 samples,
+128-token prompts, 256 new tokens (EOS ignored). Each variant runs in its own process
+(same engine memory fraction, so the KV cache is the same size in both): the full model,
+then ``--lora-rank 16 --lora-alpha 32`` on all linears. Reported per variant: the
+steady-state medians of step / rollout / train / weight-sync seconds, trainable parameters,
+the peak GPU memory of a whole step and of the training phase, and the trainer's resident
+state (parameters + gradients + optimizer state); then LoRA / full against the goals
+(peak memory <= 0.5x, step time <= 1.0x).
+
+    python bench/lora_step.py          # on the GPU
+    python bench/lora_step.py --tiny   # CPU smoke check (hidden 64, 2 layers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "models"), str(Path(__file__).resolve().parent)]
+
+import torch  # noqa: E402
+
+VARIANTS = {"full": [], "lora": ["--lora-rank", "16", "--lora-alpha", "32", "--target-modules", "all-linear"]}
+
+
+def random_reward(sample, config=None):
+    """Rewards with variance inside each group (no learning signal needed for timing)."""
+    return random.random()
+
+
+def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple[Path, Path]:
+    """A random Qwen3 model of the 1.7B shape (or a tiny one), a word-level tokenizer, prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab_size = 512 if tiny else 151936
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
+    shape = (
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+        if tiny
+        else dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=6144)
+    )
+    config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+                         max_position_embeddings=4096, **shape)
+    torch.manual_seed(0)
+    model_dir = root / "model"
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    rng = random.Random(0)
+    data = root / "prompts.jsonl"
+    with data.open("w") as handle:
+        for _ in range(prompts):
+            handle.write(json.dumps({"input": " ".join(f"w{rng.randrange(2, vocab_size)}" for _ in range(prompt_len))}) + "\n")
+    return model_dir, data
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def trainer_state_bytes(trainer) -> dict:
+    """Bytes of the policy's parameters, gradients and optimizer state."""
+    params = list(trainer.model.parameters())
+    state = [t for s in trainer.optimizer.state.values() for t in s.values()]
+    return {"param_gb": _tensor_bytes(params) / 1e9, "grad_gb": _tensor_bytes(p.grad for p in params) / 1e9,
+            "optimizer_gb": _tensor_bytes(state) / 1e9}
+
+
+def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
+    """``args.steps`` steps of miles' loop with the variant's flags; medians after the first."""
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.loop import Run
+    from miles_host.plugin_manager import MilesPluginManager
+
+    argv = [
+        "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--custom-rm-path", "lora_step.random_reward",
+        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
+        "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
+        "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress", *VARIANTS[name],
+        *([] if args.tiny else ["--sglang-mem-fraction-static", str(args.mem_fraction)]),
+    ]
+    manager = MilesPluginManager()
+    config, _ = resolve_run_config(argv, manager)
+    run = Run(config, manager)
+    sampling_params = run.rollout.sampling_params
+    run.rollout.sampling_params = lambda *a, **k: {**sampling_params(*a, **k), "ignore_eos": True}
+    cuda = torch.cuda.is_available()
+    train_peaks: list[float] = []
+    train = run.trainer.train
+
+    def measured_train(samples):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        out = train(samples)
+        if cuda:
+            train_peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+        return out
+
+    run.trainer.train = measured_train
+    run.sync_weights(version=run.state.weight_version)
+    steps, step_peaks = [], []
+    for rollout_id in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        steps.append(run.step(rollout_id))
+        if cuda:
+            step_peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+    state = trainer_state_bytes(run.trainer)
+    trainable = sum(p.numel() for p in run.trainer.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in run.trainer.model.parameters())
+    run.close()
+    steady = steps[1:] or steps
+    med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
+    return {
+        "step_s": med("perf/step_time_s"), "rollout_s": med("perf/rollout_time_s"), "train_s": med("perf/train_time_s"),
+        "sync_s": med("perf/weight_sync_time_s"), "trainable_params": trainable, "total_params": total,
+        "step_peak_gb": max(step_peaks) if step_peaks else float("nan"),
+        "train_peak_gb": max(train_peaks) if train_peaks else float("nan"), **state,
+    }
+
+
+def run_in_subprocess(name: str, args) -> dict | None:
+    """``--only NAME`` in its own process (a clean allocator); its result, or None."""
+    result = args.workdir / f"result_{name}.json"
+    result.unlink(missing_ok=True)
+    argv = [sys.executable, __file__, "--only", name, "--result-json", str(result), "--workdir", str(args.workdir),
+            "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
+            "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+            "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--mem-fraction", str(args.mem_fraction),
+            *(["--tiny"] if args.tiny else [])]
+    if subprocess.run(argv).returncode != 0 or not result.is_file():
+        print(f"{name}: the run failed (see above)")
+        return None
+    return json.loads(result.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="hidden-64, 2-layer model on the CPU (smoke check)")
+    parser.add_argument("--only", choices=sorted(VARIANTS), help="run one variant in this process")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 3; 2 with --tiny)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--mem-fraction", type=float, default=0.3, help="the engine's GPU memory fraction (both runs)")
+    parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_lora_bench"))
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 3
+    if args.tiny:
+        args.prompts, args.samples, args.new_tokens, args.prompt_len = 2, 2, 4, 4
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not (args.workdir / "model").is_dir():
+        build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
+    data = args.workdir / "prompts.jsonl"
+    if args.only:
+        result = bench_variant(args.only, args.workdir / "model", data, args)
+        if args.result_json:
+            args.result_json.write_text(json.dumps(result))
+        return {args.only: result}
+    results = {name: run_in_subprocess(name, args) for name in VARIANTS}
+    print(f"\n{'variant':<6} {'step s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} {'trainable':>12} "
+          f"{'step peak GB':>12} {'train peak GB':>13} {'params+grads+opt GB':>20}")
+    for name, r in results.items():
+        if r is not None:
+            state = r["param_gb"] + r["grad_gb"] + r["optimizer_gb"]
+            print(f"{name:<6} {r['step_s']:7.2f} {r['rollout_s']:9.2f} {r['train_s']:8.2f} {r['sync_s']:7.3f} "
+                  f"{r['trainable_params']:12,d} {r['step_peak_gb']:12.2f} {r['train_peak_gb']:13.2f} {state:20.2f}")
+    full, lora = results["full"], results["lora"]
+    if full and lora:
+        ratios = {"step_time": lora["step_s"] / full["step_s"], "step_peak_memory": lora["step_peak_gb"] / full["step_peak_gb"],
+                  "train_peak_memory": lora["train_peak_gb"] / full["train_peak_gb"]}
+        print(f"LoRA / full: step time {ratios['step_time']:.2f}x (goal <= 1.0x), peak memory of the step "
+              f"{ratios['step_peak_memory']:.2f}x and of training {ratios['train_peak_memory']:.2f}x (goal <= 0.5x); "
+              f"trainable {lora['trainable_params'] / lora['total_params']:.2%} of the parameters")
+        results["ratios"] = ratios
+    return results
+
+
+if __name__ == "__main__":
+    main()
