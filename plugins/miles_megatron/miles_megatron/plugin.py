@@ -6,7 +6,8 @@ Megatron-Core ``GPTModel`` (local layer spec, no TransformerEngine) built from t
 family adapter's native config and loaded through the weight maps
 (:mod:`miles_megatron.weights`); R3 goes through Megatron's ``RouterReplay``.
 DeepSeek-V3/R1 runs on Megatron-Core's MLA and yarn rope (:mod:`miles_megatron.mla`) with
-DeepSeek's sigmoid, expert-bias, group-limited routing (:mod:`miles_megatron.moe_routing`).
+DeepSeek's sigmoid, expert-bias, group-limited routing (:mod:`miles_megatron.moe_routing`);
+GLM-4.5's partial rotary (and interleaved rope pairs) on Megatron's rope (:mod:`miles_megatron.rope`).
 Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * PP * DP trainer
 processes (TP, EP and PP alone or combined, EP carved out of TP x DP as Megatron-Core's
 grids do; gloo on CPU, NCCL on GPU;

@@ -44,6 +44,7 @@ import torch
 
 from miles_megatron.mla import mla_config_kwargs, mla_problems
 from miles_megatron.moe_routing import moe_config_kwargs, moe_problems
+from miles_megatron.rope import rope_config_kwargs, rotary_percent
 
 Tensors = dict[str, torch.Tensor]
 
@@ -220,8 +221,6 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         (config.sandwich_norm, "post-attention/post-MLP norms (Gemma, GLM-4): need a custom layer spec"),
         ("sliding_attention" in config.layer_types, "sliding-window layers"),
         (config.mla is None and config.rope.rope_type != "default", f"rope scaling {config.rope.rope_type!r}"),
-        (config.mla is None and (config.rope.interleaved or config.rope.rotary_dim != config.head_dim),
-         "interleaved or partial rotary"),
         (config.qk_norm == "full", "q/k norm over all heads (MiniMax-M2)"),
         (config.o_bias or config.mlp_bias, "output-projection or MLP biases"),
         (config.norm_unit_offset or config.embed_scale is not None, "Gemma's (1+w) norms / embedding scale"),
@@ -250,20 +249,26 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
     }
     if config.mla is not None:
         kwargs.update(mla_config_kwargs(config))
+    else:
+        kwargs.update(rope_config_kwargs(config))
     if config.moe is not None:
         kwargs.update(moe_config_kwargs(config.moe, config.moe_layers))
     return kwargs
 
 
 def gpt_model_kwargs(config: Any) -> dict[str, Any]:
-    """Megatron-Core ``GPTModel`` arguments besides the ``TransformerConfig``."""
-    return {
+    """Megatron-Core ``GPTModel`` arguments besides the ``TransformerConfig`` (a partial
+    rotary as ``rotary_percent``, :mod:`miles_megatron.rope`)."""
+    kwargs = {
         "vocab_size": config.vocab_size,
         "max_sequence_length": int(config.hf_config.get("max_position_embeddings", 4096)),
         "position_embedding_type": "rope",
         "rotary_base": int(config.rope.theta),
         "share_embeddings_and_output_weights": bool(config.tie_word_embeddings),
     }
+    if config.mla is None:
+        kwargs["rotary_percent"] = rotary_percent(config)
+    return kwargs
 
 
 def _activation(name: str):

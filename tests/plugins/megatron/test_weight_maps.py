@@ -73,8 +73,8 @@ def test_unknown_weight_is_named():
 def test_transformer_config_refuses_what_megatron_cannot_express(native_model):
     config = native_model.config
     rope, moe = config.rope, config.moe
-    if config.mla is None:
-        rope_unsupported = rope.rope_type != "default" or rope.interleaved or rope.rotary_dim != config.head_dim
+    if config.mla is None:  # partial rotary as rotary_percent, interleaved pairs as rotary_interleaved
+        rope_unsupported = rope.rope_type != "default"
     else:  # Megatron's MLA: rope or yarn, on interleaved pairs (HF's rope_interleave), no projection biases
         rope_unsupported = rope.rope_type not in ("default", "yarn") or not rope.interleaved or config.qkv_bias
     unsupported = (
