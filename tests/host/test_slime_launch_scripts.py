@@ -25,10 +25,7 @@ from tests.host.test_megatron_args import MODELS
 REFUSED_FLAGS: dict[str, list[str]] = {}
 #: script -> the refusal that still stops its dry run although every flag parses (its CPU run, with
 #: reduced sizes, is not affected)
-DRY_RUN_REFUSALS: dict[str, str] = {
-    "glm4_moe": "the megatron backend (picked by the script's parallel sizes) does not build GLM-4.5's partial "
-                "rotary embedding",
-}
+DRY_RUN_REFUSALS: dict[str, str] = {}
 
 
 def _ckpt_args(folder: Path, root: Path, name: str, save: bool) -> list[str]:
