@@ -21,6 +21,7 @@ from miles_host.kernels import invariant_ops, moe_grouped, moe_router, moe_train
 from miles_host.kernels.eager_ops import activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import moe_tiles
+from miles_host.kernels.small_m_gemm import decode_linear
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -50,12 +51,13 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(self.act(gate_TI) * up_TI)
 
     def forward_fused(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """Inference forward with the fused SiLU-mul kernel (other activations: eager)."""
+        """Inference forward with the fused SiLU-mul kernel (other activations: eager), the
+        projections of a few tokens by the small-M GEMM (:mod:`miles_host.kernels.small_m_gemm`)."""
         if self.act_name != "silu":
             return self.forward(x_TH)
         from miles_host.kernels.activation import silu_and_mul
 
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x_TH)))
+        return decode_linear(self.down_proj, silu_and_mul(decode_linear(self.gate_up_proj, x_TH)))
 
 
 class Router(torch.nn.Module):

@@ -14,6 +14,7 @@ from miles_host.models.config import ModelConfig
 from miles_host.models.context import AttentionContext
 from miles_host.models.norm import RMSNorm
 from miles_host.kernels.eager_ops import apply_rotary
+from miles_host.kernels.small_m_gemm import decode_linear
 from miles_host.models.rope import yarn_softmax_scale_factor
 
 
@@ -60,11 +61,12 @@ class GQAAttention(torch.nn.Module):
         return self.o_proj(y_TND.reshape(num_tokens, -1))
 
     def forward_fused(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
-        """Inference forward with q/k norm and rotary in one kernel (:mod:`miles_host.kernels.rotary`)."""
+        """Inference forward with q/k norm and rotary in one kernel (:mod:`miles_host.kernels.rotary`),
+        the projections of a few tokens by the small-M GEMM (:mod:`miles_host.kernels.small_m_gemm`)."""
         from miles_host.kernels.rotary import qk_norm_rope
 
         num_tokens = x_TH.shape[0]
-        q, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
+        q, k, v = decode_linear(self.qkv_proj, x_TH).split(self.split_sizes, dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         head_norm = self.qk_norm == "head"
@@ -81,7 +83,7 @@ class GQAAttention(torch.nn.Module):
             self.layer_index, q_TND, k_TND, v.view(num_tokens, self.num_kv_heads, self.head_dim),
             scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
         )
-        return self.o_proj(y_TND.reshape(num_tokens, -1))
+        return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1))
 
     def layout(self) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing."""
@@ -143,7 +145,7 @@ class MLAttention(torch.nn.Module):
             self.layer_index, q_TND, k_TND, v_TND.contiguous(),
             scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
         )
-        return self.o_proj(y_TND.reshape(num_tokens, -1))
+        return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1))
 
     def layout(self) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` (expanded per head)."""

@@ -99,3 +99,16 @@ def test_gpu_graphed_sampling_gives_the_eager_tokens_and_logprobs(qwen3_dense, c
     for a, b in zip(got, expected):  # the LM head runs over the padded batch in the graph: rounding only
         assert a["output_ids"] == b["output_ids"]
         assert (engine_logprobs(a) - engine_logprobs(b)).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_few_row_log_softmax_is_torchs_to_rounding():
+    from miles_host.rollout.sampler import LOGSUMEXP_MAX_ROWS, log_softmax_rows
+
+    logits = torch.randn(LOGSUMEXP_MAX_ROWS, 151_936, device="cuda") * 4
+    logits[0, :100] = float("-inf")
+    got, expected = log_softmax_rows(logits), torch.log_softmax(logits.double(), dim=-1)
+    assert torch.equal(got.isinf(), expected.isinf())
+    finite = ~expected.isinf()
+    assert (got.double()[finite] - expected[finite]).abs().max() < 2e-5

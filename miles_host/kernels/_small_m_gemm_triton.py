@@ -1,0 +1,37 @@
+"""Triton kernel of :mod:`miles_host.kernels.small_m_gemm` (needs triton)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from miles_host.kernels.triton_common import dot, split_k_epilogue
+
+
+@triton.jit
+def _small_m_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr,
+    M, N, stride_xm, stride_wn, stride_ym,
+    BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (n tile, K split): ``acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile^T`` over its K-blocks."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    # N is a multiple of BLOCK_N and K of BLOCK_K (checked by the launcher): only token rows are masked
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(BLOCKS_PER_SPLIT):
+        kb = pid_k * BLOCKS_PER_SPLIT + step
+        w = tl.load(w_ptrs + kb * BLOCK_K)
+        x = tl.load(x_ptrs + kb * BLOCK_K, mask=mask_m[:, None], other=0.0)
+        acc = dot(w, tl.trans(x), acc, EMULATE)
+    y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+    part_offs = offs_m[None, :] * N + offs_n[:, None]
+    split_k_epilogue(acc, y_ptr, part_ptr, sem_ptr, y_offs, part_offs, mask_m[None, :], pid_n, pid_k, M * N,
+                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)

@@ -1,0 +1,102 @@
+"""Decode-shape bf16 linear: ``y = x @ w^T`` for a few token rows, split over K so that every SM
+streams the weight.
+
+At batch 1 a decode step's attention projections are GEMVs, and cuBLAS picks 64x8 tiles
+that leave most SMs idle: measured on the H200 (Qwen3-30B-A3B shape) its qkv and o
+projections read their weights at ~45% of HBM speed. This kernel cuts the output into
+``BLOCK_N``-row tiles and the reduction into the split that
+:func:`miles_host.kernels.split_k.plan_split_k` picks (about two programs per SM); each
+program streams its ``[BLOCK_N, 128]`` weight tiles once (Triton pipelines them through
+shared memory), multiplies them with the ``[BLOCK_M, 128]`` activation tile on the tensor
+cores (the weight is the MMA's M side, so 1-16 tokens pad only to 16) and accumulates in
+fp32; the partial tiles are summed in split order by the last program of each tile
+(:func:`~miles_host.kernels.triton_common.split_k_epilogue`: deterministic, graph-safe).
+The FP8 and INT4 plugins' small-M kernels are built the same way.
+
+:func:`decode_linear` is what the model's fused inference path calls: this kernel for a
+plain ``nn.Linear`` on CUDA with at most :data:`MAX_M` rows, a 16-bit weight and shapes
+that tile; ``module(x)`` otherwise (training, CPU, quantized linears, odd shapes, and
+``--small-m-gemm torch``). The sums
+run in another order than cuBLAS's: outputs agree to fp32 rounding before the bf16 cast,
+not bit for bit (batch-invariant mode never comes here).
+
+Tensor legend: M tokens, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_host.kernels import split_k, switches
+
+#: largest token count this kernel takes (beyond it cuBLAS tiles the GEMM well)
+MAX_M = 16
+#: reduction depth of one K-block
+BLOCK_K = 128
+#: output rows per program
+BLOCK_N = 64
+
+#: ``--small-m-gemm``: ``triton`` (this kernel) or ``torch`` (the module, cuBLAS: baselines, debugging)
+SMALL_M = switches.declare("small_m_gemm", "triton", ("triton", "torch"),
+                           "the 16-bit linears of decode steps of at most 16 tokens: the split-K Triton GEMM, "
+                           "or torch (the module: cuBLAS)")
+
+
+def small_m_linear_reference(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-PyTorch reference: float64 products and sums, cast to ``x``'s dtype."""
+    y_MN = x_MK.double() @ w_NK.double().T
+    if bias_N is not None:
+        y_MN = y_MN + bias_N.double()
+    return y_MN.to(x_MK.dtype)
+
+
+def fits(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    """Whether :func:`small_m_linear` takes these operands."""
+    m, k = x_MK.shape
+    n = w_NK.shape[0]
+    return (0 < m <= MAX_M and w_NK.shape[1] == k and k % BLOCK_K == 0 and n % BLOCK_N == 0
+            and x_MK.dtype == w_NK.dtype and x_MK.dtype in (torch.bfloat16, torch.float16))
+
+
+def small_m_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """``x @ w^T`` for ``x [M, K]`` (M <= :data:`MAX_M`) in one Triton launch (see the module doc).
+
+    ``split`` overrides the planned split-K (tests, sweeps). CUDA tensors, or CPU ones under
+    ``TRITON_INTERPRET=1``.
+    """
+    from miles_host.kernels._small_m_gemm_triton import _small_m_kernel
+    from miles_host.kernels.triton_common import emulate_rounding
+
+    if not fits(x_MK, w_NK):
+        raise ValueError(f"small-M GEMM: x {tuple(x_MK.shape)} {x_MK.dtype}, w {tuple(w_NK.shape)} {w_NK.dtype}: "
+                         f"needs M <= {MAX_M}, K a multiple of {BLOCK_K}, N of {BLOCK_N}, one 16-bit dtype")
+    x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
+    w_NK = w_NK if w_NK.stride(-1) == 1 else w_NK.contiguous()
+    m, k = x_MK.shape
+    n = w_NK.shape[0]
+    out = torch.empty((m, n), dtype=x_MK.dtype, device=x_MK.device)
+    n_tiles, k_blocks = n // BLOCK_N, k // BLOCK_K
+    if split is None:
+        sms = split_k.num_sms(x_MK.device.index or 0) if x_MK.is_cuda else 132
+        plan = split_k.plan_split_k(m, n_tiles, k_blocks, k * x_MK.element_size(), sms)
+    else:
+        plan = split_k.fixed_split(n_tiles, k_blocks, split)
+    partials, counters, in_kernel = split_k.workspace(plan, m, n, x_MK.device, out)
+    _small_m_kernel[(plan.n_tiles, plan.split_k)](
+        x_MK, w_NK, out, partials, counters, m, n, x_MK.stride(0), w_NK.stride(0), out.stride(0),
+        BLOCKS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
+        EMULATE=emulate_rounding(), BLOCK_M=split_k.block_m_for(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=4, num_stages=4,
+    )
+    if not in_kernel:
+        out.copy_(partials.sum(dim=0))
+    return out
+
+
+def decode_linear(module: torch.nn.Module, x_MK: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, by :func:`small_m_linear` where it serves (see the module doc)."""
+    if (type(module) is not torch.nn.Linear or not x_MK.is_cuda or x_MK.dim() != 2 or torch.is_grad_enabled()
+            or not fits(x_MK, module.weight) or switches.value(SMALL_M) != "triton"):
+        return module(x_MK)
+    y_MN = small_m_linear(x_MK, module.weight)
+    return y_MN if module.bias is None else y_MN + module.bias
