@@ -384,7 +384,7 @@ def test_model_parallelism_without_a_backend_needs_the_megatron_plugin():
 def test_slime_parallelism_picks_the_megatron_backend(models, capsys):
     _, built = models
     argv = [*built["qwen3_moe"][2], "--tensor-model-parallel-size", "2", "--sequence-parallel",
-            "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"]
+            "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]  # EP inside TP: 2 ranks
     code, err = _run(capsys, models, "qwen3_moe", *argv)
     assert code == 0, err
     assert err.count("trains with --train-backend megatron (plugin miles-megatron)") == 1
