@@ -2,6 +2,8 @@
 
 The policy's chosen linears get low-rank adapters (:mod:`miles_host.lora`); the base stays
 frozen. Module names are PEFT's (the HF model's), e.g. ``q_proj,v_proj``, or ``all-linear``.
+``--lora-sync`` is this host's own flag (upstream's SGLang engines always serve the adapter
+separately): merged weights at each sync, or the adapters alone over an untouched base.
 :func:`miles_host.lora.checks.check_lora` checks the values and combinations.
 """
 
@@ -21,3 +23,4 @@ class LoraArgs:
     exclude_modules: str | None = flag(None, "modules of --target-modules that get no adapter (comma-separated, names as --target-modules)", type=str, group="lora")
     lora_adapter_path: str | None = flag(None, "start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors; its r and lora_alpha must be --lora-rank and --lora-alpha)", type=str, group="lora")
     merge_lora: bool = flag(False, "with --save-hf: write the merged HF checkpoint (W + alpha/r * B @ A) instead of the PEFT adapter", group="lora")
+    lora_sync: str = flag("merged", "how the rollout engine applies the adapters. merged: every weight sync sends the merged weights W + alpha/r * B @ A (plain GEMMs at decode, the whole model moves each sync). adapter: the engine keeps the base weights untouched and runs the adapters as separate low-rank GEMMs (W x + alpha/r * B (A x)); the first sync sends the base and adapters, every later one only the lora_A / lora_B tensors (embedded and process engines)", type=str, choices=("merged", "adapter"), group="lora")

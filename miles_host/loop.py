@@ -43,6 +43,7 @@ from miles_host.sample_filters import apply_rollout_sample_filter
 from miles_host.tokenizer_loading import load_tokenizer
 from miles_host.validation import validate
 from miles_host.lora import save_checkpoint_adapter, save_hf_checkpoint
+from miles_host.lora.sync import SyncSelection
 from miles_host.validation.output_paths import save_hf_path
 
 
@@ -133,6 +134,8 @@ class Run:
         (Path(config.output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
         self.trainer = build(registries.train_backends, config.train_backend, Trainer, config, manager)
         self.transport = build(registries.weight_sync_transports, config.weight_sync, WeightSyncTransport, config)
+        #: what each sync sends (--lora-sync adapter: the base once, then adapters only) and its size
+        self.sync_selection = SyncSelection(config)
         self.phases = Phases.from_config(config, self.trainer, self.backend)  # --colocate, --offload-*
         self.training_started = False
         #: the trainer moved past the last logged rollout (a checkpoint written now would mix states)
@@ -152,7 +155,8 @@ class Run:
         self.state.weight_version = version
         if trains_only(self.config):  # no engine to push to
             return 0.0
-        self.transport.push(self.trainer.named_weights_for_rollout(), self.backend, version)
+        named = self.sync_selection.select(self.trainer.named_weights_for_rollout())
+        self.transport.push(named, self.backend, version)
         return time.perf_counter() - start
 
     def checkpoint(self, rollout_id: int, positions: dict | None = None, stopping: bool = False) -> None:
@@ -353,6 +357,7 @@ class Run:
             **rollout_metrics,
             "perf/train_time_s": train_time,
             "perf/weight_sync_time_s": sync_time,
+            **self.sync_selection.pop_metrics(),  # perf/weight_sync_bytes, perf/weight_sync_tensors
             "perf/train_tok_per_s": train_tokens / train_time if train_time > 0 else 0.0,
         }
         if self.phases.plan.active:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_host.devices import resolve_device, resolve_dtype  # noqa: F401 - re-exported
+from miles_host.lora.sync import prepare_engine_model
 from miles_host.protocols import RolloutBackendBase
 from miles_host.routing import RoutingHooks
 from miles_host.sglang_embedded import engine_kwargs_from_config
@@ -46,6 +47,7 @@ class EmbeddedRolloutBackend(RolloutBackendBase):
         def prepare(model):
             if precision.prepare_rollout_model is not None:
                 model = precision.prepare_rollout_model(model, config) or model
+            model = prepare_engine_model(model, config)  # --lora-sync adapter: the trainer's LoRA layers, unmerged
             manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
             return model
         self.engine = Engine.from_pretrained(

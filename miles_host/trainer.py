@@ -22,7 +22,8 @@ from miles_host.algorithms.kl import compute_approx_kl
 from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share
 from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.loss_types import micro_batch_loss
-from miles_host.lora import apply_lora, merged_state_dict
+from miles_host.lora import apply_lora
+from miles_host.lora.sync import rollout_state
 from miles_host import offload
 from miles_host.devices import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
@@ -543,8 +544,9 @@ class NativeTrainer(TrainerBase):
     # -- weights and state ----------------------------------------------------
 
     def named_weights_for_rollout(self):
-        """``(name, tensor)`` pairs the rollout engine loads (LoRA merged), after the precision's conversion."""
-        named = [(name, tensor.detach()) for name, tensor in merged_state_dict(self.model).items()]
+        """``(name, tensor)`` pairs the rollout engine loads (LoRA as ``--lora-sync`` says: merged, or base
+        and adapters), after the precision's conversion."""
+        named = [(name, tensor.detach()) for name, tensor in rollout_state(self.model, None, self.config).items()]
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
     def state_dict(self) -> dict:

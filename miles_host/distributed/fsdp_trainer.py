@@ -28,7 +28,7 @@ import torch.distributed as dist
 from miles_host import offload
 from miles_host.distributed.comm import allreduce_sum_
 from miles_host.distributed.dp_trainer import DataParallelTrainer
-from miles_host.lora import merged_state_dict
+from miles_host.lora.sync import rollout_state
 from miles_host.trainer import trainable
 
 
@@ -113,7 +113,7 @@ class Fsdp2Trainer(DataParallelTrainer):
         return self._full_state
 
     def named_weights_for_rollout(self):
-        named = list(merged_state_dict(self.model, self.full_state_dict()).items())
+        named = list(rollout_state(self.model, self.full_state_dict(), self.config).items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
     # -- phases (--offload-train) ---------------------------------------------------

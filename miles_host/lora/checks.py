@@ -17,6 +17,7 @@ def check_lora(config: Any, registries: Any) -> None:
         raise ValueError(f"--lora-rank must be >= 0 (0: LoRA off), got {config.lora_rank}")
     if config.lora_rank == 0:
         given = [flag_name(name) for name in _NEEDS_RANK if getattr(config, name)]
+        given += [f"--lora-sync {config.lora_sync}"] if config.lora_sync != "merged" else []
         if given:
             raise ValueError(f"{', '.join(given)} configure LoRA, which --lora-rank 0 turns off; give --lora-rank N "
                              "(e.g. 16), or drop them")
@@ -32,7 +33,9 @@ def check_lora(config: Any, registries: Any) -> None:
                          "or --lora-rank 0")
     if config.true_on_policy:
         raise ValueError("--true-on-policy with --lora-rank: the trainer computes W x + B (A x) while the engine "
-                         "runs the merged weights (W + B A) x, so their log-probs are not bitwise equal; drop one")
+                         "runs the merged weights (W + B A) x (--lora-sync merged) or its own decode kernels over "
+                         "the adapters (--lora-sync adapter), so their log-probs are not bitwise equal; drop one")
+    _check_sync(config)
     default_precision = type(config).__dataclass_fields__["precision"].default
     if config.precision != default_precision:
         raise ValueError(f"--lora-rank {config.lora_rank} with --precision {config.precision}: LoRA over a quantized "
@@ -49,3 +52,16 @@ def check_lora(config: Any, registries: Any) -> None:
         from miles_host.lora.inject import check_adapter_shape
 
         check_adapter_shape(config)
+
+
+def _check_sync(config: Any) -> None:
+    """``--lora-sync``: a known mode; ``adapter`` needs an engine running this host's model code."""
+    from miles_host.lora.sync import ADAPTER_ENGINE_BACKENDS, MODES
+
+    if config.lora_sync not in MODES:
+        raise ValueError(f"--lora-sync {config.lora_sync!r}: choose one of {', '.join(MODES)}")
+    if MODES[config.lora_sync].engine_adapters and config.rollout_backend not in ADAPTER_ENGINE_BACKENDS:
+        raise ValueError(f"--lora-sync {config.lora_sync} with --rollout-backend {config.rollout_backend}: only the "
+                         f"{' and '.join(ADAPTER_ENGINE_BACKENDS)} engines carry the adapters as separate layers "
+                         "(SGLang servers would need --enable-lora and adapter loading, which miles does not drive); "
+                         "use --lora-sync merged or --rollout-backend embedded")
