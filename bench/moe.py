@@ -460,7 +460,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mem-fraction", type=float, default=0.85)
     parser.add_argument("--small-m-gemm", choices=["triton", "torch"], default="triton",
-                        help="the decode linears of <= 16 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
+                        help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
                         help="each decode batch also with the sampling graphs off (the eager sampler), same engine")
     parser.add_argument("--host-profile-batch", type=int, default=0,
@@ -488,9 +488,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from miles_host.kernels import switches
+    from miles_host.kernels import small_m_gemm, switches
 
-    switches.setVALUES(small_m_gemm=args.small_m_gemm)
+    switches.setVALUES(**{small_m_gemm.SMALL_M.name: args.small_m_gemm})
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.sweep:

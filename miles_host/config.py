@@ -211,7 +211,7 @@ class TrainArgs:
         "kernel", "kernel switch: where split-K partials of the small-M GEMMs are summed: kernel, or torch "
         "(debugging)", type=str, choices=["kernel", "torch"], group="kernels")
     small_m_gemm: str = flag(
-        "triton", "kernel switch: the 16-bit linears of decode steps of at most 16 tokens: the split-K Triton GEMM, "
+        "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
         "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
     max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")
 

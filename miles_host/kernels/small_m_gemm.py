@@ -29,8 +29,9 @@ import torch
 
 from miles_host.kernels import split_k, switches
 
-#: largest token count this kernel takes (beyond it cuBLAS tiles the GEMM well)
-MAX_M = 16
+#: largest token count this kernel takes: on the H200 (Qwen3-30B-A3B shape, same run) batch-1
+#: decode ran 1.13x faster with it than with cuBLAS, batch 8 0.96x (bench/RESULTS.md)
+MAX_M = 4
 #: reduction depth of one K-block
 BLOCK_K = 128
 #: output rows per program
@@ -38,7 +39,7 @@ BLOCK_N = 64
 
 #: ``--small-m-gemm``: ``triton`` (this kernel) or ``torch`` (the module, cuBLAS: baselines, debugging)
 SMALL_M = switches.declare("small_m_gemm", "triton", ("triton", "torch"),
-                           "the 16-bit linears of decode steps of at most 16 tokens: the split-K Triton GEMM, "
+                           "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
                            "or torch (the module: cuBLAS)")
 
 
