@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -115,9 +115,9 @@ class SyncSelection:
         self.pending = SyncSize()
         self._first = SyncSize()
 
-    def select(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """The ``(name, tensor)`` pairs this sync sends, recorded in :attr:`last`."""
-        named = list(named)
+    def select(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs (or mapping) of this sync that it sends, recorded in :attr:`last`."""
+        named = list(named.items() if isinstance(named, Mapping) else named)
         if self.adapter_only_after_first and self.syncs > 0:
             named = [(name, tensor) for name, tensor in named if is_adapter_tensor(name)]
         self.last = SyncSize(len(named), sum(t.numel() * t.element_size() for _, t in named))
