@@ -44,8 +44,18 @@ def random_reward(sample, config=None):
     return random.random()
 
 
-def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple[Path, Path]:
-    """A random Qwen3 model, a word-level tokenizer covering its vocab, and prompts."""
+#: the Qwen3 decoder shapes the GRPO benchmarks build (the 0.6B one is this bench's)
+QWEN3_SHAPES = {
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=6144),
+}
+
+
+def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int, shape_name: str = "0.6b") -> tuple[Path, Path]:
+    """A random Qwen3 model of ``QWEN3_SHAPES[shape_name]`` (or a tiny one), a word-level
+    tokenizer covering its vocab, and prompts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -57,7 +67,7 @@ def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple
     shape = (
         dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
         if tiny
-        else dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072)
+        else QWEN3_SHAPES[shape_name]
     )
     config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
                          max_position_embeddings=4096, **shape)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -28,44 +27,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "models"), str(Path(__file__).resolve().parent)]
 
+import grpo_step  # noqa: E402
 import torch  # noqa: E402
 
 VARIANTS = {"full": [], "lora": ["--lora-rank", "16", "--lora-alpha", "32", "--target-modules", "all-linear"]}
 
 
-def random_reward(sample, config=None):
-    """Rewards with variance inside each group (no learning signal needed for timing)."""
-    return random.random()
-
-
 def build_assets(root: Path, tiny: bool, prompts: int, prompt_len: int) -> tuple[Path, Path]:
     """A random Qwen3 model of the 1.7B shape (or a tiny one), a word-level tokenizer, prompts."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    vocab_size = 512 if tiny else 151936
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
-    shape = (
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
-        if tiny
-        else dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=6144)
-    )
-    config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
-                         max_position_embeddings=4096, **shape)
-    torch.manual_seed(0)
-    model_dir = root / "model"
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
-    fast.save_pretrained(model_dir)
-    rng = random.Random(0)
-    data = root / "prompts.jsonl"
-    with data.open("w") as handle:
-        for _ in range(prompts):
-            handle.write(json.dumps({"input": " ".join(f"w{rng.randrange(2, vocab_size)}" for _ in range(prompt_len))}) + "\n")
-    return model_dir, data
+    return grpo_step.build_assets(root, tiny, prompts, prompt_len, shape_name="1.7b")
 
 
 def _tensor_bytes(tensors) -> int:
@@ -87,7 +57,7 @@ def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
     from miles_host.plugin_manager import MilesPluginManager
 
     argv = [
-        "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--custom-rm-path", "lora_step.random_reward",
+        "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--custom-rm-path", "grpo_step.random_reward",
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
