@@ -37,3 +37,32 @@ def save_models(root, makers: dict, prepare=None):
         model.save_pretrained(root / name)
         paths[name] = root / name
     return paths, write_addition_data(root / "data.jsonl", 8)
+
+
+def transformers_log_probs(path, samples):
+    """Log-probs of each sample's response tokens under transformers' own model of ``path``
+    (float32, eager attention): the reference the megatron backend's log-probs are held to."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    out = []
+    with torch.no_grad():
+        for sample in samples:
+            ids = torch.tensor(sample.tokens)
+            start = len(ids) - sample.response_length
+            logits = model.eval()(ids[None]).logits[0, start - 1 : -1].float()
+            out.append(torch.log_softmax(logits, dim=-1).gather(1, ids[start:, None])[:, 0])
+    return torch.cat(out)
+
+
+def assert_log_probs_equal_transformers(models, name: str, tolerance: float = 1e-5) -> None:
+    """The megatron backend's log-probs of ``models[name]`` are transformers' within ``tolerance``."""
+    from tests.plugins.megatron.test_megatron_trainer import log_probs, make_samples, make_trainer
+
+    trainer = make_trainer(models, name, "megatron")
+    samples = make_samples()
+    expected = transformers_log_probs(models[0][name], samples)
+    got = log_probs(trainer, samples)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < tolerance

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
 
-from tests.plugins.megatron.conftest import save_models  # noqa: E402
+from tests.plugins.megatron.conftest import assert_log_probs_equal_transformers, save_models, transformers_log_probs  # noqa: E402
 from tests.plugins.megatron.test_megatron_trainer import log_probs, make_samples, make_trainer  # noqa: E402
 
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
@@ -66,27 +66,9 @@ def models(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("megatron_deepseek"), MODELS, prepare=_random_expert_bias)
 
 
-def _transformers_log_probs(path, samples) -> torch.Tensor:
-    """Log-probs of each response token under transformers' own DeepSeek-V3 (float32, eager)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    out = []
-    with torch.no_grad():
-        for sample in samples:
-            ids = torch.tensor(sample.tokens)
-            start = len(ids) - sample.response_length
-            logits = model.eval()(ids[None]).logits[0, start - 1 : -1].float()
-            out.append(torch.log_softmax(logits, dim=-1).gather(1, ids[start:, None])[:, 0])
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_log_probs_equal_transformers(models, name):
-    trainer = make_trainer(models, name, "megatron")
-    samples = make_samples()
-    expected = _transformers_log_probs(models[0][name], samples)
-    got = log_probs(trainer, samples)
-    assert got.shape == expected.shape
-    assert (got - expected).abs().max() < 1e-5
+    assert_log_probs_equal_transformers(models, name)
 
 
 def test_megatron_builds_mla_yarn_and_deepseek_routing(models):
@@ -258,7 +240,7 @@ def test_on_gpu_log_probs_follow_transformers_within_bf16_and_a_step_trains(mode
     assert trainer.model.gpt.decoder.layers[0].self_attention.linear_kv_down_proj.weight.is_cuda
     samples = make_samples()
     got = log_probs(trainer, samples).float().cpu()
-    diff = (got - _transformers_log_probs(models[0]["deepseek_v3"], samples)).abs()
+    diff = (got - transformers_log_probs(models[0]["deepseek_v3"], samples)).abs()
     assert float(diff.mean()) < 1e-2 and float(diff.max()) < 5e-2, diff
     metrics = trainer.train(samples)
     assert torch.isfinite(torch.tensor(metrics["train/loss"])) and metrics["train/grad_norm"] > 0

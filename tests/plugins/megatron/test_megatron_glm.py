@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
 
-from tests.plugins.megatron.conftest import save_models  # noqa: E402
-from tests.plugins.megatron.test_megatron_trainer import log_probs, make_samples, make_trainer  # noqa: E402
+from tests.plugins.megatron.conftest import assert_log_probs_equal_transformers, save_models  # noqa: E402
+from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer  # noqa: E402
 
 
 def _glm4_moe(qk_norm: bool, groups: int = 1):
@@ -62,27 +62,9 @@ def models(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("megatron_glm"), MODELS, prepare=_randomize)
 
 
-def _transformers_log_probs(path, samples) -> torch.Tensor:
-    """Log-probs of each response token under transformers' own GLM-4.5 (float32, eager)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    out = []
-    with torch.no_grad():
-        for sample in samples:
-            ids = torch.tensor(sample.tokens)
-            start = len(ids) - sample.response_length
-            logits = model.eval()(ids[None]).logits[0, start - 1 : -1].float()
-            out.append(torch.log_softmax(logits, dim=-1).gather(1, ids[start:, None])[:, 0])
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_log_probs_equal_transformers(models, name):
-    trainer = make_trainer(models, name, "megatron")
-    samples = make_samples()
-    expected = _transformers_log_probs(models[0][name], samples)
-    got = log_probs(trainer, samples)
-    assert got.shape == expected.shape
-    assert (got - expected).abs().max() < 1e-5
+    assert_log_probs_equal_transformers(models, name)
 
 
 def test_megatron_builds_partial_rotary_biases_and_glm_routing(models):
