@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
+from miles_host.config_ckpt import CheckpointFormatArgs
 from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
 from miles_host.config_lora import LoraArgs
 from miles_host.config_megatron import MegatronArgs
@@ -261,6 +262,7 @@ class MilesConfig(
     EvalRewardArgs,
     OpdArgs,
     LoraArgs,
+    CheckpointFormatArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
