@@ -20,3 +20,22 @@ def test_lora_grpo_on_the_quickstart_learns_training_under_5_percent(tmp_path, c
     trained = [r for r in rows if "lora/trainable_fraction" in r]
     assert trained and all(r["lora/trainable_fraction"] < 0.05 for r in trained)
     assert "trainable of" in capsys.readouterr().err  # the count is logged at start too
+
+
+@pytest.mark.slow
+def test_lora_grpo_with_adapter_sync_learns_moving_only_the_adapters(tmp_path, capsys):
+    """``--lora-sync adapter``: the engine runs the adapters unmerged; after the first sync
+    every step moves the adapter tensors alone, and the run learns as with merged syncs."""
+    assert main(["run", "--output-dir", str(tmp_path), "--lora-rank", "2", "--lora-sync", "adapter",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval/addition/accuracy"] for r in rows if "eval/addition/accuracy" in r]
+    synced = [r["perf/weight_sync_bytes"] for r in rows if "perf/weight_sync_bytes" in r]
+    first = err.split("first weight sync sent the base and adapters (")[1].split(")")[0]
+    print(f"\nLoRA adapter-sync quickstart: {len(rows)} steps, eval accuracy {accuracy}; first sync {first}, "
+          f"then bytes per step {sorted(set(synced))}")
+    assert accuracy[0] <= 0.40 and accuracy[-1] >= 0.80
+    steps = [r for r in rows if r["rollout_id"] >= 0]
+    assert len(synced) == len(steps) and len(set(synced)) == 1  # the same adapter tensors at every step
+    assert "later weight syncs send the adapters only" in err
