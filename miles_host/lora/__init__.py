@@ -4,6 +4,7 @@
 - :mod:`~miles_host.lora.targets`: the adaptable HF linears and PEFT's name matching
 - :mod:`~miles_host.lora.inject`: :func:`apply_lora`, what the trainer calls after loading the policy
 - :mod:`~miles_host.lora.export`: merged weights for weight sync, ``--save-hf`` and checkpoint output
+- :mod:`~miles_host.lora.sync`: ``--lora-sync``: merged weights, or adapters run unmerged by the engine
 - :mod:`~miles_host.lora.peft_io`: PEFT's adapter files, both ways
 - :mod:`~miles_host.lora.checks`: validation of the flags (:mod:`miles_host.config_lora`)
 """

@@ -1,9 +1,10 @@
 """What leaves the trainer of a LoRA run: merged weights for the rollout engine and
 ``--save-hf --merge-lora``, the PEFT adapter for ``--save-hf`` and checkpoints.
 
-The engine keeps a plain model: at every weight sync it loads ``W + scaling * B @ A``
-(float32 arithmetic, cast to W's dtype) under the native names, so what it samples from is
-exactly the merged model.
+With ``--lora-sync merged`` (the default) the engine keeps a plain model: at every weight
+sync it loads ``W + scaling * B @ A`` (float32 arithmetic, cast to W's dtype) under the
+native names, so what it samples from is exactly the merged model (``--lora-sync adapter``:
+:mod:`miles_host.lora.sync`).
 """
 
 from __future__ import annotations
