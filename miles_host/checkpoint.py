@@ -3,7 +3,9 @@
 ``<save>/iter_<rollout_id>/state.pt`` holds the trainer (model, optimizer,
 scheduler), the data position, the partial-rollout buffer and the RNG states;
 ``<save>/latest_checkpointed_iteration.txt`` names the newest (Megatron's layout).
-``iter_<rollout_id>/manifest.json`` holds the checksum of ``state.pt``
+A sharded trainer (``save_shards``) writes its ranks' files into a subfolder of
+``iter_<rollout_id>/`` first; ``state.pt`` names it (``trainer.shards``).
+``iter_<rollout_id>/manifest.json`` holds the checksum of ``state.pt`` (and of the shard files rank 0 wrote)
 (:mod:`miles_host.checkpoint_integrity`). Loading verifies it, reads tensors and
 plain data only (no code from the file runs), and refuses NaN/Inf in the trainer's
 state; a damaged newest checkpoint is named and the newest intact earlier one is
@@ -17,7 +19,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -58,16 +60,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(directory: str, rollout_id: int, payload: dict) -> Path:
-    """Write ``payload`` (plus RNG states) for ``rollout_id``; returns its folder."""
+def save_checkpoint(directory: str, rollout_id: int, payload: dict,
+                    write_shards: Callable[[str], list[str]] | None = None) -> Path:
+    """Write ``payload`` (plus RNG states) for ``rollout_id``; returns its folder.
+
+    ``write_shards(folder)`` (a sharded trainer's ``save_shards``) writes the ranks' shard
+    files into the folder first; the files it returns go into the manifest."""
     folder = Path(directory) / f"iter_{rollout_id:07d}"
     temporary = folder / "state.pt.tmp"
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        shard_files = list(write_shards(str(folder))) if write_shards is not None else []
         torch.save({**payload, "rollout_id": rollout_id, "rng": rng_state()}, temporary)
         temporary.replace(folder / STATE)  # a crash mid-write never leaves a torn checkpoint
-        write_manifest(folder, rollout_id, [STATE])
+        write_manifest(folder, rollout_id, [STATE, *shard_files])
         write_text_atomically(Path(directory) / LATEST, str(rollout_id))
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
         remove_partial_files(Path(directory))
@@ -133,6 +140,11 @@ def read_checkpoint(folder: Path) -> dict[str, Any]:
     if bad:
         listed = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise CheckpointDamaged(f"{path} is damaged: NaN/Inf values in {listed}")
+    shards = state["trainer"].get("shards") if isinstance(state["trainer"], dict) else None
+    if shards is not None:  # the subfolder a sharded trainer's ``save_shards`` wrote: its path now
+        if not (folder / shards).is_dir():
+            raise CheckpointDamaged(f"{folder / shards} is missing (the trainer's shards of {path})")
+        state["trainer"]["shards"] = str(folder / shards)
     return state
 
 

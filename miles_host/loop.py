@@ -201,6 +201,7 @@ class Run:
                     "history": self.state.history,
                     "weight_version": self.state.weight_version,
                 },
+                write_shards=self.trainer.save_shards,
             )
             save_checkpoint_adapter(self.trainer, folder, self.config)  # a LoRA run's PEFT adapter beside it
             prune_checkpoints(self.config.save, rollout_id, self.config.save_retain_interval)

@@ -45,7 +45,7 @@ class Trainer(Protocol):
     Required: ``model`` (the policy module; ``--save-hf`` saves it), ``consecutive_nan_steps``
     (optimizer steps in a row skipped on a NaN/Inf loss), ``train``, ``rank_counters``,
     ``named_weights_for_rollout``, ``state_dict`` / ``load_state_dict``.
-    Optional (:class:`TrainerBase`): ``full_state_dict``, ``can_offload_train_state`` with
+    Optional (:class:`TrainerBase`): ``full_state_dict``, ``save_shards``, ``can_offload_train_state`` with
     ``offload_train_state`` / ``onload_train_state``, ``empty_device_cache``, ``optimizer_steps``,
     ``close``.
     """
@@ -74,6 +74,12 @@ class Trainer(Protocol):
         """Optional. The whole model's weights when ``model.state_dict()`` holds only this
         rank's shard (sharded trainers); ``None``: ``model.state_dict()`` is whole."""
 
+    def save_shards(self, folder: str) -> list[str]:
+        """Optional. Write each rank's own shards of the training state into the checkpoint
+        folder ``folder`` (every rank of a trainer group calls it), before :meth:`state_dict`'s
+        file; the files (relative to ``folder``) whose checksums the manifest records. The
+        state then names their subfolder as ``"shards"``, which loading turns into its path."""
+
     def offload_train_state(self) -> None:
         """Optional (``can_offload_train_state``). Parameters, gradients and optimizer state
         to CPU for the rollout phase (``--offload-train``)."""
@@ -98,6 +104,9 @@ class TrainerBase:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None
+
+    def save_shards(self, folder: str) -> list[str]:
+        return []
 
     def offload_train_state(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot offload its training state")

@@ -60,6 +60,9 @@ class _TrainerTarget:
     def state_dict(self):
         return self.trainer.state_dict()
 
+    def save_shards(self, folder):
+        return self.trainer.save_shards(folder)
+
     def join_state_dict(self):
         """Take part in a collective ``state_dict`` (FSDP2); rank 0 keeps the result."""
         self.trainer.state_dict()
@@ -188,6 +191,15 @@ class TrainerGroup(TrainerBase):
         for handle in self.handles:
             handle.recv("'state_dict'")
         return state
+
+    def save_shards(self, folder: str) -> list[str]:
+        """Every rank writes its shards (a collective); rank 0's list of files."""
+        for handle in self.handles:
+            handle.send("save_shards", folder)
+        files = self.local.save_shards(folder)
+        for handle in self.handles:
+            handle.recv("'save_shards'")
+        return files
 
     def load_state_dict(self, state: dict) -> None:
         for handle in self.handles:
