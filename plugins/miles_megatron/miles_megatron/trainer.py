@@ -171,10 +171,22 @@ class MegatronTrainer(NativeTrainer):
         named = list(self.full_state_dict().items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
+    def save_shards(self, folder: str) -> list[str]:
+        """``--ckpt-format torch_dist``: this rank's model and optimizer shards into ``folder``
+        (:mod:`miles_megatron.dist_ckpt`; every rank calls it)."""
+        from miles_megatron.dist_ckpt import save_trainer_shards, uses_torch_dist
+
+        return save_trainer_shards(self, folder) if uses_torch_dist(self.config) else []
+
     def state_dict(self) -> dict:
-        """The native trainer's checkpoint (model under native names), tagged with the
-        backend: the optimizer state is indexed in Megatron's parameter order (under
-        TP/EP/PP gathered to full native-named moments; a collective)."""
+        """``--ckpt-format torch_dist``: the schedule's state, the model and optimizer being
+        :meth:`save_shards`' files. ``torch``: the native trainer's checkpoint (model under
+        native names), tagged with the backend: the optimizer state is indexed in Megatron's
+        parameter order (under TP/EP/PP gathered to full native-named moments; a collective)."""
+        from miles_megatron.dist_ckpt import trainer_state, uses_torch_dist
+
+        if uses_torch_dist(self.config):
+            return trainer_state(self)
         if not self.sizes.parallel:
             return {**super().state_dict(), "train_backend": self.backend}
         from miles_megatron.optimizer_state import gather_optimizer_state
@@ -196,6 +208,13 @@ class MegatronTrainer(NativeTrainer):
                 f"--load: this checkpoint was written by --train-backend {saved}; its optimizer state does not "
                 f"map onto --train-backend {self.backend} (start from its HF weights with --hf-checkpoint instead)"
             )
+        if state.get("format") == "torch_dist":  # shards, on whatever layout this trainer has
+            from miles_megatron.dist_ckpt import load_trainer_state
+
+            load_trainer_state(self, state)
+            if self.sizes.parallel:
+                self._gather_full_state()
+            return
         layout = state.get("model_parallel")
         if layout is None and not self.sizes.parallel:
             return super().load_state_dict(state)

@@ -1,0 +1,119 @@
+"""Sharded checkpoints of ``--train-backend megatron`` (``--ckpt-format torch_dist``,
+:mod:`miles_megatron.dist_ckpt`) on two gloo trainer processes, CPU, float32.
+
+- Resume exact: two steps, a checkpoint written through the host's ``save_checkpoint``
+  (each rank its own shards under ``iter_*/torch_dist``), two more steps, against a new
+  trainer group loaded from that checkpoint (``read_checkpoint``) taking the same two
+  steps: the same losses, gradient norms and weights, bit for bit, at TP 2 and PP 2.
+- Another layout: the TP 2 checkpoint loaded by a one-process trainer (dist_checkpointing
+  reshards on load): the TP 2 weights, and the next steps' metrics within float32 tolerance
+  of the TP 2 run (TP changes the order of sums).
+- The optimizer state in the files is Megatron's ``FP32Optimizer`` layout: moments keyed
+  ``optimizer.state.exp_avg.<model key>`` next to the model's keys.
+Skipped where megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytest.importorskip("transformers")
+
+from tests.plugins.megatron.test_megatron_parallel import FLAGS, KEYS, _leave_groups, clean_groups  # noqa: E402,F401
+from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer, models  # noqa: E402,F401
+
+SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size"}
+
+
+def _group(models, sizes: dict, *flags):
+    args = [arg for key, size in sizes.items() for arg in (SIZE_FLAGS[key], str(size))]
+    world = 1
+    for size in sizes.values():
+        world *= size
+    return make_trainer(models, "qwen3", "megatron", *FLAGS, *args, "--actor-num-gpus-per-node", str(world), *flags)
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().float().cpu().clone() for name, tensor in trainer.named_weights_for_rollout()}
+
+
+def _save(trainer, directory, rollout_id: int):
+    from miles_host.checkpoint import save_checkpoint
+
+    return save_checkpoint(str(directory), rollout_id, {"trainer": trainer.state_dict()},
+                           write_shards=trainer.save_shards)
+
+
+def _two_steps(trainer, samples) -> list[dict]:
+    return [trainer.train(samples) for _ in range(2)]
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_a_sharded_checkpoint_resumes_exactly(models, clean_groups, tmp_path, sizes):
+    from miles_host.checkpoint import read_checkpoint
+    from miles_megatron.dist_ckpt import SUBDIR
+
+    samples = make_samples()
+    group = _group(models, sizes)
+    try:
+        _two_steps(group, samples)
+        folder = _save(group, tmp_path, 1)
+        want = _two_steps(group, samples)  # the uninterrupted run's steps 3 and 4
+        want_weights = _weights(group)
+    finally:
+        group.stop()
+    files = sorted(p.name for p in (folder / SUBDIR).iterdir())
+    assert "metadata.json" in files and sum(name.endswith(".distcp") for name in files) >= 2  # both ranks wrote
+    state = read_checkpoint(folder)
+    assert state["trainer"]["shards"] == str(folder / SUBDIR) and "model" not in state["trainer"]
+    resumed = _group(models, sizes)
+    try:
+        resumed.load_state_dict(state["trainer"])
+        got = _two_steps(resumed, samples)
+        got_weights = _weights(resumed)
+    finally:
+        resumed.stop()
+    for step in range(2):
+        for key in KEYS:
+            assert got[step][key] == want[step][key], (step, key)
+    assert got_weights.keys() == want_weights.keys()
+    assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
+
+
+def test_a_tp2_checkpoint_loads_into_one_process(models, clean_groups, tmp_path):
+    """dist_checkpointing reshards on load: a TP 2 checkpoint gives one process the same model
+    and optimizer, so its next steps follow the TP 2 run."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from megatron.core.dist_checkpointing.serialization import load_tensors_metadata
+
+    from miles_host.checkpoint import read_checkpoint
+    from miles_megatron.dist_ckpt import SUBDIR
+
+    samples = make_samples()
+    group = _group(models, {"tp": 2})
+    try:
+        _two_steps(group, samples)
+        folder = _save(group, tmp_path, 1)
+        saved_weights = _weights(group)
+        want = _two_steps(group, samples)
+        want_weights = _weights(group)
+    finally:
+        group.stop()
+    _leave_groups()
+    keys = load_tensors_metadata(str(folder / SUBDIR)).keys()
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys
+    assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
+    assert "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight" in keys
+    assert float(load_common_state_dict(str(folder / SUBDIR))["optimizer"]["state"]["common_step"]) == 2.0
+    single = make_trainer(models, "qwen3", "megatron", *FLAGS)
+    single.load_state_dict(read_checkpoint(folder)["trainer"])
+    loaded = _weights(single)
+    assert all(torch.equal(loaded[k], saved_weights[k]) for k in saved_weights)
+    got = _two_steps(single, samples)
+    for step in range(2):
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+    got_weights = _weights(single)
+    assert max(float((got_weights[k] - want_weights[k]).abs().max()) for k in want_weights) < 1e-5
