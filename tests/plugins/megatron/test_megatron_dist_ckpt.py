@@ -21,8 +21,11 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 pytest.importorskip("transformers")
 
-from tests.plugins.megatron.test_megatron_parallel import FLAGS, KEYS, _leave_groups, clean_groups  # noqa: E402,F401
+from tests.plugins.megatron.test_megatron_parallel import KEYS, _leave_groups, clean_groups  # noqa: E402,F401
 from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer, models  # noqa: E402,F401
+
+FLAGS = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1",
+         "--worker-timeout", "120", "--ckpt-format", "torch_dist")
 
 SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size"}
 
