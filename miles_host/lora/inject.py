@@ -17,7 +17,7 @@ import torch
 
 from miles_host.lora.layers import LoraLinear, LoraPart
 from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
-from miles_host.lora.targets import ALL_LINEAR, Candidate, adaptable_modules, available_names, non_linear_modules, select, split_names
+from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, non_linear_modules, select, split_names
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,6 @@ class LoraSummary:
             "lora/total_params": float(self.total_params),
             "lora/trainable_fraction": self.trainable_params / self.total_params,
         }
-
-
-def family_of(model: torch.nn.Module) -> Any:
-    """The model-family record of a native model (its HF names)."""
-    from miles_host.models.loading import default_family_lookup
-
-    return default_family_lookup(model.config.model_type)
-
-
-def candidates_of(model: torch.nn.Module) -> list[Candidate]:
-    """The HF linears of ``model`` that can carry adapters."""
-    return adaptable_modules(model, family_of(model))
 
 
 def _targets(config: Any) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from miles_host.lora.layers import LoraLinear, lora_modules
+from miles_host.lora.targets import candidates_of
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -41,8 +42,6 @@ def adapter_config(model: torch.nn.Module, config: Any) -> dict[str, Any]:
     modules = list(lora_modules(model).values())
     first = modules[0]
     adapted = [p.hf_module for m in modules for p in m.parts]
-    from miles_host.lora.inject import candidates_of
-
     every = [c.part.hf_module for c in candidates_of(model)]
     leaves = sorted({path.rsplit(".", 1)[-1] for path in adapted})
     picked_by_leaves = [p for p in every if p.rsplit(".", 1)[-1] in leaves]

@@ -127,3 +127,15 @@ def available_names(candidates: list[Candidate]) -> str:
     leaves = list(dict.fromkeys(c.part.key for c in candidates))
     return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, or a full module path "
             f"such as {candidates[0].part.hf_module})")
+
+
+def family_of(model: torch.nn.Module) -> Any:
+    """The model-family record of a native model (its HF names)."""
+    from miles_host.models.loading import default_family_lookup
+
+    return default_family_lookup(model.config.model_type)
+
+
+def candidates_of(model: torch.nn.Module) -> list[Candidate]:
+    """The HF linears of ``model`` that can carry adapters."""
+    return adaptable_modules(model, family_of(model))

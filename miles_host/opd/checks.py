@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from miles_host.checkpoint import LATEST
+from miles_host.checkpoint import LATEST, has_checkpoint
 from miles_host.opd.served import parse_teacher_urls
 from miles_host.opd.teachers import TEACHER_TYPES
 from miles_host.tokenizer_loading import TOKENIZER_FILES
@@ -19,12 +19,6 @@ logger = logging.getLogger(__name__)
 #: OPD flags that mean nothing without --use-opd (field -> its value when unset)
 _OPD_ONLY = {"opd_type": None, "opd_teacher_load": None, "opd_teacher_urls": None, "opd_teacher_ckpt_step": None,
              "opd_log_prob_top_k": 0}
-
-
-def is_checkpoint_directory(path: str | Path) -> bool:
-    """A miles ``--save`` directory (a latest-file or ``iter_*`` folders), not an HF model."""
-    root = Path(path)
-    return (root / LATEST).is_file() or any(root.glob("iter_*"))
 
 
 def check_opd(config: Any, registries: Any = None) -> None:
@@ -72,7 +66,7 @@ def check_checkpoint_teacher(config: Any) -> None:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"--opd-teacher-load {path}: no such directory")
-    if is_checkpoint_directory(root):
+    if has_checkpoint(str(root)):
         step = config.opd_teacher_ckpt_step
         if step is not None and not (root / f"iter_{step:07d}").is_dir():
             raise FileNotFoundError(f"--opd-teacher-ckpt-step {step}: {root / f'iter_{step:07d}'} does not exist")

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from miles_host.checkpoint import load_checkpoint, read_checkpoint
+from miles_host.checkpoint import has_checkpoint, load_checkpoint, read_checkpoint
 from miles_host.devices import resolve_device, resolve_dtype
 from miles_host.models import ForwardContext, PackedAttention, load_pretrained
-from miles_host.opd.checks import is_checkpoint_directory
 from miles_host.sample import Sample
 from miles_host.trainer import PackedBatch, micro_batches
 
@@ -28,7 +27,7 @@ from miles_host.trainer import PackedBatch, micro_batches
 def load_teacher_model(config: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The frozen teacher of ``--opd-teacher-load`` on ``device`` in ``dtype``."""
     path = config.opd_teacher_load
-    if not is_checkpoint_directory(path):
+    if not has_checkpoint(str(path)):
         model = load_pretrained(path, dtype=dtype, device=str(device))
     else:
         if config.opd_teacher_ckpt_step is not None:
