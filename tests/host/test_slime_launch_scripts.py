@@ -20,14 +20,6 @@ import pytest
 from miles_host.cli.main import main
 from tests.host.test_megatron_args import MODELS
 
-#: script -> the flags argparse still refuses (from a run of this test): its dry run and CPU run are
-#: xfail (strict=False) naming them until they are accepted
-REFUSED_FLAGS: dict[str, list[str]] = {}
-#: script -> the refusal that still stops its dry run although every flag parses (its CPU run, with
-#: reduced sizes, is not affected)
-DRY_RUN_REFUSALS: dict[str, str] = {}
-
-
 def _ckpt_args(folder: Path, root: Path, name: str, save: bool) -> list[str]:
     args = ["--hf-checkpoint", str(folder), "--ref-load", str(folder)]
     if save:  # an empty --load starts fresh, as slime's does
@@ -218,20 +210,6 @@ def refused_flags(err: str) -> list[str]:
     return [word for word in found.group(1).split() if word.startswith("--")] if found else []
 
 
-def _reason(name: str, dry_run: bool) -> str | None:
-    reasons = []
-    if name in REFUSED_FLAGS:
-        reasons.append(f"flags still refused: {' '.join(REFUSED_FLAGS[name])}")
-    if dry_run and name in DRY_RUN_REFUSALS:
-        reasons.append(f"still refused: {DRY_RUN_REFUSALS[name]}")
-    return "; ".join(reasons) or None
-
-
-def _script_cases(names=tuple(SCRIPTS), dry_run: bool = True) -> list:
-    return [pytest.param(name, marks=pytest.mark.xfail(reason=_reason(name, dry_run), strict=False))
-            if _reason(name, dry_run) else name for name in names]
-
-
 @pytest.fixture
 def sglang_installed(monkeypatch):
     """slime's scripts run where SGLang is installed: the servers the sglang backend launches (picked
@@ -241,7 +219,7 @@ def sglang_installed(monkeypatch):
     monkeypatch.setattr("miles_sglang.launcher.server_kind", lambda config: "sglang")
 
 
-@pytest.mark.parametrize("name", _script_cases())
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_slime_script_passes_dry_run(checkpoints, name, capsys, sglang_installed):
     code, err = run_miles([*script_argv(checkpoints, name), "--dry-run"], capsys)
     refused = refused_flags(err)
@@ -284,7 +262,7 @@ def _train_metrics(folder: Path) -> list[dict]:
     return [r for r in records if "train/loss" in r]
 
 
-@pytest.mark.parametrize("name", _script_cases(REDUCIBLE, dry_run=False))
+@pytest.mark.parametrize("name", REDUCIBLE)
 def test_reducible_script_trains_on_cpu(checkpoints, name, capsys):
     """A reducible script end to end: 2 rollouts, metrics, and (with --save) a checkpoint each."""
     root, _ = checkpoints
