@@ -26,14 +26,18 @@ class PaddedLayout:
     megatron_row_T: torch.Tensor
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device, multiple: int = 1) -> "PaddedLayout":
-        """``multiple``: the padded sequence length is a multiple of it (sequence parallelism)."""
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, device: torch.device, multiple: int = 1,
+                        at_least: tuple[int, int] = (0, 0)) -> "PaddedLayout":
+        """``multiple``: the padded sequence length is a multiple of it (sequence parallelism);
+        ``at_least``: the smallest ``(S, B)`` (ranks whose MoE layers exchange tokens run equal
+        shapes; the extra sequences are all padding)."""
         bounds = cu_seqlens.to("cpu", torch.long)
         lengths = bounds[1:] - bounds[:-1]
-        batch = int(lengths.numel())
-        seq_len = int(lengths.max()) if batch else 0
+        sequences = int(lengths.numel())
+        batch = max(sequences, at_least[1])
+        seq_len = max(int(lengths.max()) if sequences else 0, at_least[0])
         seq_len = -(-seq_len // multiple) * multiple
-        sequence_T = torch.repeat_interleave(torch.arange(batch), lengths)
+        sequence_T = torch.repeat_interleave(torch.arange(sequences), lengths)
         position_T = torch.arange(int(bounds[-1])) - bounds[:-1][sequence_T]
         return cls(seq_len, batch, (position_T * batch + sequence_T).to(device))
 

@@ -6,9 +6,9 @@ of the same ranks, expert TP (ETP) 1 (:data:`~miles_megatron.runtime.EXPERT_TP`:
 are whole). Expert parallelism is carved out of each stage's ``TP x DP`` ranks, so EP
 needs no ranks of its own where it divides TP: TP 2 x EP 2 is two trainer processes,
 each holding half the heads and half the experts. Megatron's data-parallel size DP is
-the smallest that lets EP divide ``TP x DP`` (:attr:`Sizes.dp`: 1 where EP divides TP,
-``EP`` at TP 1); its replicas all train on the same batch here (data-parallel size 1 in
-the host's sense: every rank sees the whole batch). At TP 2 x EP 2 the EP group of a
+``--actor-num-gpus-per-node / (TP x PP)``, a multiple of the smallest that lets EP divide
+``TP x DP`` (:attr:`Sizes.smallest_dp`: 1 where EP divides TP, ``EP`` at TP 1); each DP
+rank trains on its share of the step's samples (:mod:`miles_megatron.schedule`). At TP 2 x EP 2 the EP group of a
 rank is its TP group; at TP 1 x EP 2 (DP 2) the EP group is the DP group. Pipeline
 parallelism, the third size, is :mod:`miles_megatron.pipeline` (:func:`rank_state` /
 :func:`full_state` combine the stage and shard maps). Each rank builds its shard of the
@@ -31,17 +31,11 @@ GPTModel and:
   backward this rank's slice): every rank computes the exact float32 log-probs and
   entropy over the whole vocabulary with the host's ``chunked_log_probs``, so the
   loss is the one-process loss.
-- :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does for these
-  layouts: q/k-norm gradients (per head, partial on each TP rank) summed over TP (not
-  MLA's latent norms, whose inputs are gathered whole);
-  the non-expert gradients averaged over Megatron's ``DP`` data-parallel replicas (they
-  agree up to summation order). MoE layers dispatch with the all-gather
-  dispatcher over the EP group: each rank's tokens (its sequence shard under sequence
-  parallelism, else the whole batch) reach every expert once per EP rank, so the
-  experts of one stage process ``DP`` copies of the batch (``TP x DP`` without sequence
-  parallelism: the TP ranks hold the same tokens); each expert's gradient is summed
-  over its expert-data-parallel group (the ``EDP`` ranks holding that expert) and divided
-  by that number of copies (:func:`expert_batch_copies`).
+- :func:`expert_batch_copies`: MoE layers dispatch with the all-gather dispatcher over
+  the EP group: each TP rank's tokens (its sequence shard under sequence parallelism, else
+  the same tokens as its TP peers) reach every expert, so an expert's gradient, summed
+  over its expert-data-parallel group by Megatron's DDP, counts each token that many
+  times (:mod:`miles_megatron.schedule` divides them out).
 - :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model,
   each parameter counted once: a rank's squared gradient norms are divided by the
   number of ranks of its stage holding the same gradient (:func:`_holders`), summed
@@ -65,15 +59,24 @@ _EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Model-parallel sizes of the trainer group: ``tp * pp * dp`` ranks (see module doc)."""
+    """Model-parallel sizes of the trainer group: ``tp * pp * dp`` ranks (see module doc);
+    ``dp`` 0: the smallest data-parallel size EP allows."""
 
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    dp: int = 0
+
+    def __post_init__(self):
+        if self.dp == 0:
+            object.__setattr__(self, "dp", self.smallest_dp)
+        if self.dp % self.smallest_dp:
+            raise ValueError(f"data-parallel size {self.dp} with TP {self.tp} x EP {self.ep}: EP must divide "
+                             f"TP x DP, so DP must be a multiple of {self.smallest_dp}")
 
     @property
-    def dp(self) -> int:
-        """Megatron's data-parallel size: the smallest with ``ETP * EP`` dividing ``TP * DP``."""
+    def smallest_dp(self) -> int:
+        """The smallest data-parallel size with ``ETP * EP`` dividing ``TP * DP``."""
         experts = EXPERT_TP * self.ep
         return experts // math.gcd(self.tp, experts)
 
@@ -99,7 +102,7 @@ def current_sizes() -> Sizes:
     from megatron.core import parallel_state as ps
 
     return Sizes(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-                 ps.get_pipeline_model_parallel_world_size())
+                 ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size())
 
 
 def _partition_dims(gpt: torch.nn.Module) -> dict[str, int]:
@@ -260,53 +263,10 @@ def _holders(name: str, dims: Mapping[str, int], sizes: Sizes) -> int:
 
 
 def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
-    """Copies of the batch the experts of one stage process (see module doc): every
-    rank's tokens are all-gathered over its EP group; the ``TP * DP`` ranks of a stage
-    hold the whole batch each, or ``1 / TP`` of it under sequence parallelism."""
-    return sizes.dp if sequence_parallel else sizes.tp * sizes.dp
-
-
-def _average(params: list[torch.nn.Parameter], group, divisor: int) -> None:
-    """Sum the gradients over ``group`` (as one flat buffer) and divide by ``divisor``."""
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
-    flat /= divisor
-    offset = 0
-    for param in params:
-        param.grad.copy_(flat[offset : offset + param.numel()].view_as(param))
-        offset += param.numel()
-
-
-def finalize_grads(gpt: torch.nn.Module, sizes: Sizes) -> None:
-    """Gradient reductions of the layouts (see module doc); all ranks call it."""
-    from megatron.core import parallel_state as ps
-
-    if not sizes.parallel:
-        return
-    named = [(n, p) for n, p in gpt.named_parameters() if p.requires_grad]
-    for name, param in named:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-    if sizes.tp > 1:
-        group = ps.get_tensor_model_parallel_group()
-        # MLA's q_layernorm normalises the whole (gathered) query latent: its gradient is complete
-        per_head = ("k_layernorm",) if gpt.config.multi_latent_attention else ("q_layernorm", "k_layernorm")
-        for name, param in named:
-            # per-head q/k norms see this rank's heads; under sequence parallelism the marked norms
-            # (and Megatron's routers) see this rank's positions: partial gradients
-            if any(norm in name for norm in per_head) or getattr(param, "sequence_parallel", False):
-                dist.all_reduce(param.grad, group=group)
-    if sizes.pp > 1:
-        from miles_megatron.pipeline import reduce_tied_embedding_grads
-
-        reduce_tied_embedding_grads(gpt)
-    if sizes.dp > 1:
-        _average([p for n, p in named if not _EXPERT.match(n)], ps.get_data_parallel_group(), sizes.dp)
-    _average([p for n, p in named if _EXPERT.match(n)], ps.get_expert_data_parallel_group(),
-             expert_batch_copies(sizes, bool(gpt.config.sequence_parallel)))
+    """Times each token of a stage's batch reaches its experts (see module doc): the TP ranks
+    hold the same tokens (each DP rank its own share), all-gathered over the EP group, or
+    ``1 / TP`` of them each under sequence parallelism."""
+    return 1 if sequence_parallel else sizes.tp
 
 
 def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Pipeline parallelism (PP) of the megatron backend (``--pipeline-model-parallel-size N``).
 
 ``N`` trainer processes, one pipeline stage each, or ``N * TP * DP`` with each
-stage sharded as :mod:`miles_megatron.parallel` describes (Megatron's DP replicas, if
-EP needs them, on the same batch: every rank sees the whole batch), started as the host's trainer group like TP/EP. A rank
+stage sharded as :mod:`miles_megatron.parallel` describes (each DP rank's pipeline on its
+share of the samples), started as the host's trainer group like TP/EP. A rank
 talks to its own pipeline group (the same TP/EP rank of every stage); under sequence
 parallelism the stages pass on this TP rank's sequence shard.
 
@@ -22,28 +22,10 @@ the inverse renumbers back to global indices and all-gathers over the
 pipeline group, the tied copy dropped (the first stage's embedding is the weight), so
 every rank, rank 0 among them, gets the complete model for export and checkpoints.
 
-Training step (:func:`pipelined_log_probs`). Every stage runs the host trainer's loop
-in lockstep over the same micro-batches; a forward is, per micro-batch:
-
-- the first stage embeds, a later stage receives the previous stage's output
-  (:class:`_FromPreviousStage`; its backward sends the gradient back);
-- a non-last stage sends its output on (:class:`_ToNextStage`, whose backward receives
-  the next stage's gradient of it) and gets back an empty token tied to its graph;
-- the last stage computes the log-probs (and entropy) with the host's
-  ``chunked_log_probs`` and broadcasts them over the pipeline group; the other stages
-  receive them through :class:`_FromLastStage`, attached to their token.
-
-So every stage computes the same loss and metrics, and ``loss.backward()`` on a
-non-last stage reaches, through the token, the receive of the next stage's gradient,
-which drives its own layers' backward. The schedule is the simplest correct one: each
-micro-batch's whole forward, then its whole backward, no interleaving (a stage idles
-while the others compute).
-
-Gradients (:func:`reduce_tied_embedding_grads`): the tied embedding's two copies get
-the sum of their gradients over the embedding group (first and last stage), as
-Megatron's ``finalize_model_grads`` does, so AdamW keeps them equal; the clipping norm
-sums every stage's gradients, the tied copy counted once
-(:func:`miles_megatron.parallel.clip_grad_norm`).
+Training and forward-only passes run on Megatron-Core's schedules (1F1B), gradients
+through its DDP and ``finalize_model_grads`` (the tied embedding's copies summed over the
+embedding group): :mod:`miles_megatron.schedule`. The clipping norm sums every stage's
+gradients, the tied copy counted once (:func:`miles_megatron.parallel.clip_grad_norm`).
 
 Routes observed in a forward (R2's recording, ``RoutingContext.captured``) exist on
 the stage that owns the layer: :func:`share_captured_routes` all-gathers them, so every
@@ -186,110 +168,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-# -- gradients ------------------------------------------------------------------------
-
-
-def reduce_tied_embedding_grads(gpt: torch.nn.Module) -> None:
-    """Sum the tied embedding's gradient over its first- and last-stage copies (ranks of
-    the embedding group call it; the others return)."""
-    from megatron.core import parallel_state as ps
-
-    if not gpt.share_embeddings_and_output_weights or not (gpt.pre_process or gpt.post_process):
-        return
-    weight = gpt.shared_embedding_or_output_weight()
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
-
-
-# -- the training step ------------------------------------------------------------------
-
-
-class _FromPreviousStage(torch.autograd.Function):
-    """Forward: the previous stage's output; backward: its gradient sent back there.
-    ``anchor`` (an empty tensor that requires grad when autograd is on) makes the
-    received tensor part of the graph."""
-
-    @staticmethod
-    def forward(ctx, anchor, shape, dtype, stage):
-        received = torch.empty(shape, dtype=dtype, device=anchor.device)
-        dist.recv(received, stage.previous_rank, group=stage.group)
-        ctx.stage = stage
-        return received
-
-    @staticmethod
-    def backward(ctx, grad):
-        dist.send(grad.contiguous(), ctx.stage.previous_rank, group=ctx.stage.group)
-        return None, None, None, None
-
-
-class _ToNextStage(torch.autograd.Function):
-    """Forward: send this stage's output to the next stage, return an empty token;
-    backward (reached from the loss through the token): the next stage's gradient of the output."""
-
-    @staticmethod
-    def forward(ctx, hidden, stage):
-        dist.send(hidden.detach().contiguous(), stage.next_rank, group=stage.group)
-        ctx.stage, ctx.shape, ctx.dtype = stage, hidden.shape, hidden.dtype
-        return hidden.new_zeros(0)
-
-    @staticmethod
-    def backward(ctx, grad_token):
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=grad_token.device)
-        dist.recv(grad, ctx.stage.next_rank, group=ctx.stage.group)
-        return grad, None
-
-
-class _FromLastStage(torch.autograd.Function):
-    """Forward: the last stage's broadcast outputs; backward: nothing for the last stage
-    (it computes the same loss itself), a zero for the token, which starts this stage's
-    backward."""
-
-    @staticmethod
-    def forward(ctx, token, shape, stage):
-        values = torch.empty(shape, dtype=torch.float32, device=token.device)
-        dist.broadcast(values, stage.last_rank, group=stage.group)
-        return values
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.new_zeros(0), None, None
-
-
-def pipelined_log_probs(policy: Any, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cu_seqlens: torch.Tensor,
-                        target_ids_T: torch.Tensor, routing: Any, temperature: float, chunk_size: int,
-                        return_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``packed_log_probs`` of this stage (see module doc): every stage returns the same
-    values, the last stage's."""
-    from miles_host.models.logprobs import chunked_log_probs
-
-    stage = current_stage()
-    device = input_ids_T.device
-    config = policy.gpt.config
-
-    def receive(layout) -> torch.Tensor:
-        anchor = torch.empty(0, device=device, requires_grad=torch.is_grad_enabled())
-        # under sequence parallelism the stages exchange this TP rank's sequence shard
-        seq_len = layout.seq_len // policy.sizes.tp if config.sequence_parallel else layout.seq_len
-        shape = (seq_len, layout.batch, config.hidden_size)
-        return _FromPreviousStage.apply(anchor, shape, config.params_dtype, stage)
-
-    run = policy.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing,
-                              stage_input=None if stage.first else receive)
-    if stage.last:
-        log_probs_T, entropy_T = chunked_log_probs(
-            run.layout.from_sb(run.hidden_SBH), policy.lm_head_weight, target_ids_T,
-            temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy,
-        )
-        values = torch.stack([log_probs_T, entropy_T]) if return_entropy else log_probs_T[None]
-        dist.broadcast(values.detach().float().contiguous(), stage.last_rank, group=stage.group)
-    else:
-        token = _ToNextStage.apply(run.hidden_SBH.to(config.params_dtype), stage)
-        values = _FromLastStage.apply(token, (2 if return_entropy else 1, input_ids_T.shape[0]), stage)
-        log_probs_T, entropy_T = values[0], (values[1] if return_entropy else None)
-    if routing is not None and policy.replay.routing_hooks.active:  # once the whole pipeline ran
-        share_captured_routes(routing, stage, device)
-    return log_probs_T, entropy_T
+# -- routes ---------------------------------------------------------------------------
 
 
 def share_captured_routes(routing: Any, stage: Stage, device: torch.device) -> None:

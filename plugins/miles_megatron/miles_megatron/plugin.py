@@ -10,7 +10,8 @@ DeepSeek's sigmoid, expert-bias, group-limited routing (:mod:`miles_megatron.moe
 GLM-4.5's partial rotary (and interleaved rope pairs) on Megatron's rope (:mod:`miles_megatron.rope`).
 Runs in one process (CPU or one GPU) at TP = EP = PP = 1, or as TP * PP * DP trainer
 processes (TP, EP and PP alone or combined, EP carved out of TP x DP as Megatron-Core's
-grids do; gloo on CPU, NCCL on GPU;
+grids do, each DP rank on its share of the samples; Megatron's schedules (1F1B), DDP and
+``finalize_model_grads``, :mod:`miles_megatron.schedule`; gloo on CPU, NCCL on GPU;
 :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`); CP is refused with
 the reason; ``--sequence-parallel`` runs
 with TP (:mod:`miles_megatron.sequence_parallel`). ``--plugins spec
@@ -70,8 +71,8 @@ def miles_activate(args):
 def check_megatron_backend(config, registries):
     """``TrainBackend.validate``: megatron-core is importable, the flags are ones this backend
     runs (:func:`miles_megatron.trainer.check_supported`), and the placement is one trainer
-    process per rank of ``TP x PP x DP`` (``--actor-num-gpus-per-node`` that many; Megatron's
-    data-parallel size DP the smallest that EP divides into, the host's data-parallel size 1)."""
+    process per rank of ``TP x PP x DP`` (``--actor-num-gpus-per-node`` that many; DP a
+    multiple of the smallest data-parallel size that EP divides into)."""
     from miles_host.distributed.placement import num_trainers, uses_ray, wants_distributed
 
     from miles_megatron.runtime import config_sizes
@@ -88,8 +89,9 @@ def check_megatron_backend(config, registries):
         if num_trainers(config) != world or uses_ray(config):
             raise ValueError(
                 f"--train-backend megatron with {sizes.describe()} runs {world} trainer processes on one node "
-                f"(Megatron's DP is the smallest that EP divides into; every rank trains on the whole batch): pass "
-                f"--actor-num-gpus-per-node {world} (got {num_trainers(config)} trainer(s)"
+                f"(TP x PP x DP, DP a multiple of {sizes.smallest_dp}, the smallest that EP divides into): pass "
+                f"--actor-num-gpus-per-node {world} or a multiple of {sizes.tp * sizes.pp * sizes.smallest_dp} "
+                f"(got {num_trainers(config)} trainer(s)"
                 f"{', --use-ray' if uses_ray(config) else ''})"
             )
         return

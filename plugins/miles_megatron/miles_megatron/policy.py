@@ -7,8 +7,8 @@ puts where the native trainer keeps its ``CausalLM``:
   (per-position float32 log-probs of the targets, optional entropy); the hidden
   states come from Megatron's embedding + decoder, the log-probs from the host's
   :func:`~miles_host.models.logprobs.chunked_log_probs` over Megatron's output weight.
-  Under PP the stages run it together (:mod:`miles_megatron.pipeline`): every stage
-  returns the last stage's values.
+  Under PP the last stage computes it inside Megatron's schedule, the earlier stages
+  ``stage_forward`` (:mod:`miles_megatron.schedule`).
 - ``attach_mtp_draft`` / ``mtp_draft_log_probs``: the online-trained draft of miles-spec
   (``--enable-mtp-training``) as Megatron-Core's own ``MultiTokenPredictionLayer``
   (:mod:`miles_megatron.mtp`), same numbers as the native draft's loss.
@@ -193,8 +193,7 @@ class _TensorParallelCheckOnly:
     under TP without sequence parallelism (a performance warning raised as an error).
     Here that runs correctly: the TP ranks hold the same tokens, the all-gather
     dispatcher sends each to its expert once per rank of the EP group, and
-    :func:`miles_megatron.parallel.finalize_grads` divides the expert gradients by
-    those copies. Anything else asked of the group goes to the real one."""
+    :mod:`miles_megatron.schedule` divides the expert gradients by those copies. Anything else asked of the group goes to the real one."""
 
     def __init__(self, group: Any):
         self.group = group
@@ -299,6 +298,8 @@ class MegatronPolicy(torch.nn.Module):
         self.replay = RouterReplayBridge(gpt, routing_hooks, native_config.moe)
         #: autocast of the last forward, re-entered by each layer (recomputation in backward)
         self.autocast_state = AutocastState()
+        #: the smallest padded ``(S, B)`` of the next forwards (:mod:`miles_megatron.schedule`)
+        self.pad_to: tuple[int, int] = (0, 0)
         for layer in gpt.decoder.layers:
             pin_autocast(layer, self.autocast_state)
 
@@ -358,23 +359,23 @@ class MegatronPolicy(torch.nn.Module):
 
     # -- forward ----------------------------------------------------------------------
 
-    def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None, stage_input=None) -> DecoderPass:
-        """This rank's layers on packed sequences: the embedding, or under PP on a later stage
-        ``stage_input(layout)`` (the previous stage's output), then the decoder layers."""
+    def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> DecoderPass:
+        """This rank's layers on packed sequences: the embedding (first pipeline stage; a later
+        stage's decoder reads what the schedule received, ``set_input_tensor``), then the
+        decoder layers, padded to at least :attr:`pad_to`."""
         device = input_ids_T.device
         sequence_parallel = self.gpt.config.sequence_parallel
         # sequence parallelism splits the sequence dim over the TP ranks: pad it to a multiple
-        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device, multiple=self.sizes.tp if sequence_parallel else 1)
+        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device, multiple=self.sizes.tp if sequence_parallel else 1,
+                                              at_least=self.pad_to)
         self.replay.set_forward(routing, layout)
         self.autocast_state.capture(device.type)
         ids_SB = layout.to_sb(input_ids_T)
         positions_SB = layout.to_sb(positions_T)
         with on_device(device):
-            if stage_input is None:
+            x_SBH = None  # a later stage: the decoder's input tensor
+            if self.gpt.pre_process:
                 x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
-            else:
-                x_SBH = stage_input(layout)
-                self.gpt.decoder.set_input_tensor(x_SBH)  # where Megatron's non-first stage reads its input
             rotary_SB1D = None  # MLA: the attention ropes each token by its index in the sequence
             if not self.gpt.config.multi_latent_attention:
                 freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
@@ -382,7 +383,6 @@ class MegatronPolicy(torch.nn.Module):
             hidden_SBH = self.gpt.decoder(
                 hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
             )
-            self.gpt.decoder.set_input_tensor(None)
             # this rank's sequence shard -> every position (the head is gathered too); a PP stage
             # before the last passes its shard on to the next stage's same TP rank
             if sequence_parallel and self.gpt.post_process:
@@ -391,11 +391,18 @@ class MegatronPolicy(torch.nn.Module):
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
         return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH)
 
+    def stage_forward(self, batch: Any) -> torch.Tensor:
+        """A pipeline stage before the last: its output ``[S, B, H]`` (this TP rank's sequence
+        shard under sequence parallelism), what the schedule sends to the next stage."""
+        run = self.decoder_pass(batch.input_ids_T, batch.positions_T, batch.cu_seqlens, batch.routing)
+        return run.hidden_SBH.to(self.gpt.config.pipeline_dtype)
+
     def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
-        """Final-norm hidden states ``[T, H]`` of packed sequences (not under PP, where they
-        exist on the last stage only: :meth:`packed_log_probs` runs the pipeline)."""
-        if self.sizes.pp > 1:
-            raise RuntimeError("forward_hidden runs the whole model; under pipeline parallelism use packed_log_probs")
+        """Final-norm hidden states ``[T, H]`` of packed sequences (under PP on the last stage,
+        inside Megatron's schedule: :mod:`miles_megatron.schedule`)."""
+        if not self.gpt.post_process:
+            raise RuntimeError("forward_hidden: this pipeline stage has no final layers; the stages run together "
+                               "in miles_megatron.schedule")
         run = self.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing)
         if self.has_mtp_draft:  # what the draft's loss reads (no second forward)
             self.last_forward = dataclasses.replace(run, hidden_SBH=run.hidden_SBH.detach())
@@ -435,11 +442,6 @@ class MegatronPolicy(torch.nn.Module):
         if ctx is not None and ctx.batch_invariant:
             raise ValueError("--true-on-policy (batch-invariant forward) is not supported by --train-backend megatron")
         routing = ctx.routing if ctx is not None else None
-        if self.sizes.pp > 1:
-            from miles_megatron.pipeline import pipelined_log_probs
-
-            return pipelined_log_probs(self, input_ids_T, positions_T, cu_seqlens, target_ids_T, routing,
-                                       temperature, chunk_size, return_entropy)
         hidden_TH = self.forward_hidden(input_ids_T, positions_T, cu_seqlens, routing)
         return chunked_log_probs(
             hidden_TH, self.lm_head_weight, target_ids_T,

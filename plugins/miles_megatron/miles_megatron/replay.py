@@ -18,9 +18,11 @@ group-limited top-k differs from the model's
 (:func:`~miles_megatron.moe_routing.megatron_group_rule_differs`), every forward replays
 the native choice that way, routing plugins or not. Megatron
 then gathers the router's scores at those ids, so the router keeps its gradient.
-Dense layers have no router and are never touched. The context stays set until the
-next forward, so a recomputation in backward (``--recompute-granularity full``)
-replays the same ids.
+Dense layers have no router and are never touched. A recomputation in backward
+(``--recompute-granularity full``) replays the ids its forward used: during a training
+step (:meth:`RouterReplayBridge.keep_for_recompute`) each forward's target is queued
+too, and a router run inside a backward pass takes the oldest queued one
+(``REPLAY_BACKWARD``; Megatron's 1F1B runs the backwards in forward order).
 
 Under sequence parallelism a router sees this TP rank's positions: the hook routes the
 whole sequence (its input all-gathered over TP, no gradient) and keeps this rank's rows,
@@ -72,6 +74,8 @@ class RouterReplayBridge:
         self.routers = moe_routers(gpt)
         self.routing = None
         self.layout = None
+        #: queue each forward's ids for its recomputation in backward (a training step with recomputation)
+        self.queue_for_recompute = False
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         instances = RouterReplay.global_router_replay_instances
@@ -83,6 +87,14 @@ class RouterReplayBridge:
             # (a reference model or a second trainer would otherwise pile up there)
             if router.router_replay in instances:
                 instances.remove(router.router_replay)
+
+    def keep_for_recompute(self, on: bool) -> None:
+        """Queue (``on``) each forward's ids for the recomputation in backward; off: the
+        queues are dropped."""
+        self.queue_for_recompute = on
+        if not on:
+            for router in self.routers.values():
+                router.router_replay.replay_backward_list = []
 
     def set_forward(self, routing: Any, layout: Any) -> None:
         """The routing context and token layout of the forward about to run."""
@@ -104,12 +116,18 @@ class RouterReplayBridge:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         replay = router.router_replay
+        if torch._C._current_graph_task_id() != -1:  # recomputation in backward: its forward's ids, if queued
+            if replay.replay_backward_list:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                replay.clear_router_replay_action()
+            return
         routing, layout = self.routing, self.layout
         wanted = routing is not None and (
             self.routing_hooks.active or routing.replay_expert_ids.get(layer_index) is not None
         )
         if not wanted and not self.native_choice:
-            replay.clear_indices()
+            replay.target_topk_idx = None
             replay.clear_router_replay_action()  # Megatron's own top-k
             return
         with torch.no_grad():
@@ -139,8 +157,9 @@ class RouterReplayBridge:
                 target_NK[rows_T] = ids_TK.to(own_NK.dtype)
             if sharded:  # rows are position-major: this TP rank's sequence shard is one chunk
                 target_NK = _sequence_shard(target_NK)
-        replay.clear_indices()
-        replay.set_target_indices(target_NK)
+        replay.target_topk_idx = target_NK
+        if self.queue_for_recompute:
+            replay.replay_backward_list.append(target_NK)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 

@@ -8,7 +8,7 @@
   tensor-parallel size is 1 (:data:`EXPERT_TP`): experts are never TP-split; the
   expert-parallel groups are carved out of each stage's ``TP x DP`` ranks, as
   Megatron's ``initialize_model_parallel`` does, with Megatron's data-parallel size DP
-  the smallest that EP divides into (replicas that all see the same batch here): at
+  the trainers over ``TP x PP``, a multiple of the smallest that EP divides into: at
   TP = EP = 2 two ranks, the EP group of a rank its TP group; at TP 1, EP 2 two ranks
   (DP 2), see :class:`miles_megatron.parallel.Sizes`.
 - :func:`seed_rng`: Megatron's RNG tracker (the CUDA one on GPU, without moving the
@@ -19,7 +19,9 @@
   ``torch.cuda.current_device()`` for a few buffers (rotary frequencies,
   attention/MoE scratch) even when built with ``use_cpu_initialization``, and its
   activation recomputation saves the CUDA RNG state: those calls are answered with
-  ``"cpu"`` and an empty state while the trainer runs Megatron code, and nowhere else.
+  ``"cpu"`` and an empty state, and tensor factories asked for ``device="cuda"`` (its
+  pipeline schedules' token count) build on the CPU, while the trainer runs Megatron
+  code, and nowhere else.
   Either way, scratch buffers Megatron cached on another device are dropped first.
 """
 
@@ -57,8 +59,7 @@ EXPERT_TP = 1
 
 def check_parallel_sizes(config: Any) -> None:
     """What this version runs: TP, EP and PP in any combination (one trainer process per
-    rank of ``TP x PP x DP``, Megatron's DP the smallest that EP divides into; every rank
-    sees the whole batch); CP stays 1."""
+    rank of ``TP x PP x DP``, DP a multiple of the smallest that EP divides into); CP stays 1."""
     cp = getattr(config, PARALLEL_FLAGS["--context-parallel-size"])
     if cp != 1:
         raise ValueError(
@@ -69,23 +70,31 @@ def check_parallel_sizes(config: Any) -> None:
 
 
 def config_sizes(config: Any):
-    """The :class:`~miles_megatron.parallel.Sizes` a config asks for."""
+    """The :class:`~miles_megatron.parallel.Sizes` a config asks for: DP from the trainer
+    processes (``--actor-num-nodes x --actor-num-gpus-per-node`` = TP x PP x DP) when they
+    divide so (DP a multiple of the smallest EP allows), else that smallest DP (the
+    placement check then names the processes wanted)."""
+    from miles_host.distributed.placement import num_trainers
+
     from miles_megatron.parallel import Sizes
 
-    return Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
-                 int(config.pipeline_model_parallel_size))
+    smallest = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
+                     int(config.pipeline_model_parallel_size))
+    trainers, model_parallel = num_trainers(config), smallest.tp * smallest.pp
+    if trainers % model_parallel == 0 and (trainers // model_parallel) % smallest.dp == 0:
+        return Sizes(smallest.tp, smallest.ep, smallest.pp, trainers // model_parallel)
+    return smallest
 
 
 def model_parallel_world(config: Any) -> int:
-    """Trainer processes one model replica needs: ``TP * PP * DP``, Megatron's data-parallel
-    size DP the smallest that EP divides into (``TP 2, EP 2``: 2; ``TP 1, EP 2``: 2)."""
+    """Trainer processes of the run: ``TP * PP * DP`` (:func:`config_sizes`)."""
     return config_sizes(config).world
 
 
 def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
-                        timeout_s: float | None = None) -> None:
+                        timeout_s: float | None = None, dp: int = 0) -> None:
     """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1,
-    expert TP = :data:`EXPERT_TP`).
+    expert TP = :data:`EXPERT_TP`; DP ``dp``, 0: the smallest EP allows).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
     default group must already hold the ``tp * pp * dp`` trainer ranks (the launcher's
@@ -98,7 +107,7 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
 
     from miles_megatron.parallel import Sizes
 
-    sizes = Sizes(tp, ep, pp)
+    sizes = Sizes(tp, ep, pp, dp)
     world, what = sizes.world, sizes.describe()
     if not dist.is_initialized():
         if world != 1:
@@ -202,10 +211,24 @@ def _cpu_stand_ins() -> list[tuple[Any, str, Any]]:
 
     return [
         (torch.cuda, "current_device", lambda: "cpu"),
+        # the pipeline schedules' shape exchange synchronises the device (nothing to wait for)
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         # activation recomputation saves and restores the CUDA RNG (there is none; dropout is off)
         (megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)),
         (megatron_random, "_set_cuda_rng_state", lambda *args, **kwargs: None),
     ]
+
+
+class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensor factories asked for ``device="cuda"`` (Megatron's pipeline schedules count
+    tokens in such a tensor) build on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -217,7 +240,7 @@ def on_device(device: torch.device) -> Iterator[None]:
             _drop_foreign_scratch(torch.device("cuda", torch.cuda.current_device()))
             yield
         return
-    with _cpu_stand_ins_held():
+    with _cpu_stand_ins_held(), _CudaFactoriesOnCpu():
         _drop_foreign_scratch(torch.device("cpu"))
         yield
 

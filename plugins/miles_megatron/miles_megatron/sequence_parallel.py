@@ -7,9 +7,9 @@ and residual adds in between run on this rank's ``S / TP`` positions. Megatron's
 torch norm (``WrappedTorchNorm``, the local spec's) refuses the mode because nothing
 reduces its weight's gradient, which is then partial (this rank's positions only).
 :class:`SequenceParallelRMSNorm` is the same ``torch.nn.RMSNorm``, its weight marked
-``sequence_parallel``, and :func:`miles_megatron.parallel.finalize_grads` all-reduces
-the marked gradients over the TP group (as Megatron's ``finalize_model_grads`` does for
-TransformerEngine's norms). The policy pads the sequence to a multiple of TP and
+``sequence_parallel``, and Megatron's ``finalize_model_grads`` all-reduces the marked
+gradients over the TP group (as it does for TransformerEngine's norms;
+:mod:`miles_megatron.schedule`). The policy pads the sequence to a multiple of TP and
 gathers the final hidden states back (``MegatronPolicy.forward_hidden``), so the
 log-probs, losses and gradients are those of TP without sequence parallelism.
 """

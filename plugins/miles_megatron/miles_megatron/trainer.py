@@ -4,13 +4,15 @@
 (and reference) model is a :class:`~miles_megatron.policy.MegatronPolicy`: advantages,
 old/reference log-probs, micro-batching, the policy loss of
 :mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping,
-the LR schedule, metrics, weight export and checkpoints are the host's code; only
-the forward is Megatron's. One process at TP = PP = EP = CP = 1 (Megatron's
-``parallel_state`` over a one-rank group), or ``TP * PP * DP`` processes, one rank each
-(any combination of TP, EP and PP; Megatron's DP the smallest that EP divides into, its
-replicas on the same batch: every rank
-trains on the whole batch; :mod:`miles_megatron.parallel`, :mod:`miles_megatron.pipeline`,
-started as the trainer group of :mod:`miles_host.distributed.launcher`); CP above 1 is refused;
+the LR schedule, metrics, weight export and checkpoints are the host's code; the
+forward and backward run on Megatron-Core's pipeline schedules, its
+``DistributedDataParallel`` and ``finalize_model_grads`` (:mod:`miles_megatron.schedule`).
+One process at TP = PP = EP = CP = DP = 1 (Megatron's ``parallel_state`` over a one-rank
+group), or ``TP * PP * DP`` processes, one rank each (``--actor-num-gpus-per-node``; any
+combination of TP, EP and PP, DP a multiple of the smallest that EP divides into, each DP
+rank training on its share of the samples; :mod:`miles_megatron.parallel`,
+:mod:`miles_megatron.pipeline`, started as the trainer group of
+:mod:`miles_host.distributed.launcher`); CP above 1 is refused;
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).
 On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
 precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
@@ -82,7 +84,8 @@ class MegatronTrainer(NativeTrainer):
             )
         self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)
-        init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp, timeout_s=config.worker_timeout)
+        init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp, timeout_s=config.worker_timeout,
+                            dp=self.sizes.dp)
         seed_rng(config.seed, device)
         # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
         single = copy.copy(config)
@@ -90,6 +93,10 @@ class MegatronTrainer(NativeTrainer):
             setattr(single, dest, 1)
         super().__init__(single, manager)
         self.config = config
+        from miles_megatron.schedule import wrap_ddp
+
+        with on_device(self.device):
+            self.ddp = wrap_ddp(self.model.gpt)
         if self.sizes.parallel and self.critic is not None:
             raise ValueError(
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
@@ -128,9 +135,13 @@ class MegatronTrainer(NativeTrainer):
 
         log_dispatcher_note(self.config, self.device, self.sizes.parallel)
         overrides = transformer_config_overrides(self.config, self.device, self.sizes.parallel)
-        return MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
-                                              sequence_parallel=sequence_parallel and self.sizes.tp > 1,
-                                              overrides=overrides)
+        from miles_megatron.schedule import configure_schedule
+
+        policy = MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
+                                                sequence_parallel=sequence_parallel and self.sizes.tp > 1,
+                                                overrides=overrides)
+        configure_schedule(policy.gpt.config)
+        return policy
 
     def train(self, samples):
         with on_device(self.device):
@@ -143,13 +154,25 @@ class MegatronTrainer(NativeTrainer):
         with on_device(self.device):
             return super().response_log_probs(model, batch, with_entropy)
 
+    def _optimizer_step(self, samples, old, ref, advantages) -> dict[str, float]:
+        """Forward and backward on Megatron's schedule, its DDP and gradient finalisation
+        (:func:`miles_megatron.schedule.train_step`), then the host's clipping and step."""
+        from miles_megatron.schedule import train_step
+
+        metrics, loss_sum = train_step(self, samples, old, ref, advantages)
+        return self._clip_and_step(metrics, loss_sum)
+
+    def _log_probs_without_grad(self, model, samples, phase: str) -> list[torch.Tensor]:
+        from miles_megatron.schedule import log_probs_without_grad
+
+        return log_probs_without_grad(self, model, samples, phase)
+
     def _clip_grads(self) -> torch.Tensor:
-        """Under TP/EP/PP: Megatron's gradient reductions, then the norm over the whole model."""
+        """Under TP/EP/PP/DP: the norm over the whole model, each gradient counted once."""
         if not self.sizes.parallel:
             return super()._clip_grads()
-        from miles_megatron.parallel import clip_grad_norm, finalize_grads
+        from miles_megatron.parallel import clip_grad_norm
 
-        finalize_grads(self.model.gpt, self.sizes)
         return clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
 
     # -- weights and state ------------------------------------------------------------

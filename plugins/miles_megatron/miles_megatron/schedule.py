@@ -1,0 +1,265 @@
+"""The megatron trainer's passes on Megatron-Core's schedules, DDP and gradient finalisation.
+
+Training step (:func:`train_step`), one optimizer step of the host trainer:
+
+- **Data parallelism.** The step's samples are dealt to the DP ranks (sample ``i`` to rank
+  ``i mod DP``); each rank makes its own micro-batches of them (``--micro-batch-size``, or
+  ``--max-tokens-per-gpu`` with the dynamic batch size: the limit is per rank). Every DP
+  rank runs as many micro-batches as the one with most (the others repeat one with a
+  zero share: collectives of MoE layers span DP ranks), and where EP > 1 every micro-batch
+  index has one padded ``[S, B]`` shape on all DP ranks (Megatron's all-gather token
+  dispatcher gathers equal shapes; the padding is extra positions and all-padding
+  sequences, which no real token attends to and no loss reads).
+- **Schedule.** ``megatron.core.pipeline_parallel.get_forward_backward_func()``: no
+  pipelining at PP 1, 1F1B at PP > 1, with ``forward_step`` running this rank's layers
+  (the first stage embeds, a later one reads what the schedule received) and, on the last
+  stage, the host's micro-batch loss (:meth:`~miles_host.trainer.NativeTrainer._micro_loss`)
+  times the host's share of it in the step
+  (:func:`~miles_host.algorithms.losses.micro_batch_share`, over the whole step's samples,
+  every DP rank's). So the shares sum to the step's loss whatever the layout, and
+  Megatron is told to neither divide by the micro-batch count nor average over DP
+  (``calculate_per_token_loss``: its schedules keep the loss as given, its DDP sums).
+  Variable-length micro-batches: ``variable_seq_lengths`` (the stages exchange shapes;
+  Megatron refuses it for the all-gather dispatcher at construction because ranks of the
+  EP group could hold different token counts, which the shared padded shape rules out).
+- **Gradients.** The model is wrapped in Megatron's ``DistributedDataParallel``
+  (contiguous fp32 gradient buffers; reduction after the last micro-batch,
+  ``overlap_grad_reduce`` off: the host optimizer steps right after, and on CPU/gloo there
+  is no communication stream to overlap on), then ``finalize_model_grads``: the DP
+  (dense) and expert-DP (experts, marked ``allreduce=False``) sums, the TP sums of the
+  per-head q/k norms and of sequence-parallel norms and routers, the tied embedding's
+  first/last-stage sum. Two layout facts Megatron's local (non-TransformerEngine) spec
+  leaves to the caller: each expert receives every token of its EP group from each TP
+  rank holding it (:func:`~miles_megatron.parallel.expert_batch_copies`; divided out),
+  and MLA's latent query norm sees the whole latent on every TP rank without sequence
+  parallelism (marked ``average_gradients_across_tp_domain``: averaged, not summed).
+  The reduced gradients become the parameters' ``.grad`` for the host's clipping and
+  optimizer.
+- **Metrics.** Computed where the loss is (last stage); summed over DP ranks (TP ranks
+  of the last stage hold the same values, one counts) and returned on every rank.
+
+Forward-only passes (:func:`log_probs_without_grad`: old and reference log-probs) run the
+same schedule with ``forward_only``; every DP rank computes every sample's log-probs (so
+R2's recorded routes exist wherever the sample trains); the last stage broadcasts them
+over the pipeline group, and each stage's captured routes are shared
+(:func:`~miles_megatron.pipeline.share_captured_routes`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+_EXPERT = re.compile(r"\.local_experts\.\d+\.")
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of a step: its samples, their share of the step's loss and metrics,
+    and the smallest padded ``(S, B)`` of its forward."""
+
+    samples: list
+    share: float
+    metric_share: float
+    pad_to: tuple[int, int] = (0, 0)
+
+
+# -- the model ----------------------------------------------------------------------
+
+
+def configure_schedule(config: Any) -> None:
+    """The ``TransformerConfig`` settings the schedules read (see module doc): shapes sent
+    between stages per micro-batch, plain send/recv (gloo has no batched p2p), the loss as
+    the host gives it."""
+    config.variable_seq_lengths = True
+    config.batch_p2p_comm = False
+    config.calculate_per_token_loss = True
+    config.deallocate_pipeline_outputs = False
+    config.finalize_model_grads_func = None
+
+
+def wrap_ddp(gpt: torch.nn.Module) -> torch.nn.Module:
+    """``gpt`` in Megatron's ``DistributedDataParallel`` (see module doc)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    for name, param in gpt.named_parameters():
+        if _EXPERT.search(f".{name}"):
+            param.allreduce = False  # reduced over the expert-data-parallel group
+        if gpt.config.multi_latent_attention and not gpt.config.sequence_parallel and "q_layernorm" in name:
+            param.average_gradients_across_tp_domain = True
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+
+
+# -- micro-batches ----------------------------------------------------------------------
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
+
+
+def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[MicroBatch]:
+    """This DP rank's micro-batches of one optimizer step (see module doc)."""
+    from megatron.core import parallel_state as ps
+
+    from miles_host.algorithms.losses import micro_batch_share
+    from miles_host.trainer import micro_batches
+
+    step_masks = [s.loss_mask for s in samples]
+    dp, dp_rank = sizes.dp, ps.get_data_parallel_rank() if sizes.dp > 1 else 0
+    mine = samples[dp_rank::dp]
+    micros = [
+        MicroBatch(micro, micro_batch_share(config, [s.loss_mask for s in micro], step_masks),
+                   micro_batch_share(config, [s.loss_mask for s in micro], step_masks, for_metrics=True))
+        for micro in (micro_batches(mine, config) if mine else [])
+    ]
+    if dp == 1:
+        return micros
+    group = ps.get_data_parallel_group()
+    count = torch.tensor([len(micros)], dtype=torch.long)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    filler = micros[0].samples if micros else samples[:1]
+    micros += [MicroBatch(filler, 0.0, 0.0) for _ in range(int(count) - len(micros))]
+    if sizes.ep > 1:  # the MoE token exchange spans DP ranks: one shape per micro-batch index
+        shapes = torch.tensor([[max(len(s.tokens) for s in m.samples), len(m.samples)] for m in micros],
+                              dtype=torch.long)
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+        for micro, shape in zip(micros, shapes.tolist()):
+            micro.pad_to = (shape[0], shape[1])
+    return micros
+
+
+def _run(model: torch.nn.Module, forward_step: Callable, micros: list[MicroBatch], tp: int,
+         forward_only: bool) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micros), model=[model],
+        num_microbatches=len(micros), seq_length=tp, micro_batch_size=1, forward_only=forward_only,
+    )
+
+
+def _keep(output: torch.Tensor):
+    """A last stage's ``loss_func``: the output as the loss, unscaled (see module doc)."""
+    return output, torch.ones((), dtype=torch.int), {}
+
+
+def _not_last_stage(output: torch.Tensor):
+    raise RuntimeError("loss_func runs on the last pipeline stage only")
+
+
+# -- the passes ---------------------------------------------------------------------
+
+
+def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[str, float], float]:
+    """One optimizer step's forward and backward (see module doc); the gradients are reduced
+    and on ``.grad``. Returns the step's ``train/*`` metric sums and loss (every rank)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from miles_host.trainer import _as_float64
+    from miles_megatron.parallel import expert_batch_copies
+    from miles_megatron.runtime import on_device
+
+    policy, ddp, sizes = trainer.model, trainer.ddp, trainer.sizes
+    trainer.optimizer.zero_grad(set_to_none=True)
+    ddp.zero_grad_buffer()
+    micros = data_parallel_micro_batches(samples, trainer.config, sizes)
+    last = _is_last_stage()
+    sums: dict[str, Any] = {}
+
+    def forward_step(data_iterator, model):
+        micro = next(data_iterator)
+        policy.pad_to = micro.pad_to
+        if not last:
+            batch = trainer.pack(micro.samples, "train")
+            with trainer._autocast():
+                return policy.stage_forward(batch), _not_last_stage
+        loss, metrics = trainer._micro_loss(micro.samples, old, ref, advantages)
+        sums["train/loss"] = sums.get("train/loss", 0.0) + _as_float64(loss) * micro.share
+        for key, value in metrics.items():
+            key = f"train/{key}"
+            sums[key] = sums.get(key, 0.0) + _as_float64(value) * micro.metric_share
+        return loss * micro.share, _keep
+
+    policy.replay.keep_for_recompute(policy.gpt.config.recompute_granularity == "full")
+    with on_device(trainer.device):
+        try:
+            _run(ddp, forward_step, micros, sizes.tp, forward_only=False)
+        finally:
+            policy.pad_to = (0, 0)
+            policy.replay.keep_for_recompute(False)
+        finalize_model_grads([ddp])
+    copies = expert_batch_copies(sizes, bool(policy.gpt.config.sequence_parallel))
+    for name, param in policy.gpt.named_parameters():
+        if not param.requires_grad:
+            continue
+        if copies > 1 and _EXPERT.search(f".{name}"):
+            param.main_grad.div_(copies)
+        param.grad = param.main_grad
+    from megatron.core import parallel_state as ps
+
+    contributes = last and ps.get_tensor_model_parallel_rank() == 0
+    totals = _sum_over_ranks({k: float(v) for k, v in sums.items()} if contributes else None, sizes)
+    loss_sum = totals.pop("train/loss", 0.0)
+    return totals, loss_sum
+
+
+def _sum_over_ranks(values: dict[str, float] | None, sizes: Any) -> dict[str, float]:
+    """The sum of every contributing rank's ``values`` (None: not contributing), on every rank."""
+    if not sizes.parallel:
+        return values or {}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    total: dict[str, float] = {}
+    for part in gathered:
+        for key, value in (part or {}).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+@torch.no_grad()
+def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str) -> list[torch.Tensor]:
+    """Per-sample response log-probs under ``policy`` (the trainer's or the reference model),
+    on every rank (see module doc)."""
+    from miles_host.trainer import micro_batches
+    from miles_megatron.pipeline import current_stage, share_captured_routes
+    from miles_megatron.runtime import on_device
+
+    micros = [MicroBatch(micro, 0.0, 0.0) for micro in (micro_batches(samples, trainer.config) if samples else [])]
+    if not micros:
+        return []
+    last = _is_last_stage()
+    out: list[torch.Tensor] = []
+    batches = []
+
+    def forward_step(data_iterator, model):
+        micro = next(data_iterator)
+        batch = trainer.pack(micro.samples, phase)
+        batches.append(batch)
+        if not last:
+            with trainer._autocast():
+                return policy.stage_forward(batch), _not_last_stage
+        log_probs, _ = trainer.response_log_probs(policy, batch)
+        out.extend(torch.split(log_probs.float(), batch.response_lengths))
+        return log_probs.new_zeros(()), lambda output: (output, {})
+
+    with on_device(trainer.device):
+        _run(policy.gpt, forward_step, micros, trainer.sizes.tp, forward_only=True)
+    if trainer.sizes.pp == 1:
+        return out
+    stage = current_stage()
+    carried = [[t.cpu() for t in out] if last else None]
+    dist.broadcast_object_list(carried, src=stage.last_rank, group=stage.group)
+    if policy.replay.routing_hooks.active:  # every stage's captured routes on every rank
+        for batch in batches:
+            share_captured_routes(batch.routing, stage, trainer.device)
+    return [t.to(trainer.device) for t in carried[0]]
