@@ -158,10 +158,11 @@ MEGATRON_IGNORED: dict[str, str] = {
                         "Megatron-Core's local layer spec (no TransformerEngine)",
     "bf16": "the precision is --dtype (auto: bf16 autocast over float32 master weights on GPU, float32 on CPU)",
     "use_distributed_optimizer": "optimizer state is sharded by FSDP2 across the native trainer's GPUs; the "
-                                 "megatron backend keeps one AdamW per rank (data-parallel size 1)",
+                                 "megatron backend keeps the host's AdamW on every rank (not sharded over DP)",
     "use_precision_aware_optimizer": "optimizer states stay float32 (AdamW over float32 master weights)",
     "overlap_cpu_optimizer_d2h_h2d": "no Megatron CPU optimizer runs (see --optimizer-cpu-offload)",
-    "overlap_grad_reduce": "gradients are reduced by FSDP2 (native) or after backward (megatron backend)",
+    "overlap_grad_reduce": "gradients are reduced by FSDP2 (native trainers); --train-backend megatron honours "
+                           "it (Megatron's DDP)",
     "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend has no distributed "
                             "optimizer",
     "cross_entropy_loss_fusion": "log-probs are computed in chunks from the hidden states (no fused cross entropy)",
