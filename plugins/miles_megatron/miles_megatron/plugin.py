@@ -134,5 +134,5 @@ def miles_register_train_backends():
     return [TrainBackend(
         "megatron", "Megatron-Core GPTModel (local spec; TP, EP, PP and their products over processes)",
         factory=_megatron_trainer, trainer_class=_trainer_class, validate=check_megatron_backend,
-        honoured_flags=tuple(MEGATRON_BACKEND_FIELDS),
+        honoured_flags=(*MEGATRON_BACKEND_FIELDS, "overlap_grad_reduce"),
     )]

@@ -23,9 +23,10 @@ Training step (:func:`train_step`), one optimizer step of the host trainer:
   Megatron refuses it for the all-gather dispatcher at construction because ranks of the
   EP group could hold different token counts, which the shared padded shape rules out).
 - **Gradients.** The model is wrapped in Megatron's ``DistributedDataParallel``
-  (contiguous fp32 gradient buffers; reduction after the last micro-batch,
-  ``overlap_grad_reduce`` off: the host optimizer steps right after, and on CPU/gloo there
-  is no communication stream to overlap on), then ``finalize_model_grads``: the DP
+  (contiguous fp32 gradient buffers; reduced once after the last micro-batch's backward,
+  or with ``--overlap-grad-reduce`` bucket by bucket during it, as the buckets' gradients
+  are complete: Megatron's ``no_sync`` / ``start_grad_sync`` given to the schedule), then
+  ``finalize_model_grads`` (which waits for those reductions): the DP
   (dense) and expert-DP (experts, marked ``allreduce=False``) sums, the TP sums of the
   per-head q/k norms and of sequence-parallel norms and routers, the tied embedding's
   first/last-stage sum. Two layout facts Megatron's local (non-TransformerEngine) spec
@@ -82,8 +83,9 @@ def configure_schedule(config: Any) -> None:
     config.finalize_model_grads_func = None
 
 
-def wrap_ddp(gpt: torch.nn.Module) -> torch.nn.Module:
-    """``gpt`` in Megatron's ``DistributedDataParallel`` (see module doc)."""
+def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False) -> torch.nn.Module:
+    """``gpt`` in Megatron's ``DistributedDataParallel`` (see module doc); ``overlap_grad_reduce``:
+    the reduction overlaps the last micro-batch's backward (``--overlap-grad-reduce``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     for name, param in gpt.named_parameters():
@@ -92,10 +94,14 @@ def wrap_ddp(gpt: torch.nn.Module) -> torch.nn.Module:
         if gpt.config.multi_latent_attention and not gpt.config.sequence_parallel and "q_layernorm" in name:
             param.average_gradients_across_tp_domain = True
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False,
         average_in_collective=False,
     )
-    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+    ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+    if overlap_grad_reduce:  # the schedule holds the reduction back until the last micro-batch
+        gpt.config.no_sync_func = ddp.no_sync
+        gpt.config.grad_sync_func = ddp.start_grad_sync
+    return ddp
 
 
 # -- micro-batches ----------------------------------------------------------------------

@@ -120,10 +120,13 @@ _LAYOUTS = [
     # each micro-batch index is padded to one shape on both
     ("qwen3_moe", {"ep": 2}, UNEVEN_DP, ()),
     ("qwen3", {"tp": 2, "dp": 2}, UNEVEN_DP, ()),
+    # Megatron's DDP reducing bucket by bucket during the last micro-batch's backward (dense and expert buffers)
+    ("qwen3", {"tp": 2, "dp": 2}, ("--overlap-grad-reduce", "--micro-batch-size", "1"), ()),
+    ("qwen3_moe", {"ep": 2}, ("--overlap-grad-reduce", "--micro-batch-size", "1"), ()),
 ]
 _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
                "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep4_sp", "tp2_ep2_pp2_sp", "pp2_1f1b_4mb", "dp2_tp2_sp", "dp2_pp2",
-               "ep2_dp2_dynamic", "dp2_tp2_dynamic"]
+               "ep2_dp2_dynamic", "dp2_tp2_dynamic", "dp2_tp2_overlap", "ep2_dp2_overlap"]
 
 
 @pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS, ids=_LAYOUT_IDS)
@@ -153,6 +156,7 @@ def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, cl
         assert (ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
                 ps.get_expert_tensor_parallel_world_size()) == (dp, ep, 1)
         gpt = group.local.model.gpt
+        assert group.local.ddp.ddp_config.overlap_grad_reduce == ("--overlap-grad-reduce" in extra)
         if pp == 2:  # rank 0 is the first stage: the embedding and layer 0 (of 2), no head
             assert [layer.layer_number for layer in gpt.decoder.layers] == [1]
             assert gpt.pre_process and not gpt.post_process and gpt.decoder.final_layernorm is None
