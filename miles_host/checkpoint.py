@@ -88,11 +88,37 @@ def save_checkpoint(directory: str, rollout_id: int, payload: dict,
 def has_checkpoint(directory: str | None) -> bool:
     """Whether ``--load`` has anything to resume: a latest-file or an ``iter_*`` folder. A missing
     or empty directory has not (the run starts fresh, as slime's does); a damaged one has, so
-    :func:`load_checkpoint` reports it instead of a silent fresh start."""
-    if not directory or not Path(directory).is_dir():
+    :func:`load_checkpoint` reports it instead of a silent fresh start. A Megatron-written
+    checkpoint (:func:`megatron_only`) has no miles state to resume: see :func:`fresh_start_note`."""
+    if not directory or not Path(directory).is_dir() or megatron_only(directory):
         return False
     root = Path(directory)
     return (root / LATEST).exists() or any(_ITER.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+
+
+def megatron_only(directory: str) -> bool:
+    """Whether ``directory`` is a checkpoint Megatron (slime) wrote, not miles: the folder its
+    latest-file names (``iter_*`` or ``release``), or the directory itself, holds
+    ``megatron.core.dist_checkpointing``'s ``metadata.json`` and no ``state.pt``."""
+    root = Path(directory)
+    latest = root / LATEST
+    folder = root
+    if latest.is_file():
+        text = latest.read_bytes()[:64].decode("utf-8", "replace").strip()
+        folder = root / (f"iter_{int(text):07d}" if text.isdigit() else "release" if text == "release" else "")
+    return folder.is_dir() and (folder / "metadata.json").is_file() and not (folder / STATE).exists()
+
+
+def fresh_start_note(directory: str, trainer: Any) -> str:
+    """What a run whose ``--load`` has nothing to resume starts from; a ``ValueError`` when it
+    is a Megatron checkpoint that the training backend cannot read (``reads_megatron_checkpoints``)."""
+    if not megatron_only(directory):
+        return "no checkpoint there yet; starting fresh from --hf-checkpoint (as slime starts from --ref-load)"
+    if not trainer.reads_megatron_checkpoints:
+        raise ValueError(f"--load {directory} is a Megatron torch_dist checkpoint (no miles state.pt); this training "
+                         "backend cannot read it: use --train-backend megatron, or give HF weights with --hf-checkpoint")
+    return ("a Megatron checkpoint without miles' resume state: the policy started from its weights; the run starts "
+            "at rollout 0 (slime's --finetune)")
 
 
 def load_checkpoint(directory: str) -> dict[str, Any]:

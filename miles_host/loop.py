@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles_host.checkpoint import has_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from miles_host.checkpoint import (
+    fresh_start_note,
+    has_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from miles_host.config_training_modes import trains_only
 from miles_host.data import PromptDataset
 from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
@@ -417,8 +423,7 @@ class Run:
         if has_checkpoint(config.load):
             self.resume()
         elif config.load:
-            print(f"miles: --load {config.load}: no checkpoint there yet; starting fresh from --hf-checkpoint "
-                  "(as slime starts from --ref-load)", file=sys.stderr)
+            print(f"miles: --load {config.load}: {fresh_start_note(config.load, self.trainer)}", file=sys.stderr)
         # the engine samples with exactly the trainer's weights from step one
         self.phases.to_rollout(lambda: self.sync_weights(version=self.state.rollout_id))
         self.phases.pop_switch_time()

@@ -45,7 +45,7 @@ class Trainer(Protocol):
     Required: ``model`` (the policy module; ``--save-hf`` saves it), ``consecutive_nan_steps``
     (optimizer steps in a row skipped on a NaN/Inf loss), ``train``, ``rank_counters``,
     ``named_weights_for_rollout``, ``state_dict`` / ``load_state_dict``.
-    Optional (:class:`TrainerBase`): ``full_state_dict``, ``save_shards``, ``can_offload_train_state`` with
+    Optional (:class:`TrainerBase`): ``full_state_dict``, ``save_shards``, ``reads_megatron_checkpoints``, ``can_offload_train_state`` with
     ``offload_train_state`` / ``onload_train_state``, ``empty_device_cache``, ``optimizer_steps``,
     ``close``.
     """
@@ -53,6 +53,7 @@ class Trainer(Protocol):
     model: torch.nn.Module
     consecutive_nan_steps: int
     can_offload_train_state: bool
+    reads_megatron_checkpoints: bool
 
     def train(self, samples: list) -> dict[str, float]:
         """Train on one rollout's samples; the step's ``train/*`` metrics."""
@@ -101,6 +102,8 @@ class TrainerBase:
     can_offload_train_state: bool = False
     #: ``state_dict`` is a collective that every rank of a trainer group calls (sharded trainers)
     collective_state_dict: bool = False
+    #: the trainer starts from the weights of a Megatron torch_dist ``--load`` / ``--ref-load`` directory
+    reads_megatron_checkpoints: bool = False
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return None

@@ -141,6 +141,10 @@ class TrainerGroup(TrainerBase):
     def can_offload_train_state(self) -> bool:
         return self.local.can_offload_train_state
 
+    @property
+    def reads_megatron_checkpoints(self) -> bool:
+        return self.local.reads_megatron_checkpoints
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.local.full_state_dict()
 
