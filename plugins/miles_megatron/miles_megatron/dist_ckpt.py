@@ -134,6 +134,20 @@ def save_shards(trainer: Any, folder: str | Path, with_optimizer: bool = True) -
     return [f"{SUBDIR}/{name}" for name in RANK0_FILES if (directory / name).is_file()]
 
 
+def save_model_shards(gpt: torch.nn.Module, directory: str | Path, device: Any) -> None:
+    """Only the model's shards, straight into ``directory`` (Megatron's own layout of an
+    ``iter_*`` folder: what slime's HF -> torch_dist conversion writes); a collective of
+    every trainer rank. The directory must exist and be empty."""
+    from megatron.core import dist_checkpointing
+
+    from miles_megatron.runtime import on_device
+
+    gpt = getattr(gpt, "module", gpt)
+    with on_device(device), _cuda_sync_stand_in(device):
+        dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(directory),
+                                sharded_strategy=_in_process_strategy())
+
+
 def _in_process_strategy():
     """Megatron's torch_dist save strategy, writing in this process.
 
@@ -171,20 +185,39 @@ def is_torch_dist(directory: str | Path) -> bool:
     return path.is_dir() and (path / "metadata.json").is_file() and maybe_load_config(str(path)) is not None
 
 
+def _require_torch_dist(directory: str | Path) -> None:
+    if not is_torch_dist(directory):
+        raise FileNotFoundError(f"{directory} is not a torch_dist checkpoint (no metadata.json of "
+                                "megatron.core.dist_checkpointing there)")
+
+
 def load_shards(trainer: Any, directory: str | Path, with_optimizer: bool = True) -> None:
     """Read this rank's shards of model (and optimizer) from a torch_dist ``directory``
     (a collective of every trainer rank; any TP / PP layout it was saved with)."""
     from megatron.core import dist_checkpointing
 
-    if not is_torch_dist(directory):
-        raise FileNotFoundError(f"{directory} is not a torch_dist checkpoint (no metadata.json of "
-                                "megatron.core.dist_checkpointing there)")
+    _require_torch_dist(directory)
     state = sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer)
     with _on(trainer):
         loaded = dist_checkpointing.load(state, str(directory), strict="raise_unexpected")
     _gpt(trainer).load_state_dict(loaded["model"])
     if with_optimizer:
         _restore_optimizer(trainer.optimizer, loaded["optimizer"])
+
+
+def load_model_shards(gpt: torch.nn.Module, directory: str | Path, device: Any) -> None:
+    """Only the model's shards (a policy or reference GPTModel) from a torch_dist ``directory``
+    (a collective of every trainer rank); the checkpoint's other entries are not read."""
+    from megatron.core import dist_checkpointing
+
+    from miles_megatron.runtime import on_device
+
+    _require_torch_dist(directory)
+    gpt = getattr(gpt, "module", gpt)
+    with on_device(device):
+        state = {"model": gpt.sharded_state_dict()}
+        loaded = dist_checkpointing.load(state, str(directory), strict="raise_unexpected")
+    gpt.load_state_dict(loaded["model"])
 
 
 def _restore_optimizer(optimizer: Any, loaded: dict) -> None:
@@ -200,21 +233,28 @@ def _restore_optimizer(optimizer: Any, loaded: dict) -> None:
 
 @contextlib.contextmanager
 def _on(trainer: Any) -> Iterator[None]:
-    """Megatron's device context (:func:`~miles_megatron.runtime.on_device`); on a CPU trainer
-    without CUDA, dist_checkpointing's writer also synchronises CUDA before copying the
-    tensors: nothing to wait for there, so that call does nothing while it runs."""
+    """Megatron's device context (:func:`~miles_megatron.runtime.on_device`) with
+    :func:`_cuda_sync_stand_in`."""
     from miles_megatron.runtime import on_device
 
-    with on_device(trainer.device):
-        if torch.device(trainer.device).type == "cuda" or torch.cuda.is_available():
-            yield
-            return
-        original = torch.cuda.synchronize
-        torch.cuda.synchronize = lambda *args, **kwargs: None
-        try:
-            yield
-        finally:
-            torch.cuda.synchronize = original
+    with on_device(trainer.device), _cuda_sync_stand_in(trainer.device):
+        yield
+
+
+@contextlib.contextmanager
+def _cuda_sync_stand_in(device: Any) -> Iterator[None]:
+    """On a CPU trainer without CUDA, dist_checkpointing's writer still synchronises CUDA
+    before copying the tensors: nothing to wait for there, so that call does nothing while
+    it runs."""
+    if torch.device(device).type == "cuda" or torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
 
 
 # -- the trainer's checkpoint state (what goes into the host's state.pt) ------------------

@@ -71,6 +71,8 @@ class MegatronTrainer(NativeTrainer):
     collective_state_dict = True
     #: checkpoints hold Adam's moments per parameter (optimizer_state.py)
     optimizer_names = ("adam",)
+    #: --load / --ref-load of a Megatron torch_dist checkpoint (megatron_load.py)
+    reads_megatron_checkpoints = True
 
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
         from miles_megatron.runtime import config_sizes
@@ -93,10 +95,13 @@ class MegatronTrainer(NativeTrainer):
             setattr(single, dest, 1)
         super().__init__(single, manager)
         self.config = config
+        from miles_megatron.megatron_load import load_start_weights
+
+        load_start_weights(self)  # --ref-load / --load of Megatron torch_dist checkpoints
         from miles_megatron.schedule import wrap_ddp
 
         with on_device(self.device):
-            self.ddp = wrap_ddp(self.model.gpt, overlap_grad_reduce=config.overlap_grad_reduce)
+            self.ddp = wrap_ddp(self.model.gpt)
         if self.sizes.parallel and self.critic is not None:
             raise ValueError(
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
@@ -124,7 +129,10 @@ class MegatronTrainer(NativeTrainer):
         return model
 
     def load_model(self, path: str, routing) -> torch.nn.Module:
+        from miles_megatron.megatron_load import architecture_source
         from miles_megatron.policy import MegatronPolicy
+
+        path = architecture_source(self.config, path)  # a torch_dist --ref-load: its weights come later
 
         recompute = self.config.recompute_granularity == "full"
         sequence_parallel = self.config.sequence_parallel

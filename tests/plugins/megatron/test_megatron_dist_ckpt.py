@@ -120,3 +120,51 @@ def test_a_tp2_checkpoint_loads_into_one_process(models, clean_groups, tmp_path)
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
     got_weights = _weights(single)
     assert max(float((got_weights[k] - want_weights[k]).abs().max()) for k in want_weights) < 1e-5
+
+
+def _megatron_checkpoint(models, root, iteration: int = 2):
+    """A checkpoint in Megatron's own layout (``latest_checkpointed_iteration.txt`` and the torch_dist
+    files straight in ``iter_*``, no miles ``state.pt``: what slime's HF -> torch_dist conversion or its
+    Megatron trainer writes) of a one-process model trained two steps, and that model's weights."""
+    from miles_megatron.dist_ckpt import save_model_shards
+
+    single = make_trainer(models, "qwen3", "megatron", *FLAGS)
+    _two_steps(single, make_samples())
+    folder = root / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True)
+    save_model_shards(single.model.gpt, folder, single.device)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    weights = _weights(single)
+    single.close()
+    return weights
+
+
+def test_slime_load_and_ref_load_of_a_megatron_torch_dist_checkpoint(models, clean_groups, tmp_path):
+    """``--ref-load`` of a torch_dist checkpoint: reference model and starting policy from its shards
+    (on TP 2: resharded); ``--load`` of one Megatron wrote: the policy starts from its weights, the
+    reference from --hf-checkpoint; the host does not take it for a miles resume state, and a backend
+    that cannot read it refuses it."""
+    from miles_host.checkpoint import fresh_start_note, has_checkpoint, megatron_only
+
+    root = tmp_path / "megatron"
+    trained = _megatron_checkpoint(models, root)
+    _leave_groups()
+    assert megatron_only(str(root)) and not has_checkpoint(str(root))
+    group = _group(models, {"tp": 2}, "--ref-load", str(root))
+    try:
+        policy = _weights(group)
+        assert all(torch.equal(policy[k], trained[k]) for k in trained)
+        assert group.reads_megatron_checkpoints and "rollout 0" in fresh_start_note(str(root), group)
+    finally:
+        group.stop()
+    _leave_groups()
+    for flag, reference_trained in (("--ref-load", True), ("--load", False)):
+        single = make_trainer(models, "qwen3", "megatron", *FLAGS, flag, str(root))
+        policy = _weights(single)
+        assert all(torch.equal(policy[k], trained[k]) for k in trained), flag
+        reference = single.ref_model.state_dict()["embed_tokens.weight"].float()
+        assert torch.equal(reference, trained["embed_tokens.weight"]) == reference_trained, flag
+        single.close()
+    native = make_trainer(models, "qwen3", "native")
+    with pytest.raises(ValueError, match="Megatron torch_dist checkpoint.*--train-backend megatron"):
+        fresh_start_note(str(root), native)
