@@ -1,4 +1,7 @@
-"""Validation of the LoRA flags (a host check: it reads the training backend's record)."""
+"""Validation of the LoRA flags (a host check: it reads the training backend's record).
+
+A quantized ``--precision`` (``int4``, ``fp8``) takes ``--lora-sync adapter`` only: the adapters
+run next to the engine's quantized linears instead of being merged into re-quantized weights."""
 
 from __future__ import annotations
 
@@ -36,11 +39,15 @@ def check_lora(config: Any, registries: Any) -> None:
                          "runs the merged weights (W + B A) x (--lora-sync merged) or its own decode kernels over "
                          "the adapters (--lora-sync adapter), so their log-probs are not bitwise equal; drop one")
     _check_sync(config)
+    from miles_host.lora.sync import MODES
+
     default_precision = type(config).__dataclass_fields__["precision"].default
-    if config.precision != default_precision:
-        raise ValueError(f"--lora-rank {config.lora_rank} with --precision {config.precision}: LoRA over a quantized "
-                         f"base is not supported yet (the adapters wrap plain linears, and the merged weights would be "
-                         f"re-quantized at every sync); use --precision {default_precision} or --lora-rank 0")
+    if config.precision != default_precision and not MODES[config.lora_sync].engine_adapters:
+        raise ValueError(f"--lora-rank {config.lora_rank} with --precision {config.precision} needs --lora-sync "
+                         f"adapter: the engine keeps the quantized base weights (quantized once, never re-sent) and "
+                         f"runs the adapters as separate low-rank GEMMs next to them (QLoRA-style); merged weights "
+                         f"would be re-quantized and re-sent at every sync. Add --lora-sync adapter (or use "
+                         f"--precision {default_precision})")
     if config.merge_lora and not config.save_hf:
         raise ValueError("--merge-lora chooses what --save-hf writes (merged weights instead of the adapter); add "
                          "--save-hf DIR, or drop --merge-lora")

@@ -2,9 +2,11 @@
 ``--target-modules``, ``--exclude-modules``, ``--lora-adapter-path``.
 
 The chosen linears become :class:`~miles_host.lora.layers.LoraLinear` (same parameter names
-for the base weights, which are frozen: no gradients, no optimizer state); every other
-parameter of the model is frozen too, so the optimizer the trainer builds next holds the
-adapters only.
+for the base weights, which are frozen: no gradients, no optimizer state); a precision
+recipe's quantized linears (``--precision int4`` / ``fp8``, which need ``--lora-sync adapter``)
+keep their own forward and state and get the adapters next to them, in the model's dtype
+(:func:`~miles_host.lora.layers.adapt_in_place`). Every other parameter of the model is frozen
+too, so the optimizer the trainer builds next holds the adapters only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 import torch
 
-from miles_host.lora.layers import LoraLinear, LoraPart
+from miles_host.lora.layers import LoraLinear, LoraPart, adapt_in_place
 from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
-from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, non_linear_modules, select, split_names
+from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, quantized_linears, select, split_names
 
 
 @dataclass(frozen=True)
@@ -57,17 +59,27 @@ def check_adapter_shape(config: Any) -> None:
         )
 
 
+def _activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The model's dtype (its first floating-point parameter, the embedding): the dtype of the
+    adapters put next to quantized linears, whose weights are INT4 / FP8."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.element_size() > 1:
+            return parameter.dtype
+    return torch.get_default_dtype()
+
+
 def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
     """Adapt ``model`` in place as the LoRA flags say (None: ``--lora-rank 0``, LoRA off)."""
     if not config.lora_rank:
         return None
     if config.lora_adapter_path:
         check_adapter_shape(config)
-    quantized = non_linear_modules(model)
-    if quantized:
-        raise ValueError(f"--lora-rank {config.lora_rank}: {len(quantized)} linears of the model are "
-                         f"{type(model.get_submodule(quantized[0])).__name__} modules (--precision {config.precision}); "
-                         "LoRA over a quantized base is not supported yet; use the default precision")
+    quantized = quantized_linears(model)
+    if quantized and getattr(config, "lora_sync", "merged") != "adapter":
+        raise ValueError(f"--lora-rank {config.lora_rank} --lora-sync {getattr(config, 'lora_sync', 'merged')}: "
+                         f"{len(quantized)} linears of the model are {type(model.get_submodule(quantized[0])).__name__} "
+                         f"modules (--precision {config.precision}); adapters over a quantized base run as separate "
+                         "low-rank GEMMs: give --lora-sync adapter")
     candidates = candidates_of(model)
     if not candidates:
         raise ValueError(f"--lora-rank {config.lora_rank}: no module of this model can carry an adapter (the model "
@@ -80,12 +92,16 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
     by_native: dict[str, list[LoraPart]] = {}
     for candidate in chosen:
         by_native.setdefault(candidate.native, []).append(candidate.part)
+    adapter_dtype = _activation_dtype(model)
     for native, parts in by_native.items():
         parent_name, _, attribute = native.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, attribute)
-        setattr(parent, attribute, LoraLinear(base, parts, config.lora_rank, config.lora_alpha,
-                                              config.lora_dropout))
+        if native in quantized:
+            adapt_in_place(base, parts, config.lora_rank, config.lora_alpha, config.lora_dropout, adapter_dtype)
+        else:
+            setattr(parent, attribute, LoraLinear(base, parts, config.lora_rank, config.lora_alpha,
+                                                  config.lora_dropout))
     if config.lora_adapter_path:
         load_adapter(model, config.lora_adapter_path)
     summary = LoraSummary(

@@ -10,6 +10,11 @@ For each part ``p`` with rows ``[start, stop)``::
 
     y[:, start:stop] += scaling * B_p @ A_p @ dropout(x)      scaling = alpha / r
 
+A plain ``torch.nn.Linear`` becomes a :class:`LoraLinear`. A precision recipe's quantized
+linear (INT4 / FP8 weights and GEMMs) keeps its own forward and state and gets the adapters
+next to them (:func:`adapt_in_place`): ``quantized_base(x) + scaling * B(A x)``, ``A`` and
+``B`` in the activations' dtype.
+
 ``A_p [r, in]`` starts as ``torch.nn.Linear``'s (Kaiming-uniform, PEFT's default) and
 ``B_p [stop - start, r]`` as zeros, so a fresh adapter leaves the model unchanged.
 Tensor legend: T tokens, I in features, O out features, R rank.
@@ -39,23 +44,17 @@ class LoraPart:
         return self.stop - self.start
 
 
-class LoraLinear(torch.nn.Linear):
-    """``base`` (its ``weight`` and ``bias`` parameters, same names, frozen) plus one LoRA
-    pair per :class:`LoraPart`: ``lora_A.<key>`` ``[R, I]`` and ``lora_B.<key>`` ``[rows, R]``."""
+class LoraAdapters:
+    """The adapter half of a LoRA layer (a mixin of ``torch.nn.Module`` classes): one LoRA pair
+    per :class:`LoraPart`, ``lora_A.<key>`` ``[R, I]`` and ``lora_B.<key>`` ``[rows, R]``, and
+    :meth:`lora_delta`, the update ``scaling * B (A dropout(x))`` over all ``out_features`` rows."""
 
-    def __init__(self, base: torch.nn.Linear, parts: list[LoraPart], rank: int, alpha: float, dropout: float):
-        torch.nn.Module.__init__(self)  # no second weight allocation: the base's parameters are reused
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+    def _init_lora(self, parts: list[LoraPart], rank: int, alpha: float, dropout: float,
+                   device: torch.device, dtype: torch.dtype) -> None:
         self.parts = sorted(parts, key=lambda p: p.start)
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
         self.lora_dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
-        device, dtype = base.weight.device, base.weight.dtype
         self.lora_A = torch.nn.ParameterDict({
             p.key: torch.nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype)) for p in self.parts
         })
@@ -73,27 +72,84 @@ class LoraLinear(torch.nn.Linear):
             for b in self.lora_B.values():
                 b.zero_()
 
-    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        y_TO = F.linear(x_TI, self.weight, self.bias)
+    def lora_delta(self, x_TI: torch.Tensor) -> torch.Tensor:
+        """``scaling * B_p (A_p dropout(x))`` on each part's rows, zeros on rows without adapter."""
         h_TI = self.lora_dropout(x_TI)
         rank = self.rank
         a_list = [self.lora_A[part.key] for part in self.parts]
         # every part's A in one GEMM ([T, parts * R]), then each part's B on its R columns
         low_TR = F.linear(h_TI, a_list[0] if len(a_list) == 1 else torch.cat(a_list))
+        lead = low_TR.shape[:-1]
         pieces, position = [], 0
         for i, part in enumerate(self.parts):
             if part.start > position:  # rows of an HF part that carries no adapter
-                pieces.append(y_TO.new_zeros(*y_TO.shape[:-1], part.start - position))
+                pieces.append(low_TR.new_zeros(*lead, part.start - position))
             pieces.append(F.linear(low_TR[..., i * rank : (i + 1) * rank], self.lora_B[part.key]))
             position = part.stop
         if position < self.out_features:
-            pieces.append(y_TO.new_zeros(*y_TO.shape[:-1], self.out_features - position))
+            pieces.append(low_TR.new_zeros(*lead, self.out_features - position))
         delta_TO = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return y_TO + delta_TO * self.scaling
+        return delta_TO * self.scaling
+
+    def _lora_repr(self) -> str:
+        keys = ", ".join(p.key for p in self.parts)
+        return f"lora_rank={self.rank}, lora_alpha={self.alpha:g}, parts=({keys})"
+
+
+class LoraLinear(LoraAdapters, torch.nn.Linear):
+    """``base`` (its ``weight`` and ``bias`` parameters, same names, frozen) plus one LoRA
+    pair per :class:`LoraPart`: ``lora_A.<key>`` ``[R, I]`` and ``lora_B.<key>`` ``[rows, R]``."""
+
+    def __init__(self, base: torch.nn.Linear, parts: list[LoraPart], rank: int, alpha: float, dropout: float):
+        torch.nn.Module.__init__(self)  # no second weight allocation: the base's parameters are reused
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self._init_lora(parts, rank, alpha, dropout, base.weight.device, base.weight.dtype)
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TI, self.weight, self.bias) + self.lora_delta(x_TI)
 
     def extra_repr(self) -> str:
-        keys = ", ".join(p.key for p in self.parts)
-        return f"{super().extra_repr()}, lora_rank={self.rank}, lora_alpha={self.alpha:g}, parts=({keys})"
+        return f"{torch.nn.Linear.extra_repr(self)}, {self._lora_repr()}"
+
+
+class LoraOverBase(LoraAdapters):
+    """Adapters over a base linear module of another kind (a precision recipe's quantized
+    linear: INT4 / FP8 weights, its own GEMM). :func:`adapt_in_place` makes the module an
+    instance of ``LoraOverBase`` + its own class, so its state keeps its names (``weight_packed``,
+    ``weight_scale_inv``, ...: what the recipe's weight sync sends) next to ``lora_A`` /
+    ``lora_B``, and its forward is ``base(x) + scaling * B (A x)``, the base's own arithmetic
+    untouched."""
+
+    def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
+        y_TO = super().forward(x_TI)
+        return y_TO + self.lora_delta(x_TI).to(y_TO.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self._lora_repr()}"
+
+
+_OVER_BASE_CLASSES: dict[type, type] = {}
+
+
+def adapt_in_place(module: torch.nn.Module, parts: list[LoraPart], rank: int, alpha: float, dropout: float,
+                   dtype: torch.dtype) -> torch.nn.Module:
+    """Give ``module`` (anything with ``in_features`` / ``out_features`` whose forward is a
+    linear map) LoRA adapters in ``dtype`` (the activations' dtype), by switching its class
+    to ``Lora<its class>`` (:class:`LoraOverBase` first). Its own tensors are frozen."""
+    cls = type(module)
+    if cls not in _OVER_BASE_CLASSES:
+        _OVER_BASE_CLASSES[cls] = type(f"Lora{cls.__name__}", (LoraOverBase, cls), {})
+    tensors = list(module.parameters()) + list(module.buffers())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    module.requires_grad_(False)
+    module.__class__ = _OVER_BASE_CLASSES[cls]
+    module._init_lora(parts, rank, alpha, dropout, device, dtype)
+    return module
 
 
 def merged_weight(
@@ -109,6 +165,7 @@ def merged_weight(
     return merged.to(weight_OI.dtype)
 
 
-def lora_modules(model: torch.nn.Module) -> dict[str, LoraLinear]:
-    """The model's LoRA layers by module name (empty: the model carries no adapters)."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLinear)}
+def lora_modules(model: torch.nn.Module) -> dict[str, LoraAdapters]:
+    """The model's LoRA layers (:class:`LoraLinear` and adapted quantized linears) by module
+    name (empty: the model carries no adapters)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraAdapters)}

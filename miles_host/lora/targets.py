@@ -3,9 +3,10 @@
 The native model fuses HF linears (``q/k/v -> qkv_proj``, ``gate/up -> gate_up_proj``); the
 model family's weight mapping says how. :func:`adaptable_modules` asks it: the native weight's
 row numbers go through ``convert_native_tensor`` and come back split and renamed, so each HF
-linear is found with the rows of the native linear it owns. Only plain ``torch.nn.Linear``
-modules of the decoder qualify (the lm head is read as a matrix, not called; MoE routers and
-stacked experts are no linears).
+linear is found with the rows of the native linear it owns. Linear modules of the decoder
+qualify: ``torch.nn.Linear`` and a precision recipe's quantized linears (modules with integer
+``in_features`` / ``out_features``, :func:`is_quantized_linear`); the lm head is read as a
+matrix, not called; MoE routers and stacked experts are no linears.
 
 Matching follows PEFT's rules on those HF module paths: a name matches a module whose path
 equals it or ends with ``.<name>``; ``all-linear`` is every adaptable module (PEFT leaves the
@@ -19,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from miles_host.lora.layers import LoraLinear, LoraPart
+from miles_host.lora.layers import LoraAdapters, LoraLinear, LoraPart
 
 ALL_LINEAR = "all-linear"
 #: spellings upstream miles also accepts: its other names of all-linear, and Megatron's
@@ -82,7 +83,7 @@ def adaptable_modules(model: torch.nn.Module, family: Any) -> list[Candidate]:
     """Every HF linear of ``model`` that can carry an adapter, in module order."""
     found = []
     for name, module in model.named_modules():
-        if any(name == n or name.startswith(n) for n in _NEVER) or type(module) not in (torch.nn.Linear, LoraLinear):
+        if any(name == n or name.startswith(n) for n in _NEVER) or not _is_linear(module):
             continue
         parts = _row_parts(family, f"{name}.weight", module.out_features, model.config)
         for hf_weight, start, stop in parts or ():
@@ -91,11 +92,23 @@ def adaptable_modules(model: torch.nn.Module, family: Any) -> list[Candidate]:
     return found
 
 
-def non_linear_modules(model: torch.nn.Module) -> list[str]:
-    """Native names of matrix modules that are not plain linears (a precision recipe's
-    quantized layers), for the message that explains why they cannot be adapted."""
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and type(module) not in (torch.nn.Linear, LoraLinear)]
+def is_quantized_linear(module: torch.nn.Module) -> bool:
+    """A linear module other than a plain ``torch.nn.Linear`` (a precision recipe's INT4 / FP8
+    linear, training or rollout side): adapters go next to it (``adapt_in_place``)."""
+    if type(module) in (torch.nn.Linear, LoraLinear) or isinstance(module, LoraAdapters):
+        return False
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return type(module) in (torch.nn.Linear, LoraLinear) or is_quantized_linear(module)
+
+
+def quantized_linears(model: torch.nn.Module) -> list[str]:
+    """Native names of the model's quantized linear modules (:func:`is_quantized_linear`)."""
+    return [name for name, module in model.named_modules() if is_quantized_linear(module)]
 
 
 def matches(path: str, name: str) -> bool:

@@ -24,7 +24,8 @@ REFUSED = [
     (["--lora-rank", "8", "--true-on-policy"], "--true-on-policy with --lora-rank"),
     (["--lora-rank", "8", "--merge-lora"], "--merge-lora chooses what --save-hf writes"),
     (["--lora-rank", "8", "--lora-adapter-path", "/nonexistent/adapter"], "needs adapter_config.json"),
-    (["--lora-rank", "8", "--plugins", "int4"], "LoRA over a quantized base is not supported yet"),
+    (["--lora-rank", "8", "--plugins", "int4"], "with --precision int4 needs --lora-sync adapter"),
+    (["--lora-rank", "8", "--plugins", "int4", "--lora-sync", "adapter", "--true-on-policy"], "--true-on-policy with --lora-rank"),
 ]
 
 
