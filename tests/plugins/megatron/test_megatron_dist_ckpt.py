@@ -168,3 +168,25 @@ def test_slime_load_and_ref_load_of_a_megatron_torch_dist_checkpoint(models, cle
     native = make_trainer(models, "qwen3", "native")
     with pytest.raises(ValueError, match="Megatron torch_dist checkpoint.*--train-backend megatron"):
         fresh_start_note(str(root), native)
+
+
+def test_no_save_optim_writes_only_the_model(models, clean_groups, tmp_path):
+    """``--no-save-optim``: no moments in the shards; loading gives the weights and a fresh optimizer."""
+    from megatron.core.dist_checkpointing.serialization import load_tensors_metadata
+
+    from miles_host.checkpoint import read_checkpoint
+    from miles_megatron.dist_ckpt import SUBDIR
+
+    single = make_trainer(models, "qwen3", "megatron", *FLAGS, "--no-save-optim")
+    _two_steps(single, make_samples())
+    folder = _save(single, tmp_path, 1)
+    saved = _weights(single)
+    single.close()
+    keys = load_tensors_metadata(str(folder / SUBDIR)).keys()
+    assert "embedding.word_embeddings.weight" in keys and not any(k.startswith("optimizer.") for k in keys)
+    fresh = make_trainer(models, "qwen3", "megatron", *FLAGS)
+    fresh.load_state_dict(read_checkpoint(folder)["trainer"])
+    loaded = _weights(fresh)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert len(fresh.optimizer.state) == 0
+    fresh.close()
