@@ -15,6 +15,7 @@
 #        fp8_sweep int4_sweep (every tile/split of the small-M kernels) quickstart_gpu
 #        int4_gemv_8b (the one-token GEMV's variants on the 8B linears) int4_decode_8b (bf16 vs int4 decode, 8B: the INT4 >= 1.5x bf16 goal)
 #        int4_profile_8b (batch-1 decode of both, GPU kernel time per token by kernel)
+#        lora_int4_decode lora_int4_decode_8b (batch-1 decode of LoRA over a bf16 vs an INT4 base, --lora-sync adapter)
 #        quantized_8b fp8_gemm_8b int4_gemm_8b (the Qwen3-8B shape: where the decode goals are measured)
 #        spec_greedy (speculation at temperature 0, where a draft can learn a random policy)
 #        spec_4b (the Qwen3-4B shape, 16 sequences: where a step is weight reading, not kernel launches)
@@ -65,7 +66,11 @@ for step in "${steps[@]}"; do
     grpo_async_process) run grpo_async_process 560 python3 bench/grpo_step.py --train-compile --fully-async --engine-process --steps 3 ;;  # the engine in its own process on the trainer's GPU (--colocate): no shared interpreter lock
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
-    lora) run lora 480 python3 bench/lora_step.py ;;  # LoRA (rank 16, all linears) vs full fine-tune GRPO step on the Qwen3-1.7B shape: step time, peak memory (goals <= 1.0x, <= 0.5x)
+    lora) run lora 480 python3 bench/lora_step.py ;;
+    lora_int4_decode) run lora_int4_decode 400 python3 bench/quantized_decode.py --repeats 3 --batches 1,8 \
+      --precisions bf16,int4 --lora-rank 16 ;;  # batch-1 decode, LoRA (rank 16, every linear, --lora-sync adapter) over a bf16 vs an INT4 base, Qwen3-1.7B shape (goal: INT4 faster at batch 1)
+    lora_int4_decode_8b) run lora_int4_decode_8b 400 python3 bench/quantized_decode.py --model 8b --repeats 2 \
+      --batches 1 --precisions bf16,int4 --lora-rank 16 ;;  # the same on the Qwen3-8B shape  # LoRA (rank 16, all linears) vs full fine-tune GRPO step on the Qwen3-1.7B shape: step time, peak memory (goals <= 1.0x, <= 0.5x)
     grpo_profile) run grpo_profile 300 python3 bench/grpo_step.py --only miles --train-compile --steps 2 --profile ;;
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     quantized_plain) run quantized_plain 300 python3 bench/quantized_decode.py --repeats 2 --no-overlap ;;

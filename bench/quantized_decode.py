@@ -3,6 +3,8 @@
     python bench/quantized_decode.py            # H200: Qwen3-1.7B-shaped random model, bf16
     python bench/quantized_decode.py --model 8b # Qwen3-8B shape (hidden 4096, 36 layers, untied head)
     python bench/quantized_decode.py --tiny     # CPU smoke run of the same code paths (float32)
+    python bench/quantized_decode.py --lora-rank 16 --precisions bf16,int4 --batches 1
+                                                # LoRA adapters over each base (--lora-sync adapter)
 
 One random-init Qwen3 checkpoint (1.7B shape: hidden 2048, intermediate 6144, 28
 layers, 16 q / 8 kv heads of dim 128, vocab 151936, tied embeddings) is served by
@@ -26,6 +28,15 @@ bytes row by row instead of in 128-row tiles, ``--int4-tile-rows 0``) and ``fp8:
 ``fp8:fp16-products`` (the fused kernel with fp16 products and fp32 sums instead of
 FP8 tensor-core products, ``--fp8-small-m-mma 0``), e.g.
 ``--precisions bf16,int4,fp8,int4:tinygemm,fp8:unfused``.
+
+``--lora-rank R`` puts LoRA adapters (rank R, every linear, ``--lora-sync adapter``) on each
+rollout model after the recipe, as the rollout backend of a LoRA run does
+(:func:`miles_host.lora.sync.prepare_engine_model`): plain linears become ``W x + s B (A x)``,
+the quantized ones ``quantized_base(x) + s B (A x)`` with ``A``, ``B`` in the model dtype. So
+``--lora-rank 16 --precisions bf16,int4 --batches 1`` compares batch-1 decode of LoRA over a
+bf16 base with LoRA over an INT4 base (QLoRA-style rollout). The adapters' ``B`` are random
+(not PEFT's zeros), so the low-rank GEMMs compute something, and the timing is what a trained
+adapter costs.
 
 Before an engine is built, one quantized linear of the prepared model is checked
 against the plugin's own float reference; a precision whose plugin cannot be
@@ -161,8 +172,26 @@ def precision_flags(name: str, args) -> dict:
     return {}
 
 
+def lora_flags(rank: int) -> dict:
+    """The LoRA flags of a ``--lora-rank rank --lora-sync adapter`` run on every linear (rank 0: none)."""
+    if not rank:
+        return {}
+    return dict(lora_rank=rank, lora_alpha=2 * rank, lora_dropout=0.0, lora_sync="adapter", target_modules=None,
+                exclude_modules=None, lora_adapter_path=None)
+
+
+@torch.no_grad()
+def randomize_adapters(model: torch.nn.Module) -> None:
+    """Non-zero ``lora_B`` (PEFT starts them at zero): the adapters of a trained run."""
+    generator = torch.Generator(device="cpu").manual_seed(2)
+    for name, parameter in model.named_parameters():
+        if ".lora_B." in name:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 1e-3)
+
+
 def rollout_preparer(name: str, flags: dict):
-    """``prepare(model) -> model`` as the embedded rollout backend builds it for ``--precision name``."""
+    """``prepare(model) -> model`` as the embedded rollout backend builds it for ``--precision name``
+    (with ``lora_rank`` in ``flags``: the LoRA layers of ``--lora-sync adapter`` after the recipe)."""
     from miles_host.plugin_manager import create_plugin_manager
 
     try:
@@ -175,6 +204,11 @@ def rollout_preparer(name: str, flags: dict):
     def prepare(model):
         if record.prepare_rollout_model is not None:
             model = record.prepare_rollout_model(model, config) or model
+        if getattr(config, "lora_rank", 0):
+            from miles_host.lora.sync import prepare_engine_model
+
+            model = prepare_engine_model(model, config)
+            randomize_adapters(model)
         manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
         return model
 
@@ -349,7 +383,7 @@ def _bench_precision(label, args, folder, dtype, device, prompts_by_batch, engin
     from miles_host.rollout import Engine
 
     name = label.partition(":")[0]
-    prepare = rollout_preparer(name, precision_flags(name, args))
+    prepare = rollout_preparer(name, {**precision_flags(name, args), **lora_flags(args.lora_rank)})
     info: dict = {}
 
     def prepare_and_measure(model):
@@ -447,7 +481,8 @@ def print_tables(results: dict, skipped: dict, args) -> None:
     rows = [row for result in results.values() for row in result["rows"]]
     base = {row["batch"]: row for row in results.get("bf16", {}).get("rows", [])}
     print()
-    print(f"Decode throughput, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, T=1, ignore_eos; "
+    lora = f" LoRA rank {args.lora_rank} adapters over each base (--lora-sync adapter)." if args.lora_rank else ""
+    print(f"Decode throughput,{lora} {args.prompt_len}-token prompts, {args.new_tokens} new tokens, T=1, ignore_eos; "
           f"median of {args.repeats} after a warm-up. HBM bound at {HBM_BYTES_PER_S / 1e12:.2f} TB/s "
           "(weights read per step + KV), compared with the decode figure."
           + (" --tiny: 'bf16' is the plain model dtype (float32) and the bound is the H200's, meaningless on CPU."
@@ -514,6 +549,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-overlap", action="store_true", help="read each decode step before launching the next")
     parser.add_argument("--profile", action="store_true",
                         help="also print each precision's GPU kernel time per decode step, by kernel (first batch)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="LoRA adapters of this rank on every linear of each rollout model (--lora-sync adapter; "
+                        "alpha 2 x rank); 0: none")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -555,7 +593,9 @@ def main(argv=None) -> int:
         params = build_checkpoint(shape, dtype, device, folder)
         print(f"{device_name}, torch {torch.__version__}: random Qwen3 (hidden {shape['hidden_size']}, "
               f"{shape['num_hidden_layers']} layers, vocab {vocab}), {params / 1e6:.1f}M params, {dtype}; "
-              f"precisions {', '.join(precisions)}; batches {batches}; INT4 group {args.int4_group_size}", flush=True)
+              f"precisions {', '.join(precisions)}; batches {batches}; INT4 group {args.int4_group_size}"
+              + (f"; LoRA rank {args.lora_rank} on every linear (--lora-sync adapter)" if args.lora_rank else ""),
+              flush=True)
         for name in precisions:
             try:
                 results[name] = bench_precision(name, args, folder, dtype, device, prompts_by_batch,
