@@ -31,7 +31,8 @@ SIZE_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-para
 
 
 def _group(models, sizes: dict, *flags):
-    args = [arg for key, size in sizes.items() for arg in (SIZE_FLAGS[key], str(size))]
+    """Trainer processes of ``sizes`` (``dp``: Megatron's data-parallel size, the remaining factor)."""
+    args = [arg for key, size in sizes.items() if key != "dp" for arg in (SIZE_FLAGS[key], str(size))]
     world = 1
     for size in sizes.values():
         world *= size
@@ -53,7 +54,11 @@ def _two_steps(trainer, samples) -> list[dict]:
     return [trainer.train(samples) for _ in range(2)]
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("sizes", [
+    {"tp": 2}, {"pp": 2},
+    # data-parallel replicas: one writes each shard (Megatron's replica ids), each DP rank's batch share differs
+    pytest.param({"tp": 2, "dp": 2}, marks=pytest.mark.slow),
+], ids=["tp2", "pp2", "dp2_tp2"])
 def test_a_sharded_checkpoint_resumes_exactly(models, clean_groups, tmp_path, sizes):
     from miles_host.checkpoint import read_checkpoint
     from miles_megatron.dist_ckpt import SUBDIR
