@@ -5,9 +5,10 @@
   (each rank its own shards under ``iter_*/torch_dist``), two more steps, against a new
   trainer group loaded from that checkpoint (``read_checkpoint``) taking the same two
   steps: the same losses, gradient norms and weights, bit for bit, at TP 2 and PP 2.
-- Another layout: the TP 2 checkpoint loaded by a one-process trainer (dist_checkpointing
-  reshards on load): the TP 2 weights, and the next steps' metrics within float32 tolerance
-  of the TP 2 run (TP changes the order of sums).
+- Another layout: the TP 2 checkpoint loaded by a one-process trainer and by two pipeline
+  stages (dist_checkpointing reshards on load): the TP 2 weights, and the next steps' metrics
+  within float32 tolerance of the TP 2 run (TP changes the order of sums).
+- Slime's ``--ref-load`` / ``--load`` of a checkpoint in Megatron's own layout; ``--no-save-optim``.
 - The optimizer state in the files is Megatron's ``FP32Optimizer`` layout: moments keyed
   ``optimizer.state.exp_avg.<model key>`` next to the model's keys.
 Skipped where megatron-core is not installed.
@@ -195,3 +196,31 @@ def test_no_save_optim_writes_only_the_model(models, clean_groups, tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert len(fresh.optimizer.state) == 0
     fresh.close()
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_loads_into_two_pipeline_stages(models, clean_groups, tmp_path):
+    """TP 2 -> PP 2: each stage reads its layers (the global layer axis of Megatron's keys) whole."""
+    from miles_host.checkpoint import read_checkpoint
+
+    samples = make_samples()
+    group = _group(models, {"tp": 2})
+    try:
+        _two_steps(group, samples)
+        folder = _save(group, tmp_path, 1)
+        saved = _weights(group)
+        want = _two_steps(group, samples)
+    finally:
+        group.stop()
+    _leave_groups()
+    staged = _group(models, {"pp": 2})
+    try:
+        staged.load_state_dict(read_checkpoint(folder)["trainer"])
+        loaded = _weights(staged)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        got = _two_steps(staged, samples)
+    finally:
+        staged.stop()
+    for step in range(2):
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
