@@ -2,8 +2,8 @@
 
 Training step (:func:`train_step`), one optimizer step of the host trainer:
 
-- **Data parallelism.** The step's samples are dealt to the DP ranks (sample ``i`` to rank
-  ``i mod DP``); each rank makes its own micro-batches of them (``--micro-batch-size``, or
+- **Data parallelism.** The step's samples are dealt to the DP ranks (the rollout's sample
+  ``i`` to rank ``i mod DP``); each rank makes its own micro-batches of them (``--micro-batch-size``, or
   ``--max-tokens-per-gpu`` with the dynamic batch size: the limit is per rank). Every DP
   rank runs as many micro-batches as the one with most (the others repeat one with a
   zero share: collectives of MoE layers span DP ranks), and where EP > 1 every micro-batch
@@ -40,10 +40,11 @@ Training step (:func:`train_step`), one optimizer step of the host trainer:
   of the last stage hold the same values, one counts) and returned on every rank.
 
 Forward-only passes (:func:`log_probs_without_grad`: old and reference log-probs) run the
-same schedule with ``forward_only``; every DP rank computes every sample's log-probs (so
-R2's recorded routes exist wherever the sample trains); the last stage broadcasts them
-over the pipeline group, and each stage's captured routes are shared
-(:func:`~miles_megatron.pipeline.share_captured_routes`).
+same schedule with ``forward_only``, each DP rank on its samples (dealt by their index in
+the rollout, as the training steps deal them, so R2's routes are recorded on the rank
+that trains the sample); the last stage broadcasts the log-probs over the pipeline group
+(and each stage's captured routes are shared,
+:func:`~miles_megatron.pipeline.share_captured_routes`), then the DP ranks all-gather them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class MicroBatch:
     share: float
     metric_share: float
     pad_to: tuple[int, int] = (0, 0)
+    #: a copy run only to keep the DP ranks' collectives in step (its outputs are dropped)
+    filler: bool = False
 
 
 # -- the model ----------------------------------------------------------------------
@@ -113,28 +116,29 @@ def _is_last_stage() -> bool:
     return ps.is_pipeline_last_stage()
 
 
-def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[MicroBatch]:
-    """This DP rank's micro-batches of one optimizer step (see module doc)."""
+def _dp_share(samples: list, sizes: Any, index_of: Callable[[int, Any], int]) -> list:
+    """The samples of this DP rank: those whose index (``index_of(position, sample)``) is
+    this rank's modulo DP."""
+    if sizes.dp == 1:
+        return samples
     from megatron.core import parallel_state as ps
 
-    from miles_host.algorithms.losses import micro_batch_share
-    from miles_host.trainer import micro_batches
+    rank = ps.get_data_parallel_rank()
+    return [sample for i, sample in enumerate(samples) if index_of(i, sample) % sizes.dp == rank]
 
-    step_masks = [s.loss_mask for s in samples]
-    dp, dp_rank = sizes.dp, ps.get_data_parallel_rank() if sizes.dp > 1 else 0
-    mine = samples[dp_rank::dp]
-    micros = [
-        MicroBatch(micro, micro_batch_share(config, [s.loss_mask for s in micro], step_masks),
-                   micro_batch_share(config, [s.loss_mask for s in micro], step_masks, for_metrics=True))
-        for micro in (micro_batches(mine, config) if mine else [])
-    ]
-    if dp == 1:
+
+def _in_step(micros: list[MicroBatch], samples: list, sizes: Any) -> list[MicroBatch]:
+    """``micros`` padded to the DP ranks' longest count with zero-share fillers (``filler``),
+    and where EP > 1 given each index's largest shape over the DP ranks (see module doc)."""
+    if sizes.dp == 1:
         return micros
+    from megatron.core import parallel_state as ps
+
     group = ps.get_data_parallel_group()
     count = torch.tensor([len(micros)], dtype=torch.long)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     filler = micros[0].samples if micros else samples[:1]
-    micros += [MicroBatch(filler, 0.0, 0.0) for _ in range(int(count) - len(micros))]
+    micros = micros + [MicroBatch(filler, 0.0, 0.0, filler=True) for _ in range(int(count) - len(micros))]
     if sizes.ep > 1:  # the MoE token exchange spans DP ranks: one shape per micro-batch index
         shapes = torch.tensor([[max(len(s.tokens) for s in m.samples), len(m.samples)] for m in micros],
                               dtype=torch.long)
@@ -142,6 +146,22 @@ def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[
         for micro, shape in zip(micros, shapes.tolist()):
             micro.pad_to = (shape[0], shape[1])
     return micros
+
+
+def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[MicroBatch]:
+    """This DP rank's micro-batches of one optimizer step (see module doc): its samples by
+    their index in the rollout (``_train_index``, as the forward-only passes deal them)."""
+    from miles_host.algorithms.losses import micro_batch_share
+    from miles_host.trainer import micro_batches
+
+    step_masks = [s.loss_mask for s in samples]
+    mine = _dp_share(samples, sizes, lambda i, sample: sample.metadata["_train_index"])
+    micros = [
+        MicroBatch(micro, micro_batch_share(config, [s.loss_mask for s in micro], step_masks),
+                   micro_batch_share(config, [s.loss_mask for s in micro], step_masks, for_metrics=True))
+        for micro in (micro_batches(mine, config) if mine else [])
+    ]
+    return _in_step(micros, samples, sizes)
 
 
 def _run(model: torch.nn.Module, forward_step: Callable, micros: list[MicroBatch], tp: int,
@@ -240,32 +260,51 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
     from miles_megatron.pipeline import current_stage, share_captured_routes
     from miles_megatron.runtime import on_device
 
-    micros = [MicroBatch(micro, 0.0, 0.0) for micro in (micro_batches(samples, trainer.config) if samples else [])]
-    if not micros:
+    sizes = trainer.sizes
+    if not samples:
         return []
+    mine = list(range(len(samples)))
+    mine = _dp_share(mine, sizes, lambda i, index: index)  # positions: the rollout's sample indices
+    micros = [MicroBatch(micro, 0.0, 0.0) for micro in micro_batches([samples[i] for i in mine], trainer.config)]
+    micros = _in_step(micros, samples, sizes)
     last = _is_last_stage()
     out: list[torch.Tensor] = []
     batches = []
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
+        policy.pad_to = micro.pad_to
         batch = trainer.pack(micro.samples, phase)
         batches.append(batch)
         if not last:
             with trainer._autocast():
                 return policy.stage_forward(batch), _not_last_stage
         log_probs, _ = trainer.response_log_probs(policy, batch)
-        out.extend(torch.split(log_probs.float(), batch.response_lengths))
+        if not micro.filler:
+            out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return log_probs.new_zeros(()), lambda output: (output, {})
 
     with on_device(trainer.device):
-        _run(policy.gpt, forward_step, micros, trainer.sizes.tp, forward_only=True)
-    if trainer.sizes.pp == 1:
+        try:
+            _run(policy.gpt, forward_step, micros, sizes.tp, forward_only=True)
+        finally:
+            policy.pad_to = (0, 0)
+    if sizes.pp > 1:  # the last stage's values on every stage
+        stage = current_stage()
+        carried = [[t.cpu() for t in out] if last else None]
+        dist.broadcast_object_list(carried, src=stage.last_rank, group=stage.group)
+        out = carried[0]
+        if policy.replay.routing_hooks.active:  # every stage's captured routes on every rank
+            for batch in batches:
+                share_captured_routes(batch.routing, stage, trainer.device)
+    if sizes.dp == 1:
         return out
-    stage = current_stage()
-    carried = [[t.cpu() for t in out] if last else None]
-    dist.broadcast_object_list(carried, src=stage.last_rank, group=stage.group)
-    if policy.replay.routing_hooks.active:  # every stage's captured routes on every rank
-        for batch in batches:
-            share_captured_routes(batch.routing, stage, trainer.device)
-    return [t.to(trainer.device) for t in carried[0]]
+    from megatron.core import parallel_state as ps
+
+    shares: list[Any] = [None] * sizes.dp
+    dist.all_gather_object(shares, (mine, [t.cpu() for t in out]), group=ps.get_data_parallel_group())
+    full: list[Any] = [None] * len(samples)
+    for indices, values in shares:
+        for index, value in zip(indices, values):
+            full[index] = value.to(trainer.device)
+    return full

@@ -120,13 +120,17 @@ _LAYOUTS = [
     # each micro-batch index is padded to one shape on both
     ("qwen3_moe", {"ep": 2}, UNEVEN_DP, ()),
     ("qwen3", {"tp": 2, "dp": 2}, UNEVEN_DP, ()),
+    # two optimizer steps per rollout with R2 on two DP ranks: the old-logprob pass records each sample's routes
+    # on the DP rank that trains it (both passes deal the samples by their index in the rollout)
+    ("qwen3_moe", {"ep": 2}, (), ("--num-steps-per-rollout", "2", "--plugins", "r3", "--use-routing-replay")),
     # Megatron's DDP reducing bucket by bucket during the last micro-batch's backward (dense and expert buffers)
     ("qwen3", {"tp": 2, "dp": 2}, ("--overlap-grad-reduce", "--micro-batch-size", "1"), ()),
     ("qwen3_moe", {"ep": 2}, ("--overlap-grad-reduce", "--micro-batch-size", "1"), ()),
 ]
 _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
                "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep4_sp", "tp2_ep2_pp2_sp", "pp2_1f1b_4mb", "dp2_tp2_sp", "dp2_pp2",
-               "ep2_dp2_dynamic", "dp2_tp2_dynamic", "dp2_tp2_overlap", "ep2_dp2_overlap"]
+               "ep2_dp2_dynamic", "dp2_tp2_dynamic", "dp2_tp2_overlap", "ep2_dp2_overlap",
+               "ep2_dp2_r2_two_steps"]
 
 
 @pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS, ids=_LAYOUT_IDS)
