@@ -11,7 +11,8 @@ state dict is Megatron's own, so the files are a Megatron checkpoint:
   layout: each parameter's moments a ShardedTensor keyed
   ``optimizer.state.<moment>.<the parameter's key>`` with the parameter's sharding,
   the step shared by all parameters (``state.common_step``), the parameter groups'
-  hyper-parameters common state. A run resumed on the same layout continues exactly;
+  hyper-parameters common state (with ``--optimizer-cpu-offload`` the moments of the
+  CPU masters, in the same order). A run resumed on the same layout continues exactly;
   on another TP / PP layout dist_checkpointing reads each rank's new shards from the
   same files (the last stage's tied embedding moments are the first stage's: the
   gradients of both copies are summed, so their moments agree).
@@ -79,12 +80,13 @@ def optimizer_sharded_state(trainer: Any, model_state: dict, is_loading: bool = 
     optimizer = trainer.optimizer
     if hasattr(optimizer, "sharded_state_dict"):
         return optimizer.sharded_state_dict(model_state, is_loading=is_loading)
-    if type(optimizer) is not torch.optim.AdamW:
+    # --optimizer-cpu-offload: the AdamW over CPU masters, whose state_dict is the wrapper's
+    adamw = getattr(optimizer, "inner", optimizer)
+    if type(adamw) is not torch.optim.AdamW:
         raise ValueError(f"--ckpt-format torch_dist saves AdamW's moments; this trainer's optimizer is a "
-                         f"{type(optimizer).__name__} (use --optimizer adam without --optimizer-cpu-offload, or "
-                         "--ckpt-format torch)")
+                         f"{type(adamw).__name__} (use --optimizer adam, or --ckpt-format torch)")
     if is_loading:
-        _init_optimizer_state(optimizer)
+        _init_optimizer_state(adamw)
     params = _optimizer_params(optimizer)
     id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
     missing = [index for index in range(len(params)) if index not in id_to_sharded]

@@ -224,3 +224,25 @@ def test_a_tp2_checkpoint_loads_into_two_pipeline_stages(models, clean_groups, t
     for step in range(2):
         for key in KEYS:
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+
+
+def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_groups, tmp_path):
+    """``--optimizer-cpu-offload``: the moments of the CPU masters go into the shards; a loaded trainer
+    (masters refreshed from the loaded weights) takes the same two steps."""
+    from miles_host.checkpoint import read_checkpoint
+
+    samples = make_samples()
+    flags = (*FLAGS, "--optimizer-cpu-offload")
+    single = make_trainer(models, "qwen3", "megatron", *flags)
+    _two_steps(single, samples)
+    folder = _save(single, tmp_path, 1)
+    want = _two_steps(single, samples)
+    want_weights = _weights(single)
+    single.close()
+    resumed = make_trainer(models, "qwen3", "megatron", *flags)
+    resumed.load_state_dict(read_checkpoint(folder)["trainer"])
+    got = _two_steps(resumed, samples)
+    got_weights = _weights(resumed)
+    resumed.close()
+    assert [[step[key] for key in KEYS] for step in got] == [[step[key] for key in KEYS] for step in want]
+    assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
