@@ -18,9 +18,11 @@ state dict is Megatron's own, so the files are a Megatron checkpoint:
   gradients of both copies are summed, so their moments agree).
 
 Where the files go: ``<iteration folder>/`` :data:`SUBDIR` (``save_shards``), next to
-the host's ``state.pt`` (scheduler, data position, RNG). ``load_shards`` reads such a
-folder or a Megatron-written ``iter_*`` folder (``--load`` / ``--ref-load`` of a
-slime / Megatron torch_dist checkpoint, :mod:`miles_megatron.megatron_load`).
+the host's ``state.pt`` (scheduler, data position, RNG). ``save_model_shards`` /
+``load_model_shards`` write and read the model alone, in Megatron's own ``iter_*`` layout
+(``--load`` / ``--ref-load`` of a slime / Megatron torch_dist checkpoint,
+:mod:`miles_megatron.megatron_load`). Writing happens in this process (see
+:func:`_in_process_strategy`): only the save plans and metadata meet on rank 0.
 """
 
 from __future__ import annotations
