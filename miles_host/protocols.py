@@ -129,6 +129,12 @@ class TrainerBase:
         return None
 
 
+def writes_shards(trainer: Any) -> bool:
+    """Whether ``trainer`` writes checkpoint shards of its own (overrides :meth:`TrainerBase.save_shards`)."""
+    method = getattr(type(trainer), "save_shards", None)
+    return method is not None and method is not TrainerBase.save_shards
+
+
 # ----------------------------------------------------------------------------
 # rollout backend
 # ----------------------------------------------------------------------------

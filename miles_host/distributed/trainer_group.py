@@ -14,7 +14,7 @@ from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager
 from miles_host.distributed.errors import WorkerFailed
 from miles_host.distributed.failures import failed_worker
 from miles_host.plugin_manager import sum_counters
-from miles_host.protocols import TrainerBase
+from miles_host.protocols import TrainerBase, writes_shards
 
 
 def group_backend(config: Any) -> str:
@@ -197,7 +197,10 @@ class TrainerGroup(TrainerBase):
         return state
 
     def save_shards(self, folder: str) -> list[str]:
-        """Every rank writes its shards (a collective); rank 0's list of files."""
+        """Every rank writes its shards (a collective); rank 0's list of files. A trainer that
+        writes none skips the collective, so a group with a dead rank still checkpoints."""
+        if not writes_shards(self.local):
+            return []
         for handle in self.handles:
             handle.send("save_shards", folder)
         files = self.local.save_shards(folder)
