@@ -72,8 +72,41 @@ class LoraAdapters:
             for b in self.lora_B.values():
                 b.zero_()
 
+    def fuse_adapters(self) -> None:
+        """Inference layout (the rollout engine's layers): every part's ``A`` stacked in one
+        ``[P * R, I]`` buffer and ``scaling * B_p`` placed block-wise in one ``[O, P * R]`` buffer
+        (zeros elsewhere), so the update is two GEMMs (no per-part launches, no concatenation at
+        each forward). The parameters stay what weight sync writes; the buffers are refreshed in
+        place after every update (:meth:`miles_weights_updated`), so captured CUDA graphs stay valid."""
+        first = self.lora_A[self.parts[0].key]
+        width = len(self.parts) * self.rank
+        self.register_buffer("lora_fused_A", first.new_empty(width, self.in_features), persistent=False)
+        self.register_buffer("lora_fused_B", first.new_zeros(self.out_features, width), persistent=False)
+        self.refresh_fused_adapters()
+
+    @torch.no_grad()
+    def refresh_fused_adapters(self) -> None:
+        """Copy the adapter parameters into the :meth:`fuse_adapters` buffers (in place)."""
+        fused_a, fused_b = self._buffers.get("lora_fused_A"), self._buffers.get("lora_fused_B")
+        if fused_a is None:
+            return
+        rank = self.rank
+        for i, part in enumerate(self.parts):
+            fused_a[i * rank : (i + 1) * rank].copy_(self.lora_A[part.key])
+            fused_b[part.start : part.stop, i * rank : (i + 1) * rank].copy_(self.lora_B[part.key] * self.scaling)
+
+    def miles_weights_updated(self) -> None:
+        """After an engine weight update: refresh the fused adapters, then what the base module refreshes."""
+        self.refresh_fused_adapters()
+        base_refresh = getattr(super(), "miles_weights_updated", None)
+        if base_refresh is not None:
+            base_refresh()
+
     def lora_delta(self, x_TI: torch.Tensor) -> torch.Tensor:
         """``scaling * B_p (A_p dropout(x))`` on each part's rows, zeros on rows without adapter."""
+        fused_a = self._buffers.get("lora_fused_A")
+        if fused_a is not None:
+            return F.linear(F.linear(x_TI, fused_a), self._buffers["lora_fused_B"])
         h_TI = self.lora_dropout(x_TI)
         rank = self.rank
         a_list = [self.lora_A[part.key] for part in self.parts]

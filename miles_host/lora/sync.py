@@ -5,7 +5,10 @@
   so decode runs plain GEMMs and the whole model moves at each sync.
 - ``adapter``: the engine's model carries the trainer's :class:`~miles_host.lora.layers.LoraLinear`
   layers (eval mode, no dropout), so every forward computes ``W x + scaling * B (A x)`` over
-  base weights that stay untouched. The first sync sends the unmerged state (base and
+  base weights that stay untouched (the engine's layers keep the adapters fused:
+  :meth:`~miles_host.lora.layers.LoraAdapters.fuse_adapters`, two GEMMs per linear). With a
+  quantized ``--precision`` (``int4``, ``fp8``; adapter mode only) the base linears are the
+  recipe's quantized modules and the adapters sit next to them. The first sync sends the unmerged state (base and
   adapters, under the model's own names), every later one only the ``lora_A`` / ``lora_B``
   tensors; the engine copies them in place (``copy_``), so CUDA graphs captured over the
   adapter parameters stay valid.
@@ -78,9 +81,13 @@ def prepare_engine_model(model: torch.nn.Module, config: Any) -> torch.nn.Module
         return model
     from miles_host.lora.inject import apply_lora
 
+    from miles_host.lora.layers import lora_modules
+
     engine_config = copy.copy(config)
     engine_config.lora_dropout = 0.0  # the engine samples: never drops the adapters' input
     apply_lora(model, engine_config)
+    for layer in lora_modules(model).values():  # two GEMMs per adapted linear at decode
+        layer.fuse_adapters()
     return model.eval()
 
 

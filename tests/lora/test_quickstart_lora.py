@@ -39,3 +39,19 @@ def test_lora_grpo_with_adapter_sync_learns_moving_only_the_adapters(tmp_path, c
     steps = [r for r in rows if r["rollout_id"] >= 0]
     assert len(synced) == len(steps) and len(set(synced)) == 1  # the same adapter tensors at every step
     assert "later weight syncs send the adapters only" in err
+
+
+@pytest.mark.slow
+def test_lora_grpo_over_an_int4_base_learns_syncing_only_the_adapters(tmp_path, capsys):
+    """``--plugins int4 --int4-target all``: the engine's linears hold INT4 weights (group 32, the
+    quickstart's 64-wide inputs), the trainer fake-quantizes the frozen base (QAT), rank-2
+    adapters over both; the run learns and every step after the first sync moves the adapters alone."""
+    assert main(["run", "--output-dir", str(tmp_path), "--plugins", "int4", "--int4-target", "all",
+                 "--int4-group-size", "32", "--lora-rank", "2", "--lora-sync", "adapter", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval/addition/accuracy"] for r in rows if "eval/addition/accuracy" in r]
+    synced = {r["perf/weight_sync_bytes"] for r in rows if r["rollout_id"] >= 0}
+    print(f"\nLoRA over INT4 quickstart: eval accuracy {accuracy}, bytes per step {sorted(synced)}")
+    assert accuracy[0] <= 0.40 and accuracy[-1] >= 0.80
+    assert len(synced) == 1 and "later weight syncs send the adapters only" in err
