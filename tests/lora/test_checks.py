@@ -42,6 +42,12 @@ def test_lora_rank_zero_is_off_and_accepted(tmp_path):
     assert all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("plugin", ["int4", "fp8"])
+def test_a_quantized_base_is_accepted_with_adapter_sync(plugin, tmp_path):
+    assert main(["run", *run_inputs(), "--output-dir", str(tmp_path / "out"), "--plugins", plugin, "--lora-rank", "8",
+                 "--lora-sync", "adapter", "--dry-run"]) == 0
+
+
 def test_a_backend_without_lora_in_its_record_is_refused():
     """A training backend whose record does not declare ``lora`` (the megatron backend's
     does not) is refused with the reason."""

@@ -202,9 +202,11 @@ def test_quantized_base_engine_follows_the_adapter_syncs(checkpoint, precision):
         assert tokens != base_tokens or (log_probs - base_log_probs).abs().max() > 1e-2
 
 
-def test_int4_trainer_and_engine_compute_the_same_forward(checkpoint):
-    """INT4 QAT trainer (fake-quantized base + adapters) and the INT4 engine give the same log-probs."""
-    config = _config(checkpoint, "int4")
+@pytest.mark.parametrize("precision", sorted(RECIPES))
+def test_trainer_and_engine_compute_the_same_forward(checkpoint, precision):
+    """The trainer's forward (INT4 QAT: fake-quantized base; FP8: FP8 GEMMs on the master weights)
+    plus adapters and the engine's quantized base plus adapters give the same log-probs (float32)."""
+    config = _config(checkpoint, precision)
     trainer_model = _trainer(checkpoint, config)
     _train(trainer_model, 2, seed=3)
     engine = _engine(checkpoint, config)
