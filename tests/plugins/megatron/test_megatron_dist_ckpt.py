@@ -246,3 +246,29 @@ def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_gro
     resumed.close()
     assert [[step[key] for key in KEYS] for step in got] == [[step[key] for key in KEYS] for step in want]
     assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_process_on_a_gpu_resumes_from_its_shards(models, clean_groups, tmp_path):
+    """The CUDA path (NCCL one-rank group, shards written from GPU tensors): a loaded trainer takes the
+    uninterrupted run's next two steps (bf16 autocast: within 1e-5; the same kernels on the same inputs)."""
+    from miles_host.checkpoint import read_checkpoint
+
+    samples = make_samples()
+    flags = (*FLAGS, "--device", "cuda")
+    single = make_trainer(models, "qwen3", "megatron", *flags)
+    _two_steps(single, samples)
+    folder = _save(single, tmp_path, 1)
+    want = _two_steps(single, samples)
+    want_weights = _weights(single)
+    single.close()
+    resumed = make_trainer(models, "qwen3", "megatron", *flags)
+    resumed.load_state_dict(read_checkpoint(folder)["trainer"])
+    got = _two_steps(resumed, samples)
+    got_weights = _weights(resumed)
+    resumed.close()
+    for step in range(2):
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+    assert max(float((got_weights[k] - want_weights[k]).abs().max()) for k in want_weights) < 1e-5
