@@ -1,6 +1,7 @@
 """LoRA training of the policy, interoperable with PEFT.
 
-- :mod:`~miles_host.lora.layers`: :class:`LoraLinear`, adapters on the row slices of a fused linear
+- :mod:`~miles_host.lora.layers`: :class:`LoraLinear`, adapters on the row slices of a fused linear;
+  adapters next to a precision recipe's quantized linears (``adapt_in_place``)
 - :mod:`~miles_host.lora.targets`: the adaptable HF linears and PEFT's name matching
 - :mod:`~miles_host.lora.inject`: :func:`apply_lora`, what the trainer calls after loading the policy
 - :mod:`~miles_host.lora.export`: merged weights for weight sync, ``--save-hf`` and checkpoint output
