@@ -57,3 +57,21 @@ def test_adapter_sync_is_refused_where_the_engine_cannot_carry_adapters(tiny_tas
     config, manager = resolve(base_args(model, data, tmp_path, *ADAPTER), rollout_backend="sglang")
     with pytest.raises(ValueError, match="--rollout-backend sglang.*--lora-sync merged"):
         check_lora(config, manager.registries)
+
+
+INT4_BASE = ("--plugins", "int4", "--int4-target", "all", "--int4-group-size", "32")
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_adapters_over_an_int4_base_sample_as_the_qat_trainer_scores(tiny_task, tmp_path, signal_reward, backend):
+    """``--plugins int4 --lora-sync adapter``: the engine's INT4 linears (quantized by the first sync)
+    with adapters next to them give the QAT trainer's log-probs, and each step syncs the adapters alone
+    (in process, and with the FSDP trainer and an engine process)."""
+    model, data = tiny_task
+    argv = base_args(model, data, tmp_path / "out", "--num-rollout", "3", *ADAPTER, *INT4_BASE, *signal_reward)
+    if backend == "native":
+        assert run_one_process(argv) == 0
+    else:
+        assert run_launched([*argv, "--weight-sync", "broadcast"], worker_timeout=90, rollout_num_gpus=1,
+                            train_backend=backend) == 0
+    _check(read_metrics(tmp_path / "out"), _adapter_bytes(model))
