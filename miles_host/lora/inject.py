@@ -59,6 +59,13 @@ def check_adapter_shape(config: Any) -> None:
         )
 
 
+def _buffer_weights(model: torch.nn.Module, quantized: list[str]) -> int:
+    """Weights the quantized linears hold as buffers (the engine's INT4 / FP8 modules), counted
+    as parameters of the model: ``in_features * out_features`` each."""
+    modules = (model.get_submodule(name) for name in quantized)
+    return sum(m.in_features * m.out_features for m in modules if "weight" not in m._parameters)
+
+
 def _activation_dtype(model: torch.nn.Module) -> torch.dtype:
     """The model's dtype (its first floating-point parameter, the embedding): the dtype of the
     adapters put next to quantized linears, whose weights are INT4 / FP8."""
@@ -107,7 +114,7 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
     summary = LoraSummary(
         adapted_modules=len(chosen),
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        total_params=sum(p.numel() for p in model.parameters()),
+        total_params=sum(p.numel() for p in model.parameters()) + _buffer_weights(model, quantized),
     )
     print(f"miles: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on {summary.adapted_modules} modules: "
           f"{summary.trainable_params:,} trainable of {summary.total_params:,} parameters "
