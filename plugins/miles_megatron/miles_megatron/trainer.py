@@ -101,7 +101,7 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.schedule import wrap_ddp
 
         with on_device(self.device):
-            self.ddp = wrap_ddp(self.model.gpt)
+            self.ddp = wrap_ddp(self.model.gpt, overlap_grad_reduce=config.overlap_grad_reduce)
         if self.sizes.parallel and self.critic is not None:
             raise ValueError(
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
