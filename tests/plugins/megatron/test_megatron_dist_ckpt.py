@@ -226,13 +226,13 @@ def test_a_tp2_checkpoint_loads_into_two_pipeline_stages(models, clean_groups, t
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
 
 
-def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_groups, tmp_path):
-    """``--optimizer-cpu-offload``: the moments of the CPU masters go into the shards; a loaded trainer
-    (masters refreshed from the loaded weights) takes the same two steps."""
+def _resumed_in_one_process(models, tmp_path, *extra: str):
+    """Two steps, a checkpoint, two more steps of one process; then a new trainer loaded from the
+    checkpoint takes the same two steps: ``(want, want_weights, got, got_weights)``."""
     from miles_host.checkpoint import read_checkpoint
 
     samples = make_samples()
-    flags = (*FLAGS, "--optimizer-cpu-offload")
+    flags = (*FLAGS, *extra)
     single = make_trainer(models, "qwen3", "megatron", *flags)
     _two_steps(single, samples)
     folder = _save(single, tmp_path, 1)
@@ -244,6 +244,13 @@ def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_gro
     got = _two_steps(resumed, samples)
     got_weights = _weights(resumed)
     resumed.close()
+    return want, want_weights, got, got_weights
+
+
+def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_groups, tmp_path):
+    """``--optimizer-cpu-offload``: the moments of the CPU masters go into the shards; a loaded trainer
+    (masters refreshed from the loaded weights) takes the same two steps."""
+    want, want_weights, got, got_weights = _resumed_in_one_process(models, tmp_path, "--optimizer-cpu-offload")
     assert [[step[key] for key in KEYS] for step in got] == [[step[key] for key in KEYS] for step in want]
     assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
 
@@ -253,21 +260,7 @@ def test_one_process_with_the_optimizer_on_cpu_resumes_exactly(models, clean_gro
 def test_one_process_on_a_gpu_resumes_from_its_shards(models, clean_groups, tmp_path):
     """The CUDA path (NCCL one-rank group, shards written from GPU tensors): a loaded trainer takes the
     uninterrupted run's next two steps (bf16 autocast: within 1e-5; the same kernels on the same inputs)."""
-    from miles_host.checkpoint import read_checkpoint
-
-    samples = make_samples()
-    flags = (*FLAGS, "--device", "cuda")
-    single = make_trainer(models, "qwen3", "megatron", *flags)
-    _two_steps(single, samples)
-    folder = _save(single, tmp_path, 1)
-    want = _two_steps(single, samples)
-    want_weights = _weights(single)
-    single.close()
-    resumed = make_trainer(models, "qwen3", "megatron", *flags)
-    resumed.load_state_dict(read_checkpoint(folder)["trainer"])
-    got = _two_steps(resumed, samples)
-    got_weights = _weights(resumed)
-    resumed.close()
+    want, want_weights, got, got_weights = _resumed_in_one_process(models, tmp_path, "--device", "cuda")
     for step in range(2):
         for key in KEYS:
             assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
