@@ -150,7 +150,7 @@ class _PackedLogProbs(torch.nn.Module):
         return self.model.packed_log_probs(*args, **kwargs)
 
 
-def _as_float64(value):
+def as_float64(value):
     """A metric as float64: a detached device tensor stays on the device, a number stays a number."""
     return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
 
@@ -450,10 +450,10 @@ class NativeTrainer(TrainerBase):
             micro_masks = [s.loss_mask for s in micro]
             share = micro_batch_share(self.config, micro_masks, step_masks)
             (loss * share).backward()
-            loss_sum = loss_sum + _as_float64(loss) * share
+            loss_sum = loss_sum + as_float64(loss) * share
             metric_share = micro_batch_share(self.config, micro_masks, step_masks, for_metrics=True)
             for key, value in micro_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + _as_float64(value) * metric_share
+                metrics[key] = metrics.get(key, 0.0) + as_float64(value) * metric_share
         return self._clip_and_step({f"train/{key}": value for key, value in metrics.items()}, loss_sum)
 
     def _clip_grads(self) -> torch.Tensor:

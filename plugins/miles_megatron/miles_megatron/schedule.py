@@ -191,7 +191,7 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     and on ``.grad``. Returns the step's ``train/*`` metric sums and loss (every rank)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from miles_host.trainer import _as_float64
+    from miles_host.trainer import as_float64
     from miles_megatron.parallel import expert_batch_copies
     from miles_megatron.runtime import on_device
 
@@ -210,10 +210,10 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
             with trainer._autocast():
                 return policy.stage_forward(batch), _not_last_stage
         loss, metrics = trainer._micro_loss(micro.samples, old, ref, advantages)
-        sums["train/loss"] = sums.get("train/loss", 0.0) + _as_float64(loss) * micro.share
+        sums["train/loss"] = sums.get("train/loss", 0.0) + as_float64(loss) * micro.share
         for key, value in metrics.items():
             key = f"train/{key}"
-            sums[key] = sums.get(key, 0.0) + _as_float64(value) * micro.metric_share
+            sums[key] = sums.get(key, 0.0) + as_float64(value) * micro.metric_share
         return loss * micro.share, _keep
 
     policy.replay.keep_for_recompute(policy.gpt.config.recompute_granularity == "full")
