@@ -109,7 +109,7 @@ class MegatronTrainingArgs:
     use_distributed_optimizer: bool = flag(False, "Megatron's ZeRO-1 distributed optimizer", group=_PERF)
     use_precision_aware_optimizer: bool = flag(False, "Megatron's precision-aware optimizer (optimizer states in lower precision)", group=_PERF)
     overlap_cpu_optimizer_d2h_h2d: bool = flag(False, "overlap the CPU optimizer's device<->host copies", group=_PERF)
-    overlap_grad_reduce: bool = flag(False, "overlap data-parallel gradient reduction with backward", group=_PERF)
+    overlap_grad_reduce: bool = flag(False, "overlap data-parallel gradient reduction with backward (--train-backend megatron: Megatron's DDP reduces bucket by bucket; the native trainers reduce with FSDP2/DDP as they do)", group=_PERF)
     overlap_param_gather: bool = flag(False, "overlap the distributed optimizer's parameter all-gather with forward", group=_PERF)
     no_gradient_accumulation_fusion: bool = flag(False, "Megatron: no fused weight-gradient accumulation (miles never fuses it)", group=_PERF)
     no_masked_softmax_fusion: bool = flag(False, "Megatron: no fused masked softmax (miles never fuses it)", group=_PERF)
@@ -161,8 +161,6 @@ MEGATRON_IGNORED: dict[str, str] = {
                                  "megatron backend keeps the host's AdamW on every rank (not sharded over DP)",
     "use_precision_aware_optimizer": "optimizer states stay float32 (AdamW over float32 master weights)",
     "overlap_cpu_optimizer_d2h_h2d": "no Megatron CPU optimizer runs (see --optimizer-cpu-offload)",
-    "overlap_grad_reduce": "gradients are reduced by FSDP2 (native trainers); --train-backend megatron honours "
-                           "it (Megatron's DDP)",
     "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend has no distributed "
                             "optimizer",
     "cross_entropy_loss_fusion": "log-probs are computed in chunks from the hidden states (no fused cross entropy)",
