@@ -129,11 +129,15 @@ _LAYOUTS = [
 ]
 _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_sp", "ep2_pp2", "ep2_r2", "tp2_moe",
                "tp2_ep2", "tp2_ep2_sp_r3", "tp2_ep4_sp", "tp2_ep2_pp2_sp", "pp2_1f1b_4mb", "dp2_tp2_sp", "dp2_pp2",
-               "ep2_dp2_dynamic", "dp2_tp2_dynamic", "dp2_tp2_overlap", "ep2_dp2_overlap",
-               "ep2_dp2_r2_two_steps"]
+               "ep2_dp2_dynamic", "dp2_tp2_dynamic", "ep2_dp2_r2_two_steps", "dp2_tp2_overlap", "ep2_dp2_overlap"]
+#: four-rank layouts whose parts the other cases cover (CI time on two cores): run with --run-slow
+_SLOW_LAYOUTS = {"tp2_pp2_sp", "ep2_pp2", "tp2_ep4_sp", "tp2_ep2_pp2_sp", "dp2_pp2", "dp2_tp2_dynamic",
+                 "dp2_tp2_overlap"}
+_LAYOUT_CASES = [pytest.param(*layout, id=name, marks=[pytest.mark.slow] if name in _SLOW_LAYOUTS else [])
+                 for layout, name in zip(_LAYOUTS, _LAYOUT_IDS, strict=True)]
 
 
-@pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS, ids=_LAYOUT_IDS)
+@pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUT_CASES)
 def test_model_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
                                                                        shared):
     from miles_host.distributed.trainer_group import TrainerGroup
