@@ -276,12 +276,12 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
                       f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
         engine.runner.sampling_graphs = graphed_sampling
         if args.profile_batch and device == "cuda":
-            from bench.quantized_decode import profile_decode
+            from bench.decode_profile import profile_decode
 
             prompts = torch.randint(1, vocab - 1, (args.profile_batch, args.prompt_len), generator=generator).tolist()
             profile_decode(engine, prompts, args.new_tokens, label, top=10)
         if args.host_profile_batch:
-            from bench.quantized_decode import host_profile_decode
+            from bench.decode_profile import host_profile_decode
 
             prompts = torch.randint(1, vocab - 1, (args.host_profile_batch, args.prompt_len), generator=generator).tolist()
             host_profile_decode(engine, prompts, args.new_tokens, label)
