@@ -21,7 +21,6 @@ Around them:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from http import HTTPStatus
@@ -33,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from miles_host.http_serving import bearer_matches
 from miles_sglang import endpoints, weight_endpoints
 from miles_sglang.limits import ServerLimits
 from miles_sglang.service import ServerState
@@ -65,9 +65,7 @@ class RequestRefused(Exception):
 
 def is_authorized(api_key: str | None, path: str, authorization: bytes | None) -> bool:
     """Whether a request to ``path`` with this ``Authorization`` header may proceed."""
-    if not api_key or path.startswith(_OPEN_PREFIXES):
-        return True
-    return hmac.compare_digest(authorization or b"", f"Bearer {api_key}".encode())
+    return path.startswith(_OPEN_PREFIXES) or bearer_matches(api_key, authorization)
 
 
 class RequestGuardMiddleware:

@@ -13,9 +13,7 @@ within ``header_timeout_s`` (:class:`_HeaderTimeoutH11Protocol`), the body withi
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from miles_host.http_serving import bind_socket, is_loopback
 from miles_sglang.app import build_app
 from miles_sglang.limits import ServerLimits
 from miles_sglang.openai_api import build_openai_router
@@ -36,16 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: the weight version of a fresh server, as SGLang's ``--weight-version`` default
 DEFAULT_WEIGHT_VERSION = "default"
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _HeaderTimeoutH11Protocol(H11Protocol):
@@ -113,20 +102,6 @@ class ServerHandle:
         self.thread.join(15)
 
 
-def _bind(host: str, port: int, backlog: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {error} (pick another --port, or 0 for a free one)") from error
-    sock.listen(backlog)
-    sock.setblocking(False)
-    return sock
-
-
 def start_server(
     engine: Any,
     model_path: str,
@@ -160,7 +135,7 @@ def start_server(
         incremental_streaming_output=incremental_streaming_output,
         server_args=server_args, family=family_and_config(model_path)[0],
     )
-    sock = _bind(host, port, limits.backlog)
+    sock = bind_socket(host, port, limits.backlog)
     bound_port = sock.getsockname()[1]
     state.server_args.update({"host": host, "port": bound_port, "model_path": model_path})
     try:
