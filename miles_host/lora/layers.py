@@ -169,6 +169,15 @@ class LoraOverBase(LoraAdapters):
 _OVER_BASE_CLASSES: dict[type, type] = {}
 
 
+def _weights_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module``'s weights live: its first parameter or buffer, else its ``weight_device``
+    (a module that keeps its weights outside ``state_dict``, such as INT4's packed-kernel layout)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    if tensors:
+        return tensors[0].device
+    return torch.device(getattr(module, "weight_device", "cpu"))
+
+
 def adapt_in_place(module: torch.nn.Module, parts: list[LoraPart], rank: int, alpha: float, dropout: float,
                    dtype: torch.dtype) -> torch.nn.Module:
     """Give ``module`` (anything with ``in_features`` / ``out_features`` whose forward is a
@@ -177,8 +186,7 @@ def adapt_in_place(module: torch.nn.Module, parts: list[LoraPart], rank: int, al
     cls = type(module)
     if cls not in _OVER_BASE_CLASSES:
         _OVER_BASE_CLASSES[cls] = type(f"Lora{cls.__name__}", (LoraOverBase, cls), {})
-    tensors = list(module.parameters()) + list(module.buffers())
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = _weights_device(module)
     module.requires_grad_(False)
     module.__class__ = _OVER_BASE_CLASSES[cls]
     module._init_lora(parts, rank, alpha, dropout, device, dtype)

@@ -57,6 +57,11 @@ class _Int4Weights(torch.nn.Module):
         self._kernel_copies: dict[str, list[PackedInt4]] = {}
         self._act_dtype: torch.dtype | None = None
 
+    @property
+    def weight_device(self) -> torch.device:
+        """The device of the weights (in the packed layout they are held outside ``state_dict``)."""
+        return self._device
+
     def _register_int4(self, name: str, weight: torch.Tensor, group_size: int) -> None:
         q, scale = quantize(weight, group_size)
         packed = pack_int32(q)
