@@ -13,7 +13,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: how routed experts train (:mod:`miles_host.kernels.moe_train`): grouped GEMM where it runs fast,
 #: grouped GEMM everywhere, or the per-expert loop
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
@@ -70,6 +70,25 @@ class MLAConfig:
 
 
 @dataclass
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning indexer over MLA.
+
+    The indexer scores every causal key of a query with ``index_n_heads`` heads of
+    ``index_head_dim`` dims; the query then attends only to its ``index_topk``
+    best keys (all of them while its context is shorter). See :mod:`miles_host.models.dsa`.
+    """
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+
+    def __post_init__(self) -> None:
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DSAConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
 class MoEConfig:
     """Mixture-of-experts block.
 
@@ -82,7 +101,12 @@ class MoEConfig:
     float32 whatever the model dtype (DeepSeek, GLM). ``experts_impl``: the routed
     experts' gradient-enabled forward, one of :data:`EXPERTS_IMPLS` (``auto``: grouped
     GEMM where ``torch._grouped_mm`` runs its bf16 kernel, the per-expert loop elsewhere;
-    ``loop``: always the per-expert loop).
+    ``loop``: always the per-expert loop). Variants (:mod:`miles_host.models.moe_variants`):
+    ``router_bias`` (a bias in the router linear, gpt-oss), ``expert_biases`` (biases on
+    each expert's projections), ``swiglu_limit``/``swiglu_alpha`` (gpt-oss' clamped SwiGLU
+    ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``),
+    ``scale_expert_inputs`` (Llama-4: each expert gets ``weight * x`` and its output is
+    summed unweighted).
     """
 
     num_experts: int
@@ -99,6 +123,11 @@ class MoEConfig:
     router_fp32: bool = False
     norm_eps: float = 0.0
     experts_impl: str = "auto"
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    scale_expert_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.experts_impl not in EXPERTS_IMPLS:
@@ -124,6 +153,12 @@ class ModelConfig:
     (Gemma-3). ``qk_norm``: ``None``, ``"head"`` (RMSNorm over each head) or
     ``"full"`` (over all heads at once, MiniMax-M2). ``sandwich_norm``: extra
     RMSNorms after the attention and MLP outputs (Gemma-2/3, GLM-4).
+    Variants (:mod:`miles_host.models.attention_variants`): ``attn_sinks`` (a learned
+    per-head sink logit in every softmax, gpt-oss); ``chunked_attention`` layers see only
+    the keys of their own ``attention_chunk_size`` block (Llama-4); ``nope_layers`` (no
+    rotary on those layers); ``qk_norm="l2"`` (weightless RMS norm of q and k after the
+    rotary, rotary layers only); ``attn_temperature = (floor_scale, attn_scale)`` scales
+    the queries of NoPE layers by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``.
     """
 
     model_type: str
@@ -152,9 +187,14 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)
     local_rope: RopeConfig | None = None
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None
     moe: MoEConfig | None = None
     moe_layers: list[bool] = field(default_factory=list)
     num_mtp_layers: int = 0
+    attention_chunk_size: int | None = None
+    attn_sinks: bool = False
+    nope_layers: list[bool] = field(default_factory=list)
+    attn_temperature: tuple[float, float] | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     generation_config: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -166,13 +206,15 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        if self.qk_norm not in (None, "head", "full"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.qk_norm not in (None, "head", "full", "l2"):
+            raise ValueError(f"qk_norm must be None, 'head', 'full' or 'l2', got {self.qk_norm!r}")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_layers
         if not self.moe_layers:
             self.moe_layers = [self.moe is not None] * self.num_layers
-        for name in ("layer_types", "moe_layers"):
+        if not self.nope_layers:
+            self.nope_layers = [False] * self.num_layers
+        for name in ("layer_types", "moe_layers", "nope_layers"):
             if len(getattr(self, name)) != self.num_layers:
                 raise ValueError(f"ModelConfig.{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -180,8 +222,12 @@ class ModelConfig:
             raise ValueError(f"unsupported layer types {bad}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
+        if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
+            raise ValueError("chunked_attention layers need a positive attention_chunk_size")
         if any(self.moe_layers) and self.moe is None:
             raise ValueError("moe_layers marks MoE layers but ModelConfig.moe is None")
+        if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
+            raise ValueError("DSA (a lightning indexer) needs MLA with a q_lora_rank: its queries read the q latent")
         rope_dim = self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
         if self.rope.rotary_dim > rope_dim:
             raise ValueError(f"rotary_dim ({self.rope.rotary_dim}) exceeds the rotated head dim ({rope_dim})")
@@ -201,6 +247,12 @@ class ModelConfig:
         if layer_index >= self.num_layers:  # MTP layers attend like full layers
             return None
         return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+    def chunk_size_of(self, layer_index: int) -> int | None:
+        """The local-attention chunk of one layer (None: not a chunked layer)."""
+        if layer_index >= self.num_layers or self.layer_types[layer_index] != "chunked_attention":
+            return None
+        return self.attention_chunk_size
 
     def rope_of(self, layer_index: int) -> RopeConfig:
         """The rotary config of one layer (sliding layers may use ``local_rope``)."""
