@@ -3,7 +3,8 @@
 Random-init Qwen3-1.7B shape (hidden 2048, 28 layers, 16 q / 8 kv heads of dim 128,
 intermediate 6144, vocab 151936, tied embeddings), bf16 rollout, 16 prompts x 8 samples,
 128-token prompts, 256 new tokens (EOS ignored). Each variant runs in its own process
-(same engine memory fraction, so the KV cache is the same size in both): the full model,
+(same engine memory fraction, so the KV cache is the same size in both, and the same
+activation recomputation, ``--recompute-granularity full``): the full model,
 then ``--lora-rank 16 --lora-alpha 32`` on all linears. Reported per variant: the
 steady-state medians of step / rollout / train / weight-sync seconds, trainable parameters,
 the peak GPU memory of a whole step and of the training phase (both include the engine's
@@ -63,6 +64,7 @@ def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress", *VARIANTS[name],
         *([] if args.tiny else ["--sglang-mem-fraction-static", str(args.mem_fraction)]),
+        *(["--recompute-granularity", "full"] if args.recompute else []),
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -119,7 +121,7 @@ def run_in_subprocess(name: str, args) -> dict | None:
             "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
             "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
             "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--mem-fraction", str(args.mem_fraction),
-            *(["--tiny"] if args.tiny else [])]
+            *(["--tiny"] if args.tiny else []), *([] if args.recompute else ["--no-recompute"])]
     if subprocess.run(argv).returncode != 0 or not result.is_file():
         print(f"{name}: the run failed (see above)")
         return None
@@ -135,7 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    parser.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="keep every layer's activations (default: --recompute-granularity full in both runs; "
+                             "without it a full fine-tune of this shape does not fit an 80 GB GPU beside the engine)")
     parser.add_argument("--mem-fraction", type=float, default=0.3, help="the engine's GPU memory fraction (both runs)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_lora_bench"))
