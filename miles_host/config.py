@@ -14,6 +14,7 @@ from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
 from miles_host.config_ckpt import CheckpointFormatArgs
+from miles_host.config_dashboard import ObservabilityArgs, check_dashboard
 from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
 from miles_host.config_lora import LoraArgs
 from miles_host.config_megatron import MegatronArgs
@@ -263,6 +264,7 @@ class MilesConfig(
     OpdArgs,
     LoraArgs,
     CheckpointFormatArgs,
+    ObservabilityArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -348,6 +350,7 @@ def validate_config(config: MilesConfig) -> None:
     check_eval_rewards(config)  # before the checks that read --eval-prompt-data
     check_training_modes(config)
     check_optim_logging(config)
+    check_dashboard(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
