@@ -13,7 +13,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 #: how routed experts train (:mod:`miles_host.kernels.moe_train`): grouped GEMM where it runs fast,
 #: grouped GEMM everywhere, or the per-expert loop
 EXPERTS_IMPLS = ("auto", "grouped", "loop")
@@ -195,6 +195,10 @@ class ModelConfig:
     attn_sinks: bool = False
     nope_layers: list[bool] = field(default_factory=list)
     attn_temperature: tuple[float, float] | None = None
+    #: Gated DeltaNet dimensions of ``linear_attention`` layers (:mod:`miles_host.models.gated_deltanet`)
+    linear_attention: Any = None
+    #: full attention scales its output by a per-head ``sigmoid`` gate from ``q_proj`` (Qwen3-Next / Qwen3.5)
+    attn_output_gate: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     generation_config: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -224,6 +228,8 @@ class ModelConfig:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
             raise ValueError("chunked_attention layers need a positive attention_chunk_size")
+        if "linear_attention" in self.layer_types and self.linear_attention is None:
+            raise ValueError("linear_attention layers need ModelConfig.linear_attention (a GatedDeltaNetConfig)")
         if any(self.moe_layers) and self.moe is None:
             raise ValueError("moe_layers marks MoE layers but ModelConfig.moe is None")
         if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
