@@ -19,6 +19,7 @@ from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
+from miles_host.models.gated_deltanet import token_mixer_for
 from miles_host.models.logprobs import chunked_log_probs, compute_logits
 from miles_host.models.mlp import Experts, GatedMLP, MoE, Router
 from miles_host.models.norm import RMSNorm
@@ -35,7 +36,9 @@ class DecoderLayer(torch.nn.Module):
         eps, offset = config.rms_norm_eps, config.norm_unit_offset
         self.layer_index = layer_index
         self.attn_norm = RMSNorm(config.hidden_size, eps, offset)
-        self.attn = MLAttention(config, layer_index) if config.mla is not None else GQAAttention(config, layer_index)
+        self.attn = token_mixer_for(config, layer_index) or (
+            MLAttention(config, layer_index) if config.mla is not None else GQAAttention(config, layer_index)
+        )
         self.mlp_norm = RMSNorm(config.hidden_size, eps, offset)
         if moe:
             self.mlp = MoE(config.hidden_size, config.moe, config.hidden_act, layer_index, routing_hooks)
