@@ -28,14 +28,18 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 
 
 def attention_mask_LM(
-    num_queries: int, num_keys: int, query_offset: int, sliding_window: int | None, device: torch.device
+    num_queries: int, num_keys: int, query_offset: int, sliding_window: int | None, device: torch.device,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Boolean ``[Lq, Lk]`` mask: query ``i`` sits at position ``query_offset + i``."""
+    """Boolean ``[Lq, Lk]`` mask: query ``i`` sits at position ``query_offset + i``
+    (``chunk_size``: keys of the query's own chunk ``p // chunk_size`` only)."""
     q_pos = torch.arange(num_queries, device=device)[:, None] + query_offset
     k_pos = torch.arange(num_keys, device=device)[None, :]
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed = allowed & (k_pos > q_pos - sliding_window)
+    if chunk_size is not None:
+        allowed = allowed & (k_pos // chunk_size == q_pos // chunk_size)
     return allowed
 
 
@@ -48,15 +52,27 @@ def attend_dense(
     query_offset: int = 0,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``[S, Hq, Lq, D]`` queries over ``[S, Hkv, Lk, D]`` keys.
 
     Queries sit at positions ``query_offset ..``, keys at ``0 ..``. Uses SDPA
-    (``is_causal`` when possible); soft-capping falls back to an explicit
+    (``is_causal`` when possible); soft-capping and ``sinks`` (``[Hq]`` sink logits,
+    one extra softmax column whose probability is dropped) fall back to an explicit
     softmax in float32 (the transformers "eager" formula).
     """
     num_q, num_k = q_SHLD.shape[2], k_SHMD.shape[2]
     gqa = q_SHLD.shape[1] != k_SHMD.shape[1]
+    if sinks is not None:
+        from miles_host.models.attention_variants import attend_dense_with_sinks
+
+        mask = attention_mask_LM(num_q, num_k, query_offset, sliding_window, q_SHLD.device, chunk_size)
+        return attend_dense_with_sinks(q_SHLD, k_SHMD, v_SHMD, mask, sinks, scale=scale, logit_softcap=logit_softcap)
+    if chunk_size is not None:
+        mask = attention_mask_LM(num_q, num_k, query_offset, sliding_window, q_SHLD.device, chunk_size)
+        if logit_softcap is None:
+            return F.scaled_dot_product_attention(q_SHLD, k_SHMD, v_SHMD, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if logit_softcap is not None:
         if gqa:
             repeat = q_SHLD.shape[1] // k_SHMD.shape[1]
@@ -64,7 +80,7 @@ def attend_dense(
             v_SHMD = v_SHMD.repeat_interleave(repeat, dim=1)
         scores = torch.matmul(q_SHLD, k_SHMD.transpose(2, 3)) * scale
         scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        mask = attention_mask_LM(num_q, num_k, query_offset, sliding_window, q_SHLD.device)
+        mask = attention_mask_LM(num_q, num_k, query_offset, sliding_window, q_SHLD.device, chunk_size)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_SHLD.dtype)
         return torch.matmul(probs, v_SHMD)
@@ -126,9 +142,11 @@ class PackedAttention:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
-        """Return ``[T, Hq, Dv]``; nothing is cached."""
-        if self._flash_ok(q_THD):
+        """Return ``[T, Hq, Dv]``; nothing is cached (sinks and chunks: the SDPA/eager path)."""
+        if sinks is None and chunk_size is None and self._flash_ok(q_THD):
             return self._flash(q_THD, k_THD, v_THD, scale, sliding_window, logit_softcap)
         y_SHLD = attend_dense(
             self._to_padded(q_THD),
@@ -137,6 +155,8 @@ class PackedAttention:
             scale=scale,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            sinks=sinks,
+            chunk_size=chunk_size,
         )
         return self._from_padded(y_SHLD)
 
@@ -203,6 +223,8 @@ class ContiguousKVCache:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
         """Append this batch's keys/values to the cache and attend over the cache."""
         outputs, start = [], 0
@@ -218,6 +240,7 @@ class ContiguousKVCache:
             y = attend_dense(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 scale=scale, query_offset=past, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                sinks=sinks, chunk_size=chunk_size,
             )
             outputs.append(y[0].transpose(0, 1))
         if start != q_THD.shape[0]:

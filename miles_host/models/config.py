@@ -158,7 +158,8 @@ class ModelConfig:
     the keys of their own ``attention_chunk_size`` block (Llama-4); ``nope_layers`` (no
     rotary on those layers); ``qk_norm="l2"`` (weightless RMS norm of q and k after the
     rotary, rotary layers only); ``attn_temperature = (floor_scale, attn_scale)`` scales
-    the queries of NoPE layers by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``.
+    the queries of NoPE layers by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``
+    (they read the positions from ``nope_rope``, a ``PositionsOnly`` table).
     """
 
     model_type: str
@@ -195,6 +196,7 @@ class ModelConfig:
     attn_sinks: bool = False
     nope_layers: list[bool] = field(default_factory=list)
     attn_temperature: tuple[float, float] | None = None
+    nope_rope: RopeConfig | None = None
     #: Gated DeltaNet dimensions of ``linear_attention`` layers (:mod:`miles_host.models.gated_deltanet`)
     linear_attention: Any = None
     #: full attention scales its output by a per-head ``sigmoid`` gate from ``q_proj`` (Qwen3-Next / Qwen3.5)
@@ -262,6 +264,8 @@ class ModelConfig:
 
     def rope_of(self, layer_index: int) -> RopeConfig:
         """The rotary config of one layer (sliding layers may use ``local_rope``)."""
+        if self.nope_rope is not None and layer_index < self.num_layers and self.nope_layers[layer_index]:
+            return self.nope_rope
         if self.local_rope is not None and self.sliding_window_of(layer_index) is not None:
             return self.local_rope
         return self.rope

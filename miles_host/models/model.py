@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
+from miles_host.models.attention_variants import gqa_block, rotary_module
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
 from miles_host.models.gated_deltanet import token_mixer_for
@@ -37,7 +38,7 @@ class DecoderLayer(torch.nn.Module):
         self.layer_index = layer_index
         self.attn_norm = RMSNorm(config.hidden_size, eps, offset)
         self.attn = token_mixer_for(config, layer_index) or (
-            MLAttention(config, layer_index) if config.mla is not None else GQAAttention(config, layer_index)
+            MLAttention(config, layer_index) if config.mla is not None else gqa_block(config, layer_index)
         )
         self.mlp_norm = RMSNorm(config.hidden_size, eps, offset)
         if moe:
@@ -146,7 +147,7 @@ class CausalLM(torch.nn.Module):
         self._ropes: dict[int, RotaryEmbedding] = {}
         for layer_index in range(config.num_layers):
             rope = config.rope_of(layer_index)
-            self._ropes.setdefault(id(rope), RotaryEmbedding(rope))
+            self._ropes.setdefault(id(rope), rotary_module(rope))
 
     # -- weights ---------------------------------------------------------------
 

@@ -36,8 +36,12 @@ Training step (:func:`train_step`), one optimizer step of the host trainer:
   parallelism (marked ``average_gradients_across_tp_domain``: averaged, not summed).
   The reduced gradients become the parameters' ``.grad`` for the host's clipping and
   optimizer.
-- **Metrics.** Computed where the loss is (last stage); summed over DP ranks (TP ranks
+- **Metrics.** Computed where the loss is (last stage); summed over DP ranks (TP and CP ranks
   of the last stage hold the same values, one counts) and returned on every rank.
+- **Context parallelism** (:mod:`miles_megatron.context_parallel`): the CP ranks of a DP rank
+  run the same micro-batches, each on its rows of every sequence; the last stage gathers
+  the rows, so each CP rank computes the whole loss and backpropagates ``1 / CP`` of it
+  (DDP sums the dense gradients over DP x CP).
 
 Forward-only passes (:func:`log_probs_without_grad`: old and reference log-probs) run the
 same schedule with ``forward_only``, each DP rank on its samples (dealt by their index in
@@ -214,7 +218,8 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
         for key, value in metrics.items():
             key = f"train/{key}"
             sums[key] = sums.get(key, 0.0) + as_float64(value) * micro.metric_share
-        return loss * micro.share, _keep
+        # (every CP rank computes the loss over whole sequences: each backpropagates 1 / CP of it)
+        return loss * (micro.share / sizes.cp), _keep
 
     policy.replay.keep_for_recompute(policy.gpt.config.recompute_granularity == "full")
     with on_device(trainer.device):
@@ -233,7 +238,7 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
         param.grad = param.main_grad
     from megatron.core import parallel_state as ps
 
-    contributes = last and ps.get_tensor_model_parallel_rank() == 0
+    contributes = last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     totals = _sum_over_ranks({k: float(v) for k, v in sums.items()} if contributes else None, sizes)
     loss_sum = totals.pop("train/loss", 0.0)
     return totals, loss_sum

@@ -8,11 +8,12 @@ the LR schedule, metrics, weight export and checkpoints are the host's code; the
 forward and backward run on Megatron-Core's pipeline schedules, its
 ``DistributedDataParallel`` and ``finalize_model_grads`` (:mod:`miles_megatron.schedule`).
 One process at TP = PP = EP = CP = DP = 1 (Megatron's ``parallel_state`` over a one-rank
-group), or ``TP * PP * DP`` processes, one rank each (``--actor-num-gpus-per-node``; any
-combination of TP, EP and PP, DP a multiple of the smallest that EP divides into, each DP
+group), or ``TP * PP * CP * DP`` processes, one rank each (``--actor-num-gpus-per-node``; any
+combination of TP, EP, PP and CP, DP a multiple of the smallest that EP divides into, each DP
 rank training on its share of the samples; :mod:`miles_megatron.parallel`,
 :mod:`miles_megatron.pipeline`, started as the trainer group of
-:mod:`miles_host.distributed.launcher`); CP above 1 is refused;
+:mod:`miles_host.distributed.launcher`); context parallelism for dense models
+(:mod:`miles_megatron.context_parallel`);
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).
 On CPU or one GPU (``--device cuda`` / ``cuda:N``), with the native trainer's
 precision: float32 masters, bf16 autocast on GPU (see :mod:`miles_megatron.policy`).
@@ -87,7 +88,7 @@ class MegatronTrainer(NativeTrainer):
         self.group, self.rank, self.world = group, rank, world
         device = resolve_device(config)
         init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp, timeout_s=config.worker_timeout,
-                            dp=self.sizes.dp)
+                            dp=self.sizes.dp, cp=self.sizes.cp)
         seed_rng(config.seed, device)
         # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
         single = copy.copy(config)
