@@ -106,7 +106,7 @@ class MegatronTrainingArgs:
     expert_tensor_parallel_size: int = flag(1, "tensor parallelism inside experts (only 1: experts are never TP-split)", type=int, group="parallel")
     decoder_first_pipeline_num_layers: int | None = flag(None, "decoder layers of the first pipeline stage (uneven pipelines)", type=optional_int, group="parallel")
     decoder_last_pipeline_num_layers: int | None = flag(None, "decoder layers of the last pipeline stage (uneven pipelines)", type=optional_int, group="parallel")
-    use_distributed_optimizer: bool = flag(False, "Megatron's ZeRO-1 distributed optimizer", group=_PERF)
+    use_distributed_optimizer: bool = flag(False, "Megatron's ZeRO-1 distributed optimizer (--train-backend megatron: Megatron-Core's optimizer, its state sharded over the data-parallel ranks, clipping by Megatron; the native trainers shard with FSDP2)", group=_PERF)
     use_precision_aware_optimizer: bool = flag(False, "Megatron's precision-aware optimizer (optimizer states in lower precision)", group=_PERF)
     overlap_cpu_optimizer_d2h_h2d: bool = flag(False, "overlap the CPU optimizer's device<->host copies", group=_PERF)
     overlap_grad_reduce: bool = flag(False, "overlap data-parallel gradient reduction with backward (--train-backend megatron: Megatron's DDP reduces bucket by bucket; the native trainers reduce with FSDP2/DDP as they do)", group=_PERF)
@@ -157,12 +157,10 @@ MEGATRON_IGNORED: dict[str, str] = {
     "transformer_impl": "the native trainers build miles' own layers; --train-backend megatron builds "
                         "Megatron-Core's local layer spec (no TransformerEngine)",
     "bf16": "the precision is --dtype (auto: bf16 autocast over float32 master weights on GPU, float32 on CPU)",
-    "use_distributed_optimizer": "optimizer state is sharded by FSDP2 across the native trainer's GPUs; the "
-                                 "megatron backend keeps the host's AdamW on every rank (not sharded over DP)",
     "use_precision_aware_optimizer": "optimizer states stay float32 (AdamW over float32 master weights)",
     "overlap_cpu_optimizer_d2h_h2d": "no Megatron CPU optimizer runs (see --optimizer-cpu-offload)",
-    "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend has no distributed "
-                            "optimizer",
+    "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend's distributed "
+                            "optimizer gathers them after its step (not overlapped with the next forward)",
     "cross_entropy_loss_fusion": "log-probs are computed in chunks from the hidden states (no fused cross entropy)",
     "no_check_for_nan_in_loss_and_grad": "miles checks every step: a NaN/Inf step is skipped, and "
                                          "--max-consecutive-nan-steps stops the run",
