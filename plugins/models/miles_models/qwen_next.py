@@ -1,0 +1,186 @@
+"""Qwen3-Next / Qwen3.5 family: ``qwen3_next``, ``qwen3_5`` / ``qwen3_5_text``, ``qwen3_5_moe`` / ``qwen3_5_moe_text``.
+
+Quirks: ``layer_types`` interleave Gated DeltaNet ``linear_attention`` layers with gated
+``full_attention`` (``q_proj`` emits a per-head output gate; zero-centred q/k norms; partial
+rotary, 0.25 by default); every RMSNorm but the DeltaNet's gated one stores its weight as an
+offset from 1. qwen3_next projects the DeltaNet inputs with ``in_proj_qkvz`` / ``in_proj_ba``
+grouped per key head, Qwen3.5 with flat ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
+``in_proj_a`` (both fuse into one native ``in_proj``). MoE: softmax top-k (always normalised
+in Qwen3.5) plus one shared expert gated by ``sigmoid(shared_expert_gate(x))``; qwen3_next
+chooses its MoE layers by ``decoder_sparse_step`` / ``mlp_only_layers``, Qwen3.5-MoE has MoE
+everywhere. Experts are saved per expert (as transformers saves them) and load from either
+layout.
+
+The multimodal ``qwen3_5`` / ``qwen3_5_moe`` configs are read through their ``text_config``
+and their language-model weights (``model.language_model.*``); the vision tower and the
+MTP weights (``mtp.*``) are not loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from miles_host.models.config import ModelConfig, MoEConfig
+from miles_host.models.gated_deltanet import GatedDeltaNetConfig
+
+from miles_models._config import base_fields, build, moe_layer_flags, rope_config
+from miles_models._family import model_family
+from miles_models._weights import L, Rule, WeightMap, common_rules, mlp_rules, moe_rules, norm_rules
+from miles_models.qwen import QWEN_CHAT
+
+always_active = True
+
+MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` of a multimodal config, else the config itself."""
+    if hf["model_type"] in MULTIMODAL_TYPES and isinstance(hf.get("text_config"), Mapping):
+        return {**hf["text_config"], "model_type": hf["model_type"]}
+    return dict(hf)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Native config of a Qwen3-Next or Qwen3.5 (text) model."""
+    original, hf = hf, text_config(hf)
+    model_type = hf["model_type"]
+    fields = base_fields(hf)
+    fields["hf_config"] = dict(original)
+    num_layers = fields["num_layers"]
+    fields["rope"] = rope_config(hf, fields["head_dim"], default_partial=0.25)
+    fields["norm_unit_offset"] = True
+    fields["qk_norm"] = "head"
+    fields["attn_output_gate"] = True
+    fields["qkv_bias"] = fields["o_bias"] = bool(hf.get("attention_bias", False))
+    interval = hf.get("full_attention_interval", 4)
+    fields["layer_types"] = list(hf.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
+    ])[:num_layers]
+    fields["linear_attention"] = GatedDeltaNetConfig(
+        num_key_heads=hf.get("linear_num_key_heads", 16),
+        num_value_heads=hf.get("linear_num_value_heads", 32),
+        key_head_dim=hf.get("linear_key_head_dim", 128),
+        value_head_dim=hf.get("linear_value_head_dim", 128),
+        conv_kernel_size=hf.get("linear_conv_kernel_dim", 4),
+        grouped_projection=model_type == "qwen3_next",
+    )
+    moe = None
+    num_experts = hf.get("num_experts") or 0
+    if model_type.startswith("qwen3_5_moe"):
+        fields["moe_layers"] = [True] * num_layers
+    elif model_type == "qwen3_next":
+        fields["moe_layers"] = moe_layer_flags(
+            {**hf, "mlp_only_layers": hf.get("mlp_only_layers") or []}, num_layers, num_experts=num_experts
+        )
+    if any(fields.get("moe_layers") or ()):
+        shared = hf.get("shared_expert_intermediate_size", 0) or 0
+        moe = MoEConfig(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["moe_intermediate_size"],
+            score_func="softmax",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)) or model_type.startswith("qwen3_5_moe"),
+            shared_intermediate_size=shared,
+            shared_expert_gate=bool(shared),
+        )
+    return build(fields, moe)
+
+
+def _gated_qkv_sizes(config: Any) -> tuple[int, int, int]:
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    return 2 * q, kv, kv
+
+
+def _grouped_in_proj_sizes(config: Any) -> tuple[int, int]:
+    lin = config.linear_attention
+    return lin.conv_dim + lin.value_dim, 2 * lin.num_value_heads
+
+
+def _flat_in_proj_sizes(config: Any) -> tuple[int, int, int, int]:
+    lin = config.linear_attention
+    return lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads
+
+
+def attention_rules() -> list[Rule]:
+    """Gated full attention: q (with its gate), k, v fused into ``qkv_proj``; o_proj; q/k norms."""
+    rules = []
+    for kind in ("weight", "bias"):
+        parts = tuple(f"{L}self_attn.{p}_proj.{kind}" for p in "qkv")
+        rules.append(Rule(f"layers.{{i}}.attn.qkv_proj.{kind}", parts, sizes=_gated_qkv_sizes))
+        rules.append(Rule(f"layers.{{i}}.attn.o_proj.{kind}", (f"{L}self_attn.o_proj.{kind}",)))
+    rules += [Rule(f"layers.{{i}}.attn.{n}_norm.weight", (f"{L}self_attn.{n}_norm.weight",)) for n in "qk"]
+    return rules
+
+
+def linear_attention_rules(grouped: bool) -> list[Rule]:
+    """Gated DeltaNet: the input projections fused into ``in_proj``; conv, decay, norm, output."""
+    prefix = f"{L}linear_attn."
+    if grouped:
+        parts, sizes = ("in_proj_qkvz", "in_proj_ba"), _grouped_in_proj_sizes
+    else:
+        parts, sizes = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), _flat_in_proj_sizes
+    rules = [Rule("layers.{i}.attn.in_proj.weight", tuple(f"{prefix}{p}.weight" for p in parts), sizes=sizes)]
+    for native in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+        rules.append(Rule(f"layers.{{i}}.attn.{native}", (f"{prefix}{native}",)))
+    return rules
+
+
+class LanguageModelWeightMap(WeightMap):
+    """A weight map that also reads a multimodal checkpoint's language model
+    (``model.language_model.*``; the vision tower and MTP weights are skipped)."""
+
+    _LANGUAGE = re.compile(r"model\.language_model\.(.+)")
+
+    def __init__(self, rules):
+        super().__init__(rules, ignore=(r".*rotary_emb\.inv_freq", r"mtp\..*", r"model\.visual\..*"))
+
+    def _plain(self, name: str) -> str:
+        match = self._LANGUAGE.fullmatch(name)
+        return f"model.{match.group(1)}" if match else name
+
+    def hf_to_native(self, name):
+        return super().hf_to_native(self._plain(name))
+
+    def convert_hf_tensor(self, name, tensor, config):
+        return super().convert_hf_tensor(self._plain(name), tensor, config)
+
+    def convert_native_tensor(self, name, tensor, config):
+        pairs = super().convert_native_tensor(name, tensor, config)
+        if config.model_type not in MULTIMODAL_TYPES:
+            return pairs
+        return [(re.sub(r"^model\.", "model.language_model.", hf), t) for hf, t in pairs]
+
+
+def _weights(grouped: bool, experts: list[Rule]) -> LanguageModelWeightMap:
+    return LanguageModelWeightMap(
+        common_rules() + norm_rules("llama") + attention_rules() + linear_attention_rules(grouped) + mlp_rules()
+        + experts
+    )
+
+
+MOE_RULES = moe_rules(shared="shared_expert", shared_gate="shared_expert_gate")
+QWEN3_NEXT_WEIGHTS = _weights(True, MOE_RULES)
+QWEN3_5_WEIGHTS = _weights(False, [])
+QWEN3_5_MOE_WEIGHTS = _weights(False, MOE_RULES)
+
+
+def miles_register_model_families():
+    """Three records: the DeltaNet projection layouts and the MLP blocks differ."""
+    return [
+        model_family(
+            "qwen3_next", ("qwen3_next",), config_from_hf, QWEN3_NEXT_WEIGHTS,
+            description="Qwen3-Next (Gated DeltaNet + gated attention, MoE with a gated shared expert)",
+            chat_defaults=QWEN_CHAT,
+        ),
+        model_family(
+            "qwen3_5", ("qwen3_5", "qwen3_5_text"), config_from_hf, QWEN3_5_WEIGHTS,
+            description="Qwen3.5 dense (text; Gated DeltaNet + gated attention)", chat_defaults=QWEN_CHAT,
+        ),
+        model_family(
+            "qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), config_from_hf, QWEN3_5_MOE_WEIGHTS,
+            description="Qwen3.5 MoE (text; Gated DeltaNet + gated attention, MoE with a gated shared expert)",
+            chat_defaults=QWEN_CHAT,
+        ),
+    ]
