@@ -23,6 +23,7 @@ from miles_host.models.context import ForwardContext
 from miles_host.models.gated_deltanet import token_mixer_for
 from miles_host.models.logprobs import chunked_log_probs, compute_logits
 from miles_host.models.mlp import Experts, GatedMLP, MoE, Router
+from miles_host.models.moe_variants import moe_block
 from miles_host.models.norm import RMSNorm
 from miles_host.models.rope import RotaryEmbedding
 from miles_host.models.self_attention import GQAAttention, MLAttention
@@ -42,7 +43,7 @@ class DecoderLayer(torch.nn.Module):
         )
         self.mlp_norm = RMSNorm(config.hidden_size, eps, offset)
         if moe:
-            self.mlp = MoE(config.hidden_size, config.moe, config.hidden_act, layer_index, routing_hooks)
+            self.mlp = moe_block(config.hidden_size, config.moe, config.hidden_act, layer_index, routing_hooks)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.post_attn_norm = RMSNorm(config.hidden_size, eps, offset) if config.sandwich_norm else None

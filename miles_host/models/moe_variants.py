@@ -1,0 +1,118 @@
+"""Mixture-of-experts variants of gpt-oss and Llama-4 on top of :class:`~miles_host.models.mlp.MoE`.
+
+- **router bias** (gpt-oss, ``MoEConfig.router_bias``): the router linear has a
+  bias, so it shifts both the choice and the gate weights;
+- **expert biases** (gpt-oss, ``expert_biases``): every expert's ``gate_up`` and
+  ``down`` projections have biases;
+- **clamped SwiGLU** (gpt-oss, ``swiglu_limit``): ``g = min(gate, limit)``,
+  ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``;
+- **scaled expert inputs** (Llama-4, ``scale_expert_inputs``): each chosen expert
+  runs on ``weight * x`` and the outputs are summed unweighted.
+
+Routing (and so R3's capture and replay through the routing hooks) is the base
+block's: only the router's logits and the experts' math differ. The experts run
+the per-expert loop of :func:`~miles_host.models.mlp.routed_forward` (ordered in
+the batch-invariant mode); the fused and grouped kernels know none of these
+variants. Tensor legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles_host.models.config import MoEConfig
+from miles_host.models.mlp import Experts, MoE, Router, routed_forward
+from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
+
+
+class BiasedRouter(Router):
+    """A router whose linear has a bias ``[E]`` (gpt-oss)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__(hidden_size, moe)
+        self.bias = torch.nn.Parameter(torch.empty(moe.num_experts))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        if self.moe.router_fp32:
+            return F.linear(x_TH.float(), self.weight.float(), self.bias.float())
+        return F.linear(x_TH, self.weight, self.bias)
+
+
+class VariantExperts(Experts):
+    """Routed experts with optional biases, clamped SwiGLU and scaled inputs.
+
+    Weights as :class:`Experts` (``gate_up_proj [E, 2I, H]`` gate rows first,
+    ``down_proj [E, H, I]``), plus ``gate_up_proj_bias [E, 2I]`` and
+    ``down_proj_bias [E, H]`` with ``expert_biases``.
+    """
+
+    takes_routing = False
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
+        super().__init__(hidden_size, moe, act)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if moe.expert_biases:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
+            self.down_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+        self.scale_inputs = moe.scale_expert_inputs
+        if self.limit is not None:
+            self.act_name = "clamped_swiglu"
+        self.moe_kernel = "loop"
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+                if bias is not None:
+                    bias.zero_()
+
+    def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up_bias = self.gate_up_proj_bias[expert] if self.gate_up_proj_bias is not None else None
+        down_bias = self.down_proj_bias[expert] if self.down_proj_bias is not None else None
+        gate, up = F.linear(x_e, self.gate_up_proj[expert], gate_up_bias).chunk(2, dim=-1)
+        if self.limit is None:
+            hidden = self.act(gate) * up
+        else:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.linear(hidden, self.down_proj[expert], down_bias)
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, routing=None) -> torch.Tensor:
+        if not self.scale_inputs:
+            return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+        num_tokens, top_k = ids_TK.shape
+        scaled_RH = (x_TH[:, None, :] * weights_TK[:, :, None].to(x_TH.dtype)).reshape(num_tokens * top_k, -1)
+        ones_R1 = torch.ones(num_tokens * top_k, 1, dtype=x_TH.dtype, device=x_TH.device)
+        y_RH = routed_forward(scaled_RH, ids_TK.reshape(-1, 1), ones_R1, self.num_experts, self.expert_mlp)
+        return y_RH.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def needs_variant(moe: MoEConfig) -> bool:
+    """Whether an MoE config uses any variant of this module."""
+    return bool(moe.router_bias or moe.expert_biases or moe.swiglu_limit is not None or moe.scale_expert_inputs)
+
+
+class VariantMoE(MoE):
+    """:class:`MoE` with :class:`BiasedRouter` and :class:`VariantExperts` where the config asks."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, act: str, layer_index: int,
+                 routing_hooks: RoutingHooks = NO_ROUTING_HOOKS):
+        super().__init__(hidden_size, moe, act, layer_index, routing_hooks)
+        if moe.router_bias:
+            self.router = BiasedRouter(hidden_size, moe)
+        self.experts = VariantExperts(hidden_size, moe, act)
+        self.router_kernel = "torch"
+
+
+def moe_block(hidden_size: int, moe: MoEConfig, act: str, layer_index: int, routing_hooks: RoutingHooks) -> MoE:
+    """The MoE block of one layer (a variant where the config asks)."""
+    cls = VariantMoE if needs_variant(moe) else MoE
+    return cls(hidden_size, moe, act, layer_index, routing_hooks)
