@@ -30,11 +30,15 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its paged context, in plain PyTorch.
 
     The new tokens of sequence ``b`` are the last ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
-    of its ``context_lens[b]`` tokens. Scores and softmax in float32.
+    of its ``context_lens[b]`` tokens. Scores and softmax in float32. ``sinks``: ``[Hq]``
+    sink logits (an extra softmax column, dropped); ``chunk_size``: each query sees the
+    keys of its own chunk only.
     """
     num_q_heads = q_THD.shape[1]
     block_size = k_cache_NSHD.shape[1]
@@ -62,8 +66,14 @@ def paged_attention_reference(
         allowed_QL = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             allowed_QL &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        if chunk_size is not None:
+            allowed_QL &= (q_pos[:, None] // chunk_size) == (k_pos[None, :] // chunk_size)
         scores_HQL = scores_HQL.masked_fill(~allowed_QL, float("-inf"))
-        probs_HQL = torch.softmax(scores_HQL, dim=-1)
+        if sinks is not None:
+            sink_HQ1 = sinks.float()[:, None, None].expand(-1, scores_HQL.shape[1], 1)
+            probs_HQL = torch.softmax(torch.cat((scores_HQL, sink_HQ1), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs_HQL = torch.softmax(scores_HQL, dim=-1)
         out[start:end] = torch.matmul(probs_HQL, v_LHD.transpose(0, 1).float()).transpose(0, 1).to(out.dtype)
     return out
 
@@ -99,8 +109,13 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
-        """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``."""
+        """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``.
+
+        Sinks and chunked local attention run the PyTorch reference on every backend
+        (the Triton and flash-attn kernels implement neither)."""
         meta = self.metadata
         k_cache = self.kv_cache.k_NSHD[layer_index]
         v_cache = self.kv_cache.v_NSHD[layer_index]
@@ -114,6 +129,13 @@ class PagedAttention:
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
+        if sinks is not None or chunk_size is not None:
+            return paged_attention_reference(
+                q_THD, k_cache, v_cache, meta.block_tables_BM,
+                meta.cu_seqlens_q_host, meta.context_lens_host,
+                scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                sinks=sinks, chunk_size=chunk_size,
+            )
         if triton_backend:
             from miles_host.kernels.paged_attention import paged_attention_triton
 
