@@ -20,6 +20,7 @@ from miles_host.models.attention import PackedAttention
 from miles_host.models.attention_variants import gqa_block, rotary_module
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import ForwardContext
+from miles_host.models.dsa import DSAttention
 from miles_host.models.gated_deltanet import token_mixer_for
 from miles_host.models.logprobs import chunked_log_probs, compute_logits
 from miles_host.models.mlp import Experts, GatedMLP, MoE, Router
@@ -40,7 +41,7 @@ class DecoderLayer(torch.nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, eps, offset)
         self.attn = token_mixer_for(config, layer_index) or (
             MLAttention(config, layer_index) if config.mla is not None else gqa_block(config, layer_index)
-        )
+        ) if config.dsa is None else DSAttention(config, layer_index)
         self.mlp_norm = RMSNorm(config.hidden_size, eps, offset)
         if moe:
             self.mlp = moe_block(config.hidden_size, config.moe, config.hidden_act, layer_index, routing_hooks)
@@ -163,8 +164,10 @@ class CausalLM(torch.nn.Module):
         return self._ropes.get(id(rope))
 
     def attention_layout(self) -> list[tuple[int, int, int, int | None]]:
-        """Per layer ``(num_kv_heads, k_head_dim, v_head_dim, sliding_window or None)``."""
-        return [layer.attn.layout() for layer in self.layers]
+        """Per layer ``(num_kv_heads, k_head_dim, v_head_dim, sliding_window or None)``, then the
+        extra paged-cache entries of blocks that keep some (DSA's indexer keys), in layer order."""
+        layout = [layer.attn.layout() for layer in self.layers]
+        return layout + [entry for layer in self.layers for entry in getattr(layer.attn, "extra_cache_layouts", list)()]
 
     # -- forward ---------------------------------------------------------------
 

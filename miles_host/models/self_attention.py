@@ -125,11 +125,24 @@ class MLAttention(torch.nn.Module):
         self.logit_softcap = config.attn_logit_softcap
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+        q_TND, k_TND, v_TND = self.project_qkv(x_TH, rope_cos_sin)
+        y_TND = attention.attend(
+            self.layer_index, q_TND, k_TND, v_TND.contiguous(),
+            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+        )
+        return decode_linear(self.o_proj, y_TND.reshape(x_TH.shape[0], -1))
+
+    def project_qkv(
+        self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], q_latent_TR: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated per-head ``(q, k, v)``; ``q_latent_TR``: ``q_a_norm(q_a_proj(x))`` when the caller has it."""
         mla, num_tokens, num_heads = self.mla, x_TH.shape[0], self.num_heads
         if mla.q_lora_rank is None:
             q = self.q_proj(x_TH)
         else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TH)))
+            if q_latent_TR is None:
+                q_latent_TR = self.q_a_norm(self.q_a_proj(x_TH))
+            q = self.q_b_proj(q_latent_TR)
         q_nope, q_rot = q.view(num_tokens, num_heads, mla.qk_head_dim).split(
             (mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1
         )
@@ -141,11 +154,7 @@ class MLAttention(torch.nn.Module):
         k_nope, v_TND = kv.split((mla.qk_nope_head_dim, mla.v_head_dim), dim=-1)
         q_TND = torch.cat((q_nope, q_rot), dim=-1)
         k_TND = torch.cat((k_nope, k_rot.expand(num_tokens, num_heads, mla.qk_rope_head_dim)), dim=-1)
-        y_TND = attention.attend(
-            self.layer_index, q_TND, k_TND, v_TND.contiguous(),
-            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-        )
-        return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1))
+        return q_TND, k_TND, v_TND
 
     def layout(self) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` (expanded per head)."""
