@@ -22,6 +22,7 @@ from miles_host.config_opd import OpdArgs
 from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
 from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
+from miles_host.config_fault_tolerance import FaultToleranceArgs, check_fault_tolerance
 
 
 @dataclass
@@ -265,6 +266,7 @@ class MilesConfig(
     LoraArgs,
     CheckpointFormatArgs,
     ObservabilityArgs,
+    FaultToleranceArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
@@ -351,6 +353,7 @@ def validate_config(config: MilesConfig) -> None:
     check_training_modes(config)
     check_optim_logging(config)
     check_dashboard(config)
+    check_fault_tolerance(config)
     if config.calculate_per_token_loss and config.loss_agg_mode not in (None, "token-mean"):
         raise ValueError(
             f"--calculate-per-token-loss asks for --loss-agg-mode token-mean, but --loss-agg-mode is "
