@@ -279,6 +279,7 @@ class Run:
             "perf/rollout_time_s": rollout_time,
             "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
             **stats.extra.get("metrics", {}),
+            **getattr(self.backend, "step_metrics", dict)(),  # e.g. ft/engine_restarts
         }
         if self.config.debug_rollout_only:
             return self.rollout_only_step(rollout_id, groups, stats, step_start, rollout_metrics)

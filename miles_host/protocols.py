@@ -195,6 +195,11 @@ class RolloutBackendBase:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot release its memory between phases")
 
+    def step_metrics(self) -> dict:
+        """Counters of the backend itself for each step's metrics (a restarting router's
+        ``ft/engine_restarts``); none by default."""
+        return {}
+
 
 # ----------------------------------------------------------------------------
 # weight sync and loggers
