@@ -104,6 +104,11 @@ def sequences_of(attention) -> tuple[Sequence[int], RecurrentStates | None]:
     if states is not None:
         return states.lengths, states
     lengths = getattr(attention, "lengths", None)
+    metadata = getattr(attention, "metadata", None)
+    if lengths is None and metadata is not None and not metadata.is_decode:
+        # a prefill outside the engine's state pool (the engine's start-up memory measurement)
+        cu_seqlens = metadata.cu_seqlens_q_host
+        lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     if lengths is None:
         raise ValueError(
             f"Gated DeltaNet (linear attention) layers run over packed sequences (PackedAttention) or in the "

@@ -38,6 +38,7 @@ import torch
 from miles_host.models.mlp import set_moe_kernel
 from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
+from miles_host.rollout.recurrent_state import HybridBlockManager, RecurrentStatePool
 from miles_host.rollout.config import EngineConfig, resolve_config
 from miles_host.rollout.gpu_sizing import measure_activation_peak
 from miles_host.rollout.grammar import GrammarCompiler, RequestGrammar
@@ -92,6 +93,8 @@ class Engine(MemoryOccupation):
         set_moe_kernel(model, cfg.moe_kernel)
         self.device = cfg.device
         self.weight_version: Any = 0
+        #: per-sequence states of linear-attention layers, allocated before the KV cache is sized
+        self.recurrent_states = RecurrentStatePool.for_engine(model, cfg, decoding_strategy)
         layout = model.attention_layout()
         self.kv_bytes_per_token = kv_bytes_per_token(layout, cfg.kv_cache_dtype)
         if self.device.type == "cuda":
@@ -104,16 +107,22 @@ class Engine(MemoryOccupation):
         else:
             num_blocks = cfg.kv_cache_tokens // cfg.block_size + 1  # + the padding block
         self.kv_cache = PagedKVCache(layout, num_blocks, cfg.block_size, cfg.kv_cache_dtype, self.device)
-        self.block_manager = BlockManager(
-            num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching and not cfg.batch_invariant
-        )
+        if self.recurrent_states is None:
+            self.block_manager = BlockManager(
+                num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching and not cfg.batch_invariant
+            )
+        else:  # prefix caching off: a cached prefix would come without its recurrent state
+            self.block_manager = HybridBlockManager(num_blocks, cfg.block_size, self.recurrent_states)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(
             model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-            batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
+            batch_invariant=cfg.batch_invariant,
+            # decode graphs do not cover the recurrent-state gather/scatter: hybrid models decode eagerly
+            use_cuda_graph=cfg.use_cuda_graph and self.recurrent_states is None,
             fused_kernels=cfg.fused_kernels, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
         )
+        self.runner.recurrent_states = self.recurrent_states
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
         #: None: one policy forward per token (plain). Else a plugin's strategy runs the decode steps.

@@ -73,6 +73,8 @@ class MemoryOccupation:
             self._graphs_released = self.runner.graphs is not None
             self.runner.release_graphs()  # captured over the cache's addresses
             self.kv_cache.release()
+            if getattr(self, "recurrent_states", None) is not None:
+                self.recurrent_states.release()
         if "weights" in tags:
             offload.move_modules([self.model], "cpu")
         self.released_tags = self.released_tags | tags
@@ -87,6 +89,8 @@ class MemoryOccupation:
             offload.move_modules([self.model], self.device)
         if "kv_cache" in tags:
             self.kv_cache.allocate()
+            if getattr(self, "recurrent_states", None) is not None:
+                self.recurrent_states.allocate()
         self.released_tags = self.released_tags - tags
         if getattr(self, "_graphs_released", False) and not self.released_tags:
             self._capture_graphs()  # needs the cache and the weights in place

@@ -144,6 +144,8 @@ class ModelRunner:
         self._last_sampling: tuple[list, list, SamplingBatch] | None = None
         self._routes_host: torch.Tensor | None = None  # pinned staging of captured routes
         self._routes_used = 0
+        #: per-sequence states of linear-attention layers (:mod:`.recurrent_state`; None: no such layers)
+        self.recurrent_states = None
         if use_cuda_graph:
             self.capture_graphs()
 
@@ -188,7 +190,7 @@ class ModelRunner:
 
     def head_counts(self) -> tuple[int, int]:
         """``(query heads, KV heads)`` of the model's attention (what the paged kernels tile by)."""
-        layout = self.kv_cache.layout[0]
+        layout = next((entry for entry in self.kv_cache.layout if entry[0]), self.kv_cache.layout[0])  # skip linear attention
         num_q_heads = getattr(self.model.config, "num_heads", None) or self.model.config.num_attention_heads
         return num_q_heads, layout[0]
 
@@ -215,6 +217,8 @@ class ModelRunner:
             hidden_TH = self._invariant_forward(seqs, num_new, input_ids, positions, routing)
         else:
             attention = PagedAttention(self.kv_cache, meta, self.attention_backend)
+            if self.recurrent_states is not None:
+                attention = self.recurrent_states.attach(attention, seqs, num_new)
             context = ForwardContext(
                 attention=attention, routing=routing, fused_kernels=self.fused_kernels,
                 batch_invariant=self.batch_invariant,
