@@ -18,13 +18,10 @@ from miles_models import deepseek
 from miles_models._family import model_family
 from miles_models._weights import MTPWeightMap, Rule
 
-_INDEXER = {
-    "wq_b.weight": "wq_b.weight",
-    "wk.weight": "wk.weight",
-    "k_norm.weight": "k_norm.weight",
-    "k_norm.bias": "k_norm.bias",
-    "weights_proj.weight": "weights_proj.weight",
-}
+always_active = True
+
+#: the indexer's tensors, named alike in HF checkpoints (``self_attn.indexer.*``) and natively (``attn.indexer.*``)
+INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -52,8 +49,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 WEIGHTS = MTPWeightMap(
     deepseek.WEIGHTS.rules
     + [
-        Rule(f"layers.{{i}}.attn.indexer.{native}", (f"model.layers.{{i}}.self_attn.indexer.{hf}",))
-        for hf, native in _INDEXER.items()
+        Rule(f"layers.{{i}}.attn.indexer.{name}", (f"model.layers.{{i}}.self_attn.indexer.{name}",))
+        for name in INDEXER_TENSORS
     ]
 )
 

@@ -234,8 +234,9 @@ def test_bf16_autocast_keeps_the_native_precision_policy(models):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--context-parallel-size", "2"), "--context-parallel-size 2 is not supported yet.*"
-     "alone or combined \\(one trainer process per rank\\)"),
+    # context parallelism: one trainer process per CP rank
+    (("--context-parallel-size", "2"), "TP 1 x PP 1 x CP 2 x DP 1 \\(EP 1, expert TP 1\\) runs 2 trainer processes.*"
+     "--actor-num-gpus-per-node 2"),
     # EP carved out of TP x DP (Megatron's expert grid): EP 4 over TP 2 needs Megatron's DP 2
     (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4", "--actor-num-gpus-per-node", "2"),
      "TP 2 x PP 1 x DP 2 \\(EP 4, expert TP 1\\) runs 4 trainer processes.*--actor-num-gpus-per-node 4"),
