@@ -1,4 +1,4 @@
-"""The ``miles`` command: ``run`` (default), ``plugins`` and plugin commands."""
+"""The ``miles`` command: ``run`` (default), ``plugins``, ``convert``, ``dashboard`` and plugin commands."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from miles_host.records import Command
 from miles_host.registry import DuplicateNameError, Registry
 from miles_host.run_control import OutputWriteError, Stopped
 
-HOST_COMMANDS = ("run", "plugins", "convert")
+HOST_COMMANDS = ("run", "plugins", "convert", "dashboard")
 
 
 def _error(message: str, code: int) -> int:
@@ -141,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plugins(rest)
         if name == "convert":
             return cmd_convert(rest)
+        if name == "dashboard":
+            from miles_host.cli.dashboard import cmd_dashboard
+
+            return cmd_dashboard(rest)
         manager = MilesPluginManager()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
