@@ -30,10 +30,13 @@ from miles_host.checkpoint import (
     save_checkpoint,
 )
 from miles_host.config_training_modes import trains_only
+from miles_host import profiling
+from miles_host.dashboard.samples import write_step_samples
 from miles_host.data import PromptDataset
 from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
 from miles_host.evaluation import load_eval_datasets, run_evals
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
+from miles_host.logging_backends import tensorboard_dir
 from miles_host.lr_schedule import resolve_lr_decay_iters
 from miles_host.opd.teachers import build_teacher_scoring
 from miles_host.phases import Phases
@@ -150,6 +153,8 @@ class Run:
         self.trained_rollout = -1
         #: data and buffer positions where the step under way began (None between steps)
         self.step_start: dict | None = None
+        #: --use-pytorch-profiler / --record-memory-history (made when the loop starts)
+        self.profiler: profiling.RunProfiler | None = None
 
     # -- pieces of a step --------------------------------------------------------
 
@@ -273,10 +278,12 @@ class Run:
     def step(self, rollout_id: int) -> dict[str, Any]:
         """One RL step; its metrics."""
         step_start = time.perf_counter()
+        self.scorer.pop_busy_time()  # scoring outside the rollout (evaluation) is not the step's
         groups, stats = self.generate(rollout_id)
         rollout_time = time.perf_counter() - step_start
         rollout_metrics = {
             "perf/rollout_time_s": rollout_time,
+            "perf/reward_time_s": self.scorer.pop_busy_time(),  # scored while the rollout generates
             "perf/rollout_tok_per_s": stats.generated_tokens / rollout_time if rollout_time > 0 else 0.0,
             **stats.extra.get("metrics", {}),
             **getattr(self.backend, "step_metrics", dict)(),  # e.g. ft/engine_restarts
@@ -291,6 +298,7 @@ class Run:
         samples = [s for group in groups for s in group]
         rollout_metrics.update(self.score_with_teacher(samples))
         self.save_rollout(rollout_id, groups, stats, samples)
+        self.write_dashboard_samples(rollout_id, groups)
         metrics = {"rollout_id": rollout_id, **self.rollout_summary(samples, stats), **rollout_metrics}
         if self.config.eval_interval and (rollout_id + 1) % self.config.eval_interval == 0:
             metrics.update(self.run_eval(rollout_id + 1))
@@ -308,6 +316,13 @@ class Run:
             save_debug_rollout_data(self.config.save_debug_rollout_data, rollout_id, groups, stats)
         if self.config.dump_rollouts:
             self.dump(rollout_id, samples)
+
+    def write_dashboard_samples(self, rollout_id: int, groups: list[list[Sample]]) -> None:
+        """``--use-miles-dashboard``: the step's first groups for the rollout browser (with the
+        trainer's log-probs once it trained on them)."""
+        if self.config.use_miles_dashboard:
+            write_step_samples(self.config.output_dir, rollout_id, groups, self.tokenizer, self.scorer.scalar,
+                               self.config.miles_dashboard_samples_per_step)
 
     def rollout_summary(self, samples: list[Sample], stats: Any) -> dict[str, Any]:
         """The ``rollout/*`` metrics of a step's samples and counts."""
@@ -345,11 +360,13 @@ class Run:
         self.phases.to_train()
         train_start = time.perf_counter()
         self.training_started = self.trained_unlogged = True
-        train_metrics = self.trainer.train(samples)
+        with profiling.region("train_actor"):
+            train_metrics = self.trainer.train(samples)
         self.trained_rollout = rollout_id
         counters = self.rank_counters()
         train_time = time.perf_counter() - train_start
         train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
+        self.write_dashboard_samples(rollout_id, groups)  # with the trainer's log-probs
         if self.trainer.consecutive_nan_steps >= config.max_consecutive_nan_steps:
             self.checkpoint(rollout_id)
             raise NanLossError(
@@ -432,6 +449,7 @@ class Run:
             start_metrics = {"rollout_id": -1, **self.run_eval(0)}
             self.log(start_metrics, -1)
         progress = Progress(self.total, start=self.state.rollout_id, enabled=not config.no_progress)
+        self.profiler = profiling.RunProfiler(config, tensorboard_dir(config), first_step=self.state.rollout_id)
         rollout_id = self.state.rollout_id
         try:
             last_logged = self.state.rollout_id - 1
@@ -439,8 +457,10 @@ class Run:
             for rollout_id in range(self.state.rollout_id, self.total):
                 self.step_start = step_start = self.step_positions()
                 self.training_started = False
+                self.profiler.begin_step(rollout_id)
                 metrics = self.step(rollout_id)
                 self.log(metrics, rollout_id)
+                self.profiler.end_step(rollout_id)
                 last_logged, self.step_start = rollout_id, None
                 progress.update(rollout_id + 1, metrics.get("rollout/reward_mean"))
                 if config.save_interval and (rollout_id + 1) % config.save_interval == 0:
@@ -479,7 +499,9 @@ class Run:
         return 0
 
     def finish(self) -> None:
-        """Close loggers and plot the curves."""
+        """Close the profilers and loggers and plot the curves."""
+        if self.profiler is not None:
+            self.profiler.close()
         for logger in self.loggers:
             logger.close()
         from miles_host.plotting import plot_history

@@ -186,6 +186,7 @@ class RewardScorer:
     def __init__(self, config: Any, registry: Any):
         self.config = config
         self.group = bool(config.group_rm)
+        self.busy_s = 0.0
         self.timeout_s: float | None = config.rm_timeout  # in-process rewards; --rm-url times its requests itself
         if config.custom_rm_path:
             self.function = load_adapted(config.custom_rm_path, "custom_rm_path", config)
@@ -239,7 +240,20 @@ class RewardScorer:
         return number
 
     def score_group(self, samples: list[Sample]) -> None:
-        """Set ``sample.reward`` for every sample of one prompt, in place."""
+        """Set ``sample.reward`` for every sample of one prompt, in place (the time it takes
+        adds to :attr:`busy_s`, the ``perf/reward_time_s`` of the step)."""
+        start = time.perf_counter()
+        try:
+            self._score_group(samples)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def pop_busy_time(self) -> float:
+        """Seconds spent scoring since the last call."""
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+    def _score_group(self, samples: list[Sample]) -> None:
         if self.group:
             try:
                 rewards = self.call(samples)

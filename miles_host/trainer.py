@@ -24,7 +24,8 @@ from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.loss_types import micro_batch_loss
 from miles_host.lora import apply_lora
 from miles_host.lora.sync import rollout_state
-from miles_host import offload
+from miles_host import offload, profiling
+from miles_host.dashboard.samples import record_train_log_probs
 from miles_host.devices import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.protocols import TrainerBase
@@ -322,13 +323,14 @@ class NativeTrainer(TrainerBase):
     @torch.no_grad()
     def _log_probs_without_grad(self, model, samples: list[Sample], phase: str) -> list[torch.Tensor]:
         out = []
-        for micro in self._forward_micro_batches(model, samples):
-            if micro is None:
-                self._placeholder_pass(phase)
-                continue
-            batch = self.pack(micro, phase)
-            log_probs, _ = self.response_log_probs(model, batch)
-            out.extend(torch.split(log_probs.float(), batch.response_lengths))
+        with profiling.region("train_log_probs"):  # --profile-target train_log_probs
+            for micro in self._forward_micro_batches(model, samples):
+                if micro is None:
+                    self._placeholder_pass(phase)
+                    continue
+                batch = self.pack(micro, phase)
+                log_probs, _ = self.response_log_probs(model, batch)
+                out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return out
 
     def _forward_micro_batches(self, model, samples: list[Sample]) -> list:
@@ -533,6 +535,8 @@ class NativeTrainer(TrainerBase):
         old_B = cat(old) if old is not None else log_probs.detach().float()
         if loss_batch.rollout_log_probs is not None:
             metrics.update(mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask))
+        if self.config.use_miles_dashboard:  # the rollout browser's train-vs-rollout heat map
+            record_train_log_probs(micro, old_B, batch.response_lengths)
         for term in self.loss_terms:
             outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}
             extra, term_metrics = term.fn(outputs, loss_batch, self.config)
