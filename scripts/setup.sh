@@ -24,3 +24,9 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.miles-setup-*
   touch "$stamp"
 fi
+# Chromium for the dashboard's browser test (tests/dashboard/test_dashboard_browser.py drives it
+# through playwright's Python package; playwright's own browser downloads are never used).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+    || echo "setup.sh: could not install chromium; the dashboard's browser test will be skipped" >&2
+fi
