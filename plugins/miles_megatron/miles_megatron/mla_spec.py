@@ -63,13 +63,14 @@ class _SumRotaryKeyGrad(torch.autograd.Function):
         return grad_SBND, None, None
 
 
-def with_latent_core_attention(spec: Any) -> Any:
-    """A copy of a decoder block spec whose MLA layers use :class:`LatentDotProductAttention`."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+def replace_core_attention(spec: Any, old: type, new: type, submodules: type | None = None) -> Any:
+    """A copy of a decoder block spec with ``new`` as the core attention wherever it is
+    ``old`` (only in ``submodules`` nodes when given)."""
 
     def rewrite(node: Any) -> Any:
-        if isinstance(node, MLASelfAttentionSubmodules) and node.core_attention is DotProductAttention:
-            node.core_attention = LatentDotProductAttention
+        if (getattr(node, "core_attention", None) is old and dataclasses.is_dataclass(node)
+                and (submodules is None or isinstance(node, submodules))):
+            node.core_attention = new
             return node
         if isinstance(node, (list, tuple)):
             return type(node)(rewrite(item) for item in node)
@@ -79,3 +80,10 @@ def with_latent_core_attention(spec: Any) -> Any:
         return node
 
     return rewrite(copy.deepcopy(spec))
+
+
+def with_latent_core_attention(spec: Any) -> Any:
+    """A copy of a decoder block spec whose MLA layers use :class:`LatentDotProductAttention`."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+    return replace_core_attention(spec, DotProductAttention, LatentDotProductAttention, MLASelfAttentionSubmodules)

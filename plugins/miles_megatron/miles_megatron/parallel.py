@@ -59,39 +59,43 @@ _EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Model-parallel sizes of the trainer group: ``tp * pp * dp`` ranks (see module doc);
-    ``dp`` 0: the smallest data-parallel size EP allows."""
+    """Model-parallel sizes of the trainer group: ``tp * pp * cp * dp`` ranks (see module doc;
+    ``cp``: context parallelism, :mod:`miles_megatron.context_parallel`); ``dp`` 0: the
+    smallest data-parallel size EP allows."""
 
     tp: int = 1
     ep: int = 1
     pp: int = 1
     dp: int = 0
+    cp: int = 1
 
     def __post_init__(self):
         if self.dp == 0:
             object.__setattr__(self, "dp", self.smallest_dp)
         if self.dp % self.smallest_dp:
-            raise ValueError(f"data-parallel size {self.dp} with TP {self.tp} x EP {self.ep}: EP must divide "
-                             f"TP x DP, so DP must be a multiple of {self.smallest_dp}")
+            raise ValueError(f"data-parallel size {self.dp} with TP {self.tp} x CP {self.cp} x EP {self.ep}: EP must "
+                             f"divide TP x CP x DP, so DP must be a multiple of {self.smallest_dp}")
 
     @property
     def smallest_dp(self) -> int:
-        """The smallest data-parallel size with ``ETP * EP`` dividing ``TP * DP``."""
+        """The smallest data-parallel size with ``ETP * EP`` dividing ``TP * CP * DP``."""
         experts = EXPERT_TP * self.ep
-        return experts // math.gcd(self.tp, experts)
+        return experts // math.gcd(self.tp * self.cp, experts)
 
     @property
     def edp(self) -> int:
         """Megatron's expert-data-parallel size: ranks of a stage holding the same experts."""
-        return self.tp * self.dp // (EXPERT_TP * self.ep)
+        return self.tp * self.cp * self.dp // (EXPERT_TP * self.ep)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def describe(self) -> str:
-        """``TP 2 x PP 1 x DP 1 (EP 2, expert TP 1)``: the sizes and Megatron's data-parallel size."""
-        return f"TP {self.tp} x PP {self.pp} x DP {self.dp} (EP {self.ep}, expert TP {EXPERT_TP})"
+        """``TP 2 x PP 1 x DP 1 (EP 2, expert TP 1)``: the sizes and Megatron's data-parallel size
+        (``x CP n`` after PP where context parallelism is on)."""
+        cp = f" x CP {self.cp}" if self.cp > 1 else ""
+        return f"TP {self.tp} x PP {self.pp}{cp} x DP {self.dp} (EP {self.ep}, expert TP {EXPERT_TP})"
 
     @property
     def parallel(self) -> bool:
@@ -102,7 +106,8 @@ def current_sizes() -> Sizes:
     from megatron.core import parallel_state as ps
 
     return Sizes(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-                 ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size())
+                 ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                 ps.get_context_parallel_world_size())
 
 
 def _partition_dims(gpt: torch.nn.Module) -> dict[str, int]:
@@ -258,8 +263,8 @@ def _holders(name: str, dims: Mapping[str, int], sizes: Sizes) -> int:
     if _EXPERT.match(name):
         return sizes.edp  # the expert-data-parallel group (expert TP 1)
     if sizes.tp > 1 and name in dims:
-        return sizes.dp  # Megatron's data-parallel replicas of this TP shard
-    return sizes.tp * sizes.dp
+        return sizes.dp * sizes.cp  # Megatron's data-parallel (with context) replicas of this TP shard
+    return sizes.tp * sizes.cp * sizes.dp
 
 
 def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
@@ -283,7 +288,7 @@ def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch
             continue
         square += torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes)
     if sizes.parallel:
-        dist.all_reduce(square)  # the trainers' group: TP * PP * DP ranks
+        dist.all_reduce(square)  # the trainers' group: TP * PP * CP * DP ranks
     total = torch.sqrt(square)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, param in named:

@@ -90,10 +90,11 @@ MOE_SETTINGS: dict[str, Any] = dict(
 
 
 def transformer_config(native_config: Any, recompute: bool = False, sequence_parallel_tp: int = 0, pp: int = 1,
-                       overrides: dict[str, Any] | None = None):
+                       overrides: dict[str, Any] | None = None, cp: int = 1):
     """Megatron ``TransformerConfig`` of a native config (unsupported features refused);
     ``sequence_parallel_tp``: the TP size when sequence parallelism is on (0: off);
-    ``pp``: the pipeline size (each stage builds its slice of the layers); ``overrides``:
+    ``pp``: the pipeline size (each stage builds its slice of the layers); ``cp``: the
+    context-parallel size (:mod:`miles_megatron.context_parallel`); ``overrides``:
     the run's Megatron flags this backend honours
     (:func:`miles_megatron.perf_flags.transformer_config_overrides`; ``moe_*`` ones for MoE
     models only)."""
@@ -116,6 +117,11 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
         check_layers(native_config.num_layers, pp)
         # the stages exchange the float32 residual stream
         kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=LOCAL_SETTINGS["params_dtype"])
+    if cp > 1:
+        from miles_megatron.context_parallel import CP_COMM_TYPE, check_context_parallel
+
+        check_context_parallel(native_config, cp)
+        kwargs.update(context_parallel_size=cp, cp_comm_type=CP_COMM_TYPE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Apex/TE fallbacks
         return config_class(kwargs)(**kwargs)
@@ -135,7 +141,8 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
     from miles_megatron.parallel import current_sizes, padded_vocab
 
     sizes = current_sizes()
-    config = transformer_config(native_config, recompute, sizes.tp if sequence_parallel else 0, sizes.pp, overrides)
+    config = transformer_config(native_config, recompute, sizes.tp if sequence_parallel else 0, sizes.pp, overrides,
+                                sizes.cp)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # this stage's layers
@@ -147,6 +154,10 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
             from miles_megatron.sequence_parallel import norms_for_sequence_parallel
 
             spec = norms_for_sequence_parallel(spec)
+        if sizes.cp > 1:
+            from miles_megatron.context_parallel import with_context_parallel_attention
+
+            spec = with_context_parallel_attention(spec)
         kwargs = gpt_model_kwargs(native_config)
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], sizes.tp)  # TP splits it evenly
         if sizes.pp > 1:
@@ -362,26 +373,37 @@ class MegatronPolicy(torch.nn.Module):
     def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> DecoderPass:
         """This rank's layers on packed sequences: the embedding (first pipeline stage; a later
         stage's decoder reads what the schedule received, ``set_input_tensor``), then the
-        decoder layers, padded to at least :attr:`pad_to`."""
+        decoder layers, padded to at least :attr:`pad_to`. Under context parallelism the
+        layers run on this CP rank's rows and the last stage gathers the group's
+        (:mod:`miles_megatron.context_parallel`)."""
         device = input_ids_T.device
         sequence_parallel = self.gpt.config.sequence_parallel
-        # sequence parallelism splits the sequence dim over the TP ranks: pad it to a multiple
-        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device, multiple=self.sizes.tp if sequence_parallel else 1,
-                                              at_least=self.pad_to)
+        cp = self.sizes.cp
+        # sequence parallelism splits the sequence dim over the TP ranks, context parallelism into 2 * CP
+        # chunks: pad it to a multiple
+        multiple = (self.sizes.tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        layout = PaddedLayout.from_cu_seqlens(cu_seqlens, device, multiple=multiple, at_least=self.pad_to)
         self.replay.set_forward(routing, layout)
         self.autocast_state.capture(device.type)
         ids_SB = layout.to_sb(input_ids_T)
         positions_SB = layout.to_sb(positions_T)
+        mask, shard = layout.causal_mask(), None
+        if cp > 1:
+            from miles_megatron.context_parallel import ContextShard
+
+            shard = ContextShard.current(layout.seq_len, device)
+            ids_SB, positions_SB, mask = shard.take(ids_SB), shard.take(positions_SB), shard.causal_mask()
         with on_device(device):
             x_SBH = None  # a later stage: the decoder's input tensor
             if self.gpt.pre_process:
                 x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
             rotary_SB1D = None  # MLA: the attention ropes each token by its index in the sequence
             if not self.gpt.config.multi_latent_attention:
-                freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1)[:, 0]  # [P, 1, D]
+                # [P, 1, D], every position (packed_seq: Megatron would keep its CP rank's part of the table)
+                freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1, packed_seq=True)[:, 0]
                 rotary_SB1D = freqs_PD[positions_SB]
             hidden_SBH = self.gpt.decoder(
-                hidden_states=x_SBH, attention_mask=layout.causal_mask(), rotary_pos_emb=rotary_SB1D
+                hidden_states=x_SBH, attention_mask=mask, rotary_pos_emb=rotary_SB1D
             )
             # this rank's sequence shard -> every position (the head is gathered too); a PP stage
             # before the last passes its shard on to the next stage's same TP rank
@@ -389,6 +411,8 @@ class MegatronPolicy(torch.nn.Module):
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
+            if shard is not None and self.gpt.post_process:  # the CP group's rows, in sequence order
+                hidden_SBH = shard.gather_sequence(hidden_SBH)
         return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH)
 
     def stage_forward(self, batch: Any) -> torch.Tensor:
@@ -412,6 +436,9 @@ class MegatronPolicy(torch.nn.Module):
         """Give the policy an MTP draft layer (miles-spec's ``--enable-mtp-training``)."""
         from miles_megatron.mtp import attach_mtp_block
 
+        if self.sizes.cp > 1:
+            raise ValueError("--enable-mtp-training with --context-parallel-size > 1 is not supported by "
+                             "--train-backend megatron (the draft reads whole sequences); use CP 1")
         attach_mtp_block(self, num_layers)
         self.last_forward = None
 

@@ -1,10 +1,11 @@
 """Megatron-Core's process state for the one-process backend.
 
 - :func:`check_parallel_sizes`: what ``--tensor/pipeline/expert/context-model-parallel-size``
-  this version can honour (TP, EP and PP in any combination; CP = 1).
+  this version can honour (TP, EP, PP and CP in any combination, CP with dense models:
+  :mod:`miles_megatron.context_parallel`).
 - :func:`init_model_parallel`: Megatron's ``parallel_state`` over the default group:
   a one-rank group created here (NCCL for a CUDA trainer, gloo on CPU; in-process
-  store) at sizes 1, else the ``TP * PP * DP`` trainer ranks' group. The expert
+  store) at sizes 1, else the ``TP * PP * CP * DP`` trainer ranks' group. The expert
   tensor-parallel size is 1 (:data:`EXPERT_TP`): experts are never TP-split; the
   expert-parallel groups are carved out of each stage's ``TP x DP`` ranks, as
   Megatron's ``initialize_model_parallel`` does, with Megatron's data-parallel size DP
@@ -58,20 +59,17 @@ EXPERT_TP = 1
 
 
 def check_parallel_sizes(config: Any) -> None:
-    """What this version runs: TP, EP and PP in any combination (one trainer process per
-    rank of ``TP x PP x DP``, DP a multiple of the smallest that EP divides into); CP stays 1."""
-    cp = getattr(config, PARALLEL_FLAGS["--context-parallel-size"])
-    if cp != 1:
-        raise ValueError(
-            f"--train-backend megatron: --context-parallel-size {cp} is not supported yet: this version runs "
-            "tensor (TP), expert (EP) and pipeline (PP) parallelism, alone or combined (one trainer process per "
-            "rank), with context parallel size 1"
-        )
+    """What this version runs: TP, EP, PP and CP in any combination (one trainer process per
+    rank of ``TP x PP x CP x DP``, DP a multiple of the smallest that EP divides into); the
+    sizes must be positive."""
+    bad = [f"{flag} {getattr(config, dest)}" for flag, dest in PARALLEL_FLAGS.items() if int(getattr(config, dest)) < 1]
+    if bad:
+        raise ValueError(f"--train-backend megatron: {', '.join(bad)}: model-parallel sizes are at least 1")
 
 
 def config_sizes(config: Any):
     """The :class:`~miles_megatron.parallel.Sizes` a config asks for: DP from the trainer
-    processes (``--actor-num-nodes x --actor-num-gpus-per-node`` = TP x PP x DP) when they
+    processes (``--actor-num-nodes x --actor-num-gpus-per-node`` = TP x PP x CP x DP) when they
     divide so (DP a multiple of the smallest EP allows), else that smallest DP (the
     placement check then names the processes wanted)."""
     from miles_host.distributed.placement import num_trainers
@@ -79,22 +77,22 @@ def config_sizes(config: Any):
     from miles_megatron.parallel import Sizes
 
     smallest = Sizes(int(config.tensor_model_parallel_size), int(config.expert_model_parallel_size),
-                     int(config.pipeline_model_parallel_size))
-    trainers, model_parallel = num_trainers(config), smallest.tp * smallest.pp
+                     int(config.pipeline_model_parallel_size), cp=int(config.context_parallel_size))
+    trainers, model_parallel = num_trainers(config), smallest.tp * smallest.pp * smallest.cp
     if trainers % model_parallel == 0 and (trainers // model_parallel) % smallest.dp == 0:
-        return Sizes(smallest.tp, smallest.ep, smallest.pp, trainers // model_parallel)
+        return Sizes(smallest.tp, smallest.ep, smallest.pp, trainers // model_parallel, smallest.cp)
     return smallest
 
 
 def model_parallel_world(config: Any) -> int:
-    """Trainer processes of the run: ``TP * PP * DP`` (:func:`config_sizes`)."""
+    """Trainer processes of the run: ``TP * PP * CP * DP`` (:func:`config_sizes`)."""
     return config_sizes(config).world
 
 
 def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
-                        timeout_s: float | None = None, dp: int = 0) -> None:
-    """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp`` (CP = 1,
-    expert TP = :data:`EXPERT_TP`; DP ``dp``, 0: the smallest EP allows).
+                        timeout_s: float | None = None, dp: int = 0, cp: int = 1) -> None:
+    """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp``, CP = ``cp``
+    (expert TP = :data:`EXPERT_TP`; DP ``dp``, 0: the smallest EP allows).
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
     default group must already hold the ``tp * pp * dp`` trainer ranks (the launcher's
@@ -107,7 +105,7 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
 
     from miles_megatron.parallel import Sizes
 
-    sizes = Sizes(tp, ep, pp, dp)
+    sizes = Sizes(tp, ep, pp, dp, cp)
     world, what = sizes.world, sizes.describe()
     if not dist.is_initialized():
         if world != 1:
@@ -133,13 +131,14 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_world_size())
-        if have != (tp, ep, pp, EXPERT_TP):
-            raise ValueError(f"Megatron's parallel state already has TP x EP x PP (expert TP) = {have}, not "
-                             f"{(tp, ep, pp, EXPERT_TP)}")
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tp, ep, pp, EXPERT_TP, cp):
+            raise ValueError(f"Megatron's parallel state already has TP x EP x PP (expert TP) x CP = {have}, not "
+                             f"{(tp, ep, pp, EXPERT_TP, cp)}")
     else:
         minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60))}
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+        parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=EXPERT_TP, **minutes)
         _STATE_ON = weakref.ref(default)
     _fix_megatron_without_te()
