@@ -48,3 +48,6 @@ def check_fault_tolerance(config: Any) -> None:
                          f"{config.rollout_health_check_first_wait:g}")
     if config.max_engine_restarts < 0:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {config.max_engine_restarts}")
+    if config.use_fault_tolerance and config.fully_async:
+        raise ValueError("--use-fault-tolerance with --fully-async is not supported yet: a restarted engine gets the "
+                         "trainer's weights, which the trainer changes while the producer generates; drop one of the two")

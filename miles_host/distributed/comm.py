@@ -135,11 +135,13 @@ class WorkerHandle:
     Every wait polls the pipe in short slices and checks that the process is still
     alive, so a dead worker is reported at once and a hung one after ``timeout_s``."""
 
-    def __init__(self, name: str, process, conn, timeout_s: float):
+    def __init__(self, name: str, process, conn, timeout_s: float, heartbeat=None):
         self.name = name
         self.process = process
         self.conn = conn
         self.timeout_s = timeout_s
+        #: the worker's :class:`~miles_host.distributed.heartbeat.Heartbeat` (None: none is checked)
+        self.heartbeat = heartbeat
 
     def send(self, method: str, *args: Any) -> None:
         self._check_alive()
@@ -167,6 +169,9 @@ class WorkerHandle:
                     raise WorkerFailed(self.name, f"raised an error:\n{payload}")
                 return payload
             self._check_alive()
+            silent = self.heartbeat.silent_for() if self.heartbeat is not None else None
+            if silent is not None:
+                raise WorkerFailed(self.name, f"(pid {self.process.pid}) {self.heartbeat.describe(silent)}", "hung")
             if time.monotonic() > deadline:
                 within = f"--worker-timeout {limit:g} s" if timeout_s is None else f"{limit:g} s"
                 raise WorkerFailed(

@@ -16,7 +16,9 @@ process either way.
 Faults: every wait on a worker checks that the process lives and gives up after
 ``--worker-timeout`` seconds; the run then writes a checkpoint of the last
 completed rollout (``--save``), stops every worker and exits with code 3 and a
-message naming the worker.
+message naming the worker. With ``--use-fault-tolerance`` a rollout engine that dies
+or stops beating its heartbeat is restarted instead
+(:mod:`miles_host.distributed.engine_restarts`); a trainer failure still stops the run.
 
 Several nodes (``--actor-num-nodes > 1``, through Ray): workers are placed with a SPREAD
 placement group; process groups meet at :func:`rendezvous_address` (the driver's address
@@ -38,7 +40,9 @@ from miles_host.checkpoint import LATEST
 from miles_host.distributed import ray_workers
 from miles_host.distributed.comm import WorkerHandle, free_port, leave_default_group, new_group
 from miles_host.distributed.errors import WorkerFailed
+from miles_host.distributed.engine_restarts import RestartingRouter
 from miles_host.distributed.failures import failed_worker
+from miles_host.distributed.heartbeat import Heartbeat
 from miles_host.distributed.placement import (
     engine_gpu,
     num_engines,
@@ -67,16 +71,23 @@ def _threads(config: Any) -> int:
 _LIVE: list[WorkerHandle] = []
 
 
-def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None, index: int = 0):
+def _spawn(target, name: str, args: tuple, timeout_s: float, config: Any = None, index: int = 0,
+           heartbeat: Heartbeat | None = None):
+    """Start ``target(*args, [heartbeat,] conn)`` (the heartbeat argument only when one is
+    given; Ray workers get None: their hangs are found by ``--worker-timeout``)."""
     if config is not None and uses_ray(config):
-        process, parent = ray_workers.spawn_ray(target, name, args, timeout_s, config, index)
+        extra = () if heartbeat is None else (None,)
+        process, parent = ray_workers.spawn_ray(target, name, (*args, *extra), timeout_s, config, index)
+        heartbeat = None
     else:
         ctx = mp.get_context("spawn")
+        if heartbeat is not None:
+            args = (*args, heartbeat)
         parent, child = ctx.Pipe()
         process = ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
         process.start()
         child.close()
-    handle = WorkerHandle(name, process, parent, timeout_s)
+    handle = WorkerHandle(name, process, parent, timeout_s, heartbeat)
     _LIVE.append(handle)
     return handle
 
@@ -132,26 +143,49 @@ def _trainer_entry(config, rank, world, store_address, num_threads, timeout_s, c
     trainer_main(config, rank, world, store_address, conn, num_threads, timeout_s)
 
 
-def _rollout_entry(config, index, num_threads, conn):
-    rollout_main(config, index, conn, num_threads)
+def _rollout_entry(config, index, num_threads, incarnation, *rest):
+    *heartbeat, conn = rest
+    rollout_main(config, index, conn, num_threads, heartbeat[0] if heartbeat else None, incarnation)
+
+
+def _spawn_engine(config: Any, index: int, incarnation: int = 0) -> WorkerHandle:
+    """Start rollout engine ``index`` on its device (``incarnation``: its restarts so far);
+    with ``--use-fault-tolerance`` it beats a heartbeat."""
+    engine_config = copy.copy(config)
+    if on_gpus(config):
+        engine_config.device = f"cuda:{engine_gpu(config, index)}"
+    heartbeat = None
+    if config.use_fault_tolerance:
+        heartbeat = Heartbeat(mp.get_context("spawn"), config.rollout_health_check_interval,
+                              config.rollout_health_check_timeout, config.rollout_health_check_first_wait)
+    return _spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config), incarnation),
+                  worker_timeout(config), config, num_trainers(config) - 1 + index, heartbeat)
+
+
+def _respawn_engine(config: Any, index: int, incarnation: int) -> RolloutClient:
+    """A started engine process in place of engine ``index`` (a failed one)."""
+    handle = _spawn_engine(config, index, incarnation)
+    _await_startup([handle])
+    return RolloutClient(handle)
 
 
 def make_rollout(config: Any, manager: Any):
-    """``--rollout-backend process``: engines in their own processes behind a router."""
-    count, timeout_s = max(1, num_engines(config)), worker_timeout(config)
+    """``--rollout-backend process``: engines in their own processes behind a router
+    (one that restarts failed engines with ``--use-fault-tolerance``)."""
+    count = max(1, num_engines(config))
     handles = []
     try:
         for index in range(count):
-            engine_config = copy.copy(config)
-            if on_gpus(config):
-                engine_config.device = f"cuda:{engine_gpu(config, index)}"
-            handles.append(_spawn(_rollout_entry, f"rollout-{index}", (engine_config, index, _threads(config)), timeout_s,
-                                  config, num_trainers(config) - 1 + index))
+            handles.append(_spawn_engine(config, index))
     except BaseException:
         _stop_all(handles)
         raise
     _await_startup(handles)
-    return RolloutRouter([RolloutClient(handle) for handle in handles])
+    clients = [RolloutClient(handle) for handle in handles]
+    if config.use_fault_tolerance:
+        return RestartingRouter(clients, lambda index, incarnation: _respawn_engine(config, index, incarnation),
+                                config.max_engine_restarts)
+    return RolloutRouter(clients)
 
 
 # -- the run -------------------------------------------------------------------------
@@ -176,7 +210,16 @@ def new_run(config: Any, manager: Any) -> Run:
 def make_run(config: Any, manager: Any) -> Run:
     """A :class:`miles_host.loop.Run` over processes (call ``stop_workers(run)`` after)."""
     prepare(config, manager.registries)
-    return new_run(config, manager)
+    run = new_run(config, manager)
+    if isinstance(run.backend, RestartingRouter):
+        run.backend.restore_weights = lambda: push_current_weights(run)
+    return run
+
+
+def push_current_weights(run: Run) -> Any:
+    """Push the trainer's weights as the run's current version through the run's transport
+    (a restarted engine's first weights: all of them, whatever ``--lora-sync`` sends later)."""
+    return run.transport.push(list(run.trainer.named_weights_for_rollout()), run.backend, run.state.weight_version)
 
 
 def stop_workers(run: Any) -> None:

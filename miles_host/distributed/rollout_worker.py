@@ -29,10 +29,12 @@ def parse_dtype(name: str) -> torch.dtype:
 class RolloutProcess:
     """Worker side: one :class:`EmbeddedRolloutBackend` and the weight-receiving ends."""
 
-    def __init__(self, config: Any, index: int):
+    def __init__(self, config: Any, index: int, incarnation: int = 0):
         from miles_host.rollout_backend import EmbeddedRolloutBackend
 
         self.index = index
+        #: 0 for the engine the run started, k for its k-th restart (--use-fault-tolerance)
+        self.incarnation = incarnation
         self.backend = EmbeddedRolloutBackend(config, rebuild_manager(config))
         self.engine = self.backend.engine
         self.weight_group = None
@@ -147,16 +149,19 @@ def packed_log_probs(model, ids: torch.Tensor, start: int) -> list[float]:
     return log_probs[start - 1 : n - 1].float().cpu().tolist()
 
 
-def rollout_main(config: Any, index: int, conn, num_threads: int) -> None:
-    """Entry point of a rollout engine process."""
+def rollout_main(config: Any, index: int, conn, num_threads: int, heartbeat=None, incarnation: int = 0) -> None:
+    """Entry point of a rollout engine process (``heartbeat``: beat from a thread of this
+    process; ``incarnation``: how many times this engine was restarted)."""
     from miles_host.loop import seed_everything
 
+    if heartbeat is not None:
+        heartbeat.start_beating()
     torch.set_num_threads(num_threads)
     seed_everything(config.seed)
     if str(config.device).startswith("cuda:") and torch.cuda.is_available():
         torch.cuda.set_device(torch.device(config.device))  # Triton launches on the current device
     try:
-        worker = RolloutProcess(config, index)
+        worker = RolloutProcess(config, index, incarnation)
     except Exception:  # noqa: BLE001
         import traceback
 

@@ -66,10 +66,14 @@ class BroadcastTransport:
         self.timeout_s = worker_timeout(config)
         self.backend_name = "nccl" if torch.cuda.is_available() and str(config.device) != "cpu" else "gloo"
         self.group = None
+        #: the engine processes the group was formed with (a restarted engine needs a new group)
+        self.members: list = []
 
     def _ensure_group(self, router) -> None:
-        if self.group is not None:
+        members = [client.handle for client in router.clients]
+        if self.group is not None and members == self.members:  # the same processes (handles compare by identity)
             return
+        self.members = members
         address, port, world = rendezvous_address(self.config), free_port(), len(router.clients) + 1
         for rank, client in enumerate(router.clients, start=1):
             client.handle.send("init_weight_group", address, port, rank, world, self.backend_name, self.timeout_s)
