@@ -92,10 +92,11 @@ def _sparse_attention_kernel(
     dk = tl.arange(0, DK_PAD)
     dv = tl.arange(0, DV_PAD)
     q = tl.load(Q + t * stride_qt + h * stride_qh + dk, mask=dk < DK, other=0.0).to(tl.float32)
-    m_i = -1.0e30
-    l_i = 0.0
+    m_i = tl.max(tl.zeros([BLOCK_K], dtype=tl.float32), axis=0) - 1.0e30
+    l_i = tl.sum(tl.zeros([BLOCK_K], dtype=tl.float32), axis=0)
     acc = tl.zeros([DV_PAD], dtype=tl.float32)
-    for start in range(0, num_selected, BLOCK_K):
+    start = 0
+    while start < num_selected:  # (a runtime-bound range() does not run under the interpreter with numpy 2)
         idx = start + tl.arange(0, BLOCK_K)
         pos = tl.load(Sel + t * stride_st + idx, mask=idx < num_selected, other=-1)
         valid = pos >= 0
@@ -114,6 +115,7 @@ def _sparse_attention_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
+        start += BLOCK_K
     out = acc / l_i
     tl.store(Out + t * stride_ot + h * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < DV)
 
