@@ -74,6 +74,8 @@ class MegatronTrainer(NativeTrainer):
     optimizer_names = ("adam",)
     #: --load / --ref-load of a Megatron torch_dist checkpoint (megatron_load.py)
     reads_megatron_checkpoints = True
+    #: weight sync gathers and sends the weights bucket by bucket (:meth:`weight_buckets`)
+    streams_weights = True
 
     def __init__(self, config: Any, manager: Any, group: Any = None, rank: int = 0, world: int = 1):
         from miles_megatron.runtime import config_sizes
@@ -202,6 +204,16 @@ class MegatronTrainer(NativeTrainer):
     def named_weights_for_rollout(self):
         named = list(self.full_state_dict().items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
+
+    def weight_buckets(self, bucket_bytes: int):
+        """The weights for the engine in buckets of at most ``bucket_bytes``, gathered across
+        TP/EP/PP one bucket at a time (:mod:`miles_megatron.weight_buckets`; a collective:
+        every rank iterates it to the end, rank 0 gets the buckets)."""
+        from miles_megatron.weight_buckets import native_buckets
+
+        for bucket in native_buckets(self.model, bucket_bytes, self.device):
+            named = list(bucket.items())
+            yield self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
     def save_shards(self, folder: str) -> list[str]:
         """``--ckpt-format torch_dist``: this rank's model and optimizer shards into ``folder``
