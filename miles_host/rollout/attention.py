@@ -115,7 +115,8 @@ class PagedAttention:
         """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``.
 
         Sinks and chunked local attention run the PyTorch reference on every backend
-        (the Triton and flash-attn kernels implement neither)."""
+        (the Triton and flash-attn kernels implement neither; the decode-graph capture
+        fails with the reason and the engine decodes eagerly)."""
         meta = self.metadata
         k_cache = self.kv_cache.k_NSHD[layer_index]
         v_cache = self.kv_cache.v_NSHD[layer_index]
@@ -130,6 +131,11 @@ class PagedAttention:
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
         if sinks is not None or chunk_size is not None:
+            if q_THD.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "attention sinks and chunked local attention run the PyTorch reference, which reads "
+                    "host-side lengths and cannot be captured in a CUDA graph"
+                )
             return paged_attention_reference(
                 q_THD, k_cache, v_cache, meta.block_tables_BM,
                 meta.cu_seqlens_q_host, meta.context_lens_host,
