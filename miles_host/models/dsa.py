@@ -16,9 +16,9 @@ How attention sees the keys depends on the forward's attention context, through
 mask of a dense attention) and the engine's paged cache
 (:class:`~miles_host.rollout.attention.PagedAttention`: the indexer keys live in the same
 paged cache as extra entries after the layers' own, see :meth:`DSAttention.extra_cache_layouts`,
-and the scores and sparse attention run in :mod:`miles_host.kernels.dsa`). The per-token
-batch-invariant contexts of ``--true-on-policy`` are refused: the top-k selection over a
-token's context is not implemented there.
+and the scores and sparse attention run in :mod:`miles_host.kernels.dsa`). The batch-invariant
+contexts of ``--true-on-policy`` are refused (:data:`TRUE_ON_POLICY_REFUSAL`): the top-k
+selection is not implemented there.
 
 Tensor legend: T tokens, H hidden, N attention heads, I indexer heads, D head dim,
 Q queries of one sequence, L keys of one sequence.
@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from miles_host.kernels import dsa as dsa_kernels
 from miles_host.kernels.eager_ops import apply_rotary
+from miles_host.kernels.small_m_gemm import decode_linear
+from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.self_attention import MLAttention
@@ -83,7 +85,7 @@ class DSAttention(MLAttention):
         index = self.indexer.project(x_TH, q_latent, rope_cos_sin)
         handler = _context_handler(attention)
         y_TND = handler(self, attention, q_TND, k_TND, v_TND.contiguous(), index)
-        return self.o_proj(y_TND.reshape(x_TH.shape[0], -1))
+        return decode_linear(self.o_proj, y_TND.reshape(x_TH.shape[0], -1))
 
     def extra_cache_layouts(self) -> list[tuple[int, int, int, None]]:
         """The paged-cache entry of the indexer keys: one head of ``index_head_dim``, no values."""
@@ -148,25 +150,39 @@ def _paged(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index) -> to
     )
 
 
-#: attention context type -> how a DSA layer attends in it (plugins may add their contexts)
-DSA_CONTEXTS: dict[type, Callable[..., torch.Tensor]] = {PackedAttention: _packed}
+TRUE_ON_POLICY_REFUSAL = (
+    "DeepSeek Sparse Attention does not support --true-on-policy: the batch-invariant forwards (one token at a "
+    "time on CPU, the invariant kernels on CUDA) have no form of the indexer's top-k selection; run without "
+    "--true-on-policy (the train/rollout log-prob difference is then measured and logged)"
+)
+
+
+def _refuse_true_on_policy(*_: Any) -> torch.Tensor:
+    raise ValueError(TRUE_ON_POLICY_REFUSAL)
+
+
+#: attention context type -> how a DSA layer attends in it (plugins may add their contexts); the
+#: batch-invariant contexts of ``--true-on-policy`` are refused
+DSA_CONTEXTS: dict[type, Callable[..., torch.Tensor]] = {
+    PackedAttention: _packed,
+    batch_invariant.PackedTokenAttention: _refuse_true_on_policy,
+    batch_invariant.PagedTokenAttention: _refuse_true_on_policy,
+    batch_invariant._TokenSlot: _refuse_true_on_policy,  # what a layer sees of the two above
+    invariant_gpu.InvariantPackedAttention: _refuse_true_on_policy,
+}
 
 
 def _context_handler(attention: Any) -> Callable[..., torch.Tensor]:
+    # imported here: the rollout package imports the models
     from miles_host.rollout.attention import PagedAttention
 
     DSA_CONTEXTS.setdefault(PagedAttention, _paged)
+    if isinstance(attention, PagedAttention) and attention.backend == "triton_invariant":
+        return _refuse_true_on_policy
     for kind in type(attention).__mro__:
         if kind in DSA_CONTEXTS:
             return DSA_CONTEXTS[kind]
-    name = type(attention).__name__
-    if name in ("_TokenSlot", "PackedTokenAttention", "PagedTokenAttention"):
-        raise ValueError(
-            "DeepSeek Sparse Attention does not support --true-on-policy: its batch-invariant forward attends "
-            "one token at a time and has no form of the indexer's top-k selection over a token's context; "
-            "run without --true-on-policy (the train/rollout log-prob difference is then measured and logged)"
-        )
     raise ValueError(
-        f"DeepSeek Sparse Attention cannot attend in a {name} context; supported: "
-        f"{', '.join(sorted(kind.__name__ for kind in DSA_CONTEXTS))}"
+        f"DeepSeek Sparse Attention cannot attend in a {type(attention).__name__} context; supported: "
+        f"{', '.join(sorted(kind.__name__ for kind, handler in DSA_CONTEXTS.items() if handler is not _refuse_true_on_policy))}"
     )
