@@ -165,6 +165,19 @@ def needs_variant(config: ModelConfig) -> bool:
     )
 
 
+def batch_invariant_refusal(config: ModelConfig) -> str | None:
+    """Why ``--true-on-policy`` cannot run this model (None: it can): the batch-invariant
+    attention (CPU per-token and GPU kernels) implements neither sinks nor chunk masks."""
+    missing = [name for name, used in (
+        ("attention sinks", config.attn_sinks), ("chunked local attention", "chunked_attention" in config.layer_types)
+    ) if used]
+    if not missing:
+        return None
+    return (f"--true-on-policy with model_type {config.model_type!r}: the batch-invariant attention it needs has no "
+            f"{' and no '.join(missing)}, so rollout and training log-probs would not be bitwise equal; drop "
+            "--true-on-policy for this model")
+
+
 def gqa_block(config: ModelConfig, layer_index: int) -> GQAAttention:
     """The grouped-query attention module of one decoder layer (a variant where the config asks)."""
     return VariantGQAAttention(config, layer_index) if needs_variant(config) else GQAAttention(config, layer_index)

@@ -154,8 +154,21 @@ def test_engine_greedy_tokens_and_logprobs_match_transformers(model_type, checkp
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
-def test_batch_invariant_attention_refuses_sinks_and_chunks(model_type, checkpoints):
-    model = load_pretrained(checkpoints(model_type)[1], family=family_lookup)
+def test_true_on_policy_is_refused_with_the_reason(model_type, checkpoints, monkeypatch):
+    from types import SimpleNamespace
+
+    import miles_host.validation.host_checks as host_checks
+    from miles_models import gpt_oss, llama4
+
+    path = checkpoints(model_type)[1]
+    plugin = gpt_oss if model_type == "gpt_oss" else llama4
+    monkeypatch.setattr(host_checks, "model_family_for", family_lookup)
+    missing = "attention sinks" if model_type == "gpt_oss" else "chunked local attention"
+    with pytest.raises(ValueError, match=f"--true-on-policy .*{missing}"):
+        plugin.miles_validate(SimpleNamespace(true_on_policy=True, hf_checkpoint=str(path)), None)
+    plugin.miles_validate(SimpleNamespace(true_on_policy=False, hf_checkpoint=str(path)), None)
+    # the forward itself refuses too (a batch-invariant context without sinks / chunk masks)
+    model = load_pretrained(path, family=family_lookup)
     tokens = torch.tensor(PROMPTS[0])
     ctx = ForwardContext(PackedAttention(torch.tensor([0, len(tokens)], dtype=torch.int32)), batch_invariant=True)
     with pytest.raises(ValueError, match="--true-on-policy"), torch.no_grad():
@@ -165,7 +178,8 @@ def test_batch_invariant_attention_refuses_sinks_and_chunks(model_type, checkpoi
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", TYPES)
 def test_grpo_step_with_routing_replay(model_type, tmp_path):
-    """One GRPO rollout + train step through the CLI with R3: the replayed routes agree."""
+    """One GRPO rollout + train step through the CLI with R3: the replayed routes agree;
+    glm4_moe_lite (no sinks, no chunks) also under --true-on-policy: bitwise equal log-probs."""
     from miles_host.cli.main import main
     from tests.true_on_policy.conftest import MIXED_PROMPTS, QUICKSTART_MODEL, TOKENIZER_FILES
 
@@ -183,9 +197,10 @@ def test_grpo_step_with_routing_replay(model_type, tmp_path):
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
         "--num-rollout", "1", "--lr", "1e-3", "--device", "cpu", "--dtype", "float32",
         "--output-dir", str(out), "--no-progress", "--plugins", "r3",
-    ]
+    ] + (["--true-on-policy"] if model_type == "glm4_moe_lite" else [])
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/train_rollout_logprob_abs_diff" in r]
-    assert trained and all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in trained)
-    assert all(r.get("r3/expert_agreement", 1.0) == 1.0 for r in trained)
+    bound = 0.0 if model_type == "glm4_moe_lite" else 1e-4
+    assert trained and all(r["train/train_rollout_logprob_abs_diff_max"] <= bound for r in trained)
+    assert all(r["r3/expert_agreement"] == 1.0 for r in trained)

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from miles_host.models.config import ModelConfig, MoEConfig
 
 from miles_models._config import base_fields, build, layer_types, rope_config
+from miles_models._checks import refuse_true_on_policy
 from miles_models._family import model_family
 from miles_models._transforms import Transform, TransformWeightMap, deinterleave, interleave, swap_last_two
 from miles_models._weights import L, Rule, common_rules, gqa_rules, norm_rules
@@ -87,3 +88,8 @@ def miles_register_model_families():
             chat_defaults={"eos_tokens": ["<|return|>", "<|call|>", "<|endoftext|>"]},
         )
     ]
+
+
+def miles_validate(config, registries):
+    """``--true-on-policy`` is refused (with the reason) when the model has sinks or chunked attention."""
+    refuse_true_on_policy(config, [t for record in miles_register_model_families() for t in record.model_types])
