@@ -89,6 +89,31 @@ class DSAConfig:
 
 
 @dataclass
+class Gemma3nConfig:
+    """Gemma-3n's text decoder (see :mod:`miles_host.models.gemma3n`).
+
+    Per-layer embeddings of ``hidden_size_per_layer_input`` dims (a token table of
+    ``vocab_size_per_layer_input`` rows plus a projection of the embedding), ``altup_num_inputs``
+    AltUp streams (``altup_active_idx`` goes through the layers; coefficients clipped to
+    ``altup_coef_clip`` in training), LAuReL of rank ``laurel_rank``, per-layer MLP widths
+    ``intermediate_sizes`` and activation sparsity (``activation_sparsity``: the fraction of
+    gate activations a Gaussian top-k zeroes, 0 = dense), and KV sharing: ``kv_source[i]`` is the
+    earlier layer whose keys and values layer ``i`` attends with (None: its own).
+    """
+
+    hidden_size_per_layer_input: int
+    vocab_size_per_layer_input: int
+    altup_num_inputs: int
+    altup_active_idx: int
+    altup_coef_clip: float | None
+    altup_correct_scale: bool
+    laurel_rank: int
+    intermediate_sizes: list[int]
+    activation_sparsity: list[float]
+    kv_source: list[int | None]
+
+
+@dataclass
 class MoEConfig:
     """Mixture-of-experts block.
 
@@ -189,6 +214,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     mla: MLAConfig | None = None
     dsa: DSAConfig | None = None
+    gemma3n: Gemma3nConfig | None = None
     moe: MoEConfig | None = None
     moe_layers: list[bool] = field(default_factory=list)
     num_mtp_layers: int = 0
