@@ -127,10 +127,15 @@ class WandbLogger(MetricsLoggerBase):
         if config.wandb_dir:
             Path(config.wandb_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(config=config.to_dict(), **wandb_init_kwargs(config))
+        if self.run is not None:
+            # wandb's own step only grows; the evaluation before training is rollout -1, so
+            # rollout_id is the x-axis of every metric instead
+            self.run.define_metric("rollout_id")
+            self.run.define_metric("*", step_metric="rollout_id")
 
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            self.run.log({"rollout_id": step, **metrics})
 
     def close(self) -> None:
         if self.run is not None:

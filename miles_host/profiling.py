@@ -6,7 +6,8 @@
   then the active steps) in one trace;
 - ``train_actor`` / ``train_log_probs``: each trainer call (``Trainer.train``), or each of its
   log-prob passes without gradient, inside those steps gets a trace of its own
-  (:func:`region`, armed per step by :meth:`RunProfiler.begin_step`).
+  (:func:`region`, armed per step by :meth:`RunProfiler.begin_step`); inside an enclosing
+  target's trace they are named ranges (``miles:train_actor``) of it.
 
 Traces are TensorBoard's trace files (``<target>_step<N>.<time>.pt.trace.json.gz``, readable by
 TensorBoard's profiler plugin, Perfetto and chrome://tracing) under the TensorBoard directory.
@@ -29,8 +30,11 @@ from typing import Any, Iterator
 
 import torch
 
-#: trainer targets armed for the step under way (empty outside the profiled steps)
-_ARMED: dict[str, Any] = {}
+#: trainer targets armed for the step under way (empty outside the profiled steps):
+#: target -> (trace directory, rollout id, whether it gets a trace of its own)
+_ARMED: dict[str, tuple[Path, int, bool]] = {}
+#: targets whose profiler is recording now (a profiler inside another one crashes kineto)
+_RECORDING: list[str] = []
 
 
 def _trace_handler(trace_dir: Path, worker_name: str):
@@ -46,14 +50,26 @@ def _new_profiler(**kwargs: Any) -> torch.profiler.profile:
 
 @contextlib.contextmanager
 def region(target: str) -> Iterator[None]:
-    """Trace the enclosed work when ``target`` is armed for this step (a no-op otherwise)."""
+    """Trace the enclosed work when ``target`` is armed for this step (a no-op otherwise).
+    Inside another target's trace (``train_log_probs`` within ``train_actor``, either within
+    ``train_overall``) the work is a range named ``miles:<target>`` of that trace instead:
+    torch profilers do not nest."""
     armed = _ARMED.get(target)
     if armed is None:
         yield
         return
-    trace_dir, rollout_id = armed
-    with _new_profiler(on_trace_ready=_trace_handler(trace_dir, f"{target}_step{rollout_id}")):
-        yield
+    trace_dir, rollout_id, own_trace = armed
+    if not own_trace or _RECORDING:
+        with torch.profiler.record_function(f"miles:{target}"):
+            yield
+        return
+    _RECORDING.append(target)
+    try:
+        with _new_profiler(on_trace_ready=_trace_handler(trace_dir, f"{target}_step{rollout_id}")):
+            with torch.profiler.record_function(f"miles:{target}"):
+                yield
+    finally:
+        _RECORDING.pop()
 
 
 class RunProfiler:
@@ -86,7 +102,7 @@ class RunProfiler:
         _ARMED.clear()
         if self.config.profile_step_start <= rollout_id < self.config.profile_step_end:
             for target in self.targets - {"train_overall"}:
-                _ARMED[target] = (self.trace_dir, rollout_id)
+                _ARMED[target] = (self.trace_dir, rollout_id, self.overall is None)
 
     def end_step(self, rollout_id: int) -> None:
         """One rollout step done: the overall profiler steps; the memory snapshot is dumped when due."""
