@@ -128,6 +128,32 @@ def test_weights_round_trip_bit_for_bit(model_type, checkpoints, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {**hf_config, "dtype": "float32"}
 
 
+def test_multimodal_llama4_loads_and_saves_its_language_model(checkpoints, tmp_path):
+    """A ``llama4`` (Llama4ForConditionalGeneration) checkpoint: text_config and ``language_model.*``
+    weights; the vision tensors are skipped on load and not written on save."""
+    _, text_path = checkpoints("llama4_text")
+    text = safetensors.load_file(str(text_path / "model.safetensors"))
+    multimodal = {f"language_model.{name}": tensor for name, tensor in text.items()}
+    vision = {"vision_model.patch_embedding.linear.weight": torch.randn(8, 4),
+              "multi_modal_projector.linear_1.weight": torch.randn(4, 8)}
+    source = tmp_path / "source"
+    source.mkdir()
+    safetensors.save_file({**multimodal, **vision}, str(source / "model.safetensors"))
+    text_config = json.loads((text_path / "config.json").read_text())
+    hf_config = {"model_type": "llama4", "text_config": text_config, "vision_config": {"hidden_size": 8}}
+    (source / "config.json").write_text(json.dumps(hf_config))
+    model = load_pretrained(source, family=family_lookup)
+    reference = load_pretrained(text_path, family=family_lookup)
+    input_ids, attention_mask = prompts_batch(lengths=(13, 6, 9))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids, attention_mask), reference(input_ids, attention_mask))
+    save_pretrained(model, tmp_path / "saved", family=family_lookup)
+    saved = safetensors.load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(multimodal)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in multimodal.items())
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["text_config"] == text_config
+
+
 PROMPTS = [[5, 9, 17, 33, 2, 71, 8], list(range(10, 23)), [100, 3]]
 
 

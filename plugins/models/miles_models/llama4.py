@@ -1,4 +1,6 @@
-"""Llama-4 family, text only: ``llama4_text`` (``Llama4ForCausalLM``).
+"""Llama-4 family, text only: ``llama4_text`` (``Llama4ForCausalLM``) and the language model
+of ``llama4`` (``Llama4ForConditionalGeneration``: its ``text_config`` and ``language_model.*``
+weights; the vision tower and projector are skipped when loading and not written when saving).
 
 Quirks: chunked local attention (``attention_chunk_size``) on the rotary layers
 and global NoPE layers (``no_rope_layers[i] == 0``) whose queries are
@@ -14,6 +16,7 @@ weights scale each expert's input, plus one shared expert; dense layers use
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from miles_host.models.attention_variants import PositionsOnly
@@ -28,9 +31,19 @@ from miles_models._weights import L, Rule, common_rules, gqa_rules, mlp_rules, n
 always_active = True
 
 
+MULTIMODAL = "llama4"
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """Native config of a Llama-4 text model (with transformers' defaults for absent keys)."""
+    """Native config of a Llama-4 text model (with transformers' defaults for absent keys);
+    a multimodal config is read through its ``text_config`` and saved back whole."""
+    original = dict(hf)
+    if hf["model_type"] == MULTIMODAL:
+        if not isinstance(hf.get("text_config"), Mapping):
+            raise ValueError("config.json of model_type 'llama4' has no text_config (the language model's config)")
+        hf = {**hf["text_config"], "model_type": MULTIMODAL}
     fields = base_fields(hf)
+    fields["hf_config"] = original
     num_layers = fields["num_layers"]
     interval = hf.get("no_rope_layer_interval", 4)
     rope_layers = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
@@ -66,8 +79,32 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     return build(fields, moe)
 
 
+class Llama4WeightMap(TransformWeightMap):
+    """The text model's names; for a multimodal checkpoint under ``language_model.``, with the
+    vision tower and projector skipped."""
+
+    _LANGUAGE = re.compile(r"language_model\.(.+)")
+    _VISION = ("vision_model.", "multi_modal_projector.")
+
+    def convert_hf_tensor(self, name, tensor, config):
+        if config.model_type == MULTIMODAL:
+            if name.startswith(self._VISION):
+                return []
+            match = self._LANGUAGE.fullmatch(name)
+            if match is None:
+                return None
+            name = match.group(1)
+        return super().convert_hf_tensor(name, tensor, config)
+
+    def convert_native_tensor(self, name, tensor, config):
+        pairs = super().convert_native_tensor(name, tensor, config)
+        if config.model_type == MULTIMODAL:
+            return [(f"language_model.{hf}", t) for hf, t in pairs]
+        return pairs
+
+
 FF = "feed_forward"
-WEIGHTS = TransformWeightMap(
+WEIGHTS = Llama4WeightMap(
     common_rules()
     + norm_rules("llama")
     + gqa_rules()
@@ -85,7 +122,7 @@ def miles_register_model_families():
     """The Llama-4 (text) family record."""
     return [
         model_family(
-            "llama4", ("llama4_text",), config_from_hf, WEIGHTS,
+            "llama4", ("llama4_text", MULTIMODAL), config_from_hf, WEIGHTS,
             description="Llama 4 text (chunked local + NoPE global attention, MoE with a shared expert)",
             chat_defaults={"eos_tokens": ["<|eot|>", "<|end_of_text|>"]},
         )
