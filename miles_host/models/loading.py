@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from miles_host.models.config import ModelConfig
+from miles_host.models.gemma3n import Gemma3nCausalLM
 from miles_host.models.mlp import Router
 from miles_host.models.model import CausalLM
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -225,6 +226,11 @@ def cast_like_loaded(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, to
     return out
 
 
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The module class of a native config (Gemma-3n's decoder is its own)."""
+    return Gemma3nCausalLM if config.gemma3n is not None else CausalLM
+
+
 def load_pretrained(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -245,7 +251,7 @@ def load_pretrained(
         config.generation_config = json.loads(generation_file.read_text())
     files = safetensors_files(path)
     with torch.device("meta"):
-        model = CausalLM(config, routing_hooks or NO_ROUTING_HOOKS)
+        model = model_class(config)(config, routing_hooks or NO_ROUTING_HOOKS)
     model.to_empty(device=device)
     _cast(model, dtype)
     load_weights(model, record, files)

@@ -136,9 +136,7 @@ class CausalLM(torch.nn.Module):
         #: recompute each layer in backward (activation checkpointing) when training
         self.gradient_checkpointing = False
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            DecoderLayer(config, i, routing_hooks, config.moe_layers[i]) for i in range(config.num_layers)
-        )
+        self.layers = self.build_layers(config, routing_hooks)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.lm_head = None
         if not config.tie_word_embeddings:
@@ -150,6 +148,12 @@ class CausalLM(torch.nn.Module):
         for layer_index in range(config.num_layers):
             rope = config.rope_of(layer_index)
             self._ropes.setdefault(id(rope), rotary_module(rope))
+
+    def build_layers(self, config: ModelConfig, routing_hooks: RoutingHooks) -> torch.nn.ModuleList:
+        """The decoder layers (a model class with other layers overrides this)."""
+        return torch.nn.ModuleList(
+            DecoderLayer(config, i, routing_hooks, config.moe_layers[i]) for i in range(config.num_layers)
+        )
 
     # -- weights ---------------------------------------------------------------
 
