@@ -166,6 +166,11 @@ class Run:
         self.state.weight_version = version
         if trains_only(self.config):  # no engine to push to
             return 0.0
+        if getattr(self.trainer, "streams_weights", False) and not self.sync_selection.lora:
+            # a sharded trainer gathers its weights bucket by bucket: each pushed as it comes
+            for bucket in self.trainer.weight_buckets(int(self.config.update_weight_buffer_size)):
+                self.transport.push(bucket, self.backend, version)
+            return time.perf_counter() - start
         named = self.sync_selection.select(self.trainer.named_weights_for_rollout())
         self.transport.push(named, self.backend, version)
         return time.perf_counter() - start

@@ -63,6 +63,12 @@ class _TrainerTarget:
     def save_shards(self, folder):
         return self.trainer.save_shards(folder)
 
+    def stream_weights(self, bucket_bytes):
+        """Take part in a streamed weight sync (:meth:`TrainerGroup.weight_buckets`)."""
+        for _ in self.trainer.weight_buckets(bucket_bytes):
+            pass
+        return True
+
     def join_state_dict(self):
         """Take part in a collective ``state_dict`` (FSDP2); rank 0 keeps the result."""
         self.trainer.state_dict()
@@ -151,6 +157,25 @@ class TrainerGroup(TrainerBase):
     def named_weights_for_rollout(self):
         """Rank 0's weights (whole: a sharded trainer gathers them after each ``train``)."""
         return self.local.named_weights_for_rollout()
+
+    @property
+    def streams_weights(self) -> bool:
+        """The trainer gathers its weights for the engine bucket by bucket (:meth:`weight_buckets`)."""
+        return bool(getattr(self.local, "streams_weights", False))
+
+    def weight_buckets(self, bucket_bytes: int):
+        """Rank 0's ``(name, tensor)`` buckets of a streamed weight sync, every rank taking part
+        (the local ranks' collective is run to its end even if the caller stops early)."""
+        for handle in self.handles:
+            handle.send("stream_weights", bucket_bytes)
+        buckets = self.local.weight_buckets(bucket_bytes)
+        try:
+            yield from buckets
+        finally:
+            for _ in buckets:
+                pass
+            for handle in self.handles:
+                handle.recv("'stream_weights'")
 
     def train(self, samples) -> dict[str, float]:
         """Every rank trains on ``samples``. A rank that fails, before or under a collective,
