@@ -227,6 +227,8 @@ class ModelConfig:
     linear_attention: Any = None
     #: full attention scales its output by a per-head ``sigmoid`` gate from ``q_proj`` (Qwen3-Next / Qwen3.5)
     attn_output_gate: bool = False
+    #: MTP layers read the model's embedding and lm head (no private copies in the checkpoint; Qwen3-Next)
+    mtp_shared_embeddings: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     generation_config: dict[str, Any] | None = field(default=None, repr=False)
 

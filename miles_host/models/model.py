@@ -105,13 +105,15 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_index: int, routing_hooks: RoutingHooks):
         super().__init__(config, layer_index, routing_hooks, moe=config.moe is not None)
-        eps = config.rms_norm_eps
-        self.enorm = RMSNorm(config.hidden_size, eps)
-        self.hnorm = RMSNorm(config.hidden_size, eps)
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.enorm = RMSNorm(config.hidden_size, eps, offset)
+        self.hnorm = RMSNorm(config.hidden_size, eps, offset)
         self.eh_proj = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.head_norm = RMSNorm(config.hidden_size, eps)
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head_norm = RMSNorm(config.hidden_size, eps, offset)
+        self.embed_tokens = self.head = None  # the policy's (Qwen3-Next), else private copies (DeepSeek)
+        if not config.mtp_shared_embeddings:
+            self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def fresh(cls, config: ModelConfig, layer_index: int, routing_hooks: RoutingHooks) -> "MTPLayer":
