@@ -90,9 +90,13 @@ def configure_schedule(config: Any) -> None:
     config.finalize_model_grads_func = None
 
 
-def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False) -> torch.nn.Module:
+def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False,
+             distributed_optimizer: bool = False) -> torch.nn.Module:
     """``gpt`` in Megatron's ``DistributedDataParallel`` (see module doc); ``overlap_grad_reduce``:
-    the reduction overlaps the last micro-batch's backward (``--overlap-grad-reduce``)."""
+    the reduction overlaps the last micro-batch's backward (``--overlap-grad-reduce``);
+    ``distributed_optimizer``: the buffers laid out for Megatron's distributed optimizer
+    (gradients reduce-scattered over DP, parameters all-gathered after its step;
+    :mod:`miles_megatron.megatron_optimizer`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     for name, param in gpt.named_parameters():
@@ -101,7 +105,8 @@ def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False) -> torch.n
         if gpt.config.multi_latent_attention and not gpt.config.sequence_parallel and "q_layernorm" in name:
             param.average_gradients_across_tp_domain = True
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
     )
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)

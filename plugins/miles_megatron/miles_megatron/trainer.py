@@ -53,6 +53,9 @@ def check_supported(config: Any) -> None:
     problems = [what for flag, what in _NATIVE_ONLY.items() if getattr(config, flag)]
     if config.precision not in ("bf16", "fp8"):
         problems.append(f"--precision {config.precision} (only bf16 and fp8 are wired for Megatron)")
+    if config.use_distributed_optimizer and config.optimizer_cpu_offload:
+        problems.append("--use-distributed-optimizer with --optimizer-cpu-offload (Megatron's distributed optimizer "
+                        "keeps its state on the trainer's device)")
     if config.precision == "fp8" and config.tensor_model_parallel_size > 1:
         problems.append("--precision fp8 with --tensor-model-parallel-size > 1 (the FP8 GEMMs replace Megatron's "
                         "linear compute, whose tensor-parallel gradient all-reduce is not wired)")
@@ -101,10 +104,6 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.megatron_load import load_start_weights
 
         load_start_weights(self)  # --ref-load / --load of Megatron torch_dist checkpoints
-        from miles_megatron.schedule import wrap_ddp
-
-        with on_device(self.device):
-            self.ddp = wrap_ddp(self.model.gpt, overlap_grad_reduce=config.overlap_grad_reduce)
         if self.sizes.parallel and self.critic is not None:
             raise ValueError(
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
@@ -113,6 +112,25 @@ class MegatronTrainer(NativeTrainer):
         self._full_state: dict[str, torch.Tensor] | None = None
         if self.sizes.parallel:
             self._gather_full_state()
+
+    def _make_optimizer(self, fused: bool | None = None) -> None:
+        """The model in Megatron's DDP (:func:`miles_megatron.schedule.wrap_ddp`), then the host's
+        optimizer, or with ``--use-distributed-optimizer`` Megatron's distributed optimizer under
+        the host's learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
+        from miles_host.lr_schedule import lr_lambda
+        from miles_megatron.schedule import wrap_ddp
+
+        distributed = self.config.use_distributed_optimizer
+        with on_device(self.device):
+            self.ddp = wrap_ddp(self.model.gpt, overlap_grad_reduce=self.config.overlap_grad_reduce,
+                                distributed_optimizer=distributed)
+        if not distributed:
+            return super()._make_optimizer(fused)
+        from miles_megatron.megatron_optimizer import build_megatron_optimizer
+
+        self.optimizer = build_megatron_optimizer(self.ddp, self.config, self.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
+        self.last_step_lr = None
 
     def close(self) -> None:
         """Leave Megatron's parallel state, and the default group the trainer created (the
@@ -179,7 +197,10 @@ class MegatronTrainer(NativeTrainer):
         return log_probs_without_grad(self, model, samples, phase)
 
     def _clip_grads(self) -> torch.Tensor:
-        """Under TP/EP/PP/DP: the norm over the whole model, each gradient counted once."""
+        """Under TP/EP/PP/DP: the norm over the whole model, each gradient counted once (with
+        ``--use-distributed-optimizer`` Megatron's norm and clipping)."""
+        if self.config.use_distributed_optimizer:
+            return self.optimizer.clip()
         if not self.sizes.parallel:
             return super()._clip_grads()
         from miles_megatron.parallel import clip_grad_norm
@@ -231,6 +252,9 @@ class MegatronTrainer(NativeTrainer):
 
         if uses_torch_dist(self.config):
             return trainer_state(self)
+        if self.config.use_distributed_optimizer:
+            raise ValueError("--use-distributed-optimizer shards the optimizer state over the data-parallel ranks: "
+                             "checkpoints need --ckpt-format torch_dist")
         if not self.sizes.parallel:
             return {**super().state_dict(), "train_backend": self.backend}
         from miles_megatron.optimizer_state import gather_optimizer_state

@@ -1,0 +1,182 @@
+"""Megatron-Core's optimizer for the megatron backend (``--use-distributed-optimizer``).
+
+``get_megatron_optimizer`` over the trainer's DDP-wrapped model chunks, with Megatron's
+distributed optimizer (ZeRO-1: each data-parallel rank keeps the Adam moments and the
+float32 master weights of its slice of the contiguous gradient buffer; the DDP reduces
+the gradients by reduce-scatter and, after the step, all-gathers the parameters). The
+parameters are float32 (this backend's masters), so Megatron's master weights are the
+parameters' own slices; the moments stay float32 (no precision-aware optimizer). The
+optimizer's settings are the host's (:mod:`miles_host.optimizer`): ``--optimizer``
+adam (AdamW) or sgd, ``--lr``, ``--weight-decay`` (Megatron's groups: biases and 1-D
+parameters take none, as the host's), ``--adam-beta1/2``, ``--adam-eps``,
+``--sgd-momentum``, ``--clip-grad``.
+
+:class:`MegatronOptimizerStep` puts it where the host trainer keeps its torch optimizer:
+
+- the learning rate: its one parameter group's ``lr`` is what the host's ``LambdaLR``
+  (``--lr-decay-style`` and warm-up, :func:`~miles_host.lr_schedule.lr_lambda`) sets; each
+  step copies it into every group of Megatron's optimizers (dense and expert);
+- :meth:`~MegatronOptimizerStep.clip`: Megatron's gradient preparation (the reduced
+  gradients of this rank's slice to its master weights), its gradient norm over the whole
+  model (each gradient counted once over TP / PP / DP / EP, the tied embedding's copy not
+  at all) and its clipping to ``--clip-grad``; the host reads the norm and skips a step
+  whose loss or norm is not finite (as it does for its own optimizer);
+- :meth:`~MegatronOptimizerStep.step`: Megatron's step on the prepared gradients
+  (the inner optimizer, the masters back to the parameters, the DP all-gather);
+- ``sharded_state_dict`` / ``load_state_dict``: Megatron's own (``torch_dist``
+  checkpoints, :mod:`miles_megatron.dist_ckpt`).
+
+On CPU, Megatron-Core 0.16's distributed optimizer accepts only parameters whose
+``Tensor.type()`` names a CUDA type (its clipping asserts the same of the gradients), and
+its checkpoint state is gathered after ``Tensor.cuda()``: while it runs, CPU tensors answer
+their CUDA type's name and stay where they are for ``cuda()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+
+def optimizer_config(config: Any):
+    """Megatron's ``OptimizerConfig`` from the host's flags (see module doc)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        sgd_momentum=config.sgd_momentum, clip_grad=config.clip_grad, use_distributed_optimizer=True,
+        params_dtype=torch.float32, bf16=False, fp16=False, use_precision_aware_optimizer=False,
+    )
+
+
+#: the distributed optimizer's checkpoint layout: its moments as the model's tensors (each
+#: parameter's moments keyed and sharded as the parameter), so a checkpoint loads on another
+#: TP / PP / DP layout (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``)
+SHARDING = "fully_reshardable"
+
+
+class _CpuAsCuda(torch.overrides.TorchFunctionMode):
+    """``Tensor.type()`` of a CPU tensor answers its CUDA type name, and ``Tensor.cuda()``
+    (the checkpoint's state gathering copies to the device before its collective) is the
+    tensor itself (see module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda and args[0].device.type == "cpu":
+            return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """Megatron's device context (:func:`~miles_megatron.runtime.on_device`), on CPU with
+    :class:`_CpuAsCuda`."""
+    from miles_megatron.runtime import on_device
+
+    with on_device(device), (_CpuAsCuda() if torch.device(device).type == "cpu" else contextlib.nullcontext()):
+        yield
+
+
+class MegatronOptimizerStep(torch.optim.Optimizer):
+    """Megatron's optimizer behind the torch optimizer interface the host trainer uses
+    (see module doc). ``megatron``: what ``get_megatron_optimizer`` built."""
+
+    def __init__(self, megatron: Any, params: list[torch.nn.Parameter], lr: float, device: torch.device):
+        super().__init__([{"params": params}], {"lr": lr})
+        self.megatron = megatron
+        self.device = torch.device(device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.megatron.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def clip(self) -> torch.Tensor:
+        """Megatron's gradient preparation, norm and clipping (see module doc): the norm
+        before clipping, every rank the same."""
+        with _on(self.device):
+            self.megatron.prepare_grads()
+            norm = float(self.megatron.get_grad_norm())
+            clip_grad = self.megatron.config.clip_grad
+            for optimizer in getattr(self.megatron, "chained_optimizers", [self.megatron]):
+                parameters = optimizer.get_parameters()
+                if parameters and clip_grad > 0:
+                    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+                    clip_grad_by_total_norm_fp32(parameters, max_norm=clip_grad, total_norm=norm)
+        return torch.tensor(norm, dtype=torch.float64)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Megatron's step on the gradients :meth:`clip` prepared, at this group's ``lr``."""
+        if closure is not None:
+            raise ValueError("the megatron backend's optimizer takes no closure")
+        self._share_lr()
+        with _on(self.device):
+            self.megatron.step_with_ready_grads()
+
+    def _share_lr(self) -> None:
+        """This group's ``lr`` (the schedule's) into every group of Megatron's optimizers."""
+        for group in self.megatron.param_groups:
+            group["lr"] = self.param_groups[0]["lr"]
+
+    def sharded_state_dict(self, model_state: dict, is_loading: bool = False) -> dict:
+        """Megatron's sharded optimizer state, :data:`SHARDING` (see there), with the
+        schedule's next learning rate."""
+        self._share_lr()
+        with _on(self.device):
+            return self.megatron.sharded_state_dict(model_state, is_loading=is_loading,
+                                                    metadata={"distrib_optim_sharding_type": SHARDING})
+
+    def state_dict(self) -> dict:
+        raise ValueError("--use-distributed-optimizer: the optimizer state is sharded over the data-parallel ranks; "
+                         "save it with --ckpt-format torch_dist")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """What :meth:`sharded_state_dict` read back from a torch_dist checkpoint (the learning
+        rate the schedule had set comes back with Megatron's parameter groups)."""
+        with _on(self.device):
+            self.megatron.load_state_dict(state_dict)
+        self.param_groups[0]["lr"] = self.megatron.param_groups[0]["lr"]
+
+
+def build_megatron_optimizer(ddp: torch.nn.Module, config: Any, device: torch.device) -> MegatronOptimizerStep:
+    """Megatron's distributed optimizer over ``ddp`` (a ``DistributedDataParallel`` built with
+    ``use_distributed_optimizer``) with the host's settings (see module doc)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from miles_megatron.runtime import quiet_imports
+
+    with quiet_imports(), _on(device):
+        megatron = get_megatron_optimizer(optimizer_config(config), [ddp])
+    for optimizer in megatron.chained_optimizers:
+        _load_keeps_the_step(optimizer)
+    params = [param for param in ddp.module.parameters() if param.requires_grad]
+    return MegatronOptimizerStep(megatron, params, config.lr, device)
+
+
+def _load_keeps_the_step(optimizer: Any) -> None:
+    """Two things Megatron-Core 0.16's distributed optimizer gets wrong when it loads into
+    ``torch.optim.AdamW`` (its Adam without TransformerEngine or Apex), which keeps a ``step``
+    tensor per parameter: it gives every parameter the same ``step`` tensor (restored from the
+    parameter groups), which AdamW then increments in place once per parameter; and it loads a
+    ``fully_reshardable`` state key by key, expecting a per-parameter ``step`` that format does
+    not hold. Each parameter here gets its own copy of the restored step, and the loaded
+    tensors that step."""
+    original = optimizer._set_main_param_and_optimizer_states
+
+    def set_states(model_param: torch.nn.Parameter, tensors: dict) -> None:
+        group, order = optimizer.model_param_group_index_map[model_param]
+        state = optimizer.optimizer.state[optimizer.optimizer.param_groups[group]["params"][order]]
+        if "step" in state:
+            state["step"] = state["step"].detach().clone()
+            if "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+        original(model_param, tensors)
+
+    optimizer._set_main_param_and_optimizer_states = set_states
