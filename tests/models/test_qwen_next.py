@@ -123,3 +123,41 @@ def test_gradients_flow_through_the_chunked_rule(checkpoints):
     layer = model.layers[0].attn
     for parameter in (layer.in_proj.weight, layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight):
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5_text"])
+def test_mtp_layer_loads_into_the_mtp_slot_and_round_trips(case, checkpoints, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "with_mtp"
+    shutil.copytree(checkpoints[case], path)
+    config = json.loads((path / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    # the MTP tensors a checkpoint stores, in HF names, with their shapes taken from the native layer
+    family = family_lookup(config["model_type"])
+    native = load_pretrained(checkpoints[case], family=family_lookup)
+    from miles_host.models.loading import native_config
+    from miles_host.models.model import MTPLayer
+
+    layer = MTPLayer(native_config(config, family), native.config.num_layers, native.routing_hooks)
+    generator = torch.Generator().manual_seed(5)
+    mtp = {}
+    for name, tensor in layer.state_dict().items():
+        for hf_name, part in family.convert_native_tensor(f"mtp.0.{name}", tensor, native.config):
+            mtp[hf_name] = torch.randn(part.shape, generator=generator)
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.input_layernorm.weight"} <= set(mtp)
+    original = {**load_file(path / "model.safetensors"), **mtp}
+    save_file(original, path / "model.safetensors", metadata={"format": "pt"})
+    model = load_pretrained(path, family=family_lookup)
+    assert len(model.mtp) == 1 and model.mtp[0].embed_tokens is None  # the model's embedding and head
+    assert model.mtp[0].enorm.unit_offset  # zero-centred like every Qwen3-Next norm
+    assert torch.equal(model.mtp[0].eh_proj.weight, mtp["mtp.fc.weight"])
+    save_pretrained(model, tmp_path / "saved", family=family_lookup)
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert sorted(saved) == sorted(original)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in original.items())

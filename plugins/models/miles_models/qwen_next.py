@@ -12,8 +12,10 @@ everywhere. Experts are saved per expert (as transformers saves them) and load f
 layout.
 
 The multimodal ``qwen3_5`` / ``qwen3_5_moe`` configs are read through their ``text_config``
-and their language-model weights (``model.language_model.*``); the vision tower and the
-MTP weights (``mtp.*``) are not loaded.
+and their language-model weights (``model.language_model.*``); the vision tower is not loaded.
+The MTP layer (``mtp_num_hidden_layers: 1``, ``mtp.*``) loads into miles' MTP slot (the draft of
+miles-spec and the MTP loss); speculative rollout itself is refused for these models by the
+engine (a recurrent state cannot be rolled back to the accepted prefix).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     fields["qk_norm"] = "head"
     fields["attn_output_gate"] = True
     fields["qkv_bias"] = fields["o_bias"] = bool(hf.get("attention_bias", False))
+    # one MTP layer (the published checkpoints' count) maps onto miles' MTP slot; more are not loaded
+    fields["num_mtp_layers"] = 1 if hf.get("mtp_num_hidden_layers", 0) == 1 else 0
+    fields["mtp_shared_embeddings"] = not hf.get("mtp_use_dedicated_embeddings", False)
     interval = hf.get("full_attention_interval", 4)
     fields["layer_types"] = list(hf.get("layer_types") or [
         "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
@@ -128,25 +133,67 @@ def linear_attention_rules(grouped: bool) -> list[Rule]:
 
 
 class LanguageModelWeightMap(WeightMap):
-    """A weight map that also reads a multimodal checkpoint's language model
-    (``model.language_model.*``; the vision tower and MTP weights are skipped)."""
+    """The family's weight map: also reads a multimodal checkpoint's language model
+    (``model.language_model.*``; the vision tower is skipped) and maps the MTP layer.
+
+    Qwen3-Next / Qwen3.5 MTP (``mtp.*``) onto the native :class:`~miles_host.models.model.MTPLayer`
+    ``mtp.0``: ``fc`` -> ``eh_proj`` (over ``cat(embedding, hidden)``), ``pre_fc_norm_embedding`` ->
+    ``enorm``, ``pre_fc_norm_hidden`` -> ``hnorm``, ``norm`` -> ``head_norm``, ``layers.0.*`` -> the
+    decoder layer (gated full attention); the embedding and lm head are the model's.
+    """
 
     _LANGUAGE = re.compile(r"model\.language_model\.(.+)")
+    _HF_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+    _NATIVE_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+    MTP_EXTRA = {
+        "mtp.fc.weight": "eh_proj.weight",
+        "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "hnorm.weight",
+        "mtp.norm.weight": "head_norm.weight",
+    }
 
     def __init__(self, rules):
-        super().__init__(rules, ignore=(r".*rotary_emb\.inv_freq", r"mtp\..*", r"model\.visual\..*"))
+        super().__init__(rules, ignore=(r".*rotary_emb\.inv_freq", r"model\.visual\..*"))
 
     def _plain(self, name: str) -> str:
         match = self._LANGUAGE.fullmatch(name)
         return f"model.{match.group(1)}" if match else name
 
     def hf_to_native(self, name):
-        return super().hf_to_native(self._plain(name))
+        name = self._plain(name)
+        if name in self.MTP_EXTRA:
+            return f"mtp.0.{self.MTP_EXTRA[name]}"
+        match = self._HF_MTP_LAYER.fullmatch(name)
+        if match:
+            native = super().hf_to_native(f"model.layers.{match.group(1)}.{match.group(2)}")
+            return None if native is None else f"mtp.{native[len('layers.'):]}"
+        return super().hf_to_native(name)
 
     def convert_hf_tensor(self, name, tensor, config):
-        return super().convert_hf_tensor(self._plain(name), tensor, config)
+        name = self._plain(name)
+        if not name.startswith("mtp."):
+            return super().convert_hf_tensor(name, tensor, config)
+        if not config.num_mtp_layers:
+            return []  # a checkpoint whose MTP layers this config does not build
+        if name in self.MTP_EXTRA:
+            return [(f"mtp.0.{self.MTP_EXTRA[name]}", tensor, None)]
+        match = self._HF_MTP_LAYER.fullmatch(name)
+        if not match:
+            return None
+        out = super().convert_hf_tensor(f"model.layers.{match.group(1)}.{match.group(2)}", tensor, config)
+        if out is None:
+            return None
+        return [(f"mtp.{native[len('layers.'):]}", t, index) for native, t, index in out]
 
     def convert_native_tensor(self, name, tensor, config):
+        match = self._NATIVE_MTP.fullmatch(name)
+        if match:
+            j, rest = match.group(1), match.group(2)
+            for hf, native in self.MTP_EXTRA.items():
+                if rest == native:
+                    return [(hf, tensor)]
+            pairs = super().convert_native_tensor(f"layers.{j}.{rest}", tensor, config)
+            return [(f"mtp.layers.{j}.{hf[len(f'model.layers.{j}.'):]}", t) for hf, t in pairs]
         pairs = super().convert_native_tensor(name, tensor, config)
         if config.model_type not in MULTIMODAL_TYPES:
             return pairs
