@@ -47,7 +47,7 @@ class LoraPart:
 class LoraAdapters:
     """The adapter half of a LoRA layer (a mixin of ``torch.nn.Module`` classes): one LoRA pair
     per :class:`LoraPart`, ``lora_A.<key>`` ``[R, I]`` and ``lora_B.<key>`` ``[rows, R]``, and
-    :meth:`lora_delta`, the update ``scaling * B (A dropout(x))`` over all ``out_features`` rows."""
+    :meth:`add_lora`, which adds the update ``scaling * B (A dropout(x))`` over all ``out_features`` rows."""
 
     def _init_lora(self, parts: list[LoraPart], rank: int, alpha: float, dropout: float,
                    device: torch.device, dtype: torch.dtype) -> None:
@@ -102,27 +102,36 @@ class LoraAdapters:
         if base_refresh is not None:
             base_refresh()
 
-    def lora_delta(self, x_TI: torch.Tensor) -> torch.Tensor:
-        """``scaling * B_p (A_p dropout(x))`` on each part's rows, zeros on rows without adapter."""
-        fused_a = self._buffers.get("lora_fused_A")
-        if fused_a is not None:
-            return F.linear(F.linear(x_TI, fused_a), self._buffers["lora_fused_B"])
-        h_TI = self.lora_dropout(x_TI)
-        rank = self.rank
-        a_list = [self.lora_A[part.key] for part in self.parts]
-        # every part's A in one GEMM ([T, parts * R]), then each part's B on its R columns
-        low_TR = F.linear(h_TI, a_list[0] if len(a_list) == 1 else torch.cat(a_list))
-        lead = low_TR.shape[:-1]
-        pieces, position = [], 0
-        for i, part in enumerate(self.parts):
+    def scaled_block_B(self) -> torch.Tensor:
+        """Every part's ``scaling * B_p`` in one ``[O, P * R]`` matrix: part ``p``'s rows, columns
+        ``[p * R, (p + 1) * R)``, zeros elsewhere (rows without an adapter included). Differentiable:
+        the training forward's second GEMM uses it."""
+        blocks, position = [], 0
+        for part in self.parts:
             if part.start > position:  # rows of an HF part that carries no adapter
-                pieces.append(low_TR.new_zeros(*lead, part.start - position))
-            pieces.append(F.linear(low_TR[..., i * rank : (i + 1) * rank], self.lora_B[part.key]))
+                blocks.append(self.lora_B[part.key].new_zeros(part.start - position, 0))
+            blocks.append(self.lora_B[part.key] * self.scaling)
             position = part.stop
         if position < self.out_features:
-            pieces.append(low_TR.new_zeros(*lead, self.out_features - position))
-        delta_TO = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return delta_TO * self.scaling
+            blocks.append(blocks[-1].new_zeros(self.out_features - position, 0))
+        return torch.block_diag(*blocks)
+
+    def add_lora(self, y_TO: torch.Tensor, x_TI: torch.Tensor) -> torch.Tensor:
+        """``y + scaling * B_p (A_p dropout(x))`` on each part's rows: ``x`` times every part's ``A``
+        in one GEMM, then one GEMM with the block matrix of the ``B``'s (:meth:`scaled_block_B`, or
+        the engine's :meth:`fuse_adapters` buffer) that accumulates into ``y`` (``addmm``), so the
+        update costs no pass of its own over the ``[T, O]`` output."""
+        fused_a = self._buffers.get("lora_fused_A")
+        if fused_a is not None:
+            a_RI, b_OR, h_TI = fused_a, self._buffers["lora_fused_B"], x_TI
+        else:
+            a_list = [self.lora_A[part.key] for part in self.parts]
+            a_RI = a_list[0] if len(a_list) == 1 else torch.cat(a_list)
+            b_OR, h_TI = self.scaled_block_B(), self.lora_dropout(x_TI)
+        low_TR = F.linear(h_TI, a_RI).to(y_TO.dtype)
+        out = torch.addmm(y_TO.reshape(-1, self.out_features), low_TR.reshape(-1, low_TR.shape[-1]),
+                          b_OR.to(y_TO.dtype).t())
+        return out.view(y_TO.shape)
 
     def _lora_repr(self) -> str:
         keys = ", ".join(p.key for p in self.parts)
@@ -144,7 +153,7 @@ class LoraLinear(LoraAdapters, torch.nn.Linear):
         self._init_lora(parts, rank, alpha, dropout, base.weight.device, base.weight.dtype)
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TI, self.weight, self.bias) + self.lora_delta(x_TI)
+        return self.add_lora(F.linear(x_TI, self.weight, self.bias), x_TI)
 
     def extra_repr(self) -> str:
         return f"{torch.nn.Linear.extra_repr(self)}, {self._lora_repr()}"
@@ -159,8 +168,7 @@ class LoraOverBase(LoraAdapters):
     untouched."""
 
     def forward(self, x_TI: torch.Tensor) -> torch.Tensor:
-        y_TO = super().forward(x_TI)
-        return y_TO + self.lora_delta(x_TI).to(y_TO.dtype)
+        return self.add_lora(super().forward(x_TI), x_TI)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self._lora_repr()}"

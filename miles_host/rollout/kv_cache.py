@@ -6,6 +6,8 @@ D = head dim.
 
 from __future__ import annotations
 
+import gc
+
 from typing import Sequence as Seq
 
 import torch
