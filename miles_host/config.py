@@ -19,6 +19,7 @@ from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
 from miles_host.config_lora import LoraArgs
 from miles_host.config_megatron import MegatronArgs
 from miles_host.config_opd import OpdArgs
+from miles_host.config_pipeline import VirtualPipelineArgs
 from miles_host.config_optim_logging import OptimLoggingArgs, check_optim_logging
 from miles_host.config_sglang import SGLangRouterArgs, SGLangServerArgs, check_sglang_args
 from miles_host.config_training_modes import TrainingModeArgs, check_training_modes
@@ -267,6 +268,7 @@ class MilesConfig(
     CheckpointFormatArgs,
     ObservabilityArgs,
     FaultToleranceArgs,
+    VirtualPipelineArgs,
 ):
     """The resolved configuration of a run (all slime-spelled flags)."""
 
