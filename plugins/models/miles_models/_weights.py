@@ -208,12 +208,13 @@ def norm_rules(style: str = "llama") -> list[Rule]:
     return [Rule(f"layers.{{i}}.{native}.weight", (f"{L}{hf}.weight",)) for native, hf in names.items()]
 
 
-def gqa_rules() -> list[Rule]:
-    """q/k/v fused into ``qkv_proj`` (weight and bias), o_proj, q/k norms."""
+def gqa_rules(qkv_sizes: Callable[[Any], tuple[int, ...]] = _qkv_sizes) -> list[Rule]:
+    """q/k/v fused into ``qkv_proj`` (weight and bias), o_proj, q/k norms; ``qkv_sizes(config)``:
+    the rows of q, k and v (a q_proj that also emits an output gate has twice the q rows)."""
     rules = []
     for kind in ("weight", "bias"):
         parts = tuple(f"{L}self_attn.{p}_proj.{kind}" for p in "qkv")
-        rules.append(Rule(f"layers.{{i}}.attn.qkv_proj.{kind}", parts, sizes=_qkv_sizes))
+        rules.append(Rule(f"layers.{{i}}.attn.qkv_proj.{kind}", parts, sizes=qkv_sizes))
         rules.append(Rule(f"layers.{{i}}.attn.o_proj.{kind}", (f"{L}self_attn.o_proj.{kind}",)))
     rules += [
         Rule("layers.{i}.attn.q_norm.weight", (f"{L}self_attn.q_norm.weight",)),

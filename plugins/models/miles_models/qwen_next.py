@@ -28,7 +28,7 @@ from miles_host.models.gated_deltanet import GatedDeltaNetConfig
 
 from miles_models._config import base_fields, build, moe_layer_flags, rope_config
 from miles_models._family import model_family
-from miles_models._weights import L, Rule, WeightMap, common_rules, mlp_rules, moe_rules, norm_rules
+from miles_models._weights import L, Rule, WeightMap, common_rules, gqa_rules, mlp_rules, moe_rules, norm_rules
 from miles_models.qwen import QWEN_CHAT
 
 always_active = True
@@ -106,17 +106,6 @@ def _grouped_in_proj_sizes(config: Any) -> tuple[int, int]:
 def _flat_in_proj_sizes(config: Any) -> tuple[int, int, int, int]:
     lin = config.linear_attention
     return lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads
-
-
-def attention_rules() -> list[Rule]:
-    """Gated full attention: q (with its gate), k, v fused into ``qkv_proj``; o_proj; q/k norms."""
-    rules = []
-    for kind in ("weight", "bias"):
-        parts = tuple(f"{L}self_attn.{p}_proj.{kind}" for p in "qkv")
-        rules.append(Rule(f"layers.{{i}}.attn.qkv_proj.{kind}", parts, sizes=_gated_qkv_sizes))
-        rules.append(Rule(f"layers.{{i}}.attn.o_proj.{kind}", (f"{L}self_attn.o_proj.{kind}",)))
-    rules += [Rule(f"layers.{{i}}.attn.{n}_norm.weight", (f"{L}self_attn.{n}_norm.weight",)) for n in "qk"]
-    return rules
 
 
 def linear_attention_rules(grouped: bool) -> list[Rule]:
@@ -202,7 +191,7 @@ class LanguageModelWeightMap(WeightMap):
 
 def _weights(grouped: bool, experts: list[Rule]) -> LanguageModelWeightMap:
     return LanguageModelWeightMap(
-        common_rules() + norm_rules("llama") + attention_rules() + linear_attention_rules(grouped) + mlp_rules()
+        common_rules() + norm_rules("llama") + gqa_rules(_gated_qkv_sizes) + linear_attention_rules(grouped) + mlp_rules()
         + experts
     )
 
