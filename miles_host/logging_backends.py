@@ -103,7 +103,7 @@ class TensorBoardLogger(MetricsLoggerBase):
         if self.writer is None:
             return
         for key, value in metrics.items():
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) and key != "rollout_id":  # the step itself
                 self.writer.add_scalar(key, value, step)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def record_payloads(path: Path) -> list[bytes]:
             position += left_in_block
             continue
         body = data[position + HEADER : position + HEADER + length]
+        if len(body) < length:  # the writer is still at it
+            break
         if zlib.crc32(body, TYPE_CRC[kind]) & 0xFFFFFFFF != checksum:
             raise ValueError(f"{path}: bad checksum of the record at byte {position}")
         position += HEADER + length
@@ -53,15 +56,30 @@ def record_payloads(path: Path) -> list[bytes]:
     return payloads
 
 
-def history_rows(run_dir: Path) -> list[dict]:
-    """The rows ``wandb.log`` wrote to the offline run in ``run_dir`` (key -> decoded value)."""
+def records(path: Path) -> list:
+    """The file's ``Record`` messages."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("run-*.wandb")
-    rows = []
+    out = []
     for payload in record_payloads(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
+        out.append(record)
+    return out
+
+
+def history_rows(run_dir: Path, timeout_s: float = 60.0) -> list[dict]:
+    """The rows ``wandb.log`` wrote to the offline run in ``run_dir`` (key -> decoded value),
+    once the run's exit record is on disk (``run.finish()`` returns before wandb's writer,
+    a process of its own, has written everything)."""
+    (path,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while not any(record.WhichOneof("record_type") == "exit" for record in records(path)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} has no exit record after {timeout_s:.0f}s")
+        time.sleep(0.2)
+    rows = []
+    for record in records(path):
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
     return rows
