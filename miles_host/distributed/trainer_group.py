@@ -63,9 +63,9 @@ class _TrainerTarget:
     def save_shards(self, folder):
         return self.trainer.save_shards(folder)
 
-    def stream_weights(self, bucket_bytes):
-        """Take part in a streamed weight sync (:meth:`TrainerGroup.weight_buckets`)."""
-        for _ in self.trainer.weight_buckets(bucket_bytes):
+    def stream_weights(self, bucket_bytes, for_rollout=True):
+        """Take part in streaming the weights (:meth:`TrainerGroup.weight_buckets`)."""
+        for _ in self.trainer.weight_buckets(bucket_bytes, for_rollout):
             pass
         return True
 
@@ -163,12 +163,13 @@ class TrainerGroup(TrainerBase):
         """The trainer gathers its weights for the engine bucket by bucket (:meth:`weight_buckets`)."""
         return bool(getattr(self.local, "streams_weights", False))
 
-    def weight_buckets(self, bucket_bytes: int):
-        """Rank 0's ``(name, tensor)`` buckets of a streamed weight sync, every rank taking part
-        (the local ranks' collective is run to its end even if the caller stops early)."""
+    def weight_buckets(self, bucket_bytes: int, for_rollout: bool = True):
+        """Rank 0's ``(name, tensor)`` buckets of the streamed weights (``for_rollout``: converted
+        for the engine, else as trained), every rank taking part (the local rank's collective is
+        run to its end even if the caller stops early)."""
         for handle in self.handles:
-            handle.send("stream_weights", bucket_bytes)
-        buckets = self.local.weight_buckets(bucket_bytes)
+            handle.send("stream_weights", bucket_bytes, for_rollout)
+        buckets = self.local.weight_buckets(bucket_bytes, for_rollout)
         try:
             yield from buckets
         finally:

@@ -272,18 +272,9 @@ def save_pretrained(
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = model.config
-    record = (family or default_family_lookup)(config.model_type)
-    if record.hf_config_from_native is not None:
-        hf = record.hf_config_from_native(config, config.hf_config)
-    else:
-        hf = dict(config.hf_config)
     embed = state_dict["embed_tokens.weight"] if state_dict is not None else model.embed_tokens.weight
-    hf["dtype"] = str(embed.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    if config.generation_config:
-        (path / "generation_config.json").write_text(json.dumps(config.generation_config, indent=2) + "\n")
+    record = write_hf_config(config, path, embed.dtype, family)
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -306,6 +297,29 @@ def save_pretrained(
     total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_hf_config(config: ModelConfig, path: str | Path, dtype: torch.dtype, family: FamilyLookup | None = None):
+    """``config.json`` (``dtype``: the weights' dtype) and ``generation_config.json`` of a
+    native config into ``path`` (created); returns the family record (for
+    :func:`native_to_hf_tensors`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    record = (family or default_family_lookup)(config.model_type)
+    if record.hf_config_from_native is not None:
+        hf = record.hf_config_from_native(config, config.hf_config)
+    else:
+        hf = dict(config.hf_config)
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if config.generation_config:
+        (path / "generation_config.json").write_text(json.dumps(config.generation_config, indent=2) + "\n")
+    return record
+
+
+def native_to_hf_tensors(record: Any, native: str, tensor: torch.Tensor, config: ModelConfig):
+    """The ``(HF name, tensor)`` pairs one native-named tensor is saved as (the family's map)."""
+    return _converted(record, native, tensor, config)
 
 
 def _converted(record: Any, native: str, tensor: torch.Tensor, config: ModelConfig):

@@ -226,15 +226,18 @@ class MegatronTrainer(NativeTrainer):
         named = list(self.full_state_dict().items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
-    def weight_buckets(self, bucket_bytes: int):
-        """The weights for the engine in buckets of at most ``bucket_bytes``, gathered across
+    def weight_buckets(self, bucket_bytes: int, for_rollout: bool = True):
+        """The weights in native names, in buckets of at most ``bucket_bytes``, gathered across
         TP/EP/PP one bucket at a time (:mod:`miles_megatron.weight_buckets`; a collective:
-        every rank iterates it to the end, rank 0 gets the buckets)."""
+        every rank iterates it to the end, rank 0 gets the buckets); ``for_rollout``: after the
+        precision's conversion for the engine (else the trainer's weights, for ``--save-hf``)."""
         from miles_megatron.weight_buckets import native_buckets
 
         for bucket in native_buckets(self.model, bucket_bytes, self.device):
             named = list(bucket.items())
-            yield self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
+            if for_rollout and self.convert_for_rollout:
+                named = self.convert_for_rollout(named, self.config)
+            yield named
 
     def save_shards(self, folder: str) -> list[str]:
         """``--ckpt-format torch_dist``: this rank's model and optimizer shards into ``folder``
