@@ -6,10 +6,13 @@ refusal of ``--true-on-policy``."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from miles_host.models import ForwardContext, PackedAttention, load_pretrained
+from miles_host.models import ForwardContext, PackedAttention, load_pretrained, save_pretrained
 from miles_models import gemma3n
 
 from .conftest import hf_logits, prompts_batch
@@ -30,7 +33,7 @@ CONFIG = dict(
 
 
 def lookup(model_type: str):
-    assert model_type == "gemma3n_text"
+    assert model_type in RECORD.model_types
     return RECORD
 
 
@@ -68,6 +71,27 @@ def test_published_kv_weights_of_sharing_layers_are_ignored(checkpoint):
 
 def test_weights_round_trip_bit_for_bit(checkpoint, tmp_path):
     assert_round_trip_bit_for_bit(checkpoint[1], lookup, tmp_path)
+
+
+def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpoint, tmp_path):
+    """The language model of a ``gemma3n`` checkpoint (``text_config``, ``model.language_model.*``)
+    is the text model; the towers are skipped."""
+    _, path = checkpoint
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    text = json.loads((path / "config.json").read_text())
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": text}))
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in load_file(path / "model.safetensors").items()}
+    save_file({**tensors, "model.vision_tower.stem.weight": torch.ones(3)}, multimodal / "model.safetensors")
+    input_ids, attention_mask = prompts_batch(VOCAB, lengths=(9, 4))
+    with torch.no_grad():
+        expected = load_pretrained(path, family=lookup)(input_ids, attention_mask)
+        model = load_pretrained(multimodal, family=lookup)
+        assert torch.equal(model(input_ids, attention_mask), expected)
+    save_pretrained(model, tmp_path / "saved", family=lookup)
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert sorted(saved) == sorted(tensors)
+    assert all(torch.equal(saved[name], t) for name, t in tensors.items())
 
 
 def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):

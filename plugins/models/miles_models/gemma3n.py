@@ -1,4 +1,5 @@
-"""Gemma-3n text (``gemma3n_text``): :mod:`miles_host.models.gemma3n`'s decoder.
+"""Gemma-3n text (``gemma3n_text``, and the language model of the multimodal ``gemma3n``,
+whose vision and audio towers are not loaded): :mod:`miles_host.models.gemma3n`'s decoder.
 
 Quirks: AltUp streams (``altup_*``), per-layer embeddings (``embed_tokens_per_layer``,
 ``per_layer_model_projection``), LAuReL (``laurel_rank``), per-layer MLP widths
@@ -47,9 +48,25 @@ def kv_sources(types: list[str], num_shared: int) -> list[int | None]:
     return sources
 
 
+#: the multimodal type: its ``text_config`` and ``model.language_model.*`` weights are read, the towers skipped
+MULTIMODAL = "gemma3n"
+TOWERS = r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\..*"
+
+
+def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` of the multimodal config, else the config itself."""
+    if hf["model_type"] == MULTIMODAL:
+        if not isinstance(hf.get("text_config"), Mapping):
+            raise ValueError("gemma3n: config.json has no text_config (the language model's config)")
+        return {**hf["text_config"], "model_type": MULTIMODAL}
+    return dict(hf)
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """Native config of a Gemma-3n text model."""
+    """Native config of a Gemma-3n text model (of the multimodal model's language model)."""
+    original, hf = hf, text_config(hf)
     fields = base_fields(hf, tie_default=True)
+    fields["hf_config"] = dict(original)
     num_layers = fields["num_layers"]
     if "hidden_activation" not in hf and "hidden_act" not in hf:
         fields["hidden_act"] = "gelu_tanh"
@@ -87,15 +104,35 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 class Gemma3nWeightMap(WeightMap):
-    """Ignores the k/v projections and norms published for KV-sharing layers (they are unused)."""
+    """Reads the multimodal checkpoint's language model (``model.language_model.*``, towers
+    skipped; written back under that prefix) and ignores the k/v projections and norms
+    published for KV-sharing layers (they are unused)."""
 
+    _LANGUAGE = re.compile(r"model\.language_model\.(.+)")
     _SHARED_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.\w+")
 
+    def __init__(self, rules):
+        super().__init__(rules, ignore=(r".*rotary_emb\.inv_freq", TOWERS))
+
+    def _text_name(self, name: str) -> str:
+        match = self._LANGUAGE.fullmatch(name)
+        return f"model.{match.group(1)}" if match else name
+
+    def hf_to_native(self, name):
+        return super().hf_to_native(self._text_name(name))
+
     def convert_hf_tensor(self, name, tensor, config):
+        name = self._text_name(name)
         match = self._SHARED_KV.fullmatch(name)
         if match and config.gemma3n.kv_source[int(match.group(1))] is not None:
             return []
         return super().convert_hf_tensor(name, tensor, config)
+
+    def convert_native_tensor(self, name, tensor, config):
+        pairs = super().convert_native_tensor(name, tensor, config)
+        if config.model_type != MULTIMODAL:
+            return pairs
+        return [(re.sub(r"^model\.", "model.language_model.", hf), t) for hf, t in pairs]
 
 
 def _same(names: tuple[str, ...], native: str, hf: str) -> list[Rule]:
@@ -128,7 +165,7 @@ def miles_register_model_families():
     """The Gemma-3n (text) family record."""
     return [
         model_family(
-            "gemma3n", ("gemma3n_text",), config_from_hf, WEIGHTS,
+            "gemma3n", ("gemma3n_text", MULTIMODAL), config_from_hf, WEIGHTS,
             description="Gemma 3n (text: AltUp, per-layer embeddings, LAuReL, KV sharing, activation sparsity)",
             chat_defaults={"eos_tokens": ["<end_of_turn>", "<eos>"]},
         )
