@@ -43,13 +43,14 @@ KV_WRITE_ELEMENTS = 4096
 
 @triton.jit
 def _tile_queries(
-    Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
+    Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, chunk, stride_qt, stride_qh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr = False,
 ):
     """The query rows of ``tile`` for ``kv_head`` (tokens x padded group) and the keys they see:
     ``(seq, token, head, row_valid, position, q, lo, hi)``; keys ``[lo, hi)``, ``lo`` a
-    multiple of ``BLOCK_N`` (0 without a window)."""
+    multiple of ``BLOCK_N`` (0 without a window or chunks: else below the first query's
+    window / the start of its chunk)."""
     seq = tl.load(tile_seq + tile)
     q_first = tl.load(tile_q_start + tile)
     q_end = tl.load(cu_seqlens_q + seq + 1)
@@ -74,6 +75,9 @@ def _tile_queries(
         first_position = context - (q_end - q_first)
         lo = tl.maximum(first_position - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        first_position = context - (q_end - q_first)
+        lo = tl.maximum(lo, ((first_position // chunk) * chunk // BLOCK_N) * BLOCK_N)
     return seq, token, head, row_valid, position, q, lo, hi
 
 
@@ -85,6 +89,7 @@ def _attend_blocks(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    chunk=0, USE_CHUNK: tl.constexpr = False,
 ):
     """Online softmax of the rows of ``q`` over the keys ``[lo, hi)`` (``lo`` a multiple of
     ``BLOCK_N``), read through the block table; returns the updated ``(m_i, l_i, acc)``."""
@@ -110,6 +115,8 @@ def _attend_blocks(
         allowed = key_valid[None, :] & (key_pos[None, :] <= position[:, None])
         if USE_WINDOW:
             allowed = allowed & ((position[:, None] - key_pos[None, :]) < window)
+        if USE_CHUNK:
+            allowed = allowed & ((key_pos[None, :] // chunk) == (position[:, None] // chunk))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -129,8 +136,14 @@ def _attend_blocks(
 
 
 @triton.jit
-def _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV: tl.constexpr, DV_PAD: tl.constexpr):
-    """``acc / l`` of every valid query row to ``Out`` (rows whose keys were all masked: zeros)."""
+def _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                m_i=0.0, Sinks=None, USE_SINKS: tl.constexpr = False):
+    """``acc / l`` of every valid query row to ``Out`` (rows whose keys were all masked: zeros).
+    ``USE_SINKS``: the head's sink logit joins the softmax's denominator (``acc`` and ``l``
+    are relative to the row max ``m_i``), its probability is dropped."""
+    if USE_SINKS:
+        sink = tl.load(Sinks + head, mask=row_valid, other=0.0).to(tl.float32)
+        l_i = l_i + tl.exp(sink - m_i)
     dv = tl.arange(0, DV_PAD)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -156,8 +169,12 @@ def _paged_attention_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    Sinks=None, attn_chunk=0, USE_SINKS: tl.constexpr = False, USE_CHUNK: tl.constexpr = False,
 ):
     """Program ``(tile, kv_head)`` attends the tile's query rows over their keys ``[lo, hi)``.
+
+    ``USE_SINKS``: per-query-head sink logits ``Sinks`` join each softmax (gpt-oss);
+    ``USE_CHUNK``: a query sees the keys of its own ``attn_chunk``-sized block only (Llama-4).
 
     ``SPLITS`` > 1 (split-KV, "flash-decoding"; program ``(tile, kv_head, split)``): split
     ``split`` of the keys, in ``SPLITS`` chunks of whole ``BLOCK_N`` blocks sized at run time
@@ -172,8 +189,8 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
-        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, stride_qt, stride_qh,
-        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW,
+        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, attn_chunk, stride_qt, stride_qh,
+        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW, USE_CHUNK,
     )
     if SPLITS == 1:
         start = lo
@@ -192,10 +209,10 @@ def _paged_attention_kernel(
         q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, start, end,
         scale, softcap, window,
         stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
-        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE,
+        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE, attn_chunk, USE_CHUNK,
     )
     if SPLITS == 1:
-        _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD)
+        _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD, m_i, Sinks, USE_SINKS)
     else:
         # workspace: acc [tiles, kv_heads, SPLITS, ROWS, DV_PAD], (m, l) [tiles, kv_heads, SPLITS, 2, ROWS]
         rows = tl.arange(0, ROWS)
@@ -227,7 +244,8 @@ def _paged_attention_kernel(
                 )
                 total_l += weight * l_s
                 total += weight[:, None] * part
-            _store_rows(Out, total, total_l, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD)
+            _store_rows(Out, total, total_l, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD,
+                        m_max, Sinks, USE_SINKS)
             tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
 
 
@@ -321,6 +339,8 @@ def paged_attention_triton(
     logit_softcap: float | None = None,
     invariant: bool = False,
     splits: int | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`~miles_host.rollout.attention.paged_attention_reference`.
 
@@ -335,6 +355,9 @@ def paged_attention_triton(
 
     Otherwise a decode step splits each tile's keys over ``splits`` programs
     (:func:`decode_splits` when None) merged in the same launch; 1 does not split.
+
+    ``sinks``: ``[Hq]`` sink logits (an extra softmax column, dropped); ``chunk_size``:
+    chunked local attention (a query sees the keys of its own chunk).
     """
     num_tokens, num_q_heads, head_dim = q_THD.shape
     _, page, num_kv_heads, _ = k_cache_NSHD.shape
@@ -377,6 +400,10 @@ def paged_attention_triton(
         partial_acc, partial_ml = workspace.split([pairs * splits * rows * dv_pad, pairs * splits * rows * 2])
         counters = split_k.semaphores(q_THD.device, pairs)
         constexprs["BLOCK_N"] = max(DECODE_SPLIT_KEYS, page)
+    if sinks is not None or chunk_size is not None:
+        constexprs.update(USE_SINKS=sinks is not None, USE_CHUNK=chunk_size is not None)
+        sinks = sinks.float().contiguous() if sinks is not None else out
+        constexprs.update(Sinks=sinks, attn_chunk=int(chunk_size or 0))
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         q_THD, k_cache_NSHD, v_cache_NSHD, out, partial_acc, partial_ml, counters, *args,
         SPLITS=splits, **constexprs,

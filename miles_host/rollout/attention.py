@@ -114,9 +114,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``.
 
-        Sinks and chunked local attention run the PyTorch reference on every backend
-        (the Triton and flash-attn kernels implement neither; the decode-graph capture
-        fails with the reason and the engine decodes eagerly)."""
+        Sinks and chunked local attention: the Triton kernel; the ``flash_attn`` backend
+        falls back to the PyTorch reference for them (the decode-graph capture then fails
+        with the reason and the engine decodes eagerly)."""
         meta = self.metadata
         k_cache = self.kv_cache.k_NSHD[layer_index]
         v_cache = self.kv_cache.v_NSHD[layer_index]
@@ -130,7 +130,7 @@ class PagedAttention:
             k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
             v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
         q_THD = q_THD.to(k_cache.dtype)
-        if sinks is not None or chunk_size is not None:
+        if (sinks is not None or chunk_size is not None) and not triton_backend:
             if q_THD.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "attention sinks and chunked local attention run the PyTorch reference, which reads "
@@ -148,7 +148,7 @@ class PagedAttention:
             return paged_attention_triton(
                 q_THD, k_cache, v_cache, meta,
                 scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-                invariant=self.backend == "triton_invariant",
+                invariant=self.backend == "triton_invariant", sinks=sinks, chunk_size=chunk_size,
             )
         if self.backend == "flash_attn":
             flash_attn_varlen_func = _flash_attn_varlen()

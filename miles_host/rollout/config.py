@@ -143,6 +143,10 @@ def resolve_config(
     kv_cache_dtype = kv_cache_dtype or parameter.dtype
     if attention_backend is None and rest.get("batch_invariant") and device.type == "cuda":
         attention_backend = "triton_invariant"
+    if attention_backend is None and device.type == "cuda" and (
+        getattr(model_config, "attn_sinks", False) or getattr(model_config, "attention_chunk_size", None)
+    ):
+        attention_backend = "triton"  # flash-attn has neither sink logits nor chunk masks
     backend = attention_backend or default_attention_backend(device, kv_cache_dtype)
     if block_size is None:
         block_size = 256 if backend == "flash_attn" else 16

@@ -201,6 +201,56 @@ def test_true_on_policy_is_refused_with_the_reason(model_type, checkpoints, monk
         model.forward_hidden(tokens, torch.arange(len(tokens)), ctx)
 
 
+def test_paged_kernel_sinks_and_chunks_under_the_triton_interpreter(request):
+    """The Triton paged attention with sinks / chunk masks (prefill, decode, split decode) against the
+    reference, in a fresh interpreter process (``tests/rollout/interpreted_sink_chunk_attention.py``)."""
+    from pathlib import Path
+
+    from tests.plugins.triton_interpret import run_interpreted
+
+    run_interpreted(Path(__file__).parents[1] / "rollout" / "interpreted_sink_chunk_attention.py", request)
+
+
+def test_paged_kernel_with_sinks_and_chunks_compiles_for_sm90():
+    import re
+
+    from miles_host.kernels import paged_attention
+    from tests.plugins.triton_sm90 import compile_sm90
+    from tests.rollout.test_triton_attention import _signature
+
+    pointers = ["Q", "K_cache", "V_cache", "Out", "block_tables", "context_lens", "cu_seqlens_q", "tile_seq",
+                "tile_q_start"]
+    types = {**{name: "*i32" for name in pointers}, "Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16",
+             "Out": "*bf16", "Partial_acc": "*fp32", "Partial_ml": "*fp32", "Counters": "*i32",
+             "scale": "fp32", "softcap": "fp32", "Sinks": "*fp32"}
+    signature = _signature(paged_attention._paged_attention_kernel, types)
+    constexprs = dict(GROUP=8, GROUP_PAD=8, BLOCK_M=2, PAGE=16, BLOCK_N=32, D=64, D_PAD=64, DV=64, DV_PAD=64,
+                      SPLITS=4, USE_SOFTCAP=False, USE_WINDOW=True, IEEE=False, USE_SINKS=True, USE_CHUNK=True)
+    ptx = compile_sm90(paged_attention._paged_attention_kernel, signature, constexprs, 4, 2,
+                       unaligned=("scale", "softcap", "window", "attn_chunk"))
+    assert "mma" in ptx and re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
+def test_engine_on_cuda_runs_sinks_and_chunks_on_the_triton_kernel(model_type, checkpoints):
+    """On CUDA the engine picks the Triton kernel (sinks / chunk masks), captures its decode graphs,
+    and its greedy tokens and log-probs follow transformers (float32)."""
+    from tests.rollout.conftest import engine_logprobs, hf_logprobs
+    from miles_host.rollout import Engine
+
+    hf_model, path = checkpoints(model_type)
+    engine = Engine(load_pretrained(path, family=family_lookup).cuda(), max_num_seqs=8, mem_fraction_static=0.3,
+                    max_kv_cache_tokens=4096)
+    assert engine.config.attention_backend == "triton"
+    assert engine.runner.graphs, "CUDA graphs were not captured"
+    outputs = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
+    for prompt, output in zip(PROMPTS, outputs):
+        reference = hf_logprobs(hf_model, prompt, output["output_ids"])
+        assert (engine_logprobs(output) - reference).abs().max().item() <= 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", TYPES)
 def test_grpo_step_with_routing_replay(model_type, tmp_path):
