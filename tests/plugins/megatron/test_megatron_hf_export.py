@@ -1,5 +1,5 @@
 """Megatron torch_dist checkpoint -> HF safetensors without gathering the model on one rank
-(``miles_megatron.hf_export``).
+(``miles_host.models.save_buckets`` over ``miles_megatron.weight_buckets``).
 
 A one-process megatron trainer trains two steps and writes its model shards in Megatron's
 layout, and its HF checkpoint the one-process way (``save_pretrained`` of the full state).
@@ -46,7 +46,7 @@ def _one_process_checkpoints(models, root, hf):
     pytest.param({"tp": 2, "pp": 2}, id="tp2_pp2", marks=pytest.mark.slow),
 ])
 def test_torch_dist_checkpoint_converts_to_the_one_process_hf_checkpoint(models, clean_groups, tmp_path, sizes):
-    from miles_megatron.hf_export import INDEX, save_hf_in_buckets
+    from miles_host.models.save_buckets import INDEX, save_hf_in_buckets
 
     root, reference, out = tmp_path / "megatron", tmp_path / "reference", tmp_path / "converted"
     _one_process_checkpoints(models, root, reference)

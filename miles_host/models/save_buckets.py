@@ -1,17 +1,18 @@
-"""HF checkpoints from a sharded megatron trainer, one safetensors shard per bucket.
+"""HF checkpoints from a sharded trainer, one safetensors shard per bucket.
 
-:func:`save_hf_in_buckets` writes the trainer's weights as an HF checkpoint directory
-without gathering the model on one rank: the weights come bucket by bucket from
-:mod:`miles_megatron.weight_buckets` (every rank gathers its stage's buckets over TP/EP,
-each stage's source sends them to rank 0), and rank 0 converts each bucket to HF names
-(the model family's map, :func:`miles_host.models.loading.native_to_hf_tensors`) and writes
-it as one ``model-XXXXX-of-YYYYY.safetensors`` shard, then the index and ``config.json``.
-Rank 0 holds one bucket at a time.
+:func:`save_hf_in_buckets` writes a trainer's weights as an HF checkpoint directory
+without the whole model on one rank: a trainer with ``streams_weights`` (the megatron
+backend, :mod:`miles_megatron.weight_buckets`) hands its weights bucket by bucket to
+rank 0 (``weight_buckets(bucket_bytes, for_rollout=False)``: every rank gathers its part
+of each bucket, rank 0 receives it), and rank 0 converts each bucket to HF names (the
+model family's map, :func:`miles_host.models.loading.native_to_hf_tensors`) and writes it
+as one ``model-XXXXX-of-YYYYY.safetensors`` shard, then the index and ``config.json``.
+Rank 0 holds one bucket at a time. ``--save-hf`` takes this path for such trainers
+(:func:`miles_host.lora.export.save_hf_checkpoint`).
 
-Converting a Megatron torch_dist checkpoint to HF is the same path: a trainer (group)
-built on the checkpoint's shards (``--ref-load DIR`` or a Megatron ``--load DIR``, any
-TP / PP / EP layout, each rank reading its own shards:
-:mod:`miles_megatron.megatron_load`) exports them with :func:`save_hf_in_buckets`.
+A Megatron torch_dist checkpoint converts to HF the same way: a megatron trainer (group)
+built on its shards (``--ref-load DIR``, any TP / PP / EP layout, each rank reading its own
+shards) exports them with :func:`save_hf_in_buckets`.
 """
 
 from __future__ import annotations
@@ -25,17 +26,16 @@ INDEX = "model.safetensors.index.json"
 
 
 def save_hf_in_buckets(trainer: Any, path: str | Path, bucket_bytes: int) -> list[str]:
-    """Write ``trainer``'s weights (a :class:`~miles_megatron.trainer.MegatronTrainer` or its
-    trainer group) as an HF checkpoint into ``path``, one shard per bucket of at most
-    ``bucket_bytes`` (see module doc; every rank takes part). Returns the shard file names."""
+    """Write ``trainer``'s weights (a trainer with ``streams_weights``, or its trainer group)
+    as an HF checkpoint into ``path``, one shard per bucket of at most ``bucket_bytes`` (see
+    module doc; every rank takes part). Returns the shard file names."""
     from safetensors.torch import save_file
 
     from miles_host.models.loading import native_to_hf_tensors, write_hf_config
 
     path = Path(path)
-    policy = trainer.model
-    config = policy.config
-    dtype = next(policy.gpt.parameters()).dtype
+    config = trainer.model.config
+    dtype = next(trainer.model.parameters()).dtype  # the trainer's (master) weights
     record = write_hf_config(config, path, dtype)
     files: list[str] = []
     weight_map: dict[str, str] = {}
