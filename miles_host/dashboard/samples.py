@@ -5,7 +5,8 @@ the step, up to ``--miles-dashboard-samples-per-step`` samples, one JSON object 
 prompt, the response, its reward, and per response token its id, its text, the rollout's
 log-prob, the trainer's log-prob of the same token (when the trainer ran in this process),
 the loss mask and, with routing replay, the share of MoE layers whose replayed experts the
-training router chose as well. Floats are rounded to 6 significant digits (the file is for
+training router chose as well. Floats keep 9 significant digits, what a float32 needs to
+round-trip, so a train-rollout difference of one float32 ulp still shows (the file is for
 looking at, not for replay: ``--dump-rollouts`` writes full samples).
 """
 
@@ -43,7 +44,7 @@ def record_train_log_probs(samples: Sequence[Any], log_probs: Any, response_leng
 
 
 def _round(values: Sequence[float] | None) -> list[float] | None:
-    return None if values is None else [float(f"{float(v):.6g}") for v in values]
+    return None if values is None else [float(f"{float(v):.9g}") for v in values]
 
 
 def _reward(sample: Any, scalar: Callable[[Any], float]) -> float | None:
