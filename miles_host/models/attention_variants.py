@@ -118,14 +118,7 @@ class VariantGQAAttention(GQAAttention):
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
         num_tokens = x_TH.shape[0]
-        q, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_TND = q.view(num_tokens, self.num_heads, self.head_dim)
-        k_TND = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v_TND = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q_TND, k_TND = self.q_norm(q_TND), self.k_norm(k_TND)
+        q_TND, k_TND, v_TND = self.project_qkv(x_TH)
         if self.use_rope:
             cos, sin = rope_cos_sin
             q_TND = apply_rotary(q_TND, cos, sin, self.rope_interleaved)

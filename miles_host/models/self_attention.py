@@ -41,7 +41,8 @@ class GQAAttention(torch.nn.Module):
         self.sliding_window = config.sliding_window_of(layer_index)
         self.logit_softcap = config.attn_logit_softcap
 
-    def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+    def project_qkv(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, Nq, D]``, ``k``, ``v [T, Nkv, D]`` of the tokens, q/k norms applied (no rotary yet)."""
         num_tokens = x_TH.shape[0]
         q, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
         if self.qk_norm == "full":
@@ -51,6 +52,11 @@ class GQAAttention(torch.nn.Module):
         v_TND = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q_TND, k_TND = self.q_norm(q_TND), self.k_norm(k_TND)
+        return q_TND, k_TND, v_TND
+
+    def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+        num_tokens = x_TH.shape[0]
+        q_TND, k_TND, v_TND = self.project_qkv(x_TH)
         cos, sin = rope_cos_sin
         q_TND = apply_rotary(q_TND, cos, sin, self.rope_interleaved)
         k_TND = apply_rotary(k_TND, cos, sin, self.rope_interleaved)

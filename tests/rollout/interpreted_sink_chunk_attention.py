@@ -9,17 +9,7 @@ import pytest
 import torch
 
 from miles_host.rollout.attention import paged_attention_reference
-from tests.rollout.interpreted_triton_attention import HEADS_Q, _case, _scalar_loop_bounds, counters  # noqa: F401
-from tests.plugins.triton_interpret import interpreted_module
-
-DIM = 32
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = interpreted_module("miles_host.kernels.paged_attention")
-    _scalar_loop_bounds()
-    return module
+from tests.rollout.interpreted_triton_attention import DIM, HEADS_Q, _case, counters, kernels  # noqa: F401
 
 
 # prefill tiles that straddle chunk borders; decode unsplit and split over programs;
