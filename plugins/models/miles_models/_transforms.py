@@ -35,19 +35,20 @@ class TransformWeightMap(WeightMap):
         super().__init__(rules, **kwargs)
         self.transforms = [(t, _regex(t.hf), _regex(t.native)) for t in transforms]
 
-    def _by_hf(self, name: str):
-        for transform, hf_regex, _ in self.transforms:
-            match = hf_regex.fullmatch(name)
+    def _find(self, name: str, from_hf: bool):
+        """``(transform, the other side's name)`` of an HF (``from_hf``) or native name; ``(None, None)``."""
+        for transform, hf_regex, native_regex in self.transforms:
+            match = (hf_regex if from_hf else native_regex).fullmatch(name)
             if match:
-                return transform, transform.native.format(i=match.groupdict().get("i"))
+                template = transform.native if from_hf else transform.hf
+                return transform, template.format(i=match.groupdict().get("i"))
         return None, None
 
+    def _by_hf(self, name: str):
+        return self._find(name, from_hf=True)
+
     def _by_native(self, name: str):
-        for transform, _, native_regex in self.transforms:
-            match = native_regex.fullmatch(name)
-            if match:
-                return transform, transform.hf.format(i=match.groupdict().get("i"))
-        return None, None
+        return self._find(name, from_hf=False)
 
     def hf_to_native(self, name: str) -> str | None:
         transform, native = self._by_hf(name)
