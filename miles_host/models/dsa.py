@@ -76,15 +76,12 @@ class DSAttention(MLAttention):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__(config, layer_index)
         self.indexer = Indexer(config)
-        #: where the engine's paged cache keeps this layer's indexer keys
-        self.index_cache_index = config.num_layers + layer_index
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: Any):
         q_latent = self.q_a_norm(self.q_a_proj(x_TH))
         q_TND, k_TND, v_TND = self.project_qkv(x_TH, rope_cos_sin, q_latent)
         index = self.indexer.project(x_TH, q_latent, rope_cos_sin)
-        handler = _context_handler(attention)
-        y_TND = handler(self, attention, q_TND, k_TND, v_TND.contiguous(), index)
+        y_TND = attend_in_context(self, attention, q_TND, k_TND, v_TND.contiguous(), index, self.layer_index)
         return decode_linear(self.o_proj, y_TND.reshape(x_TH.shape[0], -1))
 
     def extra_cache_layouts(self) -> list[tuple[int, int, int, None]]:
@@ -95,7 +92,14 @@ class DSAttention(MLAttention):
 # ----------------------------------------------------------------------------- contexts
 
 
-def _packed(layer: DSAttention, attention: PackedAttention, q_TND, k_TND, v_TND, index) -> torch.Tensor:
+def attend_in_context(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index, cache_layer: int) -> torch.Tensor:
+    """``[T, N, Dv]``: the layer's sparse attention in ``attention``'s context (:data:`DSA_CONTEXTS`);
+    ``cache_layer``: the layer's entry in a cache the context keeps (a wrapping context that
+    renumbers layers passes its own)."""
+    return _context_handler(attention)(layer, attention, q_TND, k_TND, v_TND, index, cache_layer)
+
+
+def _packed(layer: DSAttention, attention: PackedAttention, q_TND, k_TND, v_TND, index, cache_layer) -> torch.Tensor:
     """Each packed sequence: the indexer's selection as the mask of a dense causal attention."""
     q_TID, k_TD, w_TI = index
     bounds = attention.cu_seqlens.tolist()
@@ -122,18 +126,22 @@ def _selection_QL(indexer: Indexer, q_QID, k_LD, w_QI) -> torch.Tensor:
     return torch.cat(chunks, dim=0) & causal_QL
 
 
-def _paged(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index) -> torch.Tensor:
+def _paged(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index, cache_layer: int) -> torch.Tensor:
     """The engine's step: K/V and indexer keys written at the tokens' slots, then the indexer's
-    top-k over each token's cached context and the sparse attention over those keys."""
+    top-k over each token's cached context and the sparse attention over those keys.
+
+    A cache of ``n`` DSA layers holds their K/V entries ``0 .. n-1``, then their indexer-key
+    entries ``n .. 2n-1`` (the order of :meth:`CausalLM.attention_layout`)."""
     q_TID, k_TD, w_TI = index
     meta, cache = attention.metadata, attention.kv_cache
-    if layer.index_cache_index >= len(cache.k_NSHD):
+    num_layers, odd = divmod(len(cache.k_NSHD), 2)
+    if odd or cache.layout[cache_layer + num_layers][2] != 0:
         raise ValueError(
-            f"the paged cache has no indexer entry for DSA layer {layer.layer_index}: size it with the "
-            "model's attention_layout() (which lists the indexer caches after the layers)"
+            f"the paged cache has no indexer entry for DSA layer {layer.layer_index}: size it with the model's "
+            "attention_layout() (the layers' K/V entries, then their indexer-key entries)"
         )
-    k_cache, v_cache = cache.k_NSHD[layer.layer_index], cache.v_NSHD[layer.layer_index]
-    index_cache = cache.k_NSHD[layer.index_cache_index]
+    k_cache, v_cache = cache.k_NSHD[cache_layer], cache.v_NSHD[cache_layer]
+    index_cache = cache.k_NSHD[cache_layer + num_layers]
     slots = meta.slot_mapping_T
     for store, rows in ((k_cache, k_TND), (v_cache, v_TND), (index_cache, k_TD.unsqueeze(1))):
         store.view(-1, *store.shape[2:]).index_copy_(0, slots, rows.to(store.dtype))

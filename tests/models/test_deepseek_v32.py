@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from miles_host.models import ForwardContext, PackedAttention, load_pretrained, save_pretrained
 from miles_models import deepseek_v32
@@ -74,6 +75,36 @@ def test_true_on_policy_is_refused_with_the_reason(checkpoint):
     ctx = ForwardContext(attention=PackedAttention(torch.tensor([0, 3])), batch_invariant=True)
     with pytest.raises(ValueError, match="does not support --true-on-policy"), torch.no_grad():
         model.forward_hidden(torch.tensor([5, 6, 7]), torch.arange(3), ctx)
+
+
+@pytest.mark.slow
+def test_mtp_weights_load_into_the_spec_draft_and_greedy_decoding_is_unchanged(checkpoint, tmp_path):
+    """A checkpoint with an MTP layer (its indexer included) drafts through its own paged cache."""
+    pytest.importorskip("miles_spec")
+    from miles_host.rollout import Engine
+    from miles_spec.draft import MTPDraft, attach_mtp
+    from miles_spec.strategy import EagleStrategy
+
+    from .family_acceptance import PROMPTS
+
+    model = load_pretrained(checkpoint[1], family=lookup)
+    torch.manual_seed(1)
+    attach_mtp(model)
+    save_pretrained(model, tmp_path, family=lookup)
+    config = json.loads((tmp_path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "model.safetensors")  # published MTP layers carry embedding and head copies
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with_mtp = load_pretrained(tmp_path, family=lookup)
+    indexer = dict(with_mtp.mtp[0].attn.indexer.named_parameters())
+    assert indexer and all(torch.equal(t, dict(model.mtp[0].attn.indexer.named_parameters())[n]) for n, t in indexer.items())
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    expected = Engine(load_pretrained(checkpoint[1], family=lookup), kv_cache_tokens=512).generate(PROMPTS, greedy)
+    engine = Engine(with_mtp, kv_cache_tokens=512, decoding_strategy=lambda e: EagleStrategy(e, MTPDraft(e.model), 3))
+    assert [o["output_ids"] for o in engine.generate(PROMPTS, greedy)] == [o["output_ids"] for o in expected]
+    assert engine.strategy.pop_counters().draft_tokens > 0
 
 
 @pytest.mark.slow

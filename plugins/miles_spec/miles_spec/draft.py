@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_host.models import dsa
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.models.model import CausalLM, DecoderLayer, MTPLayer
 from miles_host.models.rope import RotaryEmbedding
@@ -76,6 +77,14 @@ class _LayerOffset:
 
     def attend(self, layer_index, q_THD, k_THD, v_THD, **kwargs):
         return self.attention.attend(layer_index - self.first, q_THD, k_THD, v_THD, **kwargs)
+
+
+def _sparse_attention_through_offset(layer, offset: _LayerOffset, q_THD, k_THD, v_THD, index, cache_layer: int):
+    """A DeepSeek-V3.2 MTP layer's sparse attention in the wrapped context, layers renumbered."""
+    return dsa.attend_in_context(layer, offset.attention, q_THD, k_THD, v_THD, index, cache_layer - offset.first)
+
+
+dsa.DSA_CONTEXTS[_LayerOffset] = _sparse_attention_through_offset
 
 
 def attach_mtp(model: CausalLM, num_layers: int = 1) -> bool:
@@ -127,7 +136,8 @@ class MTPDraft:
         return self.policy.mtp[0]
 
     def layout(self):
-        return [self.layer.attn.layout()]
+        # the layer's K/V entry, then any entries its attention keeps beside them (DSA's indexer keys)
+        return [self.layer.attn.layout(), *getattr(self.layer.attn, "extra_cache_layouts", list)()]
 
     def features(self, hidden_TH, token_ids_T, positions_T, attention, detach_shared: bool = False) -> torch.Tensor:
         """The decoder layer's output ``[T, H]`` (before ``head_norm``)."""
