@@ -15,13 +15,16 @@ Activated by ``--plugins r3`` or slime's ``--use-rollout-routing-replay`` (R3), 
 ``r3/expert_agreement`` is the share of token-layer top-k sets the training
 router would have chosen identically without replay, over every trainer rank
 (pipeline stages count their own layers, data-parallel ranks their own samples:
-``miles_rank_counters`` sums them).
+``miles_rank_counters`` sums them). With ``--use-miles-dashboard`` the same is kept per
+response token of the samples trained in this process (``sample.metadata``, for the
+dashboard's rollout browser).
 """
 
 from __future__ import annotations
 
 import torch
 
+from miles_host.dashboard.samples import EXPERT_AGREEMENT_KEY
 from miles_host.validation.host_checks import model_config
 from miles_r3.replay import ReplayState, replay_ids_for_batch
 
@@ -89,6 +92,7 @@ def miles_select_experts(layer_index, scores, topk, router_ids, routing_context)
         # counted on the router's device: the host reads the step's sums once (miles_rank_counters)
         STATE.agree = STATE.agree + (same_T & valid_T).sum()
         STATE.total = STATE.total + valid_T.sum()
+        STATE.count_tokens(routing_context, same_T & valid_T)
     return ids
 
 
@@ -111,10 +115,13 @@ def miles_train_batch_prepared(batch, samples, config):
     batch.routing.replay_expert_ids.update(
         replay_ids_for_batch(samples, routes, moe_layers, topk, batch.input_ids_T.device)
     )
+    if phase == "train" and getattr(config, "use_miles_dashboard", False):  # per-token agreement, for its browser
+        STATE.track_tokens(batch.routing, samples, batch.cu_seqlens.tolist())
 
 
 def miles_rank_counters(config):
     """This process's agreeing and compared token-layers of the step; its per-step state dropped."""
+    STATE.write_token_agreement(EXPERT_AGREEMENT_KEY)
     agree, total = torch.as_tensor(STATE.agree).double(), torch.as_tensor(STATE.total).double()
     agree_total = torch.stack([agree, total.to(agree.device)]).tolist()  # the step's one host read
     counts = {"r3/agree": agree_total[0], "r3/total": agree_total[1]}

@@ -10,6 +10,19 @@ import torch
 
 
 @dataclass
+class TrackedBatch:
+    """A training batch whose per-token agreement the dashboard shows: its samples, their
+    packed offsets, and per packed token the sum over replayed layers of "the router chose the
+    replayed experts" (each forward of a layer adds one; recomputation adds to both sums)."""
+
+    routing: Any
+    samples: list
+    cu_seqlens: list[int]
+    agree_T: torch.Tensor | None = None
+    layers: int = 0
+
+
+@dataclass
 class ReplayState:
     """Per-run plugin state: R2 recordings and agreement counters of one step."""
 
@@ -19,11 +32,39 @@ class ReplayState:
     total: int | torch.Tensor = 0
     pending: list = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
+    #: --use-miles-dashboard: id(routing context) -> its batch, for per-token agreement
+    tracked: dict = field(default_factory=dict)
 
     def reset_step(self) -> None:
         self.agree = self.total = 0
         self.pending.clear()
         self.recorded.clear()
+        self.tracked.clear()
+
+    def track_tokens(self, routing: Any, samples: list, cu_seqlens: list[int]) -> None:
+        """Count this training batch's agreement per token as well."""
+        self.tracked[id(routing)] = TrackedBatch(routing, list(samples), list(cu_seqlens))
+
+    def count_tokens(self, routing: Any, agree_T: torch.Tensor) -> None:
+        """One replayed layer's per-token agreement (a no-op for untracked batches)."""
+        batch = self.tracked.get(id(routing))
+        if batch is not None:
+            agree_T = agree_T.float()
+            batch.agree_T = agree_T if batch.agree_T is None else batch.agree_T + agree_T
+            batch.layers += 1
+
+    def write_token_agreement(self, key: str) -> None:
+        """Each tracked sample's ``metadata[key]``: per response token, the share of MoE layers
+        whose training router chose the replayed experts at the position that generated it
+        (the token before it); one host read per batch."""
+        for batch in self.tracked.values():
+            if batch.agree_T is None:
+                continue
+            share_T = (batch.agree_T / batch.layers).cpu().tolist()
+            for sample, start, end in zip(batch.samples, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+                first = end - sample.response_length - 1  # the input position of the first response token
+                sample.metadata[key] = share_T[first : end - 1]
+        self.tracked.clear()
 
     def collect_recorded(self) -> None:
         """R2: split the old-logprob passes' captures per sample, ``[len-1, layers, k]``."""
