@@ -124,8 +124,8 @@ class RestartingRouter(RolloutRouter):
         return True
 
     def _all(self, method: str, *args) -> list:
-        """``method`` on every engine; an engine that fails is replaced and its answer is
-        the replacement's (see :meth:`_answer_after_restart`)."""
+        """``method`` on every engine; engines that fail are replaced and their answers are
+        the replacements' (see :meth:`_answer_after_restart`)."""
         failures: dict[int, WorkerFailed] = {}
         sent = []
         for index, client in enumerate(self.clients):
@@ -140,9 +140,10 @@ class RestartingRouter(RolloutRouter):
                 results[index] = self.clients[index].handle.recv(f"'{method}'")
             except WorkerFailed as failure:
                 failures[index] = failure
-        for index, failure in sorted(failures.items()):
-            self._replace(index, failure, method)
-            results[index] = self._answer_after_restart(index, method, args)
+        if failures:
+            self._recover(failures, method)
+            for index in failures:
+                results[index] = self._answer_after_restart(index, method, args)
         return [results[index] for index in range(len(self.clients))]
 
     def _answer_after_restart(self, index: int, method: str, args: tuple) -> Any:
@@ -154,8 +155,42 @@ class RestartingRouter(RolloutRouter):
         return []  # step: the resubmitted requests answer later; abort_all: nothing was left to abort
 
     def _replace(self, index: int, failure: WorkerFailed, method: str) -> None:
-        """Kill engine ``index``, start it again with the current weights, resubmit its
-        unfinished requests (none when it failed in ``abort_all``)."""
+        """Replace engine ``index`` after ``failure`` in ``method`` (see :meth:`_recover`)."""
+        self._recover({index: failure}, method)
+
+    def _recover(self, failures: dict[int, WorkerFailed], method: str) -> None:
+        """Kill and start again every engine in ``failures`` (all of them before any weights
+        move: a weight push waits for every engine), push the current weights (unless
+        ``method`` is a weight load, which the caller repeats), then resubmit the unfinished
+        requests of each (none after ``abort_all``). An engine found failed during the push
+        is replaced the same way."""
+        restarted: set[int] = set()
+        while failures:
+            for index, failure in sorted(failures.items()):
+                self._restart(index, failure, method)
+                restarted.add(index)
+            failures = {}
+            if method in WEIGHT_LOADS:
+                break
+            try:
+                self.restore_weights()
+            except WorkerFailed as failure:  # another engine failed under the push (a broadcast)
+                index = self._index_of(failure.worker)
+                if index is None:
+                    raise
+                failures = {index: failure}
+        for index in sorted(restarted):
+            mine = {} if method == "abort_all" else {rid: r for rid, r in self.requests.items() if r.engine == index}
+            for rid, request in mine.items():
+                self.clients[index].submit(rid, request.input_ids, request.sampling_params,
+                                           request.return_routed_experts)
+                self.load[index] += request.samples - len(request.delivered)
+            print(f"miles: rollout engine {self.clients[index].name} is back; {len(mine)} unfinished request(s) "
+                  "submitted again", file=sys.stderr, flush=True)
+
+    def _restart(self, index: int, failure: WorkerFailed, method: str) -> None:
+        """Kill engine ``index`` (failed with ``failure``) and start it again; raises the
+        failure when it cannot be cured by a restart or the restarts are used up."""
         if failure.kind not in RESTARTABLE:
             raise failure
         if self.restarts[index] >= self.max_restarts:
@@ -164,20 +199,16 @@ class RestartingRouter(RolloutRouter):
         if self.restore_weights is None and method not in WEIGHT_LOADS:
             raise failure  # no way to give a new engine the run's weights: stop as without fault tolerance
         self.restarts[index] += 1
+        print(f"miles: warning: rollout engine {failure.worker} {_detail(failure)}; restarting it (restart "
+              f"{self.restarts[index]} of at most {self.max_restarts})", file=sys.stderr, flush=True)
         self.clients[index].handle.stop(0)  # SIGKILL unless it already exited
         self.clients[index] = self.respawn(index, self.restarts[index])
         self.load[index] = 0
-        mine = {rid: r for rid, r in self.requests.items() if r.engine == index}
-        if method == "abort_all":
-            mine = {}
-        print(f"miles: warning: rollout engine {failure.worker} {_detail(failure)}; restarted it (restart "
-              f"{self.restarts[index]} of at most {self.max_restarts}), {len(mine)} unfinished request(s) submitted "
-              "again", file=sys.stderr, flush=True)
-        if method not in WEIGHT_LOADS:
-            self.restore_weights()
-        for rid, request in mine.items():
-            self.clients[index].submit(rid, request.input_ids, request.sampling_params, request.return_routed_experts)
-            self.load[index] += request.samples - len(request.delivered)
+
+    def _index_of(self, worker: str) -> int | None:
+        """The index of the engine named ``worker``, None for another worker."""
+        names = [client.name for client in self.clients]
+        return names.index(worker) if worker in names else None
 
 
 def _detail(failure: WorkerFailed) -> str:
