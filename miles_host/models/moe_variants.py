@@ -10,10 +10,13 @@
   runs on ``weight * x`` and the outputs are summed unweighted.
 
 Routing (and so R3's capture and replay through the routing hooks) is the base
-block's: only the router's logits and the experts' math differ. The experts run
-the per-expert loop of :func:`~miles_host.models.mlp.routed_forward` (ordered in
-the batch-invariant mode); the fused and grouped kernels know none of these
-variants. Tensor legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
+block's: only the router's logits and the experts' math differ. Experts with
+biases or the clamp run the per-expert loop of
+:func:`~miles_host.models.mlp.routed_forward` (ordered in the batch-invariant
+mode; the fused and grouped kernels know neither); plain experts on scaled
+inputs run the base class's paths (grouped GEMM training, fused inference
+kernels, the loop) over one row per (token, chosen expert). Tensor legend:
+T tokens, H hidden, I expert intermediate, E experts, K top-k, R = T * K rows.
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ class VariantExperts(Experts):
             self.down_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.scale_inputs = moe.scale_expert_inputs
-        if self.limit is not None:
-            self.act_name = "clamped_swiglu"
-        self.moe_kernel = "loop"
+        #: gated experts without biases or clamp: the base class's kernels apply
+        self.plain = not moe.expert_biases and self.limit is None
+        if not self.plain:
+            self.act_name = "clamped_swiglu" if self.limit is not None else f"biased_{act}"
+            self.moe_kernel = "loop"
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -87,12 +92,17 @@ class VariantExperts(Experts):
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, routing=None) -> torch.Tensor:
         if not self.scale_inputs:
-            return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+            return self._experts(x_TH, ids_TK, weights_TK)
         num_tokens, top_k = ids_TK.shape
         scaled_RH = (x_TH[:, None, :] * weights_TK[:, :, None].to(x_TH.dtype)).reshape(num_tokens * top_k, -1)
         ones_R1 = torch.ones(num_tokens * top_k, 1, dtype=x_TH.dtype, device=x_TH.device)
-        y_RH = routed_forward(scaled_RH, ids_TK.reshape(-1, 1), ones_R1, self.num_experts, self.expert_mlp)
+        y_RH = self._experts(scaled_RH, ids_TK.reshape(-1, 1), ones_R1)
         return y_RH.view(num_tokens, top_k, -1).sum(dim=1)
+
+    def _experts(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return super().forward(x_TH, ids_TK, weights_TK)
+        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
 
 
 def needs_variant(moe: MoEConfig) -> bool:

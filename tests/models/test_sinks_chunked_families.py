@@ -154,6 +154,30 @@ def test_multimodal_llama4_loads_and_saves_its_language_model(checkpoints, tmp_p
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["text_config"] == text_config
 
 
+def test_llama4_experts_train_on_grouped_gemms(checkpoints):
+    """Llama-4's plain experts on router-scaled inputs take the grouped-GEMM training path: logits
+    follow transformers, gradients the per-expert loop's."""
+    from .test_hf_parity import _packed
+    from .test_moe_train import _loss_and_grads, _set_experts_impl
+
+    _, path = checkpoints("llama4_text")
+    input_ids, attention_mask = prompts_batch(lengths=(13, 6, 9), seed=11)
+    reference = hf_logits(path, input_ids, attention_mask)
+    model = load_pretrained(path, family=family_lookup)
+    assert _set_experts_impl(model, "grouped") == 2
+    logits = model(input_ids, attention_mask)
+    valid = attention_mask.bool()
+    assert logits.requires_grad and (logits.detach()[valid] - reference[valid]).abs().max().item() <= 1e-4
+    batch = _packed(input_ids, attention_mask)
+    log_probs, grads = _loss_and_grads(model, batch)
+    _set_experts_impl(model, "loop")
+    log_probs_loop, grads_loop = _loss_and_grads(model, batch)
+    torch.testing.assert_close(log_probs, log_probs_loop, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_loop.keys() and any(".router." in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_loop[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 PROMPTS = [[5, 9, 17, 33, 2, 71, 8], list(range(10, 23)), [100, 3]]
 
 
