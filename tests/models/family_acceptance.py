@@ -1,6 +1,7 @@
 """The acceptance checks of a model family against transformers, shared by the per-family test
 files: a tiny random checkpoint saved with the quickstart tokenizer, the HF -> miles -> HF weight
-round trip, the engine's greedy tokens and log-probs, one GRPO step through the CLI."""
+round trip, the engine's greedy tokens and log-probs, the refusal of ``--true-on-policy``, one GRPO
+step through the CLI."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -72,6 +74,15 @@ def assert_engine_matches_transformers(hf_model, model, max_new_tokens: int = 10
     for prompt, output in zip(PROMPTS, sampled):
         reference = hf_logprobs(hf_model, prompt, output["output_ids"], 0.7)
         assert (engine_logprobs(output) - reference).abs().max() <= 1e-5
+
+
+def assert_true_on_policy_refused(model) -> None:
+    """A forward in batch-invariant mode (``--true-on-policy``) raises with the reason."""
+    from miles_host.models import ForwardContext, PackedAttention
+
+    ctx = ForwardContext(attention=PackedAttention(torch.tensor([0, 3])), batch_invariant=True)
+    with pytest.raises(ValueError, match="does not support --true-on-policy"), torch.no_grad():
+        model.forward_hidden(torch.tensor([5, 6, 7]), torch.arange(3), ctx)
 
 
 def grpo_step(path: Path, workdir: Path) -> dict:

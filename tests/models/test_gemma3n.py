@@ -12,11 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_host.models import ForwardContext, PackedAttention, load_pretrained, save_pretrained
+from miles_host.models import load_pretrained, save_pretrained
 from miles_models import gemma3n
 
 from .conftest import hf_logits, prompts_batch
-from .family_acceptance import VOCAB, assert_engine_matches_transformers, assert_round_trip_bit_for_bit, grpo_step, save_tiny
+from .family_acceptance import (
+    VOCAB, assert_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
+    save_tiny,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,10 +103,7 @@ def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
 
 
 def test_true_on_policy_is_refused_with_the_reason(checkpoint):
-    model = load_pretrained(checkpoint[1], family=lookup)
-    ctx = ForwardContext(attention=PackedAttention(torch.tensor([0, 3])), batch_invariant=True)
-    with pytest.raises(ValueError, match="does not support --true-on-policy"), torch.no_grad():
-        model.forward_hidden(torch.tensor([5, 6, 7]), torch.arange(3), ctx)
+    assert_true_on_policy_refused(load_pretrained(checkpoint[1], family=lookup))
 
 
 @pytest.mark.slow
