@@ -23,7 +23,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from miles_host.http_serving import bind_socket, is_loopback
+from miles_host.http_serving import ThreadedServer, bind_socket, is_loopback
 from miles_sglang.app import build_app
 from miles_sglang.limits import ServerLimits
 from miles_sglang.openai_api import build_openai_router
@@ -81,25 +81,20 @@ class _HeaderTimeoutH11Protocol(H11Protocol):
 
 
 @dataclass
-class ServerHandle:
+class ServerHandle(ThreadedServer):
     """A running ``miles serve``: its URL, and :meth:`shutdown`."""
 
-    server: uvicorn.Server
-    state: ServerState
-    thread: threading.Thread
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+    state: ServerState | None = None
 
     def shutdown(self) -> None:
         """Stop accepting requests, abort generation, end the threads."""
         self.state.worker.stop()  # in-flight requests finish as aborted, so handlers return
         self.server.should_exit = True
         self.thread.join(15)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """:meth:`shutdown` (the engine thread stops too)."""
+        self.shutdown()
 
 
 def start_server(
@@ -161,7 +156,7 @@ def start_server(
         worker.stop()
         sock.close()
         raise RuntimeError(f"miles serve did not start on {host}:{bound_port} (see the log above)")
-    return ServerHandle(server, state, thread, host, bound_port)
+    return ServerHandle(server=server, thread=thread, host=host, port=bound_port, state=state)
 
 
 def default_routers(state: ServerState) -> list:
