@@ -152,11 +152,21 @@ class TrainerGroup(TrainerBase):
         return self.local.reads_megatron_checkpoints
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole weights on rank 0 (a trainer that streams them: collected from its buckets)."""
+        if self.streams_weights:
+            return dict(self._streamed(for_rollout=False))
         return self.local.full_state_dict()
 
     def named_weights_for_rollout(self):
-        """Rank 0's weights (whole: a sharded trainer gathers them after each ``train``)."""
+        """Rank 0's weights, whole (a sharded trainer gathers them after each ``train``, or, if it
+        streams them, they are collected from its buckets)."""
+        if self.streams_weights:
+            return self._streamed(for_rollout=True)
         return self.local.named_weights_for_rollout()
+
+    def _streamed(self, for_rollout: bool) -> list:
+        size = int(self.local.config.update_weight_buffer_size)
+        return [pair for bucket in self.weight_buckets(size, for_rollout) for pair in bucket]
 
     @property
     def streams_weights(self) -> bool:

@@ -39,6 +39,11 @@ def save_hf_checkpoint(trainer: Any, path: str | Path, config: Any) -> None:
     (``--merge-lora``: the merged HF checkpoint instead)."""
     from miles_host.models import save_pretrained
 
+    if getattr(trainer, "streams_weights", False) and not lora_modules(trainer.model):
+        from miles_host.models.save_buckets import save_hf_in_buckets
+
+        save_hf_in_buckets(trainer, path, int(config.update_weight_buffer_size))  # one shard per bucket
+        return
     state = trainer.full_state_dict()  # a sharded trainer's gathered weights; None: the model's own are whole
     if not lora_modules(trainer.model):
         save_pretrained(trainer.model, path, state_dict=state)

@@ -109,9 +109,6 @@ class MegatronTrainer(NativeTrainer):
                 f"--advantage-estimator {config.advantage_estimator} trains a critic, which the TP/EP/PP megatron "
                 "trainer does not shard yet; use a critic-free estimator (grpo, gspo, rloo, ...)"
             )
-        self._full_state: dict[str, torch.Tensor] | None = None
-        if self.sizes.parallel:
-            self._gather_full_state()
 
     def _make_optimizer(self, fused: bool | None = None) -> None:
         """The model in Megatron's DDP (:func:`miles_megatron.schedule.wrap_ddp`), then the host's
@@ -174,10 +171,7 @@ class MegatronTrainer(NativeTrainer):
 
     def train(self, samples):
         with on_device(self.device):
-            metrics = super().train(samples)
-        if self.sizes.parallel:
-            self._gather_full_state()
-        return metrics
+            return super().train(samples)
 
     def response_log_probs(self, model, batch, with_entropy: bool = False):
         with on_device(self.device):
@@ -209,20 +203,15 @@ class MegatronTrainer(NativeTrainer):
 
     # -- weights and state ------------------------------------------------------------
 
-    def _gather_full_state(self) -> None:
-        """All ranks: the full native-named weights; rank 0 keeps them."""
-        with on_device(self.device):
-            full = self.model.state_dict()
-        self._full_state = full if self.rank == 0 else None
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Native-named weights (under TP/EP/PP: gathered after the last ``train``, rank 0)."""
-        if not self.sizes.parallel:
+        """Native-named weights; under TP/EP/PP/CP gathered whole on every rank (a collective,
+        for the torch-format checkpoint: weight sync and ``--save-hf`` stream them instead,
+        :meth:`weight_buckets`, and so does the trainer group for its callers)."""
+        with on_device(self.device):
             return self.model.state_dict()
-        assert self._full_state is not None, "the gathered weights are kept on rank 0 only"
-        return self._full_state
 
     def named_weights_for_rollout(self):
+        """The engine's weights whole (a collective under TP/EP/PP/CP, see :meth:`full_state_dict`)."""
         named = list(self.full_state_dict().items())
         return self.convert_for_rollout(named, self.config) if self.convert_for_rollout else named
 
@@ -263,7 +252,7 @@ class MegatronTrainer(NativeTrainer):
         from miles_megatron.optimizer_state import gather_optimizer_state
 
         return {
-            "model": self._full_state,
+            "model": self.full_state_dict(),
             "optimizer": gather_optimizer_state(self),
             "scheduler": self.scheduler.state_dict(),
             "consecutive_nan_steps": self.consecutive_nan_steps,
@@ -283,8 +272,6 @@ class MegatronTrainer(NativeTrainer):
             from miles_megatron.dist_ckpt import load_trainer_state
 
             load_trainer_state(self, state)
-            if self.sizes.parallel:
-                self._gather_full_state()
             return
         layout = state.get("model_parallel")
         if layout is None and not self.sizes.parallel:
@@ -301,4 +288,3 @@ class MegatronTrainer(NativeTrainer):
         load_optimizer_state(self, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
-        self._gather_full_state()
