@@ -58,22 +58,32 @@ def assert_round_trip_bit_for_bit(path: Path, lookup, out: Path) -> None:
         assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
 
 
-def assert_engine_matches_transformers(hf_model, model, max_new_tokens: int = 10) -> None:
+def assert_engine_matches_transformers(hf_model, model, max_new_tokens: int = 10, atol: float = 1e-5, **engine_kwargs):
     """The engine's greedy tokens equal transformers' greedy generate; its log-probs at
-    temperature 0.7 equal transformers' ``log_softmax(logits / 0.7)``."""
+    temperature 0.7 equal transformers' ``log_softmax(logits / 0.7)``. Returns the engine."""
     from miles_host.rollout import Engine
 
     from tests.rollout.conftest import engine_logprobs, hf_logprobs
     from tests.rollout.test_correctness import hf_greedy
 
-    engine = Engine(model, kv_cache_tokens=512, block_size=4)
+    engine = Engine(model, **({"kv_cache_tokens": 512, "block_size": 4} | engine_kwargs))
     greedy = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     outputs = engine.generate(PROMPTS, greedy)
     assert [o["output_ids"] for o in outputs] == hf_greedy(hf_model, PROMPTS, max_new_tokens)
     sampled = engine.generate(PROMPTS, {**greedy, "temperature": 0.7, "sampling_seed": 1})
     for prompt, output in zip(PROMPTS, sampled):
         reference = hf_logprobs(hf_model, prompt, output["output_ids"], 0.7)
-        assert (engine_logprobs(output) - reference).abs().max() <= 1e-5
+        assert (engine_logprobs(output) - reference).abs().max() <= atol
+    return engine
+
+
+def assert_gpu_engine_matches_transformers(hf_model, model) -> None:
+    """On CUDA (float32, Triton attention, decode in CUDA graphs): as :func:`assert_engine_matches_transformers`."""
+    engine = assert_engine_matches_transformers(
+        hf_model, model.cuda(), atol=1e-4, kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3,
+        max_kv_cache_tokens=4096,
+    )
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
 
 
 def assert_true_on_policy_refused(model) -> None:

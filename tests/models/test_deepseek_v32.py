@@ -16,7 +16,7 @@ from miles_models import deepseek_v32
 
 from .conftest import hf_logits, prompts_batch
 from .family_acceptance import (
-    VOCAB, assert_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
+    VOCAB, assert_engine_matches_transformers, assert_gpu_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
     save_tiny,
 )
 
@@ -71,6 +71,13 @@ def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
     model = load_pretrained(path, family=lookup)
     assert model.attention_layout()[2:] == [(1, 16, 0, None)] * 2  # the indexer keys beside the MLA cache
     assert_engine_matches_transformers(hf_model, model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_matches_transformers(checkpoint):
+    hf_model, path = checkpoint
+    assert_gpu_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
 
 
 def test_true_on_policy_is_refused_with_the_reason(checkpoint):

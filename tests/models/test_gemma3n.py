@@ -17,7 +17,7 @@ from miles_models import gemma3n
 
 from .conftest import hf_logits, prompts_batch
 from .family_acceptance import (
-    VOCAB, assert_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
+    VOCAB, assert_engine_matches_transformers, assert_gpu_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
     save_tiny,
 )
 
@@ -100,6 +100,13 @@ def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpo
 def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
     hf_model, path = checkpoint
     assert_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_matches_transformers(checkpoint):
+    hf_model, path = checkpoint
+    assert_gpu_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
 
 
 def test_true_on_policy_is_refused_with_the_reason(checkpoint):
