@@ -3,6 +3,7 @@ files, the step timeline, the API key off loopback, the ``miles dashboard`` comm
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -91,3 +92,26 @@ def test_vendored_uplot_is_recorded():
     assert "uPlot 1.6.32" in (vendor / "VERSION").read_text() and "MIT" in (vendor / "uPlot.LICENSE").read_text()
     page = (STATIC_DIR / "index.html").read_text()  # only the package's own files, nothing from the network
     assert "http" not in page.replace("http-equiv", "")
+
+
+def test_run_logger_serves_its_output_dir(tmp_path, tokenizer):
+    import socket
+    import urllib.request
+
+    from miles_host.dashboard.server import DashboardLogger
+
+    RunWriter(tmp_path / "run", tokenizer).write_steps(range(2))
+    config = MilesConfig(output_dir=str(tmp_path / "run"), use_miles_dashboard=True, miles_dashboard_port=0)
+    logger = DashboardLogger(config)
+    try:
+        with urllib.request.urlopen(logger.url + "api/runs/run/metrics") as reply:
+            assert json.loads(reply.read())["records"] == read_metrics(tmp_path / "run")
+    finally:
+        logger.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = MilesConfig(output_dir=str(tmp_path / "run"), use_miles_dashboard=True,
+                           miles_dashboard_port=taken.getsockname()[1])
+        with pytest.raises(ValueError, match="give --miles-dashboard-port another port"):
+            DashboardLogger(busy)
