@@ -26,6 +26,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from miles_host.kernels.eager_ops import apply_rotary
 from miles_host.kernels.gated_delta_rule import causal_conv, gated_delta_rule
 from miles_host.models.self_attention import GQAAttention
 
@@ -201,8 +202,6 @@ class GatedAttention(GQAAttention):
         self.qkv_proj = torch.nn.Linear(config.hidden_size, 2 * q_size + 2 * kv_size, bias=config.qkv_bias)
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin, attention) -> torch.Tensor:
-        from miles_host.kernels.eager_ops import apply_rotary
-
         num_tokens = x_TH.shape[0]
         qg, k, v = self.qkv_proj(x_TH).split(self.split_sizes, dim=-1)
         q_TND, gate_TND = qg.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
