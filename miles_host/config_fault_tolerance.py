@@ -38,6 +38,19 @@ class FaultToleranceArgs:
                                     "(--use-fault-tolerance; 0: none)", type=int, group="fault tolerance")
 
 
+def check_fault_tolerant_backend(config: Any, registries: Any) -> None:
+    """``--use-fault-tolerance`` needs a rollout backend that carries on when an engine fails
+    (its record's ``fault_tolerant``, or that of its ``distributed_variant``)."""
+    if not config.use_fault_tolerance:
+        return
+    record = registries.rollout_backends.get(config.rollout_backend)
+    variant = registries.rollout_backends.get(record.distributed_variant) if record.distributed_variant else None
+    if not (record.fault_tolerant or (variant is not None and variant.fault_tolerant)):
+        able = sorted(r.name for r in registries.rollout_backends if r.fault_tolerant)
+        raise ValueError(f"--use-fault-tolerance: the rollout backend {config.rollout_backend!r} cannot replace a failed "
+                         f"engine; use one that can ({', '.join(able)}) or drop --use-fault-tolerance")
+
+
 def check_fault_tolerance(config: Any) -> None:
     """The values of the fault-tolerance flags (raises ValueError)."""
     for name in ("rollout_health_check_interval", "rollout_health_check_timeout"):

@@ -70,11 +70,14 @@ class RolloutBackend(Record):
     :mod:`miles_host.distributed.launcher`. ``distributed_variant``: the backend that does
     this one's work from other processes when the run needs several (``embedded`` ->
     ``process``); empty: this backend serves multi-process runs as it is.
+    ``fault_tolerant``: with ``--use-fault-tolerance`` it carries on when one of its engines
+    fails (restarts it, or drops an external server while another is up).
     """
 
     factory: Callable[..., Any] | None = None
     multi_process: bool = False
     distributed_variant: str = ""
+    fault_tolerant: bool = False
 
     required = ("factory",)
 

@@ -55,12 +55,14 @@ def placement_needs_processes(config: Any) -> bool:
 
 def wants_distributed(config: Any, registries: Any) -> bool:
     """True when the run needs more than this one process: its placement flags ask for it,
-    ``--use-fault-tolerance`` (engines that can be restarted live in their own processes),
-    or the selected rollout or training backend's record is ``multi_process``."""
+    ``--use-fault-tolerance`` with a backend whose engines can move to processes (``embedded``:
+    a restarted engine needs a process of its own), or the selected rollout or training
+    backend's record is ``multi_process``."""
+    rollout = registries.rollout_backends.get(config.rollout_backend)
     return (
         placement_needs_processes(config)
-        or bool(config.use_fault_tolerance)
-        or registries.rollout_backends.get(config.rollout_backend).multi_process
+        or (bool(config.use_fault_tolerance) and bool(rollout.distributed_variant))
+        or rollout.multi_process
         or registries.train_backends.get(config.train_backend).multi_process
     )
 
@@ -112,12 +114,6 @@ def prepare(config: Any, registries: Any) -> None:
     rollout = registries.rollout_backends.get(config.rollout_backend)
     if not rollout.multi_process and rollout.distributed_variant:
         config.rollout_backend = rollout.distributed_variant
-    if config.use_fault_tolerance and not registries.rollout_backends.get(config.rollout_backend).multi_process:
-        raise ValueError(
-            f"--use-fault-tolerance restarts rollout engines that this host starts as processes (--rollout-backend "
-            f"process, or embedded, which becomes it); --rollout-backend {config.rollout_backend} manages its own "
-            "engines: drop --use-fault-tolerance or use --rollout-backend process"
-        )
     train = registries.train_backends.get(config.train_backend)
     if not train.multi_process and train.distributed_variant:
         config.train_backend = train.distributed_variant

@@ -65,7 +65,8 @@ def miles_register_train_backends():
 def miles_register_rollout_backends():
     """``process``."""
     return [RolloutBackend("process", "embedded engines in their own processes (--rollout-num-gpus), RPC over pipes",
-                           factory=_process, multi_process=True, validate=check_engine_sequences)]
+                           factory=_process, multi_process=True, validate=check_engine_sequences,
+                           fault_tolerant=True)]
 
 
 def miles_register_weight_sync_transports():

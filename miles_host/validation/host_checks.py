@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from miles_host.config import MilesConfig
+from miles_host.config_fault_tolerance import check_fault_tolerant_backend
 from miles_host.config_fields import flag_name
 from miles_host.config_training_modes import check_training_mode_functions, needs_reward
 from miles_host.data import missing_data_file
@@ -201,4 +202,5 @@ HOST_CHECKS: tuple[Callable[[Any, Any], None], ...] = (
     check_optimizer_flags,
     check_opd,
     check_lora,
+    check_fault_tolerant_backend,
 )
