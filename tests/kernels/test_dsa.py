@@ -120,6 +120,33 @@ def assert_kernels_match_reference(case, atol: float) -> None:
     assert torch.allclose(sparse_attention_triton(*attention_args).float(), reference, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("pointer", ["*bf16", "*fp32"])
+def test_kernels_compile_for_sm90(pointer):
+    """The GPU build (no interpreter) of both kernels at DeepSeek-V3.2's shapes: the indexer product on
+    tensor cores for bf16, never TF32 for float32."""
+    pytest.importorskip("triton")
+    from miles_host.kernels import _dsa_triton
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    ieee = pointer == "*fp32"
+    scores = {"Q": pointer, "W": "*fp32", "KI": pointer, "block_tables": "*i32", "seq_T": "*i64", "pos_T": "*i64",
+              "Out": "*fp32", "scale": "fp32", "num_keys": "i32", "block_size": "i32", "stride_qt": "i32",
+              "stride_qi": "i32", "stride_wt": "i32", "stride_kslot": "i32", "stride_bt": "i32", "stride_ot": "i32"}
+    ptx = compile_sm90(_dsa_triton._index_scores_kernel, scores, dict(
+        NUM_I=64, I_PAD=64, D=128, D_PAD=128, BLOCK_L=_dsa_triton.KEYS_PER_PROGRAM, IEEE=ieee,
+    ), num_warps=4, num_stages=2, unaligned=("num_keys",))
+    assert "tf32" not in ptx
+    if not ieee:
+        assert "bf16" in ptx
+    attention = {"Q": pointer, "Kc": pointer, "Vc": pointer, "block_tables": "*i32", "seq_T": "*i64", "Sel": "*i64",
+                 "Out": pointer, "scale": "fp32", "num_selected": "i32", "block_size": "i32",
+                 **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_vslot",
+                                             "stride_vh", "stride_bt", "stride_st", "stride_ot", "stride_oh")}}
+    compile_sm90(_dsa_triton._sparse_attention_kernel, attention, dict(
+        DK=192, DK_PAD=256, DV=128, DV_PAD=128, BLOCK_K=_dsa_triton.SELECTED_PER_ITERATION,
+    ), num_warps=4, num_stages=2, unaligned=("num_selected",))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
