@@ -118,6 +118,16 @@ def test_dashboard_page_in_chromium(tmp_path, tokenizer):
             page.wait_for_function("() => document.querySelectorAll('#timeline .timeline-row').length === 6")
             page.screenshot(path=str(shots / "timeline.png"), full_page=True)
             assert errors == []
+
+            # with an API key the page sends the one it was opened with (/?key=...)
+            keyed = serve_dashboard([tmp_path / "runs"], port=0, api_key="s3cret")
+            try:
+                page.goto(keyed.url + "/?poll=250")
+                page.wait_for_function("() => document.getElementById('status').textContent.includes('401')")
+                page.goto(keyed.url + "/?key=s3cret&poll=250")
+                page.wait_for_function("() => (window.milesDashboard.records.live || []).length === 5")
+            finally:
+                keyed.stop()
             browser.close()
     finally:
         server.stop()
