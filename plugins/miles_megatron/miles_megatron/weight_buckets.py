@@ -7,7 +7,8 @@ layouts weight sync, ``--save-hf`` and the native trainer use), each bucket at m
 its own), the others yield nothing. What any rank holds at once is its own shard plus one
 bucket (the idea of slime's ``update_weight_from_distributed``):
 
-- **Plan.** Each pipeline stage lists its parameters under Megatron's names (the tied
+- **Plan.** Each pipeline stage lists its parameters under Megatron's names (model chunk
+  by model chunk under virtual pipeline stages; the tied
   output copy of a last stage dropped: the first stage's embedding is the weight), in
   units that become whole native tensors (one parameter, or all of a layer's routed
   experts of one projection: native names stack them), sized as full (TP- and
@@ -144,28 +145,32 @@ def _stage_sources() -> list[int]:
     return [sources[stage] for stage in sorted(sources)]
 
 
-def megatron_buckets(gpt: torch.nn.Module, vocab_size: int, bucket_bytes: int,
+def megatron_buckets(chunks: list[torch.nn.Module], vocab_size: int, bucket_bytes: int,
                      device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Every rank calls it (see module doc); rank 0 gets each bucket of full, Megatron-named
-    tensors (global layer indices), the others nothing."""
+    """Every rank calls it with its model chunks (one GPTModel, or one per virtual pipeline
+    stage; see module doc); rank 0 gets each bucket of full, Megatron-named tensors (global
+    layer indices), the others nothing."""
     from miles_megatron.parallel import current_sizes, gather_state
     from miles_megatron.pipeline import _renumber, current_stage, global_layer_ids
 
     sizes = current_sizes()
-    local = _local_state(gpt)
-    buckets = cut_buckets(plan_units(gpt, local), bucket_bytes)
+    # (chunk, its local state, one bucket's names), chunk by chunk
+    buckets = []
+    for gpt in chunks:
+        local = _local_state(gpt)
+        buckets += [(gpt, local, names) for names in cut_buckets(plan_units(gpt, local), bucket_bytes)]
     if not sizes.parallel:
-        for names in buckets:
+        for _, local, names in buckets:
             yield {name: local[name] for name in names}
         return
     stage = current_stage()
     sources = _stage_sources()
     rank = dist.get_rank()
-    to_global = global_layer_ids(gpt)
     for index in range(stage.size):
         if index == stage.index:
-            for names in buckets:
+            for gpt, local, names in buckets:
                 full = gather_state({name: local[name] for name in names}, gpt, vocab_size)
+                to_global = global_layer_ids(gpt)
                 full = {_renumber(name, to_global): tensor for name, tensor in full.items()}
                 if rank == 0:
                     yield full
@@ -185,5 +190,6 @@ def native_buckets(policy: Any, bucket_bytes: int, device: torch.device) -> Iter
     from miles_megatron.weights import megatron_to_native
 
     with on_device(device):
-        for bucket in megatron_buckets(policy.gpt, policy.config.vocab_size, bucket_bytes, device):
+        chunks = getattr(policy, "chunks", None) or [policy.gpt]  # virtual pipeline stages: one GPTModel each
+        for bucket in megatron_buckets(chunks, policy.config.vocab_size, bucket_bytes, device):
             yield megatron_to_native(bucket, policy.config)
