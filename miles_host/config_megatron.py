@@ -157,6 +157,8 @@ MEGATRON_IGNORED: dict[str, str] = {
     "transformer_impl": "the native trainers build miles' own layers; --train-backend megatron builds "
                         "Megatron-Core's local layer spec (no TransformerEngine)",
     "bf16": "the precision is --dtype (auto: bf16 autocast over float32 master weights on GPU, float32 on CPU)",
+    "use_distributed_optimizer": "optimizer state is sharded by FSDP2 across the native trainer's GPUs; "
+                                 "--train-backend megatron honours it (Megatron-Core's distributed optimizer)",
     "use_precision_aware_optimizer": "optimizer states stay float32 (AdamW over float32 master weights)",
     "overlap_cpu_optimizer_d2h_h2d": "no Megatron CPU optimizer runs (see --optimizer-cpu-offload)",
     "overlap_param_gather": "parameters are gathered by FSDP2 (native); the megatron backend's distributed "

@@ -225,14 +225,17 @@ REQUIRED_VALUES: dict[str, tuple[Any, str]] = {
 
 def check_megatron_training_args(config: Any, registries: Any) -> None:
     """Host check: the ``PERF_ARGS`` values miles can honour (see :data:`REQUIRED_VALUES`), and
-    pipeline stage sizes that are the even split every backend uses."""
+    pipeline stage sizes that are the even split, unless the training backend builds uneven
+    stages (``--train-backend megatron``: it checks them itself)."""
     given = user_set_fields(config)
     for name, (value, why) in REQUIRED_VALUES.items():
         if name in given and getattr(config, name) != value:
             instead = "drop it" if isinstance(value, bool) else f"give {flag_name(name)} {_shown(value)} or drop it"
             raise ValueError(f"{flag_name(name)} {_shown(getattr(config, name))}: {why}; {instead}")
+    # a backend that builds uneven stages checks them itself (TrainBackend.honoured_flags)
+    honoured = set(registries.train_backends.get(config.train_backend).honoured_flags) if registries else set()
     stages = {name: getattr(config, name) for name in ("decoder_first_pipeline_num_layers",
-                                                       "decoder_last_pipeline_num_layers")}
+                                                       "decoder_last_pipeline_num_layers") if name not in honoured}
     if all(value is None for value in stages.values()):
         return
     pp = int(config.pipeline_model_parallel_size)
