@@ -80,6 +80,20 @@ class GatedDeltaNetConfig:
         return (self.conv_dim, self.conv_kernel_size - 1), (self.num_value_heads, self.key_head_dim, self.value_head_dim)
 
 
+#: why ``--true-on-policy`` is refused for models with Gated DeltaNet layers (validation and engine say it)
+TRUE_ON_POLICY_REFUSAL = (
+    "--true-on-policy (the batch-invariant engine) is not supported for models with Gated DeltaNet "
+    "(linear attention) layers: training runs the chunked delta rule and rollout the per-token recurrence, "
+    "whose float sums differ in order, so train and rollout log-probs cannot agree bit for bit; run without "
+    "--true-on-policy (TIS/MIS correct the small mismatch)"
+)
+
+
+def true_on_policy_refusal(config) -> str | None:
+    """The reason ``--true-on-policy`` cannot hold for a native model config, or None."""
+    return TRUE_ON_POLICY_REFUSAL if "linear_attention" in config.layer_types else None
+
+
 class RecurrentStates(Protocol):
     """The engine's per-sequence states of a forward's sequences (see the rollout engine).
 

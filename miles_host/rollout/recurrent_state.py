@@ -31,7 +31,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-from miles_host.models.gated_deltanet import linear_attention_layers
+from miles_host.models.gated_deltanet import TRUE_ON_POLICY_REFUSAL, linear_attention_layers
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.sequence import Sequence
 
@@ -61,18 +61,16 @@ class RecurrentStatePool:
         if not layers:
             return None
         if config.batch_invariant:
-            raise ValueError(
-                "--true-on-policy (the batch-invariant engine) is not supported for models with Gated DeltaNet "
-                "(linear attention) layers: training runs the chunked delta rule and rollout the per-token "
-                "recurrence, whose float sums differ in order, so train and rollout log-probs cannot agree "
-                "bit for bit; run without --true-on-policy (TIS/MIS correct the small mismatch)"
-            )
+            raise ValueError(TRUE_ON_POLICY_REFUSAL)
         if decoding_strategy is not None:
             raise ValueError(
                 "speculative decoding is not supported for models with Gated DeltaNet (linear attention) layers: "
                 "verifying a draft advances each sequence's recurrent state, which cannot be rolled back to the "
                 "accepted prefix; run without the speculative decoding plugin"
             )
+        if getattr(config, "use_cuda_graph", False):
+            logger.info("CUDA-graph decode is off for this model: the decode graphs capture the paged KV cache, "
+                        "not the per-sequence gather/scatter of the Gated DeltaNet layers' recurrent state")
         dtype = next(model.parameters()).dtype
         return cls(layers, config.max_num_seqs + 1, dtype, config.device)
 

@@ -77,8 +77,19 @@ def test_abort_frees_the_recurrent_state(qwen3_next):
     assert not engine.recurrent_states.slot_of and not engine.recurrent_states.forks
 
 
-def test_true_on_policy_and_speculative_decoding_are_refused_with_the_reason(qwen3_next):
+def test_true_on_policy_and_speculative_decoding_are_refused_with_the_reason(qwen3_next, monkeypatch):
+    from types import SimpleNamespace
+
+    import miles_host.validation.host_checks as host_checks
+    from miles_models import qwen_next
+
+    from tests.models.qwen_next_cases import family_lookup
+
     _, path = qwen3_next
+    monkeypatch.setattr(host_checks, "model_family_for", family_lookup)
+    with pytest.raises(ValueError, match="true-on-policy.*Gated DeltaNet"):  # at validation
+        qwen_next.miles_validate(SimpleNamespace(true_on_policy=True, hf_checkpoint=path), None)
+    qwen_next.miles_validate(SimpleNamespace(true_on_policy=False, hf_checkpoint=path), None)
     with pytest.raises(ValueError, match="true-on-policy.*Gated DeltaNet"):
         make_engine(path, batch_invariant=True)
     with pytest.raises(ValueError, match="speculative decoding.*rolled back"):

@@ -24,8 +24,9 @@ import re
 from typing import Any, Mapping
 
 from miles_host.models.config import ModelConfig, MoEConfig
-from miles_host.models.gated_deltanet import GatedDeltaNetConfig
+from miles_host.models.gated_deltanet import GatedDeltaNetConfig, true_on_policy_refusal
 
+from miles_models._checks import refuse_true_on_policy
 from miles_models._config import base_fields, build, moe_layer_flags, rope_config
 from miles_models._family import model_family
 from miles_models._weights import L, Rule, WeightMap, common_rules, gqa_rules, mlp_rules, moe_rules, norm_rules
@@ -220,3 +221,9 @@ def miles_register_model_families():
             chat_defaults=QWEN_CHAT,
         ),
     ]
+
+
+def miles_validate(config, registries):
+    """``--true-on-policy`` is refused (with the reason) for models with Gated DeltaNet layers."""
+    types = [t for record in miles_register_model_families() for t in record.model_types]
+    refuse_true_on_policy(config, types, reason_of=true_on_policy_refusal)
