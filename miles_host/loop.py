@@ -253,8 +253,10 @@ class Run:
     def run_eval(self, rollout_id: int) -> dict[str, float]:
         """``--eval-config`` / ``--eval-prompt-data``: accuracy (mean reward) per named data set
         (and pass@k with ``--log-passrate``)."""
+        start = time.perf_counter()
         metrics = run_evals(self.config, self.rollout, rollout_id, self.eval_datasets)
         if metrics:
+            metrics["perf/eval_time_s"] = time.perf_counter() - start  # a phase of the dashboard's timeline
             print(
                 f"miles: eval after {rollout_id} rollout(s): "
                 + ", ".join(f"{k.split('/')[1]} accuracy {v:.1%}" for k, v in metrics.items() if k.endswith("/accuracy")),

@@ -20,6 +20,7 @@ PHASE_METRICS = {
     "train": "perf/train_time_s",
     "sync": "perf/weight_sync_time_s",
     "offload": "perf/phase_switch_time_s",
+    "eval": "perf/eval_time_s",
 }
 #: phases measured inside another phase's time: (inner, outer)
 NESTED_PHASES = (("reward", "generate"),)

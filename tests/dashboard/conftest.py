@@ -38,12 +38,13 @@ def step_record(rollout_id: int, rng: random.Random) -> dict:
     record = {"rollout_id": rollout_id, **{key: rng.uniform(-1, 1) for key in STEP_METRICS}}
     phases = {"perf/rollout_time_s": rng.uniform(1, 2), "perf/reward_time_s": rng.uniform(0.1, 0.3),
               "perf/train_time_s": rng.uniform(1, 3), "perf/weight_sync_time_s": rng.uniform(0.05, 0.2)}
-    record.update(phases)
-    record["perf/step_time_s"] = phases["perf/rollout_time_s"] + phases["perf/train_time_s"] + \
-        phases["perf/weight_sync_time_s"] + rng.uniform(0.01, 0.1)
     if rollout_id % 2:
         record["eval/gsm8k/accuracy"] = rng.random()
         record["eval/math/accuracy"] = rng.random()
+        phases["perf/eval_time_s"] = rng.uniform(0.2, 0.5)
+    record.update(phases)
+    # the step: the rollout (rewards scored inside it), training, the sync, evaluation, and the loop's own work
+    record["perf/step_time_s"] = sum(v for k, v in phases.items() if k != "perf/reward_time_s") + rng.uniform(0.01, 0.1)
     if rollout_id == 2:
         record["train/grad_norm"] = math.nan  # written as "nan": not a point of any curve
     return record

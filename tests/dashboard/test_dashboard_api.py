@@ -58,6 +58,7 @@ def test_metrics_tail_samples_and_timeline(tmp_path, tokenizer):
         phases = step["phases"]
         assert phases["generate"] == pytest.approx(record["perf/rollout_time_s"] - record["perf/reward_time_s"])
         assert phases["train"] == pytest.approx(record["perf/train_time_s"])
+        assert phases.get("eval") == record.get("perf/eval_time_s")
         assert sum(phases.values()) == pytest.approx(record["perf/step_time_s"])
         assert set(phases) <= {*PHASE_METRICS, "other"}
 

@@ -5,7 +5,7 @@
 
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#a16207", "#db2777"];
 const PHASE_COLORS = {generate: "#2563eb", reward: "#16a34a", teacher: "#0891b2", train: "#dc2626",
-                      sync: "#9333ea", offload: "#a16207", other: "#9ca3af"};
+                      sync: "#9333ea", offload: "#a16207", eval: "#db2777", other: "#9ca3af"};
 const params = new URLSearchParams(location.search);
 const state = {
   key: params.get("key"),
