@@ -7,7 +7,8 @@ slime does (:mod:`miles_sglang.client`); ``step`` hands back whatever finished; 
 buckets through ``/update_weights_from_tensor``. A request that fails (server
 error after retries, malformed answer) comes back as an output with
 ``finish_reason {"type": "abort", "message": ...}``: that sample is FAILED and
-the run carries on.
+the run carries on. With ``--use-fault-tolerance`` a server that stops answering is
+dropped and its requests go to the others (:mod:`miles_sglang.failover`).
 
 Colocated (``--colocate``, ``--offload-rollout``), the servers give their GPU memory to the
 trainer between rollouts as slime's do: ``release_memory_occupation`` flushes the cache and
@@ -22,7 +23,6 @@ slime's order: ``weights`` before the weight push, ``cuda_graph`` then ``kv_cach
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
@@ -33,6 +33,7 @@ import numpy as np
 from miles_host.protocols import RolloutBackendBase
 
 from miles_sglang.client import SGLangClient, SGLangHTTPError, response_tokens
+from miles_sglang.failover import ServerPool
 from miles_sglang.protocol import decode_routed_experts, encode_cuda_ipc_payload, encode_tensor_payload
 from miles_sglang.weights import family_and_config, native_to_hf
 
@@ -95,6 +96,8 @@ class SGLangRolloutBackend(RolloutBackendBase):
         ]
         for client in self.clients:
             client.wait_healthy(attempts=config.sglang_health_retries)
+        #: the live servers (``self.clients`` is its list: a dropped server leaves both)
+        self.pool = ServerPool(self.clients, config)
         self.family, self.model_config = family_and_config(config.hf_checkpoint)
         moe = getattr(self.model_config, "moe", None)
         self.top_k = getattr(moe, "top_k", None)
@@ -103,7 +106,6 @@ class SGLangRolloutBackend(RolloutBackendBase):
         self._lock = threading.Lock()
         self._in_flight = 0
         self._epoch = 0  # bumped by abort_all: results of older requests that arrive later are dropped
-        self._next_client = itertools.count()
         self._weight_version: Any = None
         self._released: set[str] = set()  # SGLang memory tags the servers hold released
 
@@ -121,7 +123,7 @@ class SGLangRolloutBackend(RolloutBackendBase):
         if return_routed_experts and self.top_k is None:
             raise ValueError("routed experts were asked for, but the model has no MoE layers")
         n = int(sampling_params.get("n", 1))
-        client = self.clients[next(self._next_client) % len(self.clients)]
+        client = self.pool.pick()
         with self._lock:
             self._in_flight += 1
             epoch = self._epoch
@@ -229,6 +231,7 @@ class SGLangRolloutBackend(RolloutBackendBase):
     def shutdown(self) -> None:
         """Stop the request threads (in-flight requests are abandoned)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
     # -- one request ----------------------------------------------------------------------
 
@@ -246,7 +249,8 @@ class SGLangRolloutBackend(RolloutBackendBase):
         if epoch != self._epoch:  # aborted before it was sent
             return [failed_output(rid, k, "aborted", len(input_ids)) for k in range(n)]
         try:
-            answer = client.generate(input_ids, sampling_params, return_routed_experts)
+            answer = self.pool.call(lambda server: server.generate(input_ids, sampling_params, return_routed_experts),
+                                    client)
         except SGLangHTTPError as error:
             return [failed_output(rid, k, f"sglang /generate: HTTP {error.status}: {error.message}", len(input_ids))
                     for k in range(n)]

@@ -73,7 +73,7 @@ def check_sglang_backend(config, registries):
 def miles_register_rollout_backends():
     """The SGLang HTTP client."""
     return [RolloutBackend("sglang", "SGLang servers (or `miles serve`) over their HTTP API", factory=_backend,
-                           validate=check_sglang_backend)]
+                           validate=check_sglang_backend, fault_tolerant=True)]
 
 
 def miles_register_weight_sync_transports():
