@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_host.models import load_pretrained, save_pretrained
+from miles_host.models import ForwardContext, PackedAttention, load_pretrained, save_pretrained
 from miles_models import deepseek_v32
 
 from .conftest import hf_logits, prompts_batch
@@ -71,6 +71,44 @@ def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
     model = load_pretrained(path, family=lookup)
     assert model.attention_layout()[2:] == [(1, 16, 0, None)] * 2  # the indexer keys beside the MLA cache
     assert_engine_matches_transformers(hf_model, model)
+
+
+def test_rollout_and_training_pick_the_same_keys_in_bfloat16(checkpoint, monkeypatch):
+    """The engine's top-k (paged cache, decode steps) and the training forward's (packed) agree for
+    every query of a sampled bf16 sequence: no indexer replay is needed for train/rollout agreement."""
+    from miles_host.kernels import dsa as dsa_kernels
+    from miles_host.models import dsa
+    from miles_host.rollout import Engine
+
+    model = load_pretrained(checkpoint[1], dtype=torch.bfloat16, family=lookup)
+    rollout: dict[tuple[int, int], set[int]] = {}  # (layer, position) -> selected key positions
+    paged, topk = dsa._paged, dsa_kernels.topk_positions
+
+    def recording_paged(layer, attention, q_TND, *rest):
+        chosen = []
+        monkeypatch.setattr(dsa_kernels, "topk_positions", lambda *a: chosen.append(topk(*a)) or chosen[-1])
+        out = paged(layer, attention, q_TND, *rest)
+        _, pos_T = dsa_kernels.step_tokens(attention.metadata, q_TND.shape[0])
+        for position, row in zip(pos_T.tolist(), chosen[0].tolist()):
+            rollout[(layer.layer_index, position)] = {j for j in row if j >= 0}
+        return out
+
+    from miles_host.rollout.attention import PagedAttention
+
+    monkeypatch.setitem(dsa.DSA_CONTEXTS, PagedAttention, recording_paged)
+    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine = Engine(model, kv_cache_tokens=256, block_size=8)
+    output = engine.generate([prompt], {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 3})
+    monkeypatch.setattr(dsa_kernels, "topk_positions", topk)
+    tokens = torch.tensor(prompt + output[0]["output_ids"][:-1])
+    training = []
+    selection = dsa._selection_QL
+    monkeypatch.setattr(dsa, "_selection_QL", lambda *a: training.append(selection(*a)) or training[-1])
+    with torch.no_grad():
+        model.forward_hidden(tokens, torch.arange(len(tokens)), ForwardContext(PackedAttention(torch.tensor([0, len(tokens)]))))
+    assert len(rollout) == 2 * len(tokens)
+    for (layer, position), chosen in rollout.items():
+        assert chosen == set(training[layer][position].nonzero().flatten().tolist()), (layer, position)
 
 
 @pytest.mark.gpu
