@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from miles_host.kernels.eager_ops import activation, apply_rotary
 from miles_host.models.config import ModelConfig
@@ -274,8 +275,9 @@ class Gemma3nCausalLM(CausalLM):
         streams_ATH = torch.stack([x_TH, *others], dim=0)
         tables = self._rope_tables(positions_T, x_TH.dtype)
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            cos_sin = tables[id(self.config.rope_of(i))]
-            streams_ATH = layer(streams_ATH, per_layer_TLP[:, i], cos_sin, ctx, shared_kv)
+            args = (streams_ATH, per_layer_TLP[:, i], tables[id(self.config.rope_of(i))], ctx, shared_kv)
+            streams_ATH = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         others = self._rescaled(self.altup_unembed_projections, list(streams_ATH[1:]), streams_ATH[0])
         return self.norm(torch.stack([streams_ATH[0], *others]).mean(dim=0))
