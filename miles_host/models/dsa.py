@@ -39,8 +39,8 @@ from miles_host.models.attention import PackedAttention
 from miles_host.models.config import ModelConfig
 from miles_host.models.self_attention import MLAttention
 
-#: query rows whose indexer scores a packed sequence computes at once (bounds [Q, I, L] memory)
-INDEX_QUERY_CHUNK = 512
+#: float32 elements of the ``[Q, I, L]`` per-head indexer scores a packed sequence holds at once
+INDEX_SCORE_ELEMENTS = 2**26
 
 
 class Indexer(torch.nn.Module):
@@ -118,8 +118,9 @@ def _selection_QL(indexer: Indexer, q_QID, k_LD, w_QI) -> torch.Tensor:
     length = k_LD.shape[0]
     causal_QL = torch.ones(length, length, dtype=torch.bool, device=k_LD.device).tril()
     chunks = []
-    for start in range(0, length, INDEX_QUERY_CHUNK):
-        rows = slice(start, start + INDEX_QUERY_CHUNK)
+    step = max(1, INDEX_SCORE_ELEMENTS // (indexer.num_heads * length))
+    for start in range(0, length, step):
+        rows = slice(start, start + step)
         scores = dsa_kernels.weighted_relu_scores(q_QID[rows], k_LD, w_QI[rows], indexer.scale)
         scores = scores.masked_fill(~causal_QL[rows], float("-inf"))
         chunks.append(dsa_kernels.selection_mask(dsa_kernels.topk_positions(scores, indexer.topk), length))

@@ -43,7 +43,7 @@ def checkpoint(tmp_path_factory):
     return save_tiny("deepseek_v32", CONFIG, path), path
 
 
-def test_logits_match_transformers_and_the_top_k_matters(checkpoint, tmp_path):
+def test_logits_match_transformers_and_the_top_k_matters(checkpoint, tmp_path, monkeypatch):
     _, path = checkpoint
     input_ids, attention_mask = prompts_batch(VOCAB, lengths=(29, 6, 13))
     valid = attention_mask.bool()
@@ -53,6 +53,11 @@ def test_logits_match_transformers_and_the_top_k_matters(checkpoint, tmp_path):
     with torch.no_grad():
         logits = model(input_ids, attention_mask)
     assert (logits[valid] - reference[valid]).abs().max().item() <= 1e-4
+    from miles_host.models import dsa
+
+    monkeypatch.setattr(dsa, "INDEX_SCORE_ELEMENTS", 16 * 29 * 3)  # the indexer scores 3 queries at a time
+    with torch.no_grad():
+        assert torch.equal(model(input_ids, attention_mask), logits)
     # the same weights attending densely (top-k above every context) give other logits
     save_pretrained(model, tmp_path, family=lookup)
     dense = json.loads((path / "config.json").read_text()) | {"index_topk": 64}
