@@ -168,8 +168,11 @@ class Run:
             return 0.0
         if getattr(self.trainer, "streams_weights", False) and not self.sync_selection.lora:
             # a sharded trainer gathers its weights bucket by bucket: each pushed as it comes
+            tensors = nbytes = 0
             for bucket in self.trainer.weight_buckets(int(self.config.update_weight_buffer_size)):
                 self.transport.push(bucket, self.backend, version)
+                tensors, nbytes = tensors + len(bucket), nbytes + sum(t.numel() * t.element_size() for _, t in bucket)
+            self.sync_selection.count(tensors, nbytes)
             return time.perf_counter() - start
         named = self.sync_selection.select(self.trainer.named_weights_for_rollout())
         self.transport.push(named, self.backend, version)

@@ -127,12 +127,17 @@ class SyncSelection:
         named = list(named.items() if isinstance(named, Mapping) else named)
         if self.adapter_only_after_first and self.syncs > 0:
             named = [(name, tensor) for name, tensor in named if is_adapter_tensor(name)]
-        self.last = SyncSize(len(named), sum(t.numel() * t.element_size() for _, t in named))
+        self.count(len(named), sum(t.numel() * t.element_size() for _, t in named))
+        self._report()
+        return named
+
+    def count(self, tensors: int, nbytes: int) -> None:
+        """Record a sync of ``tensors`` tensors, ``nbytes`` bytes (what :meth:`select` chose, or a
+        trainer's whole weights streamed bucket by bucket)."""
+        self.last = SyncSize(tensors, nbytes)
         if self.syncs > 0:  # the run's first sync comes before any step: reported on stderr only
             self.pending = SyncSize(self.pending.tensors + self.last.tensors, self.pending.bytes + self.last.bytes)
         self.syncs += 1
-        self._report()
-        return named
 
     def _report(self) -> None:
         """A LoRA run: one stderr line for the first sync and, in adapter mode, for the first
