@@ -116,12 +116,16 @@ class DecodeGraphs:
             tile_q_start=self.cu_seqlens[:size],
         )
 
+    def _attention(self, size: int):
+        """The attention context the graph of ``size`` rows captures (subclasses add state to it)."""
+        return PagedAttention(self.kv_cache, self._metadata(size), self.attention_backend)
+
     def _graph_body(self, size: int, capture_routes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.context_lens[:size].copy_(self._field(CONTEXT, size))
         routing = RoutingContext(phase="rollout")
         routing.extra["capture"] = capture_routes
         context = ForwardContext(
-            attention=PagedAttention(self.kv_cache, self._metadata(size), self.attention_backend),
+            attention=self._attention(size),
             routing=routing, fused_kernels=self.fused_kernels,
             batch_invariant=self.attention_backend == "triton_invariant",  # --true-on-policy
         )

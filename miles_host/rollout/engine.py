@@ -117,12 +117,10 @@ class Engine(MemoryOccupation):
         self.runner = ModelRunner(
             model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-            batch_invariant=cfg.batch_invariant,
-            # decode graphs do not cover the recurrent-state gather/scatter: hybrid models decode eagerly
-            use_cuda_graph=cfg.use_cuda_graph and self.recurrent_states is None,
+            batch_invariant=cfg.batch_invariant, use_cuda_graph=cfg.use_cuda_graph,
             fused_kernels=cfg.fused_kernels, cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
+            recurrent_states=self.recurrent_states,
         )
-        self.runner.recurrent_states = self.recurrent_states
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
         #: None: one policy forward per token (plain). Else a plugin's strategy runs the decode steps.

@@ -12,6 +12,7 @@ V = vocabulary, L = MoE layers, K = experts per token.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
+from miles_host.rollout.recurrent_graphs import RecurrentDecodeGraphs
 from miles_host.rollout.grammar import allowed_tokens
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.logprobs import PositionExtras, position_extras
@@ -123,6 +125,7 @@ class ModelRunner:
         use_cuda_graph: bool = False,
         fused_kernels: bool = False,
         cuda_graph_batch_sizes: list[int] | None = None,
+        recurrent_states=None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -145,7 +148,7 @@ class ModelRunner:
         self._routes_host: torch.Tensor | None = None  # pinned staging of captured routes
         self._routes_used = 0
         #: per-sequence states of linear-attention layers (:mod:`.recurrent_state`; None: no such layers)
-        self.recurrent_states = None
+        self.recurrent_states = recurrent_states
         if use_cuda_graph:
             self.capture_graphs()
 
@@ -153,7 +156,10 @@ class ModelRunner:
         """Capture the decode graphs (and set up the sampling graphs over their pool); on
         failure decode eagerly and say why."""
         try:
-            self.graphs = DecodeGraphs(
+            graphs_class = DecodeGraphs
+            if self.recurrent_states is not None:  # the recurrent state's gather/scatter inside the graphs
+                graphs_class = functools.partial(RecurrentDecodeGraphs, pool=self.recurrent_states)
+            self.graphs = graphs_class(
                 self.model, self.kv_cache, device=self.device, attention_backend=self.attention_backend,
                 max_num_seqs=self.max_num_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
                 fused_kernels=self.fused_kernels, batch_sizes=self.cuda_graph_batch_sizes,

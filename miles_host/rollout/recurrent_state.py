@@ -11,14 +11,15 @@ live sequence:
 - the ``n > 1`` samples of a prompt share its prefill: each gets its own slot at the fork
   and the prefill writes its final state into the parent's and every child's slot;
 - finish, abort and preemption free the slot (a preempted sequence is recomputed from its
-  tokens, state included).
+  tokens, state included);
+- decode CUDA graphs gather and scatter the states of their rows by slot (:mod:`.recurrent_graphs`);
+  padded rows use the reserved :data:`PADDING_SLOT`.
 
 :class:`HybridBlockManager` ties slots to the block manager's allocate / fork / free, and
 :meth:`RecurrentStatePool.attach` gives a forward's attention context the
-:class:`~miles_host.models.gated_deltanet.RecurrentStates` of its sequences. CUDA-graph
-decode does not cover these layers (the engine decodes eagerly), nor do speculative
+:class:`~miles_host.models.gated_deltanet.RecurrentStates` of its sequences. Speculative
 decoding (a rejected draft cannot be taken back out of a recurrent state) and the
-batch-invariant mode; the engine refuses the latter two with the reason.
+batch-invariant mode do not cover these layers; the engine refuses them with the reason.
 
 Tensor legend: S sequences of the forward, P pool slots, C conv channels, W conv width,
 H value heads, K key head dim, V value head dim.
@@ -38,14 +39,22 @@ from miles_host.rollout.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
+#: the slot no sequence gets: padded rows of a CUDA-graph batch read and write it
+PADDING_SLOT = 0
+
+
 class RecurrentStatePool:
-    """Conv and delta-rule states of every linear-attention layer, in ``num_slots`` slots."""
+    """Conv and delta-rule states of every linear-attention layer, in ``num_slots`` slots
+    (slot :data:`PADDING_SLOT` reserved)."""
 
     def __init__(self, layers: dict, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         self.layers = dict(layers)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.num_slots = max(int(num_slots), 1)
+        self.num_slots = max(int(num_slots), 2)
+        #: bumped whenever the state tensors are replaced (growth, reallocation): graphs captured over
+        #: the old tensors are stale (:mod:`.recurrent_graphs` recaptures)
+        self.generation = 0
         self.conv_PCw: dict[int, torch.Tensor] = {}
         self.ssm_PHKV: dict[int, torch.Tensor] = {}
         self.slot_of: dict[Sequence, int] = {}
@@ -68,11 +77,8 @@ class RecurrentStatePool:
                 "verifying a draft advances each sequence's recurrent state, which cannot be rolled back to the "
                 "accepted prefix; run without the speculative decoding plugin"
             )
-        if getattr(config, "use_cuda_graph", False):
-            logger.info("CUDA-graph decode is off for this model: the decode graphs capture the paged KV cache, "
-                        "not the per-sequence gather/scatter of the Gated DeltaNet layers' recurrent state")
         dtype = next(model.parameters()).dtype
-        return cls(layers, config.max_num_seqs + 1, dtype, config.device)
+        return cls(layers, config.max_num_seqs + 2, dtype, config.device)
 
     # ------------------------------------------------------------------ memory
 
@@ -84,7 +90,8 @@ class RecurrentStatePool:
             self.ssm_PHKV[index] = torch.zeros(
                 self.num_slots, heads, key_dim, value_dim, dtype=torch.float32, device=self.device
             )
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = list(range(self.num_slots - 1, PADDING_SLOT, -1))
+        self.generation += 1
         self.slot_of.clear()
         self.forks.clear()
 
@@ -96,6 +103,13 @@ class RecurrentStatePool:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.conv_PCw.values(), *self.ssm_PHKV.values()])
+
+    def slots(self, seqs: Seq[Sequence]) -> list[int]:
+        """The slots of ``seqs`` (RuntimeError naming those without one)."""
+        missing = [seq.rid for seq in seqs if seq not in self.slot_of]
+        if missing:
+            raise RuntimeError(f"sequences {missing} have no recurrent-state slot (the block manager assigns them)")
+        return [self.slot_of[seq] for seq in seqs]
 
     def bytes_per_sequence(self) -> int:
         """State bytes one sequence holds across the linear-attention layers."""
@@ -109,6 +123,7 @@ class RecurrentStatePool:
             for index, tensor in store.items():
                 store[index] = torch.cat((tensor, torch.zeros_like(tensor)), dim=0)
         self._free = list(range(self.num_slots - 1, old - 1, -1)) + self._free
+        self.generation += 1
         logger.info("recurrent state pool grown to %d slots (%.1f MiB)", self.num_slots, self.num_bytes / 2**20)
 
     # ------------------------------------------------------------------ slots
@@ -145,13 +160,11 @@ class RecurrentBatch:
         self.pool = pool
         self.lengths = [int(n) for n in num_new]
         device = pool.device
-        missing = [seq.rid for seq in seqs if seq not in pool.slot_of]
-        if missing:
-            raise RuntimeError(f"sequences {missing} have no recurrent-state slot (the block manager assigns them)")
-        self.slots_S = torch.tensor([pool.slot_of[seq] for seq in seqs], dtype=torch.long, device=device)
+        slots = pool.slots(seqs)
+        self.slots_S = torch.tensor(slots, dtype=torch.long, device=device)
         fresh = [len(seq) == n for seq, n in zip(seqs, self.lengths)]
         self.keep_S = None if not any(fresh) else torch.tensor([not f for f in fresh], device=device)
-        rows, slots = list(range(len(seqs))), [pool.slot_of[seq] for seq in seqs]
+        rows = list(range(len(seqs)))
         for row, seq in enumerate(seqs):  # the n > 1 samples forked from this prefill
             for child in pool.forks.pop(seq, []):
                 if child in pool.slot_of:
