@@ -185,6 +185,54 @@ def test_llama4_experts_train_on_grouped_gemms(checkpoints):
         torch.testing.assert_close(grad, grads_loop[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _mxfp4_reference(blocks, scales):
+    """The MXFP4 decoding written out: per byte its low then high nibble, times 2 ** (scale - 127)."""
+    experts, rows, groups, width = blocks.shape
+    out = torch.empty(experts, rows, groups * width * 2, dtype=torch.float64)
+    for e, r, gr, b in torch.cartesian_prod(*(torch.arange(n) for n in blocks.shape)).tolist():
+        byte, factor = int(blocks[e, r, gr, b]), 2.0 ** (int(scales[e, r, gr]) - 127)
+        out[e, r, gr * 2 * width + 2 * b] = FP4[byte & 15] * factor
+        out[e, r, gr * 2 * width + 2 * b + 1] = FP4[byte >> 4] * factor
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized_and_save_unquantized(checkpoints, tmp_path):
+    """OpenAI's checkpoint layout: ``{proj}_blocks`` / ``{proj}_scales`` per expert projection (rows =
+    output features). Loaded, they equal the same weights stored unquantized in transformers' layout;
+    saved, they are written unquantized, without the MXFP4 quantization_config."""
+    _, path = checkpoints("gpt_oss")
+    dense = safetensors.load_file(str(path / "model.safetensors"))
+    hf_config = json.loads((path / "config.json").read_text())
+    g = torch.Generator().manual_seed(5)
+    quantized, unquantized = dict(dense), dict(dense)
+    for name in [n for n in dense if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = dense[name].shape  # transformers' layout: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(121, 126, (experts, outputs, inputs // 32), generator=g, dtype=torch.uint8)
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        unquantized[name] = _mxfp4_reference(blocks, scales).transpose(1, 2).float().contiguous()
+    for directory, tensors, config in (
+        ("mxfp4", quantized, {**hf_config, "quantization_config": {"quant_method": "mxfp4"}}),
+        ("dense", unquantized, hf_config),
+    ):
+        (tmp_path / directory).mkdir()
+        safetensors.save_file(tensors, str(tmp_path / directory / "model.safetensors"))
+        (tmp_path / directory / "config.json").write_text(json.dumps(config))
+    model = load_pretrained(tmp_path / "mxfp4", family=family_lookup)
+    reference = load_pretrained(tmp_path / "dense", family=family_lookup)
+    for (name, ours), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(ours, expected), name
+    save_pretrained(model, tmp_path / "saved", family=family_lookup)
+    saved = safetensors.load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) == sorted(unquantized)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in unquantized.items())
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+
+
 PROMPTS = [[5, 9, 17, 33, 2, 71, 8], list(range(10, 23)), [100, 3]]
 
 

@@ -7,18 +7,24 @@ MoE: the router linear has a bias, top-k over its logits with a softmax over
 the chosen ones, experts with biases and the clamped SwiGLU
 ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
 Checkpoints store the experts fused: ``gate_up_proj [E, H, 2I]`` with gate and
-up columns interleaved (and its bias ``[E, 2I]`` likewise), ``down_proj [E, I, H]``.
+up columns interleaved (and its bias ``[E, 2I]`` likewise), ``down_proj [E, I, H]``;
+OpenAI's own checkpoints store them in MXFP4 (``{proj}_blocks`` / ``{proj}_scales``,
+rows = output features), dequantized on load (:mod:`miles_models._mxfp4`) and saved
+unquantized (the config's MXFP4 ``quantization_config`` dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Mapping
 
 from miles_host.models.config import ModelConfig, MoEConfig
 
-from miles_models._config import base_fields, build, layer_types, rope_config
+from miles_models._config import base_fields, build, hf_config_from_native, layer_types, rope_config
 from miles_models._checks import refuse_true_on_policy
 from miles_models._family import model_family
+from miles_models._mxfp4 import PairedParts, dequantize_mxfp4
 from miles_models._transforms import Transform, TransformWeightMap, deinterleave, interleave, swap_last_two
 from miles_models._weights import L, Rule, common_rules, gqa_rules, norm_rules
 
@@ -57,8 +63,46 @@ def _gate_up_to_hf(t):
     return swap_last_two(interleave(t, dim=1))
 
 
+class GptOssWeightMap(TransformWeightMap):
+    """The transform rules, plus MXFP4 experts (load only): both parts of a projection
+    become its dequantized native tensor once the second part arrives."""
+
+    _MXFP4 = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parts = PairedParts()
+
+    def hf_to_native(self, name: str) -> str | None:
+        match = self._MXFP4.fullmatch(name)
+        if match:
+            return f"layers.{match.group(1)}.mlp.experts.{match.group(2)}"
+        return super().hf_to_native(name)
+
+    def convert_hf_tensor(self, name, tensor, config):
+        match = self._MXFP4.fullmatch(name)
+        if match is None:
+            return super().convert_hf_tensor(name, tensor, config)
+        layer, proj, part = match.groups()
+        parts = self._parts.add((layer, proj), part, tensor)
+        if parts is None:
+            return []
+        weight = dequantize_mxfp4(parts["blocks"], parts["scales"])  # [E, out, in]
+        if proj == "gate_up_proj":  # rows: gate and up interleaved
+            weight = deinterleave(weight, dim=1)
+        return [(f"layers.{layer}.mlp.experts.{proj}", weight, None)]
+
+
+def _hf_config(config: ModelConfig, original: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The HF config to save: MXFP4 experts are saved dequantized, so without their quantization_config."""
+    hf = hf_config_from_native(config, original)
+    if (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        hf.pop("quantization_config")
+    return hf
+
+
 EXPERTS = "layers.{i}.mlp.experts"
-WEIGHTS = TransformWeightMap(
+WEIGHTS = GptOssWeightMap(
     common_rules()
     + norm_rules("llama")
     + gqa_rules()
@@ -81,13 +125,12 @@ WEIGHTS = TransformWeightMap(
 
 def miles_register_model_families():
     """The gpt-oss family record."""
-    return [
-        model_family(
-            "gpt_oss", ("gpt_oss",), config_from_hf, WEIGHTS,
-            description="gpt-oss (attention sinks, alternating sliding windows, biased MoE with clamped SwiGLU)",
-            chat_defaults={"eos_tokens": ["<|return|>", "<|call|>", "<|endoftext|>"]},
-        )
-    ]
+    record = model_family(
+        "gpt_oss", ("gpt_oss",), config_from_hf, WEIGHTS,
+        description="gpt-oss (attention sinks, alternating sliding windows, biased MoE with clamped SwiGLU)",
+        chat_defaults={"eos_tokens": ["<|return|>", "<|call|>", "<|endoftext|>"]},
+    )
+    return [dataclasses.replace(record, hf_config_from_native=_hf_config)]
 
 
 def miles_validate(config, registries):
