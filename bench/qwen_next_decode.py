@@ -5,8 +5,8 @@
     python bench/qwen_next_decode.py --tiny              # CPU smoke run of the same code (float32, tiny widths)
 
 The model is a random-init miles model built from an HF ``qwen3_next`` config dict through the
-family adapter (bench/moe.py's builder), served by ``miles_host.rollout.Engine``: eager decode
-(CUDA graphs do not cover the recurrent-state layers), the Gated DeltaNet through
+family adapter (bench/moe.py's builder), served by ``miles_host.rollout.Engine`` (decode in CUDA
+graphs that gather and scatter the recurrent state), the Gated DeltaNet through
 flash-linear-attention's kernels when ``fla`` imports (else the PyTorch step), the line says which.
 
 Decode: B sequences of ``--prompt-len`` random tokens, ``--new-tokens`` new tokens, temperature 1;
@@ -70,6 +70,7 @@ def bench(args) -> list[dict]:
     state_bytes = engine.recurrent_states.bytes_per_sequence()
     backend = "fla" if device == "cuda" and fla_kernels() is not None else "torch"
     print(f"[qwen3_next x{args.layers}] engine built in {time.perf_counter() - start:.1f} s, delta rule: {backend}, "
+          f"cuda_graphs={bool(engine.runner.graphs)}, "
           f"KV {engine.num_kv_cache_tokens} tokens x {engine.kv_bytes_per_token} B, recurrent state "
           f"{state_bytes / 2**20:.1f} MiB per sequence", flush=True)
     generator = torch.Generator().manual_seed(1)
