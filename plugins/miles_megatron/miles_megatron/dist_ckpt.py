@@ -43,9 +43,13 @@ RANK0_FILES = ("metadata.json", "common.pt", ".metadata")
 COMMON_STEP = "common_step"
 
 
-def _gpt(trainer: Any) -> torch.nn.Module:
-    gpt = trainer.model.gpt
-    return getattr(gpt, "module", gpt)  # under Megatron's DDP wrapper: the GPTModel
+def _chunks(trainer: Any) -> list[torch.nn.Module]:
+    """The trainer's GPTModel (under virtual pipeline stages its model chunks, in order)."""
+    return [getattr(chunk, "module", chunk) for chunk in trainer.model.chunks]  # (not Megatron's DDP wrapper)
+
+
+def _chunk_key(index: int) -> str:
+    return f"chunk{index}"
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -53,11 +57,14 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
 
 
 def model_sharded_state(trainer: Any) -> dict:
-    """This rank's ShardedTensors / ShardedObjects of the GPTModel (Megatron's keys)."""
+    """This rank's ShardedTensors / ShardedObjects of the GPTModel (Megatron's keys; under virtual
+    pipeline stages one dict per model chunk, the keys in the files being the same global ones,
+    so the checkpoint loads on a layout with or without virtual stages)."""
     from miles_megatron.runtime import on_device
 
     with on_device(trainer.device):
-        return _gpt(trainer).sharded_state_dict()
+        states = [chunk.sharded_state_dict() for chunk in _chunks(trainer)]
+    return states[0] if len(states) == 1 else {_chunk_key(i): state for i, state in enumerate(states)}
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -204,7 +211,9 @@ def load_shards(trainer: Any, directory: str | Path, with_optimizer: bool = True
     state = sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer)
     with _on(trainer):
         loaded = dist_checkpointing.load(state, str(directory), strict="raise_unexpected")
-    _gpt(trainer).load_state_dict(loaded["model"])
+    chunks = _chunks(trainer)
+    for index, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded["model"][_chunk_key(index)])
     if with_optimizer:
         _restore_optimizer(trainer.optimizer, loaded["optimizer"])
 

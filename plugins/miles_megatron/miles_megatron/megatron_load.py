@@ -71,11 +71,12 @@ def load_start_weights(trainer: Any) -> None:
     reference = megatron_folder(config.ref_load)
     if reference is not None:
         logger.info("--ref-load %s: reference and starting policy weights from %s", config.ref_load, reference)
-        if trainer.ref_model is not None:
-            load_model_shards(trainer.ref_model.gpt, reference, trainer.device)
-        load_model_shards(trainer.model.gpt, reference, trainer.device)
+        for model in (trainer.ref_model, trainer.model):
+            for chunk in model.chunks if model is not None else []:  # (virtual pipeline stages: each chunk)
+                load_model_shards(chunk, reference, trainer.device)
     start = megatron_folder(config.load)
     if start is not None:
         logger.info("--load %s: a Megatron checkpoint without miles' resume state: the policy starts from its "
                     "weights (%s) at rollout 0", config.load, start)
-        load_model_shards(trainer.model.gpt, start, trainer.device)
+        for chunk in trainer.model.chunks:
+            load_model_shards(chunk, start, trainer.device)

@@ -145,18 +145,19 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
         self.param_groups[0]["lr"] = self.megatron.param_groups[0]["lr"]
 
 
-def build_megatron_optimizer(ddp: torch.nn.Module, config: Any, device: torch.device) -> MegatronOptimizerStep:
-    """Megatron's distributed optimizer over ``ddp`` (a ``DistributedDataParallel`` built with
-    ``use_distributed_optimizer``) with the host's settings (see module doc)."""
+def build_megatron_optimizer(chunks: list[torch.nn.Module], config: Any, device: torch.device) -> MegatronOptimizerStep:
+    """Megatron's distributed optimizer over the rank's model ``chunks`` (each a
+    ``DistributedDataParallel`` built with ``use_distributed_optimizer``) with the host's
+    settings (see module doc)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from miles_megatron.runtime import quiet_imports
 
     with quiet_imports(), _on(device):
-        megatron = get_megatron_optimizer(optimizer_config(config), [ddp])
+        megatron = get_megatron_optimizer(optimizer_config(config), list(chunks))
     for optimizer in megatron.chained_optimizers:
         _load_keeps_the_step(optimizer)
-    params = [param for param in ddp.module.parameters() if param.requires_grad]
+    params = [param for ddp in chunks for param in ddp.module.parameters() if param.requires_grad]
     return MegatronOptimizerStep(megatron, params, config.lr, device)
 
 

@@ -21,29 +21,32 @@ import torch
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _named_params(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(name, param) for name, param in trainer.model.gpt.named_parameters() if param.requires_grad]
+def _named_params(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, param) for name, param in chunk.named_parameters() if param.requires_grad]
 
 
 def gather_optimizer_state(trainer: Any) -> dict | None:
     """A collective of every rank; rank 0 gets the full state, the others ``None``."""
-    from miles_megatron.parallel import full_state
+    from miles_megatron.parallel import full_state_of_chunks
     from miles_megatron.runtime import on_device
     from miles_megatron.weights import megatron_to_native
 
     optimizer = trainer.optimizer
-    named = _named_params(trainer)
+    chunks = trainer.model.chunks  # (one model chunk each under virtual pipeline stages)
     step = 0.0
     moments: dict[str, dict[str, torch.Tensor]] = {}
     with on_device(trainer.device):
         for key in MOMENTS:
-            local = {}
-            for name, param in named:
-                state = optimizer.state.get(param, {})
-                if "step" in state:
-                    step = float(state["step"])
-                local[name] = state[key].detach() if key in state else torch.zeros_like(param)
-            full = full_state(local, trainer.model.gpt, trainer.model.config.vocab_size)
+            locals_ = []
+            for chunk in chunks:
+                local = {}
+                for name, param in _named_params(chunk):
+                    state = optimizer.state.get(param, {})
+                    if "step" in state:
+                        step = float(state["step"])
+                    local[name] = state[key].detach() if key in state else torch.zeros_like(param)
+                locals_.append(local)
+            full = full_state_of_chunks(locals_, chunks, trainer.model.config.vocab_size)
             moments[key] = megatron_to_native(full, trainer.model.config) if trainer.rank == 0 else {}
     if trainer.rank != 0:
         return None
@@ -57,15 +60,14 @@ def load_optimizer_state(trainer: Any, saved: dict) -> None:
     from miles_megatron.weights import native_to_megatron
 
     optimizer = trainer.optimizer
-    shards = {
-        key: rank_state(native_to_megatron(saved["moments"][key], trainer.model.config), trainer.model.gpt,
-                        trainer.model.config.vocab_size)
-        for key in MOMENTS
-    }
-    for name, param in _named_params(trainer):
-        state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
-        for key in MOMENTS:
-            state[key] = shards[key][name].to(device=param.device, dtype=param.dtype).clone()
-        optimizer.state[param] = state
+    config = trainer.model.config
+    full = {key: native_to_megatron(saved["moments"][key], config) for key in MOMENTS}
+    for chunk in trainer.model.chunks:
+        shards = {key: rank_state(full[key], chunk, config.vocab_size) for key in MOMENTS}
+        for name, param in _named_params(chunk):
+            state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
+            for key in MOMENTS:
+                state[key] = shards[key][name].to(device=param.device, dtype=param.dtype).clone()
+            optimizer.state[param] = state
     for group, values in zip(optimizer.param_groups, saved["param_groups"]):
         group.update({k: v for k, v in values.items() if k != "params"})

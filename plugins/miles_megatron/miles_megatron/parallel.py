@@ -244,10 +244,17 @@ def rank_state(full: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_siz
 
 def full_state(local: Mapping[str, torch.Tensor], gpt: torch.nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
     """Inverse of :func:`rank_state` (a collective of every rank; each gets the full state)."""
+    return full_state_of_chunks([local], [gpt], vocab_size)
+
+
+def full_state_of_chunks(locals_: list[Mapping[str, torch.Tensor]], chunks: list[torch.nn.Module],
+                         vocab_size: int) -> dict[str, torch.Tensor]:
+    """:func:`full_state` of a rank's model chunks (virtual pipeline stages; ``locals_[i]`` the
+    state of ``chunks[i]``; every rank has as many)."""
     from miles_megatron.pipeline import gather_stages
 
-    state = gather_state(local, gpt, vocab_size)
-    return gather_stages(state, gpt) if current_sizes().pp > 1 else state
+    states = [gather_state(local, chunk, vocab_size) for local, chunk in zip(locals_, chunks, strict=True)]
+    return gather_stages(states, chunks) if current_sizes().pp > 1 else states[0]
 
 
 def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -274,19 +281,26 @@ def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
     return 1 if sequence_parallel else sizes.tp
 
 
-def clip_grad_norm(gpt: torch.nn.Module, max_norm: float, sizes: Sizes) -> torch.Tensor:
-    """``clip_grad_norm_`` over the full model (see module doc); all ranks call it."""
+def clip_grad_norm(gpt: torch.nn.Module | list[torch.nn.Module], max_norm: float, sizes: Sizes) -> torch.Tensor:
+    """``clip_grad_norm_`` over the full model (see module doc; ``gpt``: the rank's model, or its
+    model chunks under virtual pipeline stages); all ranks call it."""
     from miles_megatron.pipeline import tied_output_copy
 
-    named = [(n, p) for n, p in gpt.named_parameters() if p.grad is not None]
+    chunks = gpt if isinstance(gpt, (list, tuple)) else [gpt]
+    squares, named = [], []
+    for chunk in chunks:
+        dims = _partition_dims(chunk)
+        tied_copy = tied_output_copy(chunk) if sizes.pp > 1 else None
+        for name, param in chunk.named_parameters():
+            if param.grad is None:
+                continue
+            named.append((name, param))
+            if param is not tied_copy:  # the first stage's embedding counts it
+                squares.append(torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes))
     device = named[0][1].grad.device if named else torch.device("cpu")
-    dims = _partition_dims(gpt)
     square = torch.zeros((), dtype=torch.float32, device=device)
-    tied_copy = tied_output_copy(gpt) if sizes.pp > 1 else None
-    for name, param in named:
-        if param is tied_copy:  # the first stage's embedding counts it
-            continue
-        square += torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes)
+    for value in squares:
+        square += value
     if sizes.parallel:
         dist.all_reduce(square)  # the trainers' group: TP * PP * CP * DP ranks
     total = torch.sqrt(square)

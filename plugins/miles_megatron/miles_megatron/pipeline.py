@@ -88,13 +88,89 @@ def current_stage() -> Stage:
                  tuple(dist.get_process_group_ranks(group)))
 
 
-def check_layers(num_layers: int, pp: int) -> None:
-    """Each stage owns ``num_layers / pp`` layers: refuse sizes that do not divide."""
-    if num_layers % pp:
-        raise ValueError(
-            f"--pipeline-model-parallel-size {pp}: the model's {num_layers} decoder layers do not split evenly "
-            f"over {pp} stages; use a pipeline size that divides {num_layers}"
-        )
+@dataclass(frozen=True)
+class PipelineLayout:
+    """How the decoder layers split over ``pp`` pipeline ranks of ``vpp`` model chunks each
+    (virtual stages; Megatron's interleaved schedule): ``first`` / ``last``, the layers of the
+    first / last rank where uneven (``--decoder-first/last-pipeline-num-layers``; None: the
+    even share), the ranks between sharing the rest evenly, each rank's layers split evenly
+    over its chunks (Megatron's rules, refused here by name)."""
+
+    pp: int = 1
+    vpp: int = 1
+    first: int | None = None
+    last: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, num_layers: int) -> "PipelineLayout":
+        """The layout a run's flags ask for (``--pipeline-model-parallel-size``, the virtual pipeline
+        flags of :mod:`miles_host.config_pipeline`, the uneven stage sizes), checked against the
+        model's ``num_layers``."""
+        pp = int(config.pipeline_model_parallel_size)
+        first = getattr(config, "decoder_first_pipeline_num_layers", None)
+        last = getattr(config, "decoder_last_pipeline_num_layers", None)
+        vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+        per_stage = getattr(config, "num_layers_per_virtual_pipeline_stage", None)
+        if per_stage is not None:
+            if first is not None or last is not None:
+                raise ValueError("--num-layers-per-virtual-pipeline-stage assumes even pipeline stages; with "
+                                 "--decoder-first/last-pipeline-num-layers give --virtual-pipeline-model-parallel-size")
+            if per_stage <= 0 or num_layers % (pp * per_stage):
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: the model's {num_layers} "
+                                 f"layers do not split into {pp} pipeline ranks of chunks of {per_stage} layers")
+            implied = num_layers // (pp * per_stage)
+            if vpp is not None and vpp != implied:
+                raise ValueError(f"--virtual-pipeline-model-parallel-size {vpp} and --num-layers-per-virtual-pipeline-"
+                                 f"stage {per_stage} disagree ({num_layers} layers over {pp} ranks: {implied} chunks "
+                                 "each); give one of them")
+            vpp = implied
+        layout = cls(pp, int(vpp or 1), first, last)
+        layout.rank_layers(num_layers)
+        return layout
+
+    def rank_layers(self, num_layers: int) -> list[int]:
+        """The decoder layers of each pipeline rank (ValueError naming the flags where the split
+        is not one Megatron can build)."""
+        uneven = self.first is not None or self.last is not None
+        if self.pp == 1:
+            if self.vpp > 1 or uneven:
+                raise ValueError("virtual pipeline stages and --decoder-first/last-pipeline-num-layers split the "
+                                 "layers over pipeline ranks: they need --pipeline-model-parallel-size > 1")
+            return [num_layers]
+        ends = [size for size in (self.first, self.last) if size is not None]
+        if any(size <= 0 for size in ends):
+            raise ValueError(f"--decoder-first/last-pipeline-num-layers must be positive, got {ends}")
+        middle_ranks, middle_layers = self.pp - len(ends), num_layers - sum(ends)
+        if middle_layers < 0 or bool(middle_ranks) != bool(middle_layers) or (
+                middle_ranks and middle_layers % middle_ranks):
+            what = (f"--decoder-first-pipeline-num-layers {self.first} / --decoder-last-pipeline-num-layers "
+                    f"{self.last} leave {middle_layers} layers for {middle_ranks} middle stages" if uneven else
+                    f"{num_layers} decoder layers do not split evenly over {self.pp} stages")
+            raise ValueError(f"--pipeline-model-parallel-size {self.pp}: the model's {what}; give stage sizes that "
+                             f"sum to {num_layers} with the middle stages equal (or a pipeline size that divides it)")
+        share = middle_layers // middle_ranks if middle_ranks else 0
+        layers = [share] * self.pp
+        if self.first is not None:
+            layers[0] = self.first
+        if self.last is not None:
+            layers[-1] = self.last
+        if any(count % self.vpp for count in layers):
+            raise ValueError(f"--virtual-pipeline-model-parallel-size {self.vpp}: each pipeline rank's layers "
+                             f"{layers} must split evenly into {self.vpp} model chunks")
+        return layers
+
+    def transformer_kwargs(self) -> dict[str, Any]:
+        """``TransformerConfig`` fields of this layout (none at PP 1)."""
+        if self.pp == 1:
+            return {}
+        kwargs: dict[str, Any] = {"pipeline_model_parallel_size": self.pp}
+        if self.vpp > 1:
+            kwargs["virtual_pipeline_model_parallel_size"] = self.vpp
+        if self.first is not None:
+            kwargs["num_layers_in_first_pipeline_stage"] = self.first
+        if self.last is not None:
+            kwargs["num_layers_in_last_pipeline_stage"] = self.last
+        return kwargs
 
 
 # -- weights ------------------------------------------------------------------------
@@ -137,13 +213,18 @@ def stage_state(full: Mapping[str, torch.Tensor], gpt: torch.nn.Module) -> dict[
     return out
 
 
-def gather_stages(local: Mapping[str, torch.Tensor], gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gather_stages(local: Mapping[str, torch.Tensor] | list[Mapping[str, torch.Tensor]],
+                  gpt: torch.nn.Module | list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """The full Megatron-named state from every stage's part (a collective of the pipeline
-    group; every rank gets the whole state)."""
+    group; every rank gets the whole state); under virtual stages ``local`` and ``gpt`` are
+    lists, one per model chunk of this rank."""
     stage = current_stage()
-    to_global = global_layer_ids(gpt)
-    mine = {_renumber(name, to_global): tensor.detach() for name, tensor in local.items()
-            if not (name == TIED_COPY and tied_output_copy(gpt) is not None)}
+    parts = zip(local, gpt, strict=True) if isinstance(gpt, (list, tuple)) else [(local, gpt)]
+    mine = {}
+    for state, chunk in parts:
+        to_global = global_layer_ids(chunk)
+        mine.update({_renumber(name, to_global): tensor.detach() for name, tensor in state.items()
+                     if not (name == TIED_COPY and tied_output_copy(chunk) is not None)})
     layouts: list[Any] = [None] * stage.size
     dist.all_gather_object(layouts, [(name, tuple(t.shape), t.dtype) for name, t in mine.items()], group=stage.group)
     device = next(iter(mine.values())).device if mine else torch.device("cpu")

@@ -105,18 +105,17 @@ def check_megatron_backend(config, registries):
 
 def check_model(config):
     """The checkpoint's model is one this backend builds (the features Megatron's GPT layer spec
-    cannot express are named), its layers split over the pipeline stages, and (TP > 1) its heads over
+    cannot express are named), its layers split over the pipeline stages (and virtual stages), and (TP > 1) its heads over
     the tensor-parallel ranks: refused by the validation stage, not when the trainer starts."""
     from miles_host.validation.host_checks import model_config
 
     from miles_megatron.mla import tensor_parallel_problems
-    from miles_megatron.pipeline import check_layers
+    from miles_megatron.pipeline import PipelineLayout
     from miles_megatron.weights import megatron_transformer_config_kwargs
 
     native = model_config(config)
     megatron_transformer_config_kwargs(native)
-    if config.pipeline_model_parallel_size > 1:
-        check_layers(native.num_layers, config.pipeline_model_parallel_size)
+    PipelineLayout.from_config(config, native.num_layers)  # pipeline, virtual and uneven stages
     tp = config.tensor_model_parallel_size
     if native.num_heads % tp or native.num_kv_heads % tp:
         raise ValueError(
@@ -134,5 +133,6 @@ def miles_register_train_backends():
     return [TrainBackend(
         "megatron", "Megatron-Core GPTModel (local spec; TP, EP, PP and their products over processes)",
         factory=_megatron_trainer, trainer_class=_trainer_class, validate=check_megatron_backend,
-        honoured_flags=(*MEGATRON_BACKEND_FIELDS, "overlap_grad_reduce"),
+        honoured_flags=(*MEGATRON_BACKEND_FIELDS, "overlap_grad_reduce", "use_distributed_optimizer",
+                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
     )]

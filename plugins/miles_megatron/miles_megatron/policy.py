@@ -112,11 +112,15 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
     if sequence_parallel_tp:
         kwargs.update(sequence_parallel=True, tensor_model_parallel_size=sequence_parallel_tp)
     if pp > 1:
-        from miles_megatron.pipeline import check_layers
+        from miles_megatron.pipeline import PipelineLayout
 
-        check_layers(native_config.num_layers, pp)
+        # virtual stages and uneven first / last stages come with the overrides
+        layout = PipelineLayout(pp, kwargs.get("virtual_pipeline_model_parallel_size") or 1,
+                                kwargs.get("num_layers_in_first_pipeline_stage"),
+                                kwargs.get("num_layers_in_last_pipeline_stage"))
+        layout.rank_layers(native_config.num_layers)
         # the stages exchange the float32 residual stream
-        kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=LOCAL_SETTINGS["params_dtype"])
+        kwargs.update(layout.transformer_kwargs(), pipeline_dtype=LOCAL_SETTINGS["params_dtype"])
     if cp > 1:
         from miles_megatron.context_parallel import CP_COMM_TYPE, check_context_parallel
 
@@ -128,12 +132,14 @@ def transformer_config(native_config: Any, recompute: bool = False, sequence_par
 
 
 def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "cpu",
-                    sequence_parallel: bool = False, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
+                    sequence_parallel: bool = False, overrides: dict[str, Any] | None = None,
+                    vp_stage: int | None = None) -> torch.nn.Module:
     """An uninitialised GPTModel (local layer spec) with its parameters on CPU for a
     native config; ``device`` is the trainer's (where Megatron's few eager buffers go);
     ``sequence_parallel`` (TP > 1): Megatron's sequence parallelism, with norms that
     allow it (:func:`miles_megatron.sequence_parallel.norms_for_sequence_parallel`);
-    ``overrides``: see :func:`transformer_config`."""
+    ``overrides``: see :func:`transformer_config`; ``vp_stage``: the model chunk (virtual
+    pipeline stage) of this rank to build (None: no virtual stages)."""
     with quiet_imports():
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -145,7 +151,7 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
                                 sizes.cp)
     with warnings.catch_warnings(), on_device(device):
         warnings.simplefilter("ignore")
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # this stage's layers
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)  # its layers
         if config.multi_latent_attention:
             from miles_megatron.mla_spec import with_latent_core_attention
 
@@ -161,16 +167,16 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
         kwargs = gpt_model_kwargs(native_config)
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], sizes.tp)  # TP splits it evenly
         if sizes.pp > 1:
-            kwargs.update(_stage_kwargs())
+            kwargs.update(_stage_kwargs(vp_stage))
         gpt = GPTModel(config, spec, **kwargs)
     for layer in gpt.decoder.layers:
         adjust_layer(layer)
     return gpt
 
 
-def _stage_kwargs() -> dict[str, Any]:
-    """GPTModel arguments of this pipeline stage: embedding on the first, final norm and
-    output layer on the last; no embedding group, so Megatron does not all-reduce the
+def _stage_kwargs(vp_stage: int | None) -> dict[str, Any]:
+    """GPTModel arguments of this pipeline stage (model chunk ``vp_stage`` of it under virtual
+    stages): embedding on the first, final norm and output layer on the last; no embedding group, so Megatron does not all-reduce the
     tied copy at construction (it moves it with ``.cuda()``, which fails on CPU): the
     copy is loaded with the weights (:func:`miles_megatron.pipeline.stage_state`)."""
     from megatron.core import parallel_state as ps
@@ -178,8 +184,9 @@ def _stage_kwargs() -> dict[str, Any]:
 
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
-    return dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                pg_collection=groups)
+    virtual = dict(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    return dict(pre_process=ps.is_pipeline_first_stage(**virtual), post_process=ps.is_pipeline_last_stage(**virtual),
+                pg_collection=groups, vp_stage=vp_stage)
 
 
 def adjust_layer(layer: torch.nn.Module) -> None:
@@ -296,23 +303,47 @@ def load_native_state(gpt: torch.nn.Module, state: dict[str, torch.Tensor], nati
 class MegatronPolicy(torch.nn.Module):
     """A GPTModel with the native model's trainer-facing interface (see module doc)."""
 
-    def __init__(self, gpt: torch.nn.Module, native_config: Any, routing_hooks: Any):
+    def __init__(self, gpt: torch.nn.Module | list[torch.nn.Module], native_config: Any, routing_hooks: Any):
+        """``gpt``: the GPTModel, or under virtual pipeline stages this rank's model chunks in order."""
         super().__init__()
         from miles_megatron.parallel import current_sizes
 
-        self.gpt = gpt
+        chunks = list(gpt) if isinstance(gpt, (list, tuple)) else [gpt]
+        #: the first model chunk (the only one without virtual pipeline stages)
+        self.gpt = chunks[0]
+        #: the further model chunks of this rank (virtual pipeline stages; names ``later_chunks.{i}.``)
+        self.later_chunks = torch.nn.ModuleList(chunks[1:]) if len(chunks) > 1 else None
+        #: index of the chunk the schedule runs now (:meth:`running_chunk`)
+        self.running = 0
         self.config = native_config
         #: TP / EP / PP sizes this rank's part belongs to
         self.sizes = current_sizes()
         #: set by the host trainer; Megatron's recomputation is fixed when the model is built
         self.gradient_checkpointing = False
-        self.replay = RouterReplayBridge(gpt, routing_hooks, native_config.moe)
+        self.replay = RouterReplayBridge(chunks, routing_hooks, native_config.moe)
         #: autocast of the last forward, re-entered by each layer (recomputation in backward)
         self.autocast_state = AutocastState()
         #: the smallest padded ``(S, B)`` of the next forwards (:mod:`miles_megatron.schedule`)
         self.pad_to: tuple[int, int] = (0, 0)
-        for layer in gpt.decoder.layers:
-            pin_autocast(layer, self.autocast_state)
+        for chunk in chunks:
+            for layer in chunk.decoder.layers:
+                pin_autocast(layer, self.autocast_state)
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """This rank's model chunks (one GPTModel each; one without virtual pipeline stages)."""
+        return [self.gpt, *(self.later_chunks or [])]
+
+    @property
+    def chunk(self) -> torch.nn.Module:
+        """The model chunk the schedule runs now (see :meth:`running_chunk`)."""
+        return self.chunks[self.running]
+
+    def running_chunk(self, model: torch.nn.Module) -> None:
+        """The schedule is about to run ``model`` (a chunk, or Megatron's DDP around one): the
+        forward methods use that chunk."""
+        model = getattr(model, "module", model)
+        self.running = next(i for i, chunk in enumerate(self.chunks) if chunk is model)
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device, routing_hooks: Any, recompute: bool = False,
@@ -323,15 +354,22 @@ class MegatronPolicy(torch.nn.Module):
         from miles_host.models import load_pretrained
 
         native = load_pretrained(path, dtype=torch.float32, device="cpu")
-        gpt = build_gpt_model(native.config, recompute, device, sequence_parallel, overrides)
-        load_native_state(gpt, native.state_dict(), native.config)
+        from megatron.core import parallel_state as ps
+
+        virtual = ps.get_virtual_pipeline_model_parallel_world_size()
+        stages = [None] if virtual is None else list(range(virtual))
+        chunks = [build_gpt_model(native.config, recompute, device, sequence_parallel, overrides, vp_stage=stage)
+                  for stage in stages]
+        weights = native.state_dict()
+        for gpt in chunks:
+            load_native_state(gpt, weights, native.config)
+            gpt.to(device)
+            if not gpt.config.multi_latent_attention:  # (MLA layers keep their own rope)
+                # a plain attribute, not a buffer (Megatron moves it lazily to torch.cuda.current_device())
+                gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
         config = native.config
-        del native
-        gpt.to(device)
-        if not gpt.config.multi_latent_attention:  # (MLA layers keep their own rope)
-            # a plain attribute, not a buffer (Megatron moves it lazily to torch.cuda.current_device())
-            gpt.rotary_pos_emb.inv_freq = gpt.rotary_pos_emb.inv_freq.to(device)
-        return cls(gpt, config, routing_hooks)
+        del native, weights
+        return cls(chunks, config, routing_hooks)
 
     # -- what the trainer and the loop read ----------------------------------------
 
@@ -343,10 +381,11 @@ class MegatronPolicy(torch.nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """``[V, H]`` output weight (the embedding when tied); under TP gathered from the
         vocab-parallel shards (:func:`~miles_megatron.parallel.vocab_parallel_head`)."""
-        if self.gpt.share_embeddings_and_output_weights:
-            weight = self.gpt.shared_embedding_or_output_weight()
+        chunk = self.chunk  # the last chunk of the last stage holds the head
+        if chunk.share_embeddings_and_output_weights:
+            weight = chunk.shared_embedding_or_output_weight()
         else:
-            weight = self.gpt.output_layer.weight
+            weight = chunk.output_layer.weight
         if self.sizes.tp > 1:
             from miles_megatron.parallel import vocab_parallel_head
 
@@ -354,19 +393,17 @@ class MegatronPolicy(torch.nn.Module):
         return weight
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: D102 - native names, see module doc
-        state = {
-            name: tensor.detach()
-            for name, tensor in self.gpt.state_dict().items()
-            if not name.endswith("_extra_state")
-        }
+        states = [{name: tensor.detach() for name, tensor in chunk.state_dict().items()
+                   if not name.endswith("_extra_state")} for chunk in self.chunks]
         if self.sizes.parallel:  # a collective: every rank calls it and gets the full weights
-            from miles_megatron.parallel import full_state
+            from miles_megatron.parallel import full_state_of_chunks
 
-            state = full_state(state, self.gpt, self.config.vocab_size)
-        return megatron_to_native(state, self.config)
+            return megatron_to_native(full_state_of_chunks(states, self.chunks, self.config.vocab_size), self.config)
+        return megatron_to_native(states[0], self.config)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):  # noqa: D102
-        load_native_state(self.gpt, state, self.config)
+        for chunk in self.chunks:
+            load_native_state(chunk, state, self.config)
 
     # -- forward ----------------------------------------------------------------------
 
@@ -377,7 +414,8 @@ class MegatronPolicy(torch.nn.Module):
         layers run on this CP rank's rows and the last stage gathers the group's
         (:mod:`miles_megatron.context_parallel`)."""
         device = input_ids_T.device
-        sequence_parallel = self.gpt.config.sequence_parallel
+        gpt = self.chunk
+        sequence_parallel = gpt.config.sequence_parallel
         cp = self.sizes.cp
         # sequence parallelism splits the sequence dim over the TP ranks, context parallelism into 2 * CP
         # chunks: pad it to a multiple
@@ -395,23 +433,23 @@ class MegatronPolicy(torch.nn.Module):
             ids_SB, positions_SB, mask = shard.take(ids_SB), shard.take(positions_SB), shard.causal_mask()
         with on_device(device):
             x_SBH = None  # a later stage: the decoder's input tensor
-            if self.gpt.pre_process:
-                x_SBH = self.gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
+            if gpt.pre_process:
+                x_SBH = gpt.embedding(input_ids=ids_SB.t(), position_ids=positions_SB.t())
             rotary_SB1D = None  # MLA: the attention ropes each token by its index in the sequence
-            if not self.gpt.config.multi_latent_attention:
+            if not gpt.config.multi_latent_attention:
                 # [P, 1, D], every position (packed_seq: Megatron would keep its CP rank's part of the table)
-                freqs_PD = self.gpt.rotary_pos_emb(int(positions_T.max()) + 1, packed_seq=True)[:, 0]
+                freqs_PD = gpt.rotary_pos_emb(int(positions_T.max()) + 1, packed_seq=True)[:, 0]
                 rotary_SB1D = freqs_PD[positions_SB]
-            hidden_SBH = self.gpt.decoder(
+            hidden_SBH = gpt.decoder(
                 hidden_states=x_SBH, attention_mask=mask, rotary_pos_emb=rotary_SB1D
             )
             # this rank's sequence shard -> every position (the head is gathered too); a PP stage
             # before the last passes its shard on to the next stage's same TP rank
-            if sequence_parallel and self.gpt.post_process:
+            if sequence_parallel and gpt.post_process:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
-            if shard is not None and self.gpt.post_process:  # the CP group's rows, in sequence order
+            if shard is not None and gpt.post_process:  # the CP group's rows, in sequence order
                 hidden_SBH = shard.gather_sequence(hidden_SBH)
         return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH)
 
@@ -419,12 +457,12 @@ class MegatronPolicy(torch.nn.Module):
         """A pipeline stage before the last: its output ``[S, B, H]`` (this TP rank's sequence
         shard under sequence parallelism), what the schedule sends to the next stage."""
         run = self.decoder_pass(batch.input_ids_T, batch.positions_T, batch.cu_seqlens, batch.routing)
-        return run.hidden_SBH.to(self.gpt.config.pipeline_dtype)
+        return run.hidden_SBH.to(self.chunk.config.pipeline_dtype)
 
     def forward_hidden(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of packed sequences (under PP on the last stage,
         inside Megatron's schedule: :mod:`miles_megatron.schedule`)."""
-        if not self.gpt.post_process:
+        if not self.chunk.post_process:
             raise RuntimeError("forward_hidden: this pipeline stage has no final layers; the stages run together "
                                "in miles_megatron.schedule")
         run = self.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing)

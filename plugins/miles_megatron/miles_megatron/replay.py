@@ -46,20 +46,22 @@ import torch.nn.functional as F
 from miles_megatron.moe_routing import megatron_group_rule_differs
 
 
-def moe_routers(gpt: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """``{layer index (0-based): TopKRouter}`` of the MoE layers of a GPTModel."""
+def moe_routers(gpt: torch.nn.Module | list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """``{layer index (0-based): TopKRouter}`` of the MoE layers of a GPTModel (or of a rank's
+    model chunks under virtual pipeline stages)."""
     routers = {}
-    for layer in gpt.decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            routers[layer.layer_number - 1] = router
+    for chunk in gpt if isinstance(gpt, (list, tuple)) else [gpt]:
+        for layer in chunk.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                routers[layer.layer_number - 1] = router
     return routers
 
 
 class RouterReplayBridge:
     """Installs the pre-hooks; :meth:`set_forward` gives them each forward's routing."""
 
-    def __init__(self, gpt: torch.nn.Module, routing_hooks: Any, moe: Any):
+    def __init__(self, gpt: torch.nn.Module | list[torch.nn.Module], routing_hooks: Any, moe: Any):
         """``moe``: the native :class:`~miles_host.models.config.MoEConfig` (None: a dense model)."""
         from miles_host.models.mlp import Router
 

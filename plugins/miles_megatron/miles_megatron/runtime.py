@@ -90,9 +90,10 @@ def model_parallel_world(config: Any) -> int:
 
 
 def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int = 1,
-                        timeout_s: float | None = None, dp: int = 0, cp: int = 1) -> None:
+                        timeout_s: float | None = None, dp: int = 0, cp: int = 1, vpp: int = 1) -> None:
     """Megatron ``parallel_state`` with TP = ``tp``, EP = ``ep``, PP = ``pp``, CP = ``cp``
-    (expert TP = :data:`EXPERT_TP`; DP ``dp``, 0: the smallest EP allows).
+    (expert TP = :data:`EXPERT_TP`; DP ``dp``, 0: the smallest EP allows), ``vpp`` model
+    chunks (virtual pipeline stages) per pipeline rank.
 
     Sizes 1: a one-rank default group (created here if none exists). Above 1: the
     default group must already hold the ``tp * pp * dp`` trainer ranks (the launcher's
@@ -141,6 +142,9 @@ def init_model_parallel(device: torch.device, tp: int = 1, ep: int = 1, pp: int 
         parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=EXPERT_TP, **minutes)
         _STATE_ON = weakref.ref(default)
+    # (what initialize_model_parallel's virtual size sets; set here for a reused state too)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
     _fix_megatron_without_te()
 
 

@@ -11,9 +11,14 @@ Training step (:func:`train_step`), one optimizer step of the host trainer:
   dispatcher gathers equal shapes; the padding is extra positions and all-padding
   sequences, which no real token attends to and no loss reads).
 - **Schedule.** ``megatron.core.pipeline_parallel.get_forward_backward_func()``: no
-  pipelining at PP 1, 1F1B at PP > 1, with ``forward_step`` running this rank's layers
-  (the first stage embeds, a later one reads what the schedule received) and, on the last
-  stage, the host's micro-batch loss (:meth:`~miles_host.trainer.NativeTrainer._micro_loss`)
+  pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B over the rank's model chunks with
+  virtual pipeline stages (each chunk reads every micro-batch from its own iterator; the
+  micro-batches padded with zero-share copies to a multiple of PP, the schedule's group, and
+  all given the step's largest ``[S, B]``: its shape exchange pairs messages by order, which
+  at PP 2, where the previous and the next rank are one peer, can cross the two directions'
+  shapes, harmless when they are equal), with ``forward_step`` running the chunk it is given
+  (:meth:`~miles_megatron.policy.MegatronPolicy.running_chunk`; the first stage embeds, a
+  later one reads what the schedule received) and, on the last stage, the host's micro-batch loss (:meth:`~miles_host.trainer.NativeTrainer._micro_loss`)
   times the host's share of it in the step
   (:func:`~miles_host.algorithms.losses.micro_batch_share`, over the whole step's samples,
   every DP rank's). So the shares sum to the step's loss whatever the layout, and
@@ -109,11 +114,23 @@ def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False,
         use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
     )
-    ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
-    if overlap_grad_reduce:  # the schedule holds the reduction back until the last micro-batch
-        gpt.config.no_sync_func = ddp.no_sync
-        gpt.config.grad_sync_func = ddp.start_grad_sync
-    return ddp
+    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+
+
+def wrap_ddp_chunks(chunks: list[torch.nn.Module], overlap_grad_reduce: bool = False,
+                    distributed_optimizer: bool = False) -> list[torch.nn.Module]:
+    """Each model chunk of a rank (one without virtual pipeline stages) in :func:`wrap_ddp`;
+    with ``overlap_grad_reduce`` the schedule holds each chunk's reduction back until its last
+    micro-batch (Megatron's ``no_sync`` / ``start_grad_sync``, one per chunk under virtual stages)."""
+    wrapped = [wrap_ddp(chunk, overlap_grad_reduce, distributed_optimizer) for chunk in chunks]
+    if overlap_grad_reduce:
+        config = chunks[0].config  # the schedules read the first chunk's
+        if len(wrapped) == 1:
+            config.no_sync_func, config.grad_sync_func = wrapped[0].no_sync, wrapped[0].start_grad_sync
+        else:
+            config.no_sync_func = [ddp.no_sync for ddp in wrapped]
+            config.grad_sync_func = [ddp.start_grad_sync for ddp in wrapped]
+    return wrapped
 
 
 # -- micro-batches ----------------------------------------------------------------------
@@ -136,30 +153,43 @@ def _dp_share(samples: list, sizes: Any, index_of: Callable[[int, Any], int]) ->
     return [sample for i, sample in enumerate(samples) if index_of(i, sample) % sizes.dp == rank]
 
 
-def _in_step(micros: list[MicroBatch], samples: list, sizes: Any) -> list[MicroBatch]:
+def _in_step(micros: list[MicroBatch], samples: list, sizes: Any, chunks: int = 1) -> list[MicroBatch]:
     """``micros`` padded to the DP ranks' longest count with zero-share fillers (``filler``),
-    and where EP > 1 given each index's largest shape over the DP ranks (see module doc)."""
-    if sizes.dp == 1:
-        return micros
-    from megatron.core import parallel_state as ps
+    and where EP > 1 given each index's largest shape over the DP ranks (see module doc); with
+    ``chunks`` > 1 (virtual pipeline stages) to a multiple of the pipeline size, as the
+    interleaved schedule runs micro-batches in groups of that many, each padded to the step's
+    largest shape."""
+    count = len(micros)
+    if sizes.dp > 1:
+        from megatron.core import parallel_state as ps
 
-    group = ps.get_data_parallel_group()
-    count = torch.tensor([len(micros)], dtype=torch.long)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        largest = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        count = int(largest)
+    if chunks > 1:
+        count = max(sizes.pp, -(-count // sizes.pp) * sizes.pp)
     filler = micros[0].samples if micros else samples[:1]
-    micros = micros + [MicroBatch(filler, 0.0, 0.0, filler=True) for _ in range(int(count) - len(micros))]
-    if sizes.ep > 1:  # the MoE token exchange spans DP ranks: one shape per micro-batch index
+    micros = micros + [MicroBatch(filler, 0.0, 0.0, filler=True) for _ in range(count - len(micros))]
+    if sizes.dp > 1 and sizes.ep > 1:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()  # the MoE token exchange spans DP ranks: one shape per micro-batch index
         shapes = torch.tensor([[max(len(s.tokens) for s in m.samples), len(m.samples)] for m in micros],
                               dtype=torch.long)
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
         for micro, shape in zip(micros, shapes.tolist()):
             micro.pad_to = (shape[0], shape[1])
+    if chunks > 1:  # one shape for the step (see module doc)
+        shape = (max(max(len(s.tokens) for s in m.samples) for m in micros), max(len(m.samples) for m in micros))
+        for micro in micros:
+            micro.pad_to = (max(micro.pad_to[0], shape[0]), max(micro.pad_to[1], shape[1]))
     return micros
 
 
-def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[MicroBatch]:
+def data_parallel_micro_batches(samples: list, config: Any, sizes: Any, chunks: int = 1) -> list[MicroBatch]:
     """This DP rank's micro-batches of one optimizer step (see module doc): its samples by
-    their index in the rollout (``_train_index``, as the forward-only passes deal them)."""
+    their index in the rollout (``_train_index``, as the forward-only passes deal them);
+    ``chunks``: the model chunks of each rank (see :func:`_in_step`)."""
     from miles_host.algorithms.losses import micro_batch_share
     from miles_host.trainer import micro_batches
 
@@ -170,15 +200,18 @@ def data_parallel_micro_batches(samples: list, config: Any, sizes: Any) -> list[
                    micro_batch_share(config, [s.loss_mask for s in micro], step_masks, for_metrics=True))
         for micro in (micro_batches(mine, config) if mine else [])
     ]
-    return _in_step(micros, samples, sizes)
+    return _in_step(micros, samples, sizes, chunks)
 
 
-def _run(model: torch.nn.Module, forward_step: Callable, micros: list[MicroBatch], tp: int,
+def _run(chunks: list[torch.nn.Module], forward_step: Callable, micros: list[MicroBatch], tp: int,
          forward_only: bool) -> None:
+    """Megatron's schedule over the rank's model chunks (the interleaved one where there are
+    several: each chunk reads every micro-batch from its own iterator)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    data = iter(micros) if len(chunks) == 1 else [iter(micros) for _ in chunks]
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micros), model=[model],
+        forward_step_func=forward_step, data_iterator=data, model=list(chunks),
         num_microbatches=len(micros), seq_length=tp, micro_batch_size=1, forward_only=forward_only,
     )
 
@@ -204,17 +237,19 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     from miles_megatron.parallel import expert_batch_copies
     from miles_megatron.runtime import on_device
 
-    policy, ddp, sizes = trainer.model, trainer.ddp, trainer.sizes
+    policy, chunks, sizes = trainer.model, trainer.ddp_chunks, trainer.sizes
     trainer.optimizer.zero_grad(set_to_none=True)
-    ddp.zero_grad_buffer()
-    micros = data_parallel_micro_batches(samples, trainer.config, sizes)
+    for ddp in chunks:
+        ddp.zero_grad_buffer()
+    micros = data_parallel_micro_batches(samples, trainer.config, sizes, len(chunks))
     last = _is_last_stage()
     sums: dict[str, Any] = {}
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         policy.pad_to = micro.pad_to
-        if not last:
+        policy.running_chunk(model)
+        if not policy.chunk.post_process:
             batch = trainer.pack(micro.samples, "train")
             with trainer._autocast():
                 return policy.stage_forward(batch), _not_last_stage
@@ -229,18 +264,20 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     policy.replay.keep_for_recompute(policy.gpt.config.recompute_granularity == "full")
     with on_device(trainer.device):
         try:
-            _run(ddp, forward_step, micros, sizes.tp, forward_only=False)
+            _run(chunks, forward_step, micros, sizes.tp, forward_only=False)
         finally:
             policy.pad_to = (0, 0)
+            policy.running = 0
             policy.replay.keep_for_recompute(False)
-        finalize_model_grads([ddp])
+        finalize_model_grads(chunks)
     copies = expert_batch_copies(sizes, bool(policy.gpt.config.sequence_parallel))
-    for name, param in policy.gpt.named_parameters():
-        if not param.requires_grad:
-            continue
-        if copies > 1 and _EXPERT.search(f".{name}"):
-            param.main_grad.div_(copies)
-        param.grad = param.main_grad
+    for chunk in policy.chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            if copies > 1 and _EXPERT.search(f".{name}"):
+                param.main_grad.div_(copies)
+            param.grad = param.main_grad
     from megatron.core import parallel_state as ps
 
     contributes = last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -276,7 +313,7 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
     mine = list(range(len(samples)))
     mine = _dp_share(mine, sizes, lambda i, index: index)  # positions: the rollout's sample indices
     micros = [MicroBatch(micro, 0.0, 0.0) for micro in micro_batches([samples[i] for i in mine], trainer.config)]
-    micros = _in_step(micros, samples, sizes)
+    micros = _in_step(micros, samples, sizes, len(policy.chunks))
     last = _is_last_stage()
     out: list[torch.Tensor] = []
     batches = []
@@ -284,9 +321,10 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         policy.pad_to = micro.pad_to
+        policy.running_chunk(model)
         batch = trainer.pack(micro.samples, phase)
         batches.append(batch)
-        if not last:
+        if not policy.chunk.post_process:
             with trainer._autocast():
                 return policy.stage_forward(batch), _not_last_stage
         log_probs, _ = trainer.response_log_probs(policy, batch)
@@ -296,9 +334,10 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
 
     with on_device(trainer.device):
         try:
-            _run(policy.gpt, forward_step, micros, sizes.tp, forward_only=True)
+            _run(policy.chunks, forward_step, micros, sizes.tp, forward_only=True)
         finally:
             policy.pad_to = (0, 0)
+            policy.running = 0
     if sizes.pp > 1:  # the last stage's values on every stage
         stage = current_stage()
         carried = [[t.cpu() for t in out] if last else None]

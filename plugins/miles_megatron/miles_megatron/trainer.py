@@ -91,9 +91,14 @@ class MegatronTrainer(NativeTrainer):
                 f"got {world}"
             )
         self.group, self.rank, self.world = group, rank, world
+        from miles_host.validation.host_checks import model_config
+        from miles_megatron.pipeline import PipelineLayout
+
+        #: the decoder layers over pipeline ranks and virtual stages (model chunks)
+        self.layout = PipelineLayout.from_config(config, model_config(config).num_layers)
         device = resolve_device(config)
         init_model_parallel(device, self.sizes.tp, self.sizes.ep, self.sizes.pp, timeout_s=config.worker_timeout,
-                            dp=self.sizes.dp, cp=self.sizes.cp)
+                            dp=self.sizes.dp, cp=self.sizes.cp, vpp=self.layout.vpp)
         seed_rng(config.seed, device)
         # the native trainer refuses model-parallel sizes (it has none): it is given sizes 1
         single = copy.copy(config)
@@ -111,21 +116,23 @@ class MegatronTrainer(NativeTrainer):
             )
 
     def _make_optimizer(self, fused: bool | None = None) -> None:
-        """The model in Megatron's DDP (:func:`miles_megatron.schedule.wrap_ddp`), then the host's
-        optimizer, or with ``--use-distributed-optimizer`` Megatron's distributed optimizer under
-        the host's learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
+        """Each model chunk in Megatron's DDP (:func:`miles_megatron.schedule.wrap_ddp_chunks`), then
+        the host's optimizer, or with ``--use-distributed-optimizer`` Megatron's distributed optimizer
+        under the host's learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
         from miles_host.lr_schedule import lr_lambda
-        from miles_megatron.schedule import wrap_ddp
+        from miles_megatron.schedule import wrap_ddp_chunks
 
         distributed = self.config.use_distributed_optimizer
         with on_device(self.device):
-            self.ddp = wrap_ddp(self.model.gpt, overlap_grad_reduce=self.config.overlap_grad_reduce,
-                                distributed_optimizer=distributed)
+            #: the DDP-wrapped model chunks (one without virtual pipeline stages)
+            self.ddp_chunks = wrap_ddp_chunks(self.model.chunks, overlap_grad_reduce=self.config.overlap_grad_reduce,
+                                              distributed_optimizer=distributed)
+        self.ddp = self.ddp_chunks[0]
         if not distributed:
             return super()._make_optimizer(fused)
         from miles_megatron.megatron_optimizer import build_megatron_optimizer
 
-        self.optimizer = build_megatron_optimizer(self.ddp, self.config, self.device)
+        self.optimizer = build_megatron_optimizer(self.ddp_chunks, self.config, self.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
         self.last_step_lr = None
 
@@ -161,12 +168,14 @@ class MegatronTrainer(NativeTrainer):
 
         log_dispatcher_note(self.config, self.device, self.sizes.parallel)
         overrides = transformer_config_overrides(self.config, self.device, self.sizes.parallel)
+        overrides.update(self.layout.transformer_kwargs())  # virtual and uneven pipeline stages
         from miles_megatron.schedule import configure_schedule
 
         policy = MegatronPolicy.from_pretrained(path, self.device, routing, recompute=recompute,
                                                 sequence_parallel=sequence_parallel and self.sizes.tp > 1,
                                                 overrides=overrides)
-        configure_schedule(policy.gpt.config)
+        for chunk in policy.chunks:
+            configure_schedule(chunk.config)
         return policy
 
     def train(self, samples):
@@ -199,7 +208,7 @@ class MegatronTrainer(NativeTrainer):
             return super()._clip_grads()
         from miles_megatron.parallel import clip_grad_norm
 
-        return clip_grad_norm(self.model.gpt, self.config.clip_grad, self.sizes)
+        return clip_grad_norm(self.model.chunks, self.config.clip_grad, self.sizes)
 
     # -- weights and state ------------------------------------------------------------
 
@@ -220,13 +229,18 @@ class MegatronTrainer(NativeTrainer):
         TP/EP/PP one bucket at a time (:mod:`miles_megatron.weight_buckets`; a collective:
         every rank iterates it to the end, rank 0 gets the buckets); ``for_rollout``: after the
         precision's conversion for the engine (else the trainer's weights, for ``--save-hf``)."""
+        from types import SimpleNamespace
+
         from miles_megatron.weight_buckets import native_buckets
 
-        for bucket in native_buckets(self.model, bucket_bytes, self.device):
-            named = list(bucket.items())
-            if for_rollout and self.convert_for_rollout:
-                named = self.convert_for_rollout(named, self.config)
-            yield named
+        # under virtual pipeline stages one model chunk after the other (every rank has as many)
+        for chunk in self.model.chunks:
+            for bucket in native_buckets(SimpleNamespace(gpt=chunk, config=self.model.config), bucket_bytes,
+                                         self.device):
+                named = list(bucket.items())
+                if for_rollout and self.convert_for_rollout:
+                    named = self.convert_for_rollout(named, self.config)
+                yield named
 
     def save_shards(self, folder: str) -> list[str]:
         """``--ckpt-format torch_dist``: this rank's model and optimizer shards into ``folder``

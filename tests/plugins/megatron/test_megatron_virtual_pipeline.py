@@ -1,0 +1,129 @@
+"""Virtual pipeline stages and uneven stages of ``--train-backend megatron`` on gloo trainer
+processes, CPU, float32 (:class:`miles_megatron.pipeline.PipelineLayout`).
+
+- PP 2 x VPP 2 (``--virtual-pipeline-model-parallel-size 2``): each rank holds two model
+  chunks of one layer each (rank 0 layers 1 and 3, rank 1 layers 2 and 4; the embedding in
+  rank 0's first chunk, the tied head in rank 1's last), run by Megatron-Core's interleaved
+  schedule; the dynamic batch size gives three micro-batches, padded with a zero-share copy
+  to a multiple of the pipeline size. Two optimizer steps give the losses, gradient norms and
+  weights of one process (TP = PP = 1) within float32 tolerance; the gathered checkpoint
+  (``--ckpt-format torch``: full weights and Adam moments from every chunk) loads back.
+- Uneven stages (``--decoder-first-pipeline-num-layers 1``): the first rank one layer, the last
+  three, same agreement.
+- The layout rules (:meth:`PipelineLayout.from_config`): what Megatron cannot split is refused
+  by name.
+Skipped where megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+transformers = pytest.importorskip("transformers")
+
+from tests.plugins.megatron.conftest import save_models  # noqa: E402
+from tests.plugins.megatron.test_megatron_parallel import (  # noqa: E402,F401
+    FLAGS,
+    KEYS,
+    LOSS_TOL,
+    _leave_groups,
+    _one_process_run,
+    clean_groups,
+)
+from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer  # noqa: E402
+
+#: three micro-batches of at most 14 tokens (sample lengths 7, 7, 8, 7)
+DYNAMIC = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "14")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A four-layer tied Qwen3 (two layers per pipeline rank: one per model chunk)."""
+    return save_models(tmp_path_factory.mktemp("virtual_pipeline"), {"qwen3_4l": lambda: transformers.Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)})
+
+
+def _layer_numbers(gpt) -> list[int]:
+    return [int(layer.layer_number) for layer in gpt.decoder.layers]
+
+
+def _equal_to_one_process(models, flags: tuple[str, ...], check_layout) -> None:
+    samples = make_samples()
+    want, _, expected, start = _one_process_run(models, "qwen3_4l", samples, *DYNAMIC)
+    group = make_trainer(models, "qwen3_4l", "megatron", *FLAGS, *DYNAMIC, "--pipeline-model-parallel-size", "2",
+                         "--actor-num-gpus-per-node", "2", *flags)
+    try:
+        check_layout(group.local.model)
+        for step in range(2):
+            got = group.train(samples)
+            for key in KEYS:
+                assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+        exported = {k: v.float() for k, v in group.named_weights_for_rollout()}
+        assert exported.keys() == expected.keys()
+        assert max(float((exported[k] - expected[k].float()).abs().max()) for k in expected) < 1e-5
+        assert any(not torch.equal(exported[k], start[k].float()) for k in expected)  # it trained
+        state = group.state_dict()  # every chunk's weights and moments, gathered
+        assert state["optimizer"]["moments"]["exp_avg"].keys() == expected.keys()
+        group.load_state_dict(state)
+        after = dict(group.named_weights_for_rollout())
+        assert all(torch.equal(after[k].float(), exported[k]) for k in expected)
+    finally:
+        group.stop()
+
+
+def test_pp2_vpp2_interleaved_schedule_gives_the_one_process_steps(models, clean_groups):
+    from megatron.core import parallel_state as ps
+
+    def check_layout(policy):
+        assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
+        chunks = policy.chunks
+        assert [_layer_numbers(chunk) for chunk in chunks] == [[1], [3]]  # rank 0: virtual stages 0 and 2
+        assert [(chunk.pre_process, chunk.post_process) for chunk in chunks] == [(True, False), (False, False)]
+
+    _equal_to_one_process(models, ("--virtual-pipeline-model-parallel-size", "2"), check_layout)
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_stages_give_the_one_process_steps(models, clean_groups):
+    def check_layout(policy):
+        assert [_layer_numbers(chunk) for chunk in policy.chunks] == [[1]]  # the last rank: layers 2 to 4
+
+    _equal_to_one_process(models, ("--decoder-first-pipeline-num-layers", "1"), check_layout)
+
+
+def _layout(**flags):
+    from miles_megatron.pipeline import PipelineLayout
+
+    values = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                  num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
+                  decoder_last_pipeline_num_layers=None)
+    values.update(flags)
+    return PipelineLayout.from_config(argparse.Namespace(**values), 8)
+
+
+def test_pipeline_layouts_follow_megatrons_rules():
+    assert _layout().rank_layers(8) == [4, 4]
+    assert _layout(decoder_first_pipeline_num_layers=3).rank_layers(8) == [3, 5]  # the other ranks share the rest
+    assert _layout(num_layers_per_virtual_pipeline_stage=2).vpp == 2  # 8 layers / (2 ranks x 2 per chunk)
+    uneven = _layout(pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
+                     decoder_last_pipeline_num_layers=1)
+    assert uneven.rank_layers(8) == [1, 3, 3, 1]
+    assert uneven.transformer_kwargs() == {"pipeline_model_parallel_size": 4, "num_layers_in_first_pipeline_stage": 1,
+                                           "num_layers_in_last_pipeline_stage": 1}
+    refused = {
+        "do not split evenly": dict(pipeline_model_parallel_size=3),
+        "middle stages": dict(decoder_first_pipeline_num_layers=3, decoder_last_pipeline_num_layers=3),  # 2 left
+        "split evenly into 4 model chunks": dict(virtual_pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=2,
+                                               decoder_last_pipeline_num_layers=6),
+        "disagree": dict(virtual_pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=2),
+        "need --pipeline-model-parallel-size > 1": dict(pipeline_model_parallel_size=1,
+                                                         virtual_pipeline_model_parallel_size=2),
+    }
+    for message, flags in refused.items():
+        with pytest.raises(ValueError, match=message):
+            _layout(**flags)
