@@ -189,7 +189,11 @@ def native_buckets(policy: Any, bucket_bytes: int, device: torch.device) -> Iter
     from miles_megatron.runtime import on_device
     from miles_megatron.weights import megatron_to_native
 
-    with on_device(device):
-        chunks = getattr(policy, "chunks", None) or [policy.gpt]  # virtual pipeline stages: one GPTModel each
-        for bucket in megatron_buckets(chunks, policy.config.vocab_size, bucket_bytes, device):
-            yield megatron_to_native(bucket, policy.config)
+    chunks = getattr(policy, "chunks", None) or [policy.gpt]  # virtual pipeline stages: one GPTModel each
+    buckets = megatron_buckets(chunks, policy.config.vocab_size, bucket_bytes, device)
+    while True:
+        with on_device(device):  # around the gathering only: the caller's code between buckets runs outside it
+            bucket = next(buckets, None)
+        if bucket is None:
+            return
+        yield megatron_to_native(bucket, policy.config)
