@@ -83,4 +83,11 @@ def engine_logprobs(output: dict) -> torch.Tensor:
     return torch.tensor([e[0] for e in entries])
 
 
+def assert_same_outputs(got: list[dict], expected: list[dict], atol: float) -> None:
+    """Two engines' outputs: the same tokens, log-probs within ``atol``."""
+    for a, b in zip(got, expected, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert (engine_logprobs(a) - engine_logprobs(b)).abs().max() <= atol
+
+
 PROMPTS = [[5, 9, 17, 33, 2], list(range(10, 41)), [7] * 19, [100, 3]]
