@@ -229,18 +229,13 @@ class MegatronTrainer(NativeTrainer):
         TP/EP/PP one bucket at a time (:mod:`miles_megatron.weight_buckets`; a collective:
         every rank iterates it to the end, rank 0 gets the buckets); ``for_rollout``: after the
         precision's conversion for the engine (else the trainer's weights, for ``--save-hf``)."""
-        from types import SimpleNamespace
-
         from miles_megatron.weight_buckets import native_buckets
 
-        # under virtual pipeline stages one model chunk after the other (every rank has as many)
-        for chunk in self.model.chunks:
-            for bucket in native_buckets(SimpleNamespace(gpt=chunk, config=self.model.config), bucket_bytes,
-                                         self.device):
-                named = list(bucket.items())
-                if for_rollout and self.convert_for_rollout:
-                    named = self.convert_for_rollout(named, self.config)
-                yield named
+        for bucket in native_buckets(self.model, bucket_bytes, self.device):
+            named = list(bucket.items())
+            if for_rollout and self.convert_for_rollout:
+                named = self.convert_for_rollout(named, self.config)
+            yield named
 
     def save_shards(self, folder: str) -> list[str]:
         """``--ckpt-format torch_dist``: this rank's model and optimizer shards into ``folder``
