@@ -106,6 +106,14 @@ def test_the_quirks_are_configured(checkpoints):
     assert llama.nope_layers == [False, True]
     assert llama.moe_layers == [False, True] and llama.moe.shared_intermediate_size == 32
     assert llama.qk_norm == "l2" and llama.attn_temperature == (2.0, 0.5)
+    # the published config.json (transformers 4 layout): yarn in rope_scaling, truncate off
+    published = {k: v for k, v in json.loads((checkpoints("gpt_oss")[1] / "config.json").read_text()).items()
+                 if k != "rope_parameters"}
+    published.update(rope_theta=150000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096})
+    rope = gpt_oss.config_from_hf(published).rope
+    assert (rope.rope_type, rope.factor, rope.theta, rope.truncate) == ("yarn", 32.0, 150000.0, False)
     glm = load_pretrained(checkpoints("glm4_moe_lite")[1], family=family_lookup).config
     assert glm.mla is not None and glm.moe_layers == [False, True] and glm.moe.routed_scaling_factor == 1.8
 

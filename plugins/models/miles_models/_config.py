@@ -65,7 +65,7 @@ def rope_config(
         mscale=merged.get("mscale"),
         mscale_all_dim=merged.get("mscale_all_dim"),
         attention_factor=merged.get("attention_factor"),
-        truncate=bool((hf.get("rope_parameters") or {}).get("truncate", True)),
+        truncate=bool(merged.get("truncate", True)),
     )
 
 
