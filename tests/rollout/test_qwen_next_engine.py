@@ -94,3 +94,24 @@ def test_true_on_policy_and_speculative_decoding_are_refused_with_the_reason(qwe
         make_engine(path, batch_invariant=True)
     with pytest.raises(ValueError, match="speculative decoding.*rolled back"):
         make_engine(path, decoding_strategy=lambda engine: None)
+
+
+def test_the_graph_form_of_the_states_decodes_like_the_eager_one(qwen3_next, monkeypatch):
+    """The decode graphs' gather/scatter by slot (:class:`GraphRecurrentStates`), run eagerly on CPU."""
+    from miles_host.rollout.recurrent_graphs import GraphRecurrentStates
+    from miles_host.rollout.recurrent_state import HybridAttention
+
+    _, path = qwen3_next
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "n": 2}
+    expected = make_engine(path).generate(PROMPTS, params)
+    engine = make_engine(path)
+    pool, eager_attach = engine.recurrent_states, engine.recurrent_states.attach
+
+    def attach(attention, seqs, num_new):
+        if any(n != 1 for n in num_new):
+            return eager_attach(attention, seqs, num_new)
+        return HybridAttention(attention, GraphRecurrentStates(pool, torch.tensor(pool.slots(seqs))))
+
+    monkeypatch.setattr(pool, "attach", attach)
+    got = engine.generate(PROMPTS, params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
