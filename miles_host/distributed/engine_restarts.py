@@ -63,9 +63,10 @@ class Request:
 class RestartingRouter(RolloutRouter):
     """A router that restarts failed engines and resubmits their unfinished requests."""
 
-    def __init__(self, clients: list[RolloutClient], respawn: Callable[[int, int], RolloutClient], max_restarts: int):
+    def __init__(self, clients: list[RolloutClient], respawn: Callable[[dict[int, int]], dict[int, RolloutClient]],
+                 max_restarts: int):
         super().__init__(clients)
-        #: ``respawn(index, incarnation)``: a started engine process in place of engine ``index``
+        #: ``respawn({index: incarnation})``: started engine processes in place of those engines (started together)
         self.respawn = respawn
         self.max_restarts = max_restarts
         #: ``restore_weights()`` pushes the run's current weights to every engine (set by the launcher)
@@ -167,8 +168,9 @@ class RestartingRouter(RolloutRouter):
         restarted: set[int] = set()
         while failures:
             for index, failure in sorted(failures.items()):
-                self._restart(index, failure, method)
-                restarted.add(index)
+                self._stop_failed(index, failure, method)
+            self._install(self.respawn({index: self.restarts[index] for index in failures}))
+            restarted.update(failures)
             failures = {}
             if method in WEIGHT_LOADS:
                 break
@@ -188,9 +190,15 @@ class RestartingRouter(RolloutRouter):
             print(f"miles: rollout engine {self.clients[index].name} is back; {len(mine)} unfinished request(s) "
                   "submitted again", file=sys.stderr, flush=True)
 
-    def _restart(self, index: int, failure: WorkerFailed, method: str) -> None:
-        """Kill engine ``index`` (failed with ``failure``) and start it again; raises the
-        failure when it cannot be cured by a restart or the restarts are used up."""
+    def _install(self, clients: dict[int, RolloutClient]) -> None:
+        """Put started engines in place of failed ones."""
+        for index, client in clients.items():
+            self.clients[index] = client
+            self.load[index] = 0
+
+    def _stop_failed(self, index: int, failure: WorkerFailed, method: str) -> None:
+        """Count a restart of engine ``index`` (failed with ``failure``) and kill it; raises
+        the failure when a restart cannot cure it or the restarts are used up."""
         if failure.kind not in RESTARTABLE:
             raise failure
         if self.restarts[index] >= self.max_restarts:
@@ -202,8 +210,6 @@ class RestartingRouter(RolloutRouter):
         print(f"miles: warning: rollout engine {failure.worker} {_detail(failure)}; restarting it (restart "
               f"{self.restarts[index]} of at most {self.max_restarts})", file=sys.stderr, flush=True)
         self.clients[index].handle.stop(0)  # SIGKILL unless it already exited
-        self.clients[index] = self.respawn(index, self.restarts[index])
-        self.load[index] = 0
 
     def _index_of(self, worker: str) -> int | None:
         """The index of the engine named ``worker``, None for another worker."""

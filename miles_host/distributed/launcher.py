@@ -162,11 +162,18 @@ def _spawn_engine(config: Any, index: int, incarnation: int = 0) -> WorkerHandle
                   worker_timeout(config), config, num_trainers(config) - 1 + index, heartbeat)
 
 
-def _respawn_engine(config: Any, index: int, incarnation: int) -> RolloutClient:
-    """A started engine process in place of engine ``index`` (a failed one)."""
-    handle = _spawn_engine(config, index, incarnation)
-    _await_startup([handle])
-    return RolloutClient(handle)
+def _respawn_engines(config: Any, incarnations: dict[int, int]) -> dict[int, RolloutClient]:
+    """Started engine processes in place of failed engines (``{index: incarnation}``), all
+    started before any is waited for."""
+    handles = {}
+    try:
+        for index, incarnation in incarnations.items():
+            handles[index] = _spawn_engine(config, index, incarnation)
+    except BaseException:
+        _stop_all(list(handles.values()))
+        raise
+    _await_startup(list(handles.values()))
+    return {index: RolloutClient(handle) for index, handle in handles.items()}
 
 
 def make_rollout(config: Any, manager: Any):
@@ -183,7 +190,7 @@ def make_rollout(config: Any, manager: Any):
     _await_startup(handles)
     clients = [RolloutClient(handle) for handle in handles]
     if config.use_fault_tolerance:
-        return RestartingRouter(clients, lambda index, incarnation: _respawn_engine(config, index, incarnation),
+        return RestartingRouter(clients, lambda incarnations: _respawn_engines(config, incarnations),
                                 config.max_engine_restarts)
     return RolloutRouter(clients)
 

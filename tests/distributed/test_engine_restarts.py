@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.conftest import base_args, read_metrics, run_launched, run_one_process
+from tests.distributed.test_worker_failures import sync_faults  # noqa: F401 - the fixture
 
 TWO_ENGINES = dict(rollout_num_gpus=2)
 #: a stopped engine is found within a few seconds
@@ -60,13 +61,31 @@ def test_engines_failing_in_different_rollouts_are_restarted(tiny_task, tmp_path
 
 
 @pytest.mark.slow
-def test_without_fault_tolerance_a_killed_engine_stops_the_run_with_a_checkpoint(
-        tiny_task, tmp_path, fault_plugin, capsys):
+@pytest.mark.parametrize("fault_tolerance", [(), ("--use-fault-tolerance", "--max-engine-restarts", "0")],
+                         ids=["off", "no-restarts-left"])
+def test_a_killed_engine_stops_the_run_with_a_checkpoint(tiny_task, tmp_path, fault_plugin, capsys, fault_tolerance):
+    """Without fault tolerance, or with no restart left, the run stops as it always did."""
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
-                     *fault_plugin, "--test-engine-kill", "0:3")
+                     *fault_tolerance, *fault_plugin, "--test-engine-kill", "0:3")
     assert run_launched(argv, worker_timeout=120, **TWO_ENGINES) == 3
     err = capsys.readouterr().err
     assert "worker rollout-0" in err and "killed by signal 9" in err, err
     assert "checkpoint of rollout 0 written" in err, err
-    assert "restarted" not in err
+    assert "restarting" not in err
+    if fault_tolerance:
+        assert "restarted 0 time(s) already (--max-engine-restarts 0)" in err, err
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_stops_a_fault_tolerant_run(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
+    """Fault tolerance restarts engines only: trainer rank 1 killed in training stops the run
+    with its name and the checkpoint of the last completed rollout."""
+    model, data = tiny_task
+    argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
+                     "--use-fault-tolerance", *signal_reward, *sync_faults, "--test-trainer-die-at-train", "2")
+    assert run_launched(argv, worker_timeout=120, actor_num_gpus_per_node=2, rollout_num_gpus=1) == 3
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("miles: error:")]
+    assert line.startswith("miles: error: worker trainer-1") and "killed by signal 9" in line, err
+    assert "checkpoint of rollout 0 written" in err, err
