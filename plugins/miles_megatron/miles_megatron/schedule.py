@@ -58,6 +58,7 @@ that trains the sample); the last stage broadcasts the log-probs over the pipeli
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -186,6 +187,17 @@ def _in_step(micros: list[MicroBatch], samples: list, sizes: Any, chunks: int = 
     return micros
 
 
+def batching_config(config: Any, sizes: Any) -> Any:
+    """The config the host's micro-batching reads: under context parallelism a micro-batch's
+    sequences are split over the CP group, so ``--max-tokens-per-gpu`` (per GPU) allows
+    ``max_tokens_per_gpu * CP`` tokens a micro-batch (slime's budget)."""
+    if sizes.cp == 1 or not config.max_tokens_per_gpu:
+        return config
+    scaled = copy.copy(config)
+    scaled.max_tokens_per_gpu = config.max_tokens_per_gpu * sizes.cp
+    return scaled
+
+
 def data_parallel_micro_batches(samples: list, config: Any, sizes: Any, chunks: int = 1) -> list[MicroBatch]:
     """This DP rank's micro-batches of one optimizer step (see module doc): its samples by
     their index in the rollout (``_train_index``, as the forward-only passes deal them);
@@ -198,7 +210,7 @@ def data_parallel_micro_batches(samples: list, config: Any, sizes: Any, chunks: 
     micros = [
         MicroBatch(micro, micro_batch_share(config, [s.loss_mask for s in micro], step_masks),
                    micro_batch_share(config, [s.loss_mask for s in micro], step_masks, for_metrics=True))
-        for micro in (micro_batches(mine, config) if mine else [])
+        for micro in (micro_batches(mine, batching_config(config, sizes)) if mine else [])
     ]
     return _in_step(micros, samples, sizes, chunks)
 
@@ -312,7 +324,8 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
         return []
     mine = list(range(len(samples)))
     mine = _dp_share(mine, sizes, lambda i, index: index)  # positions: the rollout's sample indices
-    micros = [MicroBatch(micro, 0.0, 0.0) for micro in micro_batches([samples[i] for i in mine], trainer.config)]
+    micros = [MicroBatch(micro, 0.0, 0.0)
+              for micro in micro_batches([samples[i] for i in mine], batching_config(trainer.config, sizes))]
     micros = _in_step(micros, samples, sizes, len(policy.chunks))
     last = _is_last_stage()
     out: list[torch.Tensor] = []

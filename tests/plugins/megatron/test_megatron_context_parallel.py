@@ -45,17 +45,36 @@ def test_chunks_and_mask_follow_megatrons_load_balanced_split():
         chunk_rows(6, 2, 0)
 
 
+def test_dynamic_batches_hold_max_tokens_per_gpu_times_cp():
+    """slime's budget: a CP group splits each micro-batch's sequences, so it holds up to
+    ``--max-tokens-per-gpu`` x CP tokens (samples of 7, 7, 8 and 7 tokens, 8 per GPU)."""
+    from miles_host.config import MilesConfig
+    from miles_megatron.parallel import Sizes
+    from miles_megatron.schedule import data_parallel_micro_batches
+
+    samples = make_samples()
+    config = MilesConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=8)
+    counts = {cp: [len(m.samples) for m in data_parallel_micro_batches(samples, config, Sizes(cp=cp))] for cp in (1, 2)}
+    assert counts == {1: [1, 1, 1, 1], 2: [2, 2]}
+    assert config.max_tokens_per_gpu == 8
+
+
+#: (model, sizes, flags of the parallel run, flags of both runs)
 _LAYOUTS = [
-    pytest.param("qwen3", {"cp": 2}, (), id="cp2"),
+    pytest.param("qwen3", {"cp": 2}, (), (), id="cp2"),
     # the stages pass each CP rank's rows on
-    pytest.param("qwen3", {"cp": 2, "pp": 2}, (), id="cp2_pp2", marks=pytest.mark.slow),
+    pytest.param("qwen3", {"cp": 2, "pp": 2}, (), (), id="cp2_pp2", marks=pytest.mark.slow),
     # sequence parallelism inside each CP rank's rows
-    pytest.param("qwen3", {"cp": 2, "tp": 2}, ("--sequence-parallel",), id="cp2_tp2_sp", marks=pytest.mark.slow),
+    pytest.param("qwen3", {"cp": 2, "tp": 2}, ("--sequence-parallel",), (), id="cp2_tp2_sp", marks=pytest.mark.slow),
+    # the dynamic batch size: two micro-batches of 16 tokens under CP 2, four of 8 in one process
+    pytest.param("qwen3", {"cp": 2}, (), ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "8"), id="cp2_dynamic",
+                 marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name,sizes,extra", _LAYOUTS)
-def test_context_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra):
+@pytest.mark.parametrize("name,sizes,extra,shared", _LAYOUTS)
+def test_context_parallel_ranks_give_the_one_process_losses_and_weights(models, clean_groups, name, sizes, extra,
+                                                                         shared):
     from megatron.core import parallel_state as ps
 
     from miles_megatron.context_parallel import ContextParallelAttention
@@ -66,10 +85,10 @@ def test_context_parallel_ranks_give_the_one_process_losses_and_weights(models, 
     if DEVICE != "cpu" and torch.cuda.device_count() < world:
         pytest.skip(f"MILES_MEGATRON_TEST_DEVICE=cuda needs {world} GPUs")
     samples = make_samples()
-    want, _, expected, start = _one_process_run(models, name, samples)
+    want, _, expected, start = _one_process_run(models, name, samples, *shared)
     size_flags = [arg for key, size in sizes.items() for arg in (SIZE_FLAGS[key], str(size))]
     group = make_trainer(models, name, "megatron", *FLAGS, *size_flags, "--actor-num-gpus-per-node", str(world),
-                         "--device", DEVICE, *extra)
+                         "--device", DEVICE, *extra, *shared)
     try:
         assert (ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()) == (2, 1)
         attention = group.local.model.gpt.decoder.layers[0].self_attention.core_attention
