@@ -54,6 +54,7 @@ class Indexer(torch.nn.Module):
         self.wk = torch.nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = torch.nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.weights_proj.keep_fp32_weight = True  # float32 in every model dtype, as transformers keeps it
         self.scale = self.head_dim**-0.5
 
     @torch.no_grad()

@@ -192,7 +192,10 @@ def _drop_absent_mtp(model: CausalLM, written: dict[str, int]) -> None:
 
 def _stays_fp32(module: torch.nn.Module, attribute: str) -> bool:
     """Tensors a model of any dtype keeps in float32: the router's weight when the
-    family routes in fp32, and the expert-choice bias."""
+    family routes in fp32, the expert-choice bias, and the weight of any module marked
+    ``keep_fp32_weight`` (DSA's indexer head weights)."""
+    if attribute == "weight" and getattr(module, "keep_fp32_weight", False):
+        return True
     return isinstance(module, Router) and (
         (attribute == "weight" and module.keep_fp32) or attribute == "expert_bias"
     )
