@@ -24,7 +24,7 @@ from miles_host.models.dsa import DSAttention
 from miles_host.models.gated_deltanet import token_mixer_for
 from miles_host.models.logprobs import chunked_log_probs, compute_logits
 from miles_host.models.mlp import Experts, GatedMLP, MoE, Router
-from miles_host.models.moe_variants import moe_block
+from miles_host.models.moe_variants import VariantExperts, moe_block
 from miles_host.models.norm import RMSNorm
 from miles_host.models.rope import RotaryEmbedding
 from miles_host.models.self_attention import GQAAttention, MLAttention
@@ -123,7 +123,7 @@ class MTPLayer(DecoderLayer):
         layer = cls(config, layer_index, routing_hooks)
         layer.embed_tokens = layer.head = None
         for module in layer.modules():
-            if isinstance(module, (Router, Experts)):
+            if isinstance(module, (Router, Experts, VariantExperts)):
                 module.reset_parameters()
         return layer
 

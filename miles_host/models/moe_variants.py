@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.models.config import MoEConfig
-from miles_host.models.mlp import Experts, MoE, Router, routed_forward
+from miles_host.kernels.eager_ops import activation
+from miles_host.models.mlp import Experts, MoE, Router, _linear_default_init, routed_forward
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
 
 
@@ -47,18 +48,28 @@ class BiasedRouter(Router):
         return F.linear(x_TH, self.weight, self.bias)
 
 
-class VariantExperts(Experts):
+class VariantExperts(torch.nn.Module):
     """Routed experts with optional biases, clamped SwiGLU and scaled inputs.
 
-    Weights as :class:`Experts` (``gate_up_proj [E, 2I, H]`` gate rows first,
-    ``down_proj [E, H, I]``), plus ``gate_up_proj_bias [E, 2I]`` and
-    ``down_proj_bias [E, H]`` with ``expert_biases``.
+    Weights as :class:`~miles_host.models.mlp.Experts` (``gate_up_proj [E, 2I, H]`` gate
+    rows first, ``down_proj [E, H, I]``), plus ``gate_up_proj_bias [E, 2I]`` and
+    ``down_proj_bias [E, H]`` with ``expert_biases``. Deliberately not an ``Experts``
+    subclass: the precision plugins (FP8, INT4) swap ``Experts`` modules for quantized
+    plain-SwiGLU ones that know none of these variants, and refuse other 3-D expert
+    weights with their reason instead. Plain experts still run ``Experts``' forward.
     """
 
     takes_routing = False
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
-        super().__init__(hidden_size, moe, act)
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+        self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.act = activation(act)
+        self.act_name = act
+        self.moe_kernel = "fused"
+        self.experts_impl = moe.experts_impl
         self.gate_up_proj_bias = self.down_proj_bias = None
         if moe.expert_biases:
             self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
@@ -72,7 +83,9 @@ class VariantExperts(Experts):
             self.moe_kernel = "loop"
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
+        """Weights as ``torch.nn.Linear`` initialises them, biases zero (a fresh layer)."""
+        for weight in (self.gate_up_proj, self.down_proj):
+            _linear_default_init(weight)
         with torch.no_grad():
             for bias in (self.gate_up_proj_bias, self.down_proj_bias):
                 if bias is not None:
@@ -100,8 +113,8 @@ class VariantExperts(Experts):
         return y_RH.view(num_tokens, top_k, -1).sum(dim=1)
 
     def _experts(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        if self.plain:
-            return super().forward(x_TH, ids_TK, weights_TK)
+        if self.plain:  # the base experts' paths: grouped-GEMM training, fused inference kernels, the loop
+            return Experts.forward(self, x_TH, ids_TK, weights_TK)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from miles_host.models import ForwardContext, PackedAttention, load_pretrained, save_pretrained
+from miles_host.models.moe_variants import VariantExperts
 from miles_models import glm_lite, gpt_oss, llama4
 
 from .conftest import BASE, hf_logits, prompts_batch
@@ -173,7 +174,13 @@ def test_llama4_experts_train_on_grouped_gemms(checkpoints):
     """Llama-4's plain experts on router-scaled inputs take the grouped-GEMM training path: logits
     follow transformers, gradients the per-expert loop's."""
     from .test_hf_parity import _packed
-    from .test_moe_train import _loss_and_grads, _set_experts_impl
+    from .test_moe_train import _loss_and_grads
+
+    def _set_experts_impl(model, impl):
+        experts = [m for m in model.modules() if isinstance(m, VariantExperts)]
+        for module in experts:
+            module.experts_impl = impl
+        return len(experts)
 
     _, path = checkpoints("llama4_text")
     input_ids, attention_mask = prompts_batch(lengths=(13, 6, 9), seed=11)
