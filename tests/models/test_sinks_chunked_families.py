@@ -170,6 +170,14 @@ def test_multimodal_llama4_loads_and_saves_its_language_model(checkpoints, tmp_p
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["text_config"] == text_config
 
 
+@pytest.mark.parametrize("model_type, feature", [("gpt_oss", "attention sinks"), ("llama4_text", "chunked local")])
+def test_the_megatron_backend_refuses_the_variants_by_name(model_type, feature, checkpoints):
+    weights = pytest.importorskip("miles_megatron.weights")
+    config = load_pretrained(checkpoints(model_type)[1], family=family_lookup).config
+    with pytest.raises(ValueError, match=feature):
+        weights.megatron_transformer_config_kwargs(config)
+
+
 def test_llama4_experts_train_on_grouped_gemms(checkpoints):
     """Llama-4's plain experts on router-scaled inputs take the grouped-GEMM training path: logits
     follow transformers, gradients the per-expert loop's."""

@@ -54,6 +54,10 @@ def moe_problems(moe: Any) -> list[str]:
     problems = list(SCORE_FUNCTIONS[moe.score_func](moe))
     if moe.shared_expert_gate:
         problems.append("a sigmoid-gated shared expert (Qwen2-MoE)")
+    if moe.router_bias or moe.expert_biases or moe.swiglu_limit is not None:
+        problems.append("router / expert biases and the clamped SwiGLU (gpt-oss)")
+    if moe.scale_expert_inputs:
+        problems.append("experts on router-scaled inputs (Llama-4)")
     return problems
 
 

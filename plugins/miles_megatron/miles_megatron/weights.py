@@ -224,6 +224,9 @@ def megatron_transformer_config_kwargs(config: Any) -> dict[str, Any]:
         (config.qk_norm == "full", "q/k norm over all heads (MiniMax-M2)"),
         (config.o_bias or config.mlp_bias, "output-projection or MLP biases"),
         (config.norm_unit_offset or config.embed_scale is not None, "Gemma's (1+w) norms / embedding scale"),
+        (config.attn_sinks, "attention sinks (gpt-oss)"),
+        ("chunked_attention" in config.layer_types, "chunked local attention (Llama-4)"),
+        (any(config.nope_layers) or config.qk_norm == "l2", "NoPE layers / L2 q-k norm (Llama-4)"),
     ]
     problems = [what for bad, what in unsupported if bad]
     if config.mla is not None:
