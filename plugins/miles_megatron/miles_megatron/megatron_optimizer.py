@@ -129,6 +129,9 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
         """Megatron's sharded optimizer state, :data:`SHARDING` (see there), with the
         schedule's next learning rate."""
         self._share_lr()
+        if is_loading:
+            for optimizer in self.megatron.chained_optimizers:
+                _allocate_state(optimizer.optimizer)
         with _on(self.device):
             return self.megatron.sharded_state_dict(model_state, is_loading=is_loading,
                                                     metadata={"distrib_optim_sharding_type": SHARDING})
@@ -181,3 +184,16 @@ def _load_keeps_the_step(optimizer: Any) -> None:
         original(model_param, tensors)
 
     optimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _allocate_state(adam: torch.optim.Optimizer) -> None:
+    """Zero moments and step for the parameters of a ``torch.optim.AdamW`` that has taken no step
+    yet: Megatron-Core 0.16 reads the step from the inner state when it builds the sharded state
+    to load into (TransformerEngine's and Apex's Adam keep it in the parameter groups), and the
+    loaded moments are copied into these tensors."""
+    for group in adam.param_groups:
+        for param in group["params"]:
+            state = adam.state[param]
+            if "exp_avg" not in state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                             exp_avg_sq=torch.zeros_like(param))

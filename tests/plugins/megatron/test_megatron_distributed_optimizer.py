@@ -76,3 +76,26 @@ def test_dp2_pp2_distributed_optimizer_gives_the_one_process_steps_and_resumes_e
         assert all(torch.equal(final[k], again_weights[k]) for k in again_weights)
     finally:
         group.stop()
+
+
+@pytest.mark.slow
+def test_ep2_moe_distributed_optimizer_gives_the_one_process_steps(models, clean_groups):
+    """MoE under EP 2 (DP 2): Megatron chains a dense and an expert distributed optimizer (the
+    experts' state sharded over their expert-data-parallel group); the norm spans both."""
+    samples = make_samples()
+    single = make_trainer(models, "qwen3_moe", "megatron", *FLAGS)
+    want = [single.train(samples) for _ in range(2)]
+    expected = _weights(single)
+    _leave_groups()
+    group = make_trainer(models, "qwen3_moe", "megatron", *FLAGS, "--expert-model-parallel-size", "2",
+                         "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer")
+    try:
+        assert len(group.local.optimizer.megatron.chained_optimizers) == 2  # dense, experts
+        for step in range(2):
+            got = group.train(samples)
+            for key in KEYS:
+                assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+        exported = _weights(group)
+        assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    finally:
+        group.stop()

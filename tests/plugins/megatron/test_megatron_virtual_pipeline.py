@@ -127,3 +127,39 @@ def test_pipeline_layouts_follow_megatrons_rules():
     for message, flags in refused.items():
         with pytest.raises(ValueError, match=message):
             _layout(**flags)
+
+
+@pytest.mark.slow
+def test_a_vpp_checkpoint_with_the_distributed_optimizer_loads_without_virtual_stages(models, clean_groups, tmp_path):
+    """PP 2 x VPP 2 with Megatron's distributed optimizer (one optimizer over both chunks) trains as
+    one process does; its torch_dist checkpoint (each chunk's shards under the model's global keys)
+    loads into PP 2 without virtual stages, whose next step is the PP 2 x VPP 2 group's."""
+    from miles_host.checkpoint import read_checkpoint, save_checkpoint
+
+    flags = (*FLAGS, "--ckpt-format", "torch_dist", "--use-distributed-optimizer")  # (the later format wins)
+    samples = make_samples()
+    want, _, expected, _ = _one_process_run(models, "qwen3_4l", samples, *DYNAMIC)
+    parallel = ("--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
+    group = make_trainer(models, "qwen3_4l", "megatron", *flags, *DYNAMIC, *parallel,
+                         "--virtual-pipeline-model-parallel-size", "2")
+    try:
+        for step in range(2):
+            got = group.train(samples)
+            for key in KEYS:
+                assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+        weights = {k: v.float().clone() for k, v in group.named_weights_for_rollout()}  # (rank 0's: its own tensors)
+        assert max(float((weights[k] - expected[k].float()).abs().max()) for k in expected) < 1e-5
+        folder = save_checkpoint(str(tmp_path), 1, {"trainer": group.state_dict()}, write_shards=group.save_shards)
+        third = group.train(samples)
+    finally:
+        group.stop()
+    plain = make_trainer(models, "qwen3_4l", "megatron", *flags, *DYNAMIC, *parallel)
+    try:
+        plain.load_state_dict(read_checkpoint(folder)["trainer"])
+        loaded = {k: v.float() for k, v in plain.named_weights_for_rollout()}
+        assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+        again = plain.train(samples)
+        for key in KEYS + ("train/lr",):
+            assert again[key] == pytest.approx(third[key], abs=LOSS_TOL), key
+    finally:
+        plain.stop()
