@@ -131,7 +131,8 @@ class MegatronTrainingArgs:
     moe_aux_loss_coeff: float = flag(0.0, "load-balancing loss weight: miles adds none, so only 0 is accepted (slime's MoE scripts pass 0)", type=float, group=_PERF)
     moe_router_bias_update_rate: float = flag(1e-3, "rate of the expert-bias update: miles keeps the checkpoint's expert bias fixed, as rate 0 does (slime's scripts pass 0)", type=float, group=_PERF)
     enable_experimental: bool = flag(False, "Megatron's experimental features (none is used by miles)", group=_PERF)
-    allgather_cp: bool = flag(False, "slime: context parallelism by all-gather (miles runs context parallel size 1)", group="parallel")
+    allgather_cp: bool = flag(False, "slime: context parallelism by all-gather (the megatron backend's context parallelism always all-gathers keys and values)", group="parallel")
+    cp_comm_type: list[str] = flag(["p2p"], "Megatron: context-parallel attention communication (p2p, a2a, allgather, a2a+p2p; per layer when several)", type=str, nargs="+", group="parallel")
 
 
 @dataclass
@@ -148,6 +149,11 @@ MEGATRON_BACKEND_FIELDS: dict[str, str] = {
 }
 
 _TE = "needs TransformerEngine, which no backend of miles uses"
+
+#: what --train-backend megatron's context parallelism does whatever its communication flags say
+_CP_ALL_GATHER = ("--train-backend megatron's context-parallel attention (the local layer spec's, "
+                  "miles_megatron.context_parallel) all-gathers the keys and values of the CP group, "
+                  "TransformerEngine's all_gather variant: the same attention as p2p / a2a")
 
 #: Megatron flags accepted and ignored (merged into
 #: :data:`miles_host.validation.ignored_flags.ACCEPTED_AND_IGNORED`): field -> what miles does instead
@@ -179,7 +185,8 @@ MEGATRON_IGNORED: dict[str, str] = {
     "make_vocab_size_divisible_by": "the embedding keeps the checkpoint's vocabulary (the megatron backend pads "
                                     "it per tensor-parallel rank itself)",
     "enable_experimental": "no Megatron experimental feature is used",
-    "allgather_cp": "context parallelism is not run (context parallel size 1)",
+    "allgather_cp": _CP_ALL_GATHER,
+    "cp_comm_type": _CP_ALL_GATHER,
     "grad_reduce_in_bf16": "gradients are float32 and reduced in float32",
     "use_flash_attn": "the native model picks its attention kernel (SDPA / flash); the megatron backend runs "
                       "Megatron-Core's local attention",
