@@ -35,6 +35,11 @@ from miles_host.models.rope import RotaryEmbedding
 from miles_host.models.self_attention import GQAAttention
 
 
+#: zero dims appended to q and k for the sink key (its score rides on the first; 8 keeps the
+#: head dim a multiple of 8 for the GPU kernels when it was one)
+SINK_KEY_DIMS = 8
+
+
 def attend_dense_with_sinks(
     q_SNLD: torch.Tensor,
     k_SNMD: torch.Tensor,
@@ -48,55 +53,29 @@ def attend_dense_with_sinks(
     """Attention whose softmax has one extra column per head, the sink logit ``sinks_N[h]``.
 
     ``mask_LM``: which keys each query sees. The sink's probability is dropped, so
-    the weights of a row sum to less than one. Without soft-capping: SDPA over one
-    extra key (:func:`attend_sdpa_with_sink_key`, memory-efficient kernels on GPU);
-    with it: scores and softmax in float32 (the transformers "eager" formula).
-    """
-    if logit_softcap is None:
-        return attend_sdpa_with_sink_key(q_SNLD, k_SNMD, v_SNMD, mask_LM, sinks_N, scale=scale)
-    group = q_SNLD.shape[1] // k_SNMD.shape[1]
-    if group > 1:
-        k_SNMD = k_SNMD.repeat_interleave(group, dim=1)
-        v_SNMD = v_SNMD.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q_SNLD.float(), k_SNMD.float().transpose(2, 3)) * scale
-    if logit_softcap is not None:
-        scores = torch.tanh(scores / logit_softcap) * logit_softcap
-    scores = scores.masked_fill(~mask_LM, float("-inf"))
-    sink_column = sinks_N.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v_SNMD.dtype), v_SNMD)
-
-
-#: zero dims appended to q and k for the sink key (its score rides on the first; 8 keeps the
-#: head dim a multiple of 8 for the GPU kernels when it was one)
-SINK_KEY_DIMS = 8
-
-
-def attend_sdpa_with_sink_key(
-    q_SNLD: torch.Tensor,
-    k_SNMD: torch.Tensor,
-    v_SNMD: torch.Tensor,
-    mask_LM: torch.Tensor,
-    sinks_N: torch.Tensor,
-    *,
-    scale: float,
-) -> torch.Tensor:
-    """Sink attention as plain SDPA: every query gets one more key, visible to all, whose
-    score is the sink logit and whose value is zero.
-
-    Queries are extended by ``[1, 0, ..]`` and keys by zeros, so real scores are unchanged;
-    the sink key is ``[0, .., 0, sinks[h] / scale, 0, ..]`` (per query head: keys and values
-    are expanded to the query heads), so ``scale * q . k_sink = sinks[h]`` (exact when
-    ``scale`` is a power of two, e.g. head dim 64; else one rounding of ``sinks / scale``).
-    Gradients reach the sinks through that key.
+    the weights of a row sum to less than one. Keys and values are expanded to the
+    query heads. With soft-capping: scores and softmax in float32 (the transformers
+    "eager" formula). Without: plain SDPA (memory-efficient kernels on GPU) over one
+    more key per query head, visible to all, with value zero: queries are extended by
+    ``[1, 0, ..]``, keys by zeros (real scores unchanged) and the sink key is
+    ``[0, .., 0, sinks[h] / scale, 0, ..]``, so ``scale * q . k_sink = sinks[h]`` (exact
+    when ``scale`` is a power of two, e.g. head dim 64; else one rounding of
+    ``sinks / scale``). Gradients reach the sinks through that key.
     """
     num_seqs, num_heads, _, head_dim = q_SNLD.shape
     group = num_heads // k_SNMD.shape[1]
     if group > 1:
         k_SNMD = k_SNMD.repeat_interleave(group, dim=1)
         v_SNMD = v_SNMD.repeat_interleave(group, dim=1)
-    dtype, device = q_SNLD.dtype, q_SNLD.device
-    extra_q = torch.zeros(SINK_KEY_DIMS, dtype=dtype, device=device)
+    if logit_softcap is not None:
+        scores = torch.matmul(q_SNLD.float(), k_SNMD.float().transpose(2, 3)) * scale
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        scores = scores.masked_fill(~mask_LM, float("-inf"))
+        sink_column = sinks_N.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs.to(v_SNMD.dtype), v_SNMD)
+    dtype = q_SNLD.dtype
+    extra_q = torch.zeros(SINK_KEY_DIMS, dtype=dtype, device=q_SNLD.device)
     extra_q[0] = 1.0
     q_ext = torch.cat((q_SNLD, extra_q.expand(*q_SNLD.shape[:3], SINK_KEY_DIMS)), dim=-1)
     k_ext = torch.cat((k_SNMD, k_SNMD.new_zeros(*k_SNMD.shape[:3], SINK_KEY_DIMS)), dim=-1)

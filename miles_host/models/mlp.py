@@ -107,6 +107,20 @@ class Router(torch.nn.Module):
         return torch.topk(choice_TE.detach(), k=moe.top_k, dim=-1, sorted=False).indices
 
 
+def init_experts(module: torch.nn.Module, hidden_size: int, moe: MoEConfig, act: str) -> None:
+    """The weights (uninitialised) and settings of routed experts on ``module`` (:class:`Experts`
+    and the variants of :mod:`miles_host.models.moe_variants`)."""
+    module.num_experts = moe.num_experts
+    module.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+    module.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+    module.act = activation(act)
+    module.act_name = act
+    #: the inference path, one of :data:`MOE_KERNELS` (the engine sets it from ``--moe-kernel``)
+    module.moe_kernel = "fused"
+    #: the gradient-enabled path (``MoEConfig.experts_impl``; :mod:`miles_host.kernels.moe_train`)
+    module.experts_impl = moe.experts_impl
+
+
 class Experts(torch.nn.Module):
     """All routed experts as 3-D weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
@@ -115,15 +129,7 @@ class Experts(torch.nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
         super().__init__()
-        self.num_experts = moe.num_experts
-        self.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
-        self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
-        self.act = activation(act)
-        self.act_name = act
-        #: the inference path, one of :data:`MOE_KERNELS` (the engine sets it from ``--moe-kernel``)
-        self.moe_kernel = "fused"
-        #: the gradient-enabled path (``MoEConfig.experts_impl``; :mod:`miles_host.kernels.moe_train`)
-        self.experts_impl = moe.experts_impl
+        init_experts(self, hidden_size, moe, act)
 
     def reset_parameters(self) -> None:
         """Each expert's matrices as ``torch.nn.Linear`` initialises its weight (a fresh layer)."""

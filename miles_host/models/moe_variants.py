@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.models.config import MoEConfig
-from miles_host.kernels.eager_ops import activation
-from miles_host.models.mlp import Experts, MoE, Router, _linear_default_init, routed_forward
+from miles_host.models.mlp import Experts, MoE, Router, _linear_default_init, init_experts, routed_forward
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
 
 
@@ -63,13 +62,7 @@ class VariantExperts(torch.nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
         super().__init__()
-        self.num_experts = moe.num_experts
-        self.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
-        self.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
-        self.act = activation(act)
-        self.act_name = act
-        self.moe_kernel = "fused"
-        self.experts_impl = moe.experts_impl
+        init_experts(self, hidden_size, moe, act)
         self.gate_up_proj_bias = self.down_proj_bias = None
         if moe.expert_biases:
             self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))

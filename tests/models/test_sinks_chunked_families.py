@@ -307,13 +307,13 @@ def test_sink_attention_through_sdpa_matches_the_float64_formula(window, chunk):
     """The training/prefill form (one extra key per query head) against the softmax with a sink
     column in float64: outputs and gradients of q, k, v and the sinks (GQA, a mask)."""
     from miles_host.models.attention import attention_mask_LM
-    from miles_host.models.attention_variants import attend_sdpa_with_sink_key
+    from miles_host.models.attention_variants import attend_dense_with_sinks
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, heads, 9, 16, generator=g, requires_grad=True) for heads in (4, 2, 2))
     sinks = torch.randn(4, generator=g, requires_grad=True)
     mask = attention_mask_LM(9, 9, 0, window, torch.device("cpu"), chunk)
-    out = attend_sdpa_with_sink_key(q, k, v, mask, sinks, scale=0.3)
+    out = attend_dense_with_sinks(q, k, v, mask, sinks, scale=0.3)
     q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
     scores = (q64 @ k64.repeat_interleave(2, dim=1).transpose(2, 3) * 0.3).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(torch.cat((scores, s64.view(1, 4, 1, 1).expand(2, 4, 9, 1)), dim=-1), dim=-1)[..., :-1]
@@ -331,14 +331,14 @@ def test_sink_attention_through_sdpa_matches_the_float64_formula(window, chunk):
 def test_sink_attention_through_sdpa_on_cuda_in_bf16():
     """gpt-oss' shapes (head dim 64, GQA 8) in bf16 on the GPU's SDPA kernels against float64, backward included."""
     from miles_host.models.attention import attention_mask_LM
-    from miles_host.models.attention_variants import attend_sdpa_with_sink_key
+    from miles_host.models.attention_variants import attend_dense_with_sinks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, heads, 512, 64, generator=g, device="cuda").bfloat16().requires_grad_()
                for heads in (64, 8, 8))
     sinks = torch.randn(64, generator=g, device="cuda").bfloat16().requires_grad_()
     mask = attention_mask_LM(512, 512, 0, 128, q.device)
-    out = attend_sdpa_with_sink_key(q, k, v, mask, sinks, scale=0.125)
+    out = attend_dense_with_sinks(q, k, v, mask, sinks, scale=0.125)
     q64, k64, v64, s64 = (t.detach().double() for t in (q, k, v, sinks))
     scores = (q64 @ k64.repeat_interleave(8, dim=1).transpose(2, 3) * 0.125).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(torch.cat((scores, s64.view(1, 64, 1, 1).expand(1, 64, 512, 1)), dim=-1), dim=-1)[..., :-1]
