@@ -21,11 +21,13 @@ rows kept), and the rank's queries attend to them under :meth:`ContextShard.caus
 built from the global positions of the query rows and of the gathered key rows. Padding
 rows sit after the real tokens of their sequence, so causality keeps them out.
 
-Output. The last stage all-gathers the final hidden states in sequence order
-(:meth:`ContextShard.gather_sequence`), so each CP rank computes the host's log-probs and
-loss over whole sequences; the loss each rank backpropagates is divided by ``N`` (the
-gather's backward sums the group's gradients; the output weight's ``N`` equal shares are
-summed by DDP), see :mod:`miles_megatron.schedule`.
+Output. On the last stage each CP rank computes the log-probs (and entropy) of its own
+rows with the output layer, and the group's are all-gathered in sequence order
+(:meth:`ContextShard.gather_sequence`; ``MegatronPolicy.packed_log_probs``), so each CP rank
+computes the host's loss over whole sequences from them; the loss each rank backpropagates
+is divided by ``N`` (the gather's backward sums the group's gradients of each row), see
+:mod:`miles_megatron.schedule`. Callers of the hidden states themselves
+(``forward_hidden``) get the group's gathered rows.
 """
 
 from __future__ import annotations

@@ -255,6 +255,9 @@ class DecoderPass:
     rotary_SB1D: torch.Tensor | None
     #: this rank's output: the final-norm hidden states (under PP, the last stage's only)
     hidden_SBH: torch.Tensor
+    #: under context parallelism, when ``hidden_SBH`` holds this CP rank's rows only: which
+    #: (:class:`~miles_megatron.context_parallel.ContextShard`); None when it holds every row
+    context: Any = None
 
 
 @dataclass
@@ -407,12 +410,13 @@ class MegatronPolicy(torch.nn.Module):
 
     # -- forward ----------------------------------------------------------------------
 
-    def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None) -> DecoderPass:
+    def decoder_pass(self, input_ids_T, positions_T, cu_seqlens, routing=None,
+                     gather_context: bool = True) -> DecoderPass:
         """This rank's layers on packed sequences: the embedding (first pipeline stage; a later
         stage's decoder reads what the schedule received, ``set_input_tensor``), then the
         decoder layers, padded to at least :attr:`pad_to`. Under context parallelism the
         layers run on this CP rank's rows and the last stage gathers the group's
-        (:mod:`miles_megatron.context_parallel`)."""
+        (:mod:`miles_megatron.context_parallel`), unless ``gather_context`` is False."""
         device = input_ids_T.device
         gpt = self.chunk
         sequence_parallel = gpt.config.sequence_parallel
@@ -449,9 +453,9 @@ class MegatronPolicy(torch.nn.Module):
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
                 hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
-            if shard is not None and gpt.post_process:  # the CP group's rows, in sequence order
-                hidden_SBH = shard.gather_sequence(hidden_SBH)
-        return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH)
+            if shard is not None and gpt.post_process and gather_context:  # the CP group's rows, in order
+                hidden_SBH, shard = shard.gather_sequence(hidden_SBH), None
+        return DecoderPass(layout, ids_SB, positions_SB, rotary_SB1D, hidden_SBH, shard)
 
     def stage_forward(self, batch: Any) -> torch.Tensor:
         """A pipeline stage before the last: its output ``[S, B, H]`` (this TP rank's sequence
@@ -507,6 +511,18 @@ class MegatronPolicy(torch.nn.Module):
         if ctx is not None and ctx.batch_invariant:
             raise ValueError("--true-on-policy (batch-invariant forward) is not supported by --train-backend megatron")
         routing = ctx.routing if ctx is not None else None
+        if self.sizes.cp > 1:  # each CP rank its rows' log-probs, then the group's gathered
+            run = self.decoder_pass(input_ids_T, positions_T, cu_seqlens, routing, gather_context=False)
+            rows, batch, hidden = run.hidden_SBH.shape
+            targets_N = run.context.take(run.layout.to_sb(target_ids_T)).reshape(-1)
+            values = chunked_log_probs(
+                run.hidden_SBH.reshape(rows * batch, hidden), self.lm_head_weight, targets_N,
+                temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy,
+            )
+            return tuple(  # type: ignore[return-value]
+                None if v is None else run.layout.from_sb(run.context.gather_sequence(v.view(rows, batch)))
+                for v in values
+            )
         hidden_TH = self.forward_hidden(input_ids_T, positions_T, cu_seqlens, routing)
         return chunked_log_probs(
             hidden_TH, self.lm_head_weight, target_ids_T,
