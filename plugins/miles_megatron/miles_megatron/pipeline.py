@@ -8,11 +8,17 @@ parallelism the stages pass on this TP rank's sequence shard.
 
 Stages. Megatron's ``parallel_state`` gets the pipeline size; each rank builds
 ``GPTModel(pre_process=first stage, post_process=last stage)``, whose decoder holds a
-contiguous slice of ``num_layers / N`` layers (Megatron's layer offset; the module
-names are local, ``decoder.layers.{i}``, each layer's ``layer_number`` global, so the
-MoE routers and R3's replayed ids are keyed by global layer index,
-:func:`miles_megatron.replay.moe_routers`). The embedding lives on the first stage,
-the final norm and output layer on the last. With tied embeddings the last stage
+contiguous slice of ``num_layers / N`` layers, or of the uneven split
+``--decoder-first/last-pipeline-num-layers`` ask for (:class:`PipelineLayout`; Megatron's
+layer offset; the module names are local, ``decoder.layers.{i}``, each layer's
+``layer_number`` global, so the MoE routers and R3's replayed ids are keyed by global layer
+index, :func:`miles_megatron.replay.moe_routers`). With virtual pipeline stages
+(``--virtual-pipeline-model-parallel-size V``) each rank builds ``V`` model chunks, one
+GPTModel per virtual stage (``vp_stage``; chunk ``v`` of rank ``r`` is virtual stage
+``v * N + r``, so a rank's layers are no longer contiguous), run by Megatron's interleaved
+schedule; the functions below take a rank's chunks where the state spans them. The
+embedding lives on the first stage (its first chunk), the final norm and output layer on
+the last (its last chunk). With tied embeddings the last stage
 holds a copy of the word embedding as its output weight (Megatron's layout).
 
 Weights (:func:`stage_state`, :func:`gather_stages`): a rank loads its stage's layers

@@ -20,6 +20,9 @@ puts where the native trainer keeps its ``CausalLM``:
   the model is this rank's shard, under PP its pipeline stage's layers
   (:mod:`miles_megatron.pipeline`): ``load_state_dict`` takes the full weights and keeps
   this rank's part, ``state_dict`` is a collective that gathers the full weights.
+- ``chunks``: this rank's GPTModels, one per virtual pipeline stage (one without virtual
+  stages: ``gpt``); the schedule says which one runs (``running_chunk``), and ``chunk``
+  is it for the forward methods.
 
 Precision follows the native trainer: float32 parameters (the masters) and, on GPU,
 the forward under the trainer's bf16 autocast. Megatron-Core is written for bf16

@@ -3,15 +3,17 @@
 :class:`MegatronTrainer` is a :class:`~miles_host.trainer.NativeTrainer` whose policy
 (and reference) model is a :class:`~miles_megatron.policy.MegatronPolicy`: advantages,
 old/reference log-probs, micro-batching, the policy loss of
-:mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping,
-the LR schedule, metrics, weight export and checkpoints are the host's code; the
+:mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping (with
+``--use-distributed-optimizer`` Megatron-Core's distributed optimizer and clipping instead,
+:mod:`miles_megatron.megatron_optimizer`), the LR schedule, metrics, weight export and
+checkpoints are the host's code; the
 forward and backward run on Megatron-Core's pipeline schedules, its
 ``DistributedDataParallel`` and ``finalize_model_grads`` (:mod:`miles_megatron.schedule`).
 One process at TP = PP = EP = CP = DP = 1 (Megatron's ``parallel_state`` over a one-rank
 group), or ``TP * PP * CP * DP`` processes, one rank each (``--actor-num-gpus-per-node``; any
 combination of TP, EP, PP and CP, DP a multiple of the smallest that EP divides into, each DP
 rank training on its share of the samples; :mod:`miles_megatron.parallel`,
-:mod:`miles_megatron.pipeline`, started as the trainer group of
+:mod:`miles_megatron.pipeline`, with virtual and uneven pipeline stages, started as the trainer group of
 :mod:`miles_host.distributed.launcher`); context parallelism for dense models
 (:mod:`miles_megatron.context_parallel`);
 ``--sequence-parallel`` at TP > 1 (:mod:`miles_megatron.sequence_parallel`).

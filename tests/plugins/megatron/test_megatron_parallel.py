@@ -12,9 +12,8 @@ MoE model with R3 replay and recomputation (global layer ids on each stage; 1F1B
 micro-batch after the next one's forward). TP with MoE keeps the experts whole (expert TP 1):
 with and without sequence parallelism (R3 then routes the whole sequence on every TP rank and
 keeps its shard). The dynamic batch size per DP rank gives the ranks uneven micro-batch counts.
-Not here: virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``) and Megatron's
-distributed optimizer, which this backend does not build yet. Skipped where megatron-core is
-not installed.
+Virtual and uneven pipeline stages: ``test_megatron_virtual_pipeline.py``; Megatron's distributed
+optimizer: ``test_megatron_distributed_optimizer.py``. Skipped where megatron-core is not installed.
 
 On GPUs (NCCL, bf16 autocast, so a bf16 tolerance; the four- and eight-rank cases need as many)::
 
