@@ -14,9 +14,9 @@
   head of q and k after the rotary, on rotary layers only.
 
 The blocks hand ``sinks`` and ``chunk_size`` to the forward's attention context
-(packed training, the reference cache, the engine's paged cache); a context
-without them (the batch-invariant per-token attention of ``--true-on-policy``)
-is refused with the reason. Tensor legend: S sequences, T tokens, H hidden,
+(packed training, the reference cache, the engine's paged cache, the
+batch-invariant contexts of ``--true-on-policy``, which stays exact); a context
+without them is refused with the reason. Tensor legend: S sequences, T tokens, H hidden,
 N heads, D head dim, L query length, M key length.
 """
 
@@ -162,10 +162,9 @@ class VariantGQAAttention(GQAAttention):
         if self.sinks is not None or self.chunk_size is not None:
             if not _takes_sinks_and_chunks(attention):
                 raise ValueError(
-                    f"{type(attention).__name__} has no attention sinks or chunked local attention, which "
-                    f"{'the sinks' if self.sinks is not None else 'the chunked layers'} of this model need; "
-                    "--true-on-policy's batch-invariant attention does not implement them: drop --true-on-policy "
-                    "for this model"
+                    f"the attention context {type(attention).__name__} takes no sinks / chunk_size, which "
+                    f"{'the sinks' if self.sinks is not None else 'the chunked layers'} of this model need: "
+                    "give its attend() those keyword arguments"
                 )
             extra = dict(sinks=self.sinks, chunk_size=self.chunk_size)
         y_TND = attention.attend(
@@ -184,19 +183,6 @@ def needs_variant(config: ModelConfig) -> bool:
     return bool(
         config.attn_sinks or config.attention_chunk_size or any(config.nope_layers) or config.qk_norm == "l2"
     )
-
-
-def batch_invariant_refusal(config: ModelConfig) -> str | None:
-    """Why ``--true-on-policy`` cannot run this model (None: it can): the batch-invariant
-    attention (CPU per-token and GPU kernels) implements neither sinks nor chunk masks."""
-    missing = [name for name, used in (
-        ("attention sinks", config.attn_sinks), ("chunked local attention", "chunked_attention" in config.layer_types)
-    ) if used]
-    if not missing:
-        return None
-    return (f"--true-on-policy with model_type {config.model_type!r}: the batch-invariant attention it needs has no "
-            f"{' and no '.join(missing)}, so rollout and training log-probs would not be bitwise equal; drop "
-            "--true-on-policy for this model")
 
 
 def gqa_block(config: ModelConfig, layer_index: int) -> GQAAttention:

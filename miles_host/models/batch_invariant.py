@@ -82,13 +82,15 @@ def attend_one(
     *,
     scale: float,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ONE query ``[1, Nq, D]`` over its whole visible context ``[L, Nkv, D]``.
 
-    The caller passes exactly the keys/values the query sees (causal and
-    sliding-window limits already applied, in position order), so there is no
+    The caller passes exactly the keys/values the query sees (causal, sliding-window
+    and chunk limits already applied, in position order), so there is no
     mask and the shapes depend only on the query's position. Float32 scores,
-    softmax and ``p V``; returns ``[1, Nq, Dv]`` in ``q``'s dtype.
+    softmax and ``p V``; returns ``[1, Nq, Dv]`` in ``q``'s dtype. ``sinks``: ``[Nq]``
+    sink logits, one more softmax column whose probability is dropped.
     """
     dtype = q_1ND.dtype
     num_q_heads, num_kv_heads = q_1ND.shape[1], k_LND.shape[1]
@@ -103,14 +105,20 @@ def attend_one(
     scores_N1L = torch.bmm(q_N1D, k_NDL) * scale
     if logit_softcap is not None:
         scores_N1L = torch.tanh(scores_N1L / logit_softcap) * logit_softcap
-    probs_N1L = torch.softmax(scores_N1L, dim=-1)
+    if sinks is not None:
+        scores_N1L = torch.cat((scores_N1L, sinks.float().view(-1, 1, 1)), dim=-1)
+        probs_N1L = torch.softmax(scores_N1L, dim=-1)[..., :-1].contiguous()
+    else:
+        probs_N1L = torch.softmax(scores_N1L, dim=-1)
     out_N1D = torch.bmm(probs_N1L, v_NLD)
     return out_N1D.transpose(0, 1).contiguous().to(dtype)
 
 
-def context_start(position: int, sliding_window: int | None) -> int:
-    """First position a query at ``position`` sees (keys in ``(p - window, p]``)."""
-    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+def context_start(position: int, sliding_window: int | None, chunk_size: int | None = None) -> int:
+    """First position a query at ``position`` sees (keys in ``(p - window, p]``; with
+    ``chunk_size``, not before the start of its chunk)."""
+    start = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+    return start if chunk_size is None else max(start, position - position % chunk_size)
 
 
 class PackedTokenAttention:
@@ -129,15 +137,16 @@ class PackedTokenAttention:
         self._k: dict[int, list[torch.Tensor | None]] = {}
         self._v: dict[int, list[torch.Tensor | None]] = {}
 
-    def attend_token(self, layer_index, t, q_1ND, k_1ND, v_1ND, *, scale, sliding_window=None, logit_softcap=None):
+    def attend_token(self, layer_index, t, q_1ND, k_1ND, v_1ND, *, scale, sliding_window=None, logit_softcap=None,
+                     sinks=None, chunk_size=None):
         keys = self._k.setdefault(layer_index, [None] * self.num_tokens)
         values = self._v.setdefault(layer_index, [None] * self.num_tokens)
         keys[t], values[t] = k_1ND[0], v_1ND[0]
         start = self.seq_start[t]
-        lo = start + context_start(t - start, sliding_window)
+        lo = start + context_start(t - start, sliding_window, chunk_size)
         k_LND = torch.stack(keys[lo : t + 1])
         v_LND = torch.stack(values[lo : t + 1])
-        return attend_one(q_1ND, k_LND, v_LND, scale=scale, logit_softcap=logit_softcap)
+        return attend_one(q_1ND, k_LND, v_LND, scale=scale, logit_softcap=logit_softcap, sinks=sinks)
 
 
 class PagedTokenAttention:
@@ -159,7 +168,8 @@ class PagedTokenAttention:
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         return self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def attend_token(self, layer_index, t, q_1ND, k_1ND, v_1ND, *, scale, sliding_window=None, logit_softcap=None):
+    def attend_token(self, layer_index, t, q_1ND, k_1ND, v_1ND, *, scale, sliding_window=None, logit_softcap=None,
+                     sinks=None, chunk_size=None):
         k_cache, v_cache = self.k_caches[layer_index], self.v_caches[layer_index]
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
@@ -167,11 +177,11 @@ class PagedTokenAttention:
         slot = self._slots(torch.tensor([position], device=k_cache.device))
         k_flat.index_copy_(0, slot, k_1ND.to(k_cache.dtype))
         v_flat.index_copy_(0, slot, v_1ND.to(v_cache.dtype))
-        positions = torch.arange(context_start(position, sliding_window), position + 1, device=k_cache.device)
+        positions = torch.arange(context_start(position, sliding_window, chunk_size), position + 1, device=k_cache.device)
         slots = self._slots(positions)
         return attend_one(
             q_1ND, k_flat.index_select(0, slots), v_flat.index_select(0, slots),
-            scale=scale, logit_softcap=logit_softcap,
+            scale=scale, logit_softcap=logit_softcap, sinks=sinks,
         )
 
 
@@ -183,12 +193,14 @@ class _TokenSlot:
     def __init__(self, inner, t: int):
         self.inner, self.t = inner, t
 
-    def attend(self, layer_index, q_THD, k_THD, v_THD, *, scale, sliding_window=None, logit_softcap=None):
+    def attend(self, layer_index, q_THD, k_THD, v_THD, *, scale, sliding_window=None, logit_softcap=None,
+               sinks=None, chunk_size=None):
         if q_THD.shape[0] != 1:
             raise ValueError(f"batch-invariant attention gets one token at a time, got {q_THD.shape[0]}")
+        extra = {} if sinks is None and chunk_size is None else dict(sinks=sinks, chunk_size=chunk_size)
         return self.inner.attend_token(
             layer_index, self.t, q_THD, k_THD, v_THD,
-            scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, **extra,
         )
 
 

@@ -94,8 +94,11 @@ class InvariantPackedAttention:
             self._metadata[key] = _one_token_pages(self.packed, num_q_heads, num_kv_heads, device)
         return self._metadata[key]
 
-    def attend(self, layer_index, q_THD, k_THD, v_THD, *, scale, sliding_window=None, logit_softcap=None):
-        return _InvariantAttention.apply(q_THD, k_THD, v_THD, self, layer_index, scale, sliding_window, logit_softcap)
+    def attend(self, layer_index, q_THD, k_THD, v_THD, *, scale, sliding_window=None, logit_softcap=None,
+               sinks=None, chunk_size=None):
+        return _InvariantAttention.apply(
+            q_THD, k_THD, v_THD, sinks, self, layer_index, scale, sliding_window, logit_softcap, chunk_size
+        )
 
 
 def _one_token_pages(packed, num_q_heads: int, num_kv_heads: int, device: torch.device):
@@ -123,29 +126,35 @@ class _InvariantAttention(torch.autograd.Function):
     """Forward: the invariant Triton kernel. Backward: the fast packed attention, recomputed."""
 
     @staticmethod
-    def forward(ctx, q_THD, k_THD, v_THD, attention, layer_index, scale, sliding_window, logit_softcap):
+    def forward(ctx, q_THD, k_THD, v_THD, sinks, attention, layer_index, scale, sliding_window, logit_softcap,
+                chunk_size):
         from miles_host.kernels.paged_attention import paged_attention_triton
 
         meta = attention.metadata(q_THD.shape[1], k_THD.shape[1], q_THD.device)
         out = paged_attention_triton(
             q_THD.contiguous(), k_THD.unsqueeze(1), v_THD.unsqueeze(1), meta,
             scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, invariant=True,
+            sinks=sinks, chunk_size=chunk_size,
         )
-        ctx.save_for_backward(q_THD, k_THD, v_THD)
-        ctx.settings = (attention, layer_index, scale, sliding_window, logit_softcap)
+        ctx.save_for_backward(q_THD, k_THD, v_THD, sinks)
+        ctx.settings = (attention, layer_index, scale, sliding_window, logit_softcap, chunk_size)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        attention, layer_index, scale, sliding_window, logit_softcap = ctx.settings
-        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
+        attention, layer_index, scale, sliding_window, logit_softcap, chunk_size = ctx.settings
+        inputs = [x.detach().requires_grad_(need) if x is not None else None
+                  for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:4])]
+        q, k, v, sinks = inputs
+        extra = {} if sinks is None and chunk_size is None else dict(sinks=sinks, chunk_size=chunk_size)
         with torch.enable_grad():
             out = attention.packed.attend(
-                layer_index, *inputs, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+                layer_index, q, k, v, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, **extra
             )
-            wanted = [x for x in inputs if x.requires_grad]
+            wanted = [x for x in inputs if x is not None and x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True)) if wanted else iter(())
-        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None, None, None, None)
+        return (*(next(grads) if x is not None and x.requires_grad else None for x in inputs),
+                None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- log-probs

@@ -7,9 +7,9 @@ sequences), a NoPE global layer with temperature tuning, the L2 q/k norm and MoE
 layers interleaved with dense ones, with a shared expert; GLM-4.7-Flash's MLA
 with DeepSeek-style routing and ``mlp_layer_types``. Per type: logits, a bit-exact
 HF -> miles -> HF weight round trip, the engine's greedy tokens and its
-log-probs at temperature 0.7, the refusal of ``--true-on-policy`` where the
-batch-invariant attention lacks the family's masks, and (slow) a GRPO step with R3
-(glm4_moe_lite also exactly on policy). Also: Llama-4's multimodal checkpoint layout,
+log-probs at temperature 0.7, ``--true-on-policy`` (the trainer's batch-invariant
+log-probs equal the engine's bit for bit), and (slow) a GRPO step with R3 and
+``--true-on-policy``. Also: Llama-4's multimodal checkpoint layout,
 its experts on the grouped-GEMM training path, the SDPA form of sink attention against
 float64, the Triton paged kernel's sinks/chunks under the interpreter and compiled for
 sm_90, and (GPU) the engine on CUDA.
@@ -282,24 +282,46 @@ def test_engine_greedy_tokens_and_logprobs_match_transformers(model_type, checkp
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
-def test_true_on_policy_is_refused_with_the_reason(model_type, checkpoints, monkeypatch):
-    from types import SimpleNamespace
+def test_true_on_policy_log_probs_are_bitwise_the_engines(model_type, checkpoints):
+    """Batch-invariant mode (``--true-on-policy``) with sinks, windows and chunks: the trainer's
+    per-token log-probs of sampled responses equal the engine's bit for bit."""
+    _check_true_on_policy(load_pretrained(checkpoints(model_type)[1], family=family_lookup),
+                          kv_cache_tokens=256, block_size=4)
 
-    import miles_host.validation.host_checks as host_checks
 
-    path = checkpoints(model_type)[1]
-    plugin = gpt_oss if model_type == "gpt_oss" else llama4
-    monkeypatch.setattr(host_checks, "model_family_for", family_lookup)
-    missing = "attention sinks" if model_type == "gpt_oss" else "chunked local attention"
-    with pytest.raises(ValueError, match=f"--true-on-policy .*{missing}"):
-        plugin.miles_validate(SimpleNamespace(true_on_policy=True, hf_checkpoint=str(path)), None)
-    plugin.miles_validate(SimpleNamespace(true_on_policy=False, hf_checkpoint=str(path)), None)
-    # the forward itself refuses too (a batch-invariant context without sinks / chunk masks)
-    model = load_pretrained(path, family=family_lookup)
-    tokens = torch.tensor(PROMPTS[0])
-    ctx = ForwardContext(PackedAttention(torch.tensor([0, len(tokens)], dtype=torch.int32)), batch_invariant=True)
-    with pytest.raises(ValueError, match="--true-on-policy"), torch.no_grad():
-        model.forward_hidden(tokens, torch.arange(len(tokens)), ctx)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
+def test_true_on_policy_on_cuda_with_sinks_and_chunks(model_type, checkpoints):
+    """The invariant Triton kernel (engine) and the invariant packed attention (trainer) with sinks / chunks."""
+    model = load_pretrained(checkpoints(model_type)[1], family=family_lookup).cuda()
+    _check_true_on_policy(model, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
+
+
+def _check_true_on_policy(model, **engine_kwargs):
+    """Sampled responses' log-probs: the batch-invariant engine's equal the batch-invariant trainer's."""
+    from miles_host.rollout import Engine
+
+    engine = Engine(model, batch_invariant=True, **engine_kwargs)
+    prompts = PROMPTS[:2]
+    outputs = engine.generate(prompts, {"temperature": 0.7, "max_new_tokens": 6, "ignore_eos": True,
+                                        "sampling_seed": 1})
+    sequences = [prompt + output["output_ids"] for prompt, output in zip(prompts, outputs)]
+    device = next(model.parameters()).device
+    input_ids_T = torch.tensor([token for sequence in sequences for token in sequence], device=device)
+    positions_T = torch.cat([torch.arange(len(sequence)) for sequence in sequences]).to(device)
+    targets_T = torch.cat([torch.tensor(sequence[1:] + [0]) for sequence in sequences]).to(device)
+    cu_seqlens = torch.tensor([0, len(sequences[0]), len(sequences[0]) + len(sequences[1])], dtype=torch.int32,
+                              device=device)
+    ctx = ForwardContext(PackedAttention(cu_seqlens), batch_invariant=True)
+    with torch.no_grad():
+        log_probs_T, _ = model.packed_log_probs(input_ids_T, positions_T, cu_seqlens, targets_T, temperature=0.7,
+                                                ctx=ctx)
+    for s, (prompt, output) in enumerate(zip(prompts, outputs)):
+        first = int(cu_seqlens[s]) + len(prompt) - 1
+        trainer = log_probs_T[first : first + len(output["output_ids"])].cpu()
+        engine_side = torch.tensor([entry[0] for entry in output["meta_info"]["output_token_logprobs"]])
+        assert torch.equal(trainer, engine_side)
 
 
 @pytest.mark.parametrize("window, chunk", [(None, None), (3, None), (None, 4)])
@@ -400,8 +422,8 @@ def test_engine_on_cuda_runs_sinks_and_chunks_on_the_triton_kernel(model_type, c
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", TYPES)
 def test_grpo_step_with_routing_replay(model_type, tmp_path):
-    """One GRPO rollout + train step through the CLI with R3: the replayed routes agree;
-    glm4_moe_lite (no sinks, no chunks) also under --true-on-policy: bitwise equal log-probs."""
+    """One GRPO rollout + train step through the CLI with R3 and --true-on-policy: the replayed
+    routes agree and the trainer's log-probs equal the engine's bit for bit."""
     from miles_host.cli.main import main
     from tests.true_on_policy.conftest import MIXED_PROMPTS, QUICKSTART_MODEL, TOKENIZER_FILES
 
@@ -419,10 +441,10 @@ def test_grpo_step_with_routing_replay(model_type, tmp_path):
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
         "--num-rollout", "1", "--lr", "1e-3", "--device", "cpu", "--dtype", "float32",
         "--output-dir", str(out), "--no-progress", "--plugins", "r3",
-    ] + (["--true-on-policy"] if model_type == "glm4_moe_lite" else [])
+        "--true-on-policy",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/train_rollout_logprob_abs_diff" in r]
-    bound = 0.0 if model_type == "glm4_moe_lite" else 1e-4
-    assert trained and all(r["train/train_rollout_logprob_abs_diff_max"] <= bound for r in trained)
+    assert trained and all(r["train/train_rollout_logprob_abs_diff_max"] == 0.0 for r in trained)
     assert all(r["r3/expert_agreement"] == 1.0 for r in trained)

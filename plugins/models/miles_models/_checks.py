@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from miles_host.models.attention_variants import batch_invariant_refusal
 from miles_host.models.loading import read_hf_config
 from miles_host.validation.host_checks import model_config
 
 
-def refuse_true_on_policy(
-    config: Any, model_types: Iterable[str], reason_of: Callable[[Any], str | None] = batch_invariant_refusal
-) -> None:
+def refuse_true_on_policy(config: Any, model_types: Iterable[str], reason_of: Callable[[Any], str | None]) -> None:
     """``--true-on-policy`` on a checkpoint of ``model_types`` whose blocks the batch-invariant mode
-    cannot compute (``reason_of(native config)``: sinks, chunked local attention by default): ValueError
-    with the reason."""
+    cannot compute (``reason_of(native config)``, None when it can): ValueError with the reason."""
     if not getattr(config, "true_on_policy", False) or not getattr(config, "hf_checkpoint", None):
         return
     if read_hf_config(config.hf_checkpoint)["model_type"] not in set(model_types):

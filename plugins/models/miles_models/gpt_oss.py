@@ -22,7 +22,6 @@ from typing import Any, Mapping
 from miles_host.models.config import ModelConfig, MoEConfig
 
 from miles_models._config import base_fields, build, hf_config_from_native, layer_types, rope_config
-from miles_models._checks import refuse_true_on_policy
 from miles_models._family import model_family
 from miles_models._mxfp4 import PairedParts, dequantize_mxfp4
 from miles_models._transforms import Transform, TransformWeightMap, deinterleave, interleave, swap_last_two
@@ -131,8 +130,3 @@ def miles_register_model_families():
         chat_defaults={"eos_tokens": ["<|return|>", "<|call|>", "<|endoftext|>"]},
     )
     return [dataclasses.replace(record, hf_config_from_native=_hf_config)]
-
-
-def miles_validate(config, registries):
-    """``--true-on-policy`` is refused (with the reason) when the model has sinks or chunked attention."""
-    refuse_true_on_policy(config, [t for record in miles_register_model_families() for t in record.model_types])

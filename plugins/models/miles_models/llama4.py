@@ -23,7 +23,6 @@ from miles_host.models.attention_variants import PositionsOnly
 from miles_host.models.config import ModelConfig, MoEConfig
 
 from miles_models._config import base_fields, build, rope_config
-from miles_models._checks import refuse_true_on_policy
 from miles_models._family import model_family
 from miles_models._transforms import Transform, TransformWeightMap, swap_last_two
 from miles_models._weights import L, Rule, common_rules, gqa_rules, mlp_rules, norm_rules
@@ -127,8 +126,3 @@ def miles_register_model_families():
             chat_defaults={"eos_tokens": ["<|eot|>", "<|end_of_text|>"]},
         )
     ]
-
-
-def miles_validate(config, registries):
-    """``--true-on-policy`` is refused (with the reason) when the model has sinks or chunked attention."""
-    refuse_true_on_policy(config, [t for record in miles_register_model_families() for t in record.model_types])
