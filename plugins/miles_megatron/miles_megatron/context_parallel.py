@@ -62,21 +62,35 @@ def chunk_rows(seq_len: int, size: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+def _flat_collectives(group: Any) -> bool:
+    """NCCL: one flat all-gather / reduce-scatter; gloo has neither (lists and an all-reduce)."""
+    return dist.get_backend(group) == "nccl"
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 over ``group`` (rank-major); backward: the gradient summed
     over the group (each rank's copy of the gathered rows fed its own computation),
-    this rank's rows kept. (gloo has no reduce-scatter: an all-reduce, then the slice.)"""
+    this rank's rows kept (a reduce-scatter; on gloo an all-reduce, then the slice)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
         ctx.group, ctx.rank, ctx.rows = group, rank, local.shape[0]
+        local = local.contiguous()
+        if _flat_collectives(group):
+            out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+            dist.all_gather_into_tensor(out, local, group=group)
+            return out
         parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local.contiguous(), group=group)
+        dist.all_gather(parts, local, group=group)
         return torch.cat(parts, 0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
+        if _flat_collectives(ctx.group):
+            out = grad.new_empty((ctx.rows, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None, None, None
         dist.all_reduce(grad, group=ctx.group)
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None, None, None
 
