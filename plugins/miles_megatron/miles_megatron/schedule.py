@@ -330,13 +330,16 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
     last = _is_last_stage()
     out: list[torch.Tensor] = []
     batches = []
+    packed: dict[int, Any] = {}
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         policy.pad_to = micro.pad_to
         policy.running_chunk(model)
-        batch = trainer.pack(micro.samples, phase)
-        batches.append(batch)
+        batch = packed.get(id(micro))
+        if batch is None:  # packed once: the rank's chunks capture their routes into one routing context
+            batch = packed[id(micro)] = trainer.pack(micro.samples, phase)
+            batches.append(batch)
         if not policy.chunk.post_process:
             with trainer._autocast():
                 return policy.stage_forward(batch), _not_last_stage

@@ -43,26 +43,37 @@ DYNAMIC = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "14")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A four-layer tied Qwen3 (two layers per pipeline rank: one per model chunk)."""
-    return save_models(tmp_path_factory.mktemp("virtual_pipeline"), {"qwen3_4l": lambda: transformers.Qwen3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)})
+    return save_models(tmp_path_factory.mktemp("virtual_pipeline"), {
+        "qwen3_4l": lambda: transformers.Qwen3Config(
+            vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+        "qwen3_moe_4l": lambda: transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, tie_word_embeddings=False),
+    })
 
 
 def _layer_numbers(gpt) -> list[int]:
     return [int(layer.layer_number) for layer in gpt.decoder.layers]
 
 
-def _equal_to_one_process(models, flags: tuple[str, ...], check_layout) -> None:
-    samples = make_samples()
-    want, _, expected, start = _one_process_run(models, "qwen3_4l", samples, *DYNAMIC)
-    group = make_trainer(models, "qwen3_4l", "megatron", *FLAGS, *DYNAMIC, "--pipeline-model-parallel-size", "2",
-                         "--actor-num-gpus-per-node", "2", *flags)
+def _equal_to_one_process(models, flags: tuple[str, ...], check_layout, name: str = "qwen3_4l",
+                          shared: tuple[str, ...] = ()) -> None:
+    samples = make_samples(routes="r3" in shared, layers=4)
+    want, want_counters, expected, start = _one_process_run(models, name, samples, *DYNAMIC, *shared)
+    group = make_trainer(models, name, "megatron", *FLAGS, *DYNAMIC, "--pipeline-model-parallel-size", "2",
+                         "--actor-num-gpus-per-node", "2", *flags, *shared)
     try:
         check_layout(group.local.model)
         for step in range(2):
             got = group.train(samples)
             for key in KEYS:
                 assert got[key] == pytest.approx(want[step][key], abs=LOSS_TOL), (step, key)
+            if "r3" in shared:  # every layer's routes recorded and replayed: the one-process agreement
+                counters, reference = group.rank_counters(), want_counters[step]
+                assert counters["r3/agree"] / counters["r3/total"] == pytest.approx(
+                    reference["r3/agree"] / reference["r3/total"], abs=1e-12), step
         exported = {k: v.float() for k, v in group.named_weights_for_rollout()}
         assert exported.keys() == expected.keys()
         assert max(float((exported[k] - expected[k].float()).abs().max()) for k in expected) < 1e-5
@@ -86,6 +97,17 @@ def test_pp2_vpp2_interleaved_schedule_gives_the_one_process_steps(models, clean
         assert [(chunk.pre_process, chunk.post_process) for chunk in chunks] == [(True, False), (False, False)]
 
     _equal_to_one_process(models, ("--virtual-pipeline-model-parallel-size", "2"), check_layout)
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_moe_with_recorded_routes_gives_the_one_process_steps(models, clean_groups):
+    """R2 under virtual stages: each micro-batch is packed once per rank, so a rank's two chunks
+    record their MoE layers' routes into one routing context (then shared over the pipeline)."""
+    def check_layout(policy):
+        assert sorted(policy.replay.routers) == [0, 2]  # both chunks' routers, by global layer
+
+    _equal_to_one_process(models, ("--virtual-pipeline-model-parallel-size", "2"), check_layout, "qwen3_moe_4l",
+                          ("--plugins", "r3", "--use-routing-replay"))
 
 
 @pytest.mark.slow
