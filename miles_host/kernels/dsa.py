@@ -120,7 +120,9 @@ def index_scores(q_TID, w_TI, k_index_NS1D, block_tables_BM, seq_T, pos_T, max_k
     return index_scores_reference(q_TID, w_TI, k_index_NS1D, block_tables_BM, seq_T, pos_T, max_keys, scale)
 
 
-def sparse_attention(q_THD, k_cache_NSHD, v_cache_NSHD, block_tables_BM, seq_T, positions_TK, scale: float) -> torch.Tensor:
+def sparse_attention(
+    q_THD, k_cache_NSHD, v_cache_NSHD, block_tables_BM, seq_T, positions_TK, scale: float
+) -> torch.Tensor:
     """:func:`sparse_attention_reference`, by the Triton kernel on CUDA."""
     if _use_triton(q_THD):
         from miles_host.kernels._dsa_triton import sparse_attention_triton

@@ -192,7 +192,8 @@ def _context_handler(attention: Any) -> Callable[..., torch.Tensor]:
     for kind in type(attention).__mro__:
         if kind in DSA_CONTEXTS:
             return DSA_CONTEXTS[kind]
+    supported = sorted(kind.__name__ for kind, handler in DSA_CONTEXTS.items() if handler is not _refuse_true_on_policy)
     raise ValueError(
-        f"DeepSeek Sparse Attention cannot attend in a {type(attention).__name__} context; supported: "
-        f"{', '.join(sorted(kind.__name__ for kind, handler in DSA_CONTEXTS.items() if handler is not _refuse_true_on_policy))}"
+        f"DeepSeek Sparse Attention cannot attend in a {type(attention).__name__} context; "
+        f"supported: {', '.join(supported)}"
     )

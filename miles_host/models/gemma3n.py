@@ -195,7 +195,9 @@ class Gemma3nDecoderLayer(torch.nn.Module):
         self.attn = Gemma3nAttention(config, layer_index)
         self.post_attn_norm = Gemma3nRMSNorm(hidden, eps)
         self.mlp_norm = Gemma3nRMSNorm(hidden, eps)
-        self.mlp = Gemma3nMLP(hidden, g.intermediate_sizes[layer_index], config.hidden_act, g.activation_sparsity[layer_index])
+        self.mlp = Gemma3nMLP(
+            hidden, g.intermediate_sizes[layer_index], config.hidden_act, g.activation_sparsity[layer_index]
+        )
         self.post_mlp_norm = Gemma3nRMSNorm(hidden, eps)
         self.altup = AltUp(config)
         self.laurel = Laurel(config)

@@ -32,7 +32,8 @@ def paged_case(*, context_lens, num_new, block_size=4, index_heads=16, index_dim
         return torch.randn(*shape, generator=generator).to(dtype).to(device)
 
     cu = torch.tensor([0] + num_new).cumsum(0).to(torch.int32)
-    meta = SimpleNamespace(cu_seqlens_q=cu.to(device), context_lens_B=torch.tensor(context_lens, dtype=torch.int32).to(device))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    meta = SimpleNamespace(cu_seqlens_q=cu.to(device), context_lens_B=lens.to(device))
     seq_T, pos_T = dsa.step_tokens(meta, num_tokens)
     return SimpleNamespace(
         q_index=rand(num_tokens, index_heads, index_dim), w=rand(num_tokens, index_heads).float(),
@@ -91,7 +92,9 @@ def test_reference_scores_top_k_and_attention_equal_float64_loops():
         chosen = [j for j in positions[t].tolist() if j >= 0]
         assert sorted(chosen) == sorted(best)  # a context shorter than top-k keeps every key
         selected.append(chosen)
-    out = dsa.sparse_attention_reference(case.q, case.k_cache, case.v_cache, case.tables, case.seq, positions, case.scale)
+    out = dsa.sparse_attention_reference(
+        case.q, case.k_cache, case.v_cache, case.tables, case.seq, positions, case.scale
+    )
     assert torch.allclose(out.double(), loop_attention(case, selected), atol=1e-5)
 
 

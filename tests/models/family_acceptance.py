@@ -77,6 +77,23 @@ def assert_engine_matches_transformers(hf_model, model, max_new_tokens: int = 10
     return engine
 
 
+def assert_small_cache_engine_matches(model) -> None:
+    """n=2 samples per prompt (prefix sharing) through a cache so small that sequences are
+    preempted and recomputed, prompts prefilled in chunks: the tokens of a roomy engine, and
+    its log-probs up to batch-composition rounding."""
+    from miles_host.rollout import Engine
+
+    params = {"temperature": 0.8, "max_new_tokens": 24, "ignore_eos": True, "n": 2, "sampling_seed": 5}
+    expected = Engine(model, kv_cache_tokens=1024, block_size=4).generate(PROMPTS, params)
+    small = Engine(model, kv_cache_tokens=96, block_size=4, max_num_batched_tokens=16)
+    got = small.generate(PROMPTS, params)
+    assert small.scheduler.num_preemptions > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+    for a, b in zip(got, expected):
+        pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) <= 1e-4
+
+
 def assert_gpu_engine_matches_transformers(hf_model, model) -> None:
     """On CUDA (float32, Triton attention, decode in CUDA graphs): as :func:`assert_engine_matches_transformers`."""
     engine = assert_engine_matches_transformers(

@@ -16,7 +16,13 @@ from miles_models import deepseek_v32
 
 from .conftest import hf_logits, prompts_batch
 from .family_acceptance import (
-    VOCAB, assert_engine_matches_transformers, assert_gpu_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
+    VOCAB,
+    assert_engine_matches_transformers,
+    assert_gpu_engine_matches_transformers,
+    assert_round_trip_bit_for_bit,
+    assert_small_cache_engine_matches,
+    assert_true_on_policy_refused,
+    grpo_step,
     save_tiny,
 )
 
@@ -103,17 +109,25 @@ def test_rollout_and_training_pick_the_same_keys_in_bfloat16(checkpoint, monkeyp
     monkeypatch.setitem(dsa.DSA_CONTEXTS, PagedAttention, recording_paged)
     prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     engine = Engine(model, kv_cache_tokens=256, block_size=8)
-    output = engine.generate([prompt], {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 3})
+    params = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 3}
+    output = engine.generate([prompt], params)
     monkeypatch.setattr(dsa_kernels, "topk_positions", topk)
     tokens = torch.tensor(prompt + output[0]["output_ids"][:-1])
     training = []
     selection = dsa._selection_QL
     monkeypatch.setattr(dsa, "_selection_QL", lambda *a: training.append(selection(*a)) or training[-1])
     with torch.no_grad():
-        model.forward_hidden(tokens, torch.arange(len(tokens)), ForwardContext(PackedAttention(torch.tensor([0, len(tokens)]))))
+        ctx = ForwardContext(PackedAttention(torch.tensor([0, len(tokens)])))
+        model.forward_hidden(tokens, torch.arange(len(tokens)), ctx)
     assert len(rollout) == 2 * len(tokens)
     for (layer, position), chosen in rollout.items():
         assert chosen == set(training[layer][position].nonzero().flatten().tolist()), (layer, position)
+
+
+@pytest.mark.slow
+def test_preemption_prefix_sharing_and_chunked_prefill_keep_the_tokens(checkpoint):
+    """The cache's indexer keys follow the blocks through sharing, copy-on-write and recompute."""
+    assert_small_cache_engine_matches(load_pretrained(checkpoint[1], family=lookup))
 
 
 @pytest.mark.gpu
@@ -149,7 +163,8 @@ def test_mtp_weights_load_into_the_spec_draft_and_greedy_decoding_is_unchanged(c
     save_file(tensors, tmp_path / "model.safetensors")
     with_mtp = load_pretrained(tmp_path, family=lookup)
     indexer = dict(with_mtp.mtp[0].attn.indexer.named_parameters())
-    assert indexer and all(torch.equal(t, dict(model.mtp[0].attn.indexer.named_parameters())[n]) for n, t in indexer.items())
+    saved = dict(model.mtp[0].attn.indexer.named_parameters())
+    assert indexer and all(torch.equal(t, saved[n]) for n, t in indexer.items())
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     expected = Engine(load_pretrained(checkpoint[1], family=lookup), kv_cache_tokens=512).generate(PROMPTS, greedy)
     engine = Engine(with_mtp, kv_cache_tokens=512, decoding_strategy=lambda e: EagleStrategy(e, MTPDraft(e.model), 3))

@@ -17,7 +17,13 @@ from miles_models import gemma3n
 
 from .conftest import hf_logits, prompts_batch
 from .family_acceptance import (
-    VOCAB, assert_engine_matches_transformers, assert_gpu_engine_matches_transformers, assert_round_trip_bit_for_bit, assert_true_on_policy_refused, grpo_step,
+    VOCAB,
+    assert_engine_matches_transformers,
+    assert_gpu_engine_matches_transformers,
+    assert_round_trip_bit_for_bit,
+    assert_small_cache_engine_matches,
+    assert_true_on_policy_refused,
+    grpo_step,
     save_tiny,
 )
 
@@ -52,7 +58,8 @@ def test_config_mapping_and_kv_sharing_layout(checkpoint):
     assert hf_model.config.kv_sharing_modes == [None, "store", "store", "reuse", "reuse"]
     assert model.config.gemma3n.kv_source == [None, None, None, 1, 2]
     # the sharing layers keep no cache of their own
-    assert model.attention_layout() == [(2, 16, 16, 4), (2, 16, 16, None), (2, 16, 16, 4), (2, 0, 0, None), (2, 0, 0, 4)]
+    expected = [(2, 16, 16, 4), (2, 16, 16, None), (2, 16, 16, 4), (2, 0, 0, None), (2, 0, 0, 4)]
+    assert model.attention_layout() == expected
 
 
 def test_logits_match_transformers(checkpoint):
@@ -100,7 +107,8 @@ def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpo
     multimodal.mkdir()
     text = json.loads((path / "config.json").read_text())
     (multimodal / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": text}))
-    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in load_file(path / "model.safetensors").items()}
+    text_tensors = load_file(path / "model.safetensors")
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in text_tensors.items()}
     save_file({**tensors, "model.vision_tower.stem.weight": torch.ones(3)}, multimodal / "model.safetensors")
     input_ids, attention_mask = prompts_batch(VOCAB, lengths=(9, 4))
     with torch.no_grad():
@@ -116,6 +124,13 @@ def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpo
 def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
     hf_model, path = checkpoint
     assert_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
+
+
+@pytest.mark.slow
+def test_preemption_prefix_sharing_and_chunked_prefill_keep_the_tokens(checkpoint):
+    """The cache's zero-width entries of KV-sharing layers follow the blocks through sharing,
+    copy-on-write and recompute."""
+    assert_small_cache_engine_matches(load_pretrained(checkpoint[1], family=lookup))
 
 
 @pytest.mark.gpu

@@ -73,7 +73,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     widths = [int(w) for w in _per_layer(hf.get("intermediate_size", 16384), "intermediate_size", num_layers)]
     fields["intermediate_size"] = max(widths)
     if not hf.get("layer_types"):
-        hf = {**hf, "layer_types": ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(num_layers)]}
+        default = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(num_layers)]
+        hf = {**hf, "layer_types": default}
     fields["layer_types"], fields["sliding_window"] = layer_types(hf, num_layers)
     fields["qk_norm"] = "head"
     fields["attn_scale"] = 1.0
@@ -148,7 +149,9 @@ _LAYER_EXTRAS = (
 _MODEL_EXTRAS = (
     "embed_tokens_per_layer.weight", "per_layer_model_projection.weight", "per_layer_projection_norm.weight",
 )
-_ATTENTION = tuple(f"{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")) + ("q_norm.weight", "k_norm.weight")
+_ATTENTION = (
+    *(f"{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")), "q_norm.weight", "k_norm.weight",
+)
 
 WEIGHTS = Gemma3nWeightMap(
     common_rules()
@@ -157,7 +160,10 @@ WEIGHTS = Gemma3nWeightMap(
     + _same(_ATTENTION, "layers.{i}.attn.", f"{L}self_attn.")
     + _same(_LAYER_EXTRAS, "layers.{i}.", L)
     + _same(_MODEL_EXTRAS, "", "model.")
-    + [Rule(f"{name}.{{i}}.weight", (f"model.{name}.{{i}}.weight",)) for name in ("altup_projections", "altup_unembed_projections")]
+    + [
+        Rule(f"{name}.{{i}}.weight", (f"model.{name}.{{i}}.weight",))
+        for name in ("altup_projections", "altup_unembed_projections")
+    ]
 )
 
 
