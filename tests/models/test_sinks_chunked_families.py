@@ -261,19 +261,25 @@ PROMPTS = [[5, 9, 17, 33, 2, 71, 8], list(range(10, 23)), [100, 3]]
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_engine_greedy_tokens_and_logprobs_match_transformers(model_type, checkpoints):
+    """The paged engine's (and the contiguous reference cache's) greedy tokens are transformers';
+    the engine's sampled tokens' log-probs at T=0.7 are transformers' log_softmax."""
     from tests.rollout.conftest import engine_logprobs, hf_logprobs
     from miles_host.rollout import Engine
 
+    from miles_host.models import greedy_generate
+
     hf_model, path = checkpoints(model_type)
-    engine = Engine(load_pretrained(path, family=family_lookup), kv_cache_tokens=512, block_size=4)
+    model = load_pretrained(path, family=family_lookup)
+    engine = Engine(model, kv_cache_tokens=512, block_size=4)
     greedy = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
-    for prompt, output in zip(PROMPTS, greedy):
+    contiguous_cache = greedy_generate(model, PROMPTS, max_new_tokens=10, eos_token_id=None)
+    for prompt, output, reference_cache in zip(PROMPTS, greedy, contiguous_cache):
         with torch.no_grad():
             expected = hf_model.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 do_sample=False, max_new_tokens=10, min_new_tokens=10, eos_token_id=None, pad_token_id=0,
             )[0, len(prompt):].tolist()
-        assert output["output_ids"] == expected
+        assert output["output_ids"] == expected and reference_cache == expected
     sampled = engine.generate(PROMPTS, {"temperature": 0.7, "max_new_tokens": 10, "ignore_eos": True,
                                         "sampling_seed": 3})
     for prompt, output in zip(PROMPTS, sampled):
