@@ -55,6 +55,9 @@ def check_supported(config: Any) -> None:
     problems = [what for flag, what in _NATIVE_ONLY.items() if getattr(config, flag)]
     if config.precision not in ("bf16", "fp8"):
         problems.append(f"--precision {config.precision} (only bf16 and fp8 are wired for Megatron)")
+    if config.use_distributed_optimizer and config.save and getattr(config, "ckpt_format", "torch_dist") == "torch":
+        problems.append("--use-distributed-optimizer with --save in --ckpt-format torch (the optimizer state is "
+                        "sharded over the data-parallel ranks: save with --ckpt-format torch_dist)")
     if config.use_distributed_optimizer and config.optimizer_cpu_offload:
         problems.append("--use-distributed-optimizer with --optimizer-cpu-offload (Megatron's distributed optimizer "
                         "keeps its state on the trainer's device)")

@@ -103,3 +103,12 @@ def test_ep2_moe_distributed_optimizer_gives_the_one_process_steps(models, clean
         assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
     finally:
         group.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--save", "ckpt", "--ckpt-format", "torch"), "save with --ckpt-format torch_dist"),
+    (("--optimizer-cpu-offload",), "distributed optimizer keeps its state on the trainer.s device"),
+])
+def test_what_the_distributed_optimizer_cannot_do_is_refused_by_name(models, flags, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(models, "qwen3", "megatron", "--use-distributed-optimizer", *flags)
