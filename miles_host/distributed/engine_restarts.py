@@ -10,9 +10,10 @@ engine (its exit code) or a hung one (no heartbeat for
 1. kills the engine process (a stopped process too: SIGKILL needs no cooperation);
 2. starts the engine again on its device (``respawn``, from the launcher);
 3. gives it the current weights through the run's own weight-sync path
-   (``restore_weights``, set by the launcher: the transport's ``push`` of the trainer's
-   weights as the current version); a failure during a weight push instead repeats that
-   push on the new engine;
+   (``restore_weights``, set by the launcher: the transport's ``push`` of all the
+   trainer's weights as the current version, to every engine). An engine that fails in
+   a weight push is restarted the same way (:class:`RestartingTransport`): the trainer's
+   weights are the ones being pushed, so the restore completes the push;
 4. submits again the requests the engine had not finished, with their original sampling
    parameters (the per-sample seed included), so each sample is generated once more
    exactly as it would have been; samples of a request that the manager already received
@@ -36,7 +37,7 @@ from typing import Any, Callable
 from miles_host.distributed.errors import WorkerFailed
 from miles_host.distributed.rollout_worker import RolloutClient, RolloutRouter
 
-#: engine calls that load weights: after a restart the new engine gets the same call
+#: engine calls that load weights: a restarted engine has them from the restore
 WEIGHT_LOADS = ("load_serialized", "load_shared")
 #: engine calls a new engine answers again (it starts with its memory resident)
 REPEATED = ("release_memory_occupation", "resume_memory_occupation")
@@ -149,7 +150,9 @@ class RestartingRouter(RolloutRouter):
 
     def _answer_after_restart(self, index: int, method: str, args: tuple) -> Any:
         """What the new engine ``index`` answers in place of the failed one's ``method``."""
-        if method in WEIGHT_LOADS or method in REPEATED:
+        if method in WEIGHT_LOADS:
+            return args[-1]  # the version pushed: the restore gave the new engine these weights
+        if method in REPEATED:
             return self.clients[index].handle.call(method, *args)
         if method == "has_unfinished":
             return any(request.engine == index for request in self.requests.values())
@@ -161,26 +164,22 @@ class RestartingRouter(RolloutRouter):
 
     def _recover(self, failures: dict[int, WorkerFailed], method: str) -> None:
         """Kill and start again every engine in ``failures`` (all of them before any weights
-        move: a weight push waits for every engine), push the current weights (unless
-        ``method`` is a weight load, which the caller repeats), then resubmit the unfinished
-        requests of each (none after ``abort_all``). An engine found failed during the push
-        is replaced the same way."""
+        move: a weight push waits for every engine), push the current weights, then resubmit
+        the unfinished requests of each (none after ``abort_all``). An engine found failed
+        during the push is replaced the same way."""
         restarted: set[int] = set()
         while failures:
+            # others that are down too: started in the same wait, and none left for the push to wait on
+            failures.update(self._unanswered(skip=set(failures) | restarted))
             for index, failure in sorted(failures.items()):
                 self._stop_failed(index, failure, method)
             self._install(self.respawn({index: self.restarts[index] for index in failures}))
             restarted.update(failures)
             failures = {}
-            if method in WEIGHT_LOADS:
-                break
             try:
                 self.restore_weights()
-            except WorkerFailed as failure:  # another engine failed under the push (a broadcast)
-                index = self._index_of(failure.worker)
-                if index is None:
-                    raise
-                failures = {index: failure}
+            except WorkerFailed as failure:  # an engine failed under the restore's push
+                failures = self.failed_in_push(failure, collective=True)
         for index in sorted(restarted):
             mine = {} if method == "abort_all" else {rid: r for rid, r in self.requests.items() if r.engine == index}
             for rid, request in mine.items():
@@ -204,12 +203,35 @@ class RestartingRouter(RolloutRouter):
         if self.restarts[index] >= self.max_restarts:
             raise WorkerFailed(failure.worker, f"{_detail(failure)}; it was restarted {self.restarts[index]} time(s) "
                                f"already (--max-engine-restarts {self.max_restarts})", failure.kind) from failure
-        if self.restore_weights is None and method not in WEIGHT_LOADS:
+        if self.restore_weights is None:
             raise failure  # no way to give a new engine the run's weights: stop as without fault tolerance
         self.restarts[index] += 1
         print(f"miles: warning: rollout engine {failure.worker} {_detail(failure)}; restarting it (restart "
               f"{self.restarts[index]} of at most {self.max_restarts})", file=sys.stderr, flush=True)
         self.clients[index].handle.stop(0)  # SIGKILL unless it already exited
+
+    def failed_in_push(self, failure: WorkerFailed, collective: bool) -> dict[int, WorkerFailed]:
+        """The engines to restart after ``failure`` in a weight push: the one it names, and
+        with a ``collective`` push (a broadcast) every other engine too, whose end of the
+        broken collective is in no known state. Raises ``failure`` when it names no engine."""
+        index = self._index_of(failure.worker)
+        if index is None:
+            raise failure
+        failures = {i: WorkerFailed(client.name, "took part in a weight broadcast that failed", "hung")
+                    for i, client in enumerate(self.clients)} if collective else {}
+        failures[index] = failure
+        return failures
+
+    def _unanswered(self, skip: set[int]) -> dict[int, WorkerFailed]:
+        """The engines (but ``skip``) that fail a ping: dead, or silent past their heartbeat."""
+        failures = {}
+        for index, client in enumerate(self.clients):
+            if index not in skip:
+                try:
+                    client.handle.call("ping")
+                except WorkerFailed as failure:
+                    failures[index] = failure
+        return failures
 
     def _index_of(self, worker: str) -> int | None:
         """The index of the engine named ``worker``, None for another worker."""
@@ -220,3 +242,23 @@ class RestartingRouter(RolloutRouter):
 def _detail(failure: WorkerFailed) -> str:
     """The failure's message without ``worker NAME``."""
     return str(failure).removeprefix(f"worker {failure.worker} ")
+
+
+class RestartingTransport:
+    """A weight-sync transport whose pushes survive an engine of a :class:`RestartingRouter`
+    failing under them: the engine (every engine, after a failed collective: ``inner.collective``)
+    is restarted and the restore pushes the trainer's weights, which are the ones this push
+    carried, as its version."""
+
+    def __init__(self, inner: Any, router: RestartingRouter):
+        self.inner = inner
+        self.router = router
+
+    def push(self, named_tensors, backend: Any, weight_version: Any) -> Any:
+        """``inner.push``, with a failed engine restarted."""
+        try:
+            return self.inner.push(named_tensors, backend, weight_version)
+        except WorkerFailed as failure:
+            failures = self.router.failed_in_push(failure, collective=getattr(self.inner, "collective", False))
+            self.router._recover(failures, "push")
+            return self.router.weight_version

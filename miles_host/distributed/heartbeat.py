@@ -44,7 +44,7 @@ class Heartbeat:
     def silent_for(self, now: float | None = None) -> float | None:
         """Seconds since the last beat when that is past ``interval_s + timeout_s`` (the
         worker is hung), else None. Before ``first_wait_s`` has passed, or before the
-        first beat (the worker is still importing), never hung: start-up has its own limit."""
+        first beat (the worker is still starting), never hung: start-up has its own limit."""
         now = time.monotonic() if now is None else now
         last = self.value.value
         if last <= 0.0 or now - self.created < self.first_wait_s:

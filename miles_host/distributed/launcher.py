@@ -40,7 +40,7 @@ from miles_host.checkpoint import LATEST
 from miles_host.distributed import ray_workers
 from miles_host.distributed.comm import WorkerHandle, free_port, leave_default_group, new_group
 from miles_host.distributed.errors import WorkerFailed
-from miles_host.distributed.engine_restarts import RestartingRouter
+from miles_host.distributed.engine_restarts import RestartingRouter, RestartingTransport
 from miles_host.distributed.failures import failed_worker
 from miles_host.distributed.heartbeat import Heartbeat
 from miles_host.distributed.placement import (
@@ -200,7 +200,11 @@ def make_rollout(config: Any, manager: Any):
 
 def _stop_workers(run: Any = None) -> None:
     """Stop every worker this process started (those of ``run`` and any left over
-    by a launch that failed half way)."""
+    by a launch that failed half way). All are asked first, so they exit side by side."""
+    for handle in _LIVE:
+        with contextlib.suppress(Exception):
+            if handle.process.is_alive():
+                handle.conn.send(("stop", ()))
     while _LIVE:
         handle = _LIVE.pop()
         with contextlib.suppress(Exception):
@@ -219,14 +223,16 @@ def make_run(config: Any, manager: Any) -> Run:
     prepare(config, manager.registries)
     run = new_run(config, manager)
     if isinstance(run.backend, RestartingRouter):
-        run.backend.restore_weights = lambda: push_current_weights(run)
+        transport = run.transport
+        run.backend.restore_weights = lambda: push_current_weights(run, transport)
+        run.transport = RestartingTransport(transport, run.backend)
     return run
 
 
-def push_current_weights(run: Run) -> Any:
-    """Push the trainer's weights as the run's current version through the run's transport
-    (a restarted engine's first weights: all of them, whatever ``--lora-sync`` sends later)."""
-    return run.transport.push(list(run.trainer.named_weights_for_rollout()), run.backend, run.state.weight_version)
+def push_current_weights(run: Run, transport: Any) -> Any:
+    """Push the trainer's weights as the run's current version through ``transport`` (a
+    restarted engine's first weights: all of them, whatever ``--lora-sync`` sends later)."""
+    return transport.push(list(run.trainer.named_weights_for_rollout()), run.backend, run.state.weight_version)
 
 
 def stop_workers(run: Any) -> None:

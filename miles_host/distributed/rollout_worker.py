@@ -151,11 +151,10 @@ def packed_log_probs(model, ids: torch.Tensor, start: int) -> list[float]:
 
 def rollout_main(config: Any, index: int, conn, num_threads: int, heartbeat=None, incarnation: int = 0) -> None:
     """Entry point of a rollout engine process (``heartbeat``: beat from a thread of this
-    process; ``incarnation``: how many times this engine was restarted)."""
+    process once the engine is up, so a slow start-up is judged by ``--worker-timeout``
+    alone; ``incarnation``: how many times this engine was restarted)."""
     from miles_host.loop import seed_everything
 
-    if heartbeat is not None:
-        heartbeat.start_beating()
     torch.set_num_threads(num_threads)
     seed_everything(config.seed)
     if str(config.device).startswith("cuda:") and torch.cuda.is_available():
@@ -167,6 +166,8 @@ def rollout_main(config: Any, index: int, conn, num_threads: int, heartbeat=None
 
         conn.send(("error", traceback.format_exc()))
         return
+    if heartbeat is not None:
+        heartbeat.start_beating()
     conn.send(("ok", os.getpid()))
     serve(conn, worker)
 

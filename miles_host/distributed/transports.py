@@ -60,6 +60,9 @@ def _engines(backend: Any) -> RolloutRouter:
 class BroadcastTransport:
     """Bucketed broadcast over {trainer rank 0, engines}."""
 
+    #: a push is one collective of every engine: one that fails leaves the others' ends broken
+    collective = True
+
     def __init__(self, config: Any):
         self.config = config
         self.bucket_bytes = int(config.update_weight_buffer_size)

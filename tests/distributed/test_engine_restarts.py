@@ -19,14 +19,14 @@ def _comparable(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("perf/", "ft/"))}
 
 
-def _run_with_faults(tiny_task, tmp_path, fault_plugin, reward, rollouts: int, *faults: str) -> str:
+def _run_with_faults(tiny_task, tmp_path, plugin, reward, rollouts: int, *faults: str) -> list[dict]:
     """A one-process run and a fault-tolerant run with two engine processes and ``faults``:
     their metrics are equal, the restarts counted; the fault-tolerant run's stderr."""
     model, data = tiny_task
     common = ("--num-rollout", str(rollouts), *reward)
     assert run_one_process(base_args(model, data, tmp_path / "one", *common)) == 0
     argv = base_args(model, data, tmp_path / "ft", *common, "--use-fault-tolerance", *FAST_HEALTH_CHECK,
-                     *fault_plugin, *faults)
+                     *plugin, *faults)
     assert run_launched(argv, worker_timeout=120, **TWO_ENGINES) == 0
     expected, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ft")
     assert [m["rollout_id"] for m in got] == list(range(rollouts))
@@ -89,3 +89,13 @@ def test_a_dead_trainer_stops_a_fault_tolerant_run(tiny_task, tmp_path, sync_fau
     (line,) = [line for line in err.splitlines() if line.startswith("miles: error:")]
     assert line.startswith("miles: error: worker trainer-1") and "killed by signal 9" in line, err
     assert "checkpoint of rollout 0 written" in err, err
+
+
+@pytest.mark.slow
+def test_engines_killed_in_the_weight_broadcast_are_restarted(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
+    """Both engines die as rollout 0's weights arrive: they are restarted, the restore
+    completes the push, and the run matches an uninterrupted one."""
+    got = _run_with_faults(tiny_task, tmp_path, sync_faults, signal_reward, 2, "--weight-sync", "broadcast",
+                           "--test-rollout-die-in-broadcast", "2")
+    assert [m["ft/engine_restarts"] for m in got] == [0, 2]
+    assert "killed by signal 9" in capsys.readouterr().err

@@ -4,7 +4,8 @@ failure stops the run the same way (exit 3, the worker named, a checkpoint).
 
 - ``--test-rollout-die-in-broadcast N`` / ``--test-rollout-stop-in-broadcast N``: the
   engine process kills itself (SIGKILL) / stops itself (SIGSTOP) as it starts to receive
-  its N-th weight update (1 = the initial sync, 2 = the one after the first rollout);
+  its N-th weight update (1 = the initial sync, 2 = the one after the first rollout); a
+  restarted engine (``--use-fault-tolerance``) does not;
 - ``--test-trainer-die-at-train N`` / ``--test-trainer-stop-at-train N``: trainer rank 1
   does the same at its N-th ``train`` (1 = the first rollout's);
 - ``--test-trainer-die-at-start``: trainer rank 1 kills itself before it joins the
@@ -57,7 +58,8 @@ def miles_process_start(config):
     trains = {"n": 0}
 
     def receive_broadcast(self, buckets_meta, weight_version):
-        _signal_at(self.syncs + 1, kill_rollout, stop_rollout)
+        if self.incarnation == 0:
+            _signal_at(self.syncs + 1, kill_rollout, stop_rollout)
         return _RECEIVE_BROADCAST(self, buckets_meta, weight_version)
 
     def train(self, samples):
