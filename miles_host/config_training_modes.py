@@ -7,8 +7,9 @@
   data_source, evaluation=False)`` replaces the built-in rollout manager
   (:mod:`miles_host.rollout_function`; slime's SFT rollout maps to :mod:`miles_host.sft`).
 - ``--save-debug-rollout-data``, ``--load-debug-rollout-data``, ``--debug-rollout-only``,
-  ``--debug-train-only``: dump each step's samples, replay them into the trainer
-  (:mod:`miles_host.debug_rollout`).
+  ``--debug-train-only``: dump each step's samples, replay them into the trainer;
+  ``--save-debug-train-data``: what each step trained on, with the trainer's log-probs;
+  ``--dump-details DIR``: both dumps under one directory (:mod:`miles_host.debug_rollout`).
 
 :func:`check_training_modes` checks their values and combinations (called by
 :func:`miles_host.config.validate_config`).
@@ -32,6 +33,8 @@ class TrainingModeArgs:
     disable_compute_advantages_and_returns: bool = flag(False, "do not compute advantages (they are zero): for sft_loss or a custom loss that does not read them", group="algorithm")
     rollout_function_path: str | None = flag(None, "module.fn(args, rollout_id, data_source, evaluation=False) returning groups of samples (slime's contract; a RolloutFnTrainOutput-like object with .samples and .metrics too) instead of the built-in rollout manager; slime.rollout.sft_rollout.generate_rollout is miles_host.sft.generate_rollout, slime's default slime.rollout.sglang_rollout.generate_rollout the built-in manager; evaluation keeps the built-in rollout", type=str, group="rollout")
     save_debug_rollout_data: str | None = flag(None, "write each step's samples to this path ({rollout_id} is substituted), as slime does: torch.save of {'rollout_id', 'samples'}", type=str, group="debug")
+    save_debug_train_data: str | None = flag(None, "write what each step trained on to this path ({rollout_id} and {rank} are substituted), as slime does: torch.save of {'rollout_id', 'rank', 'rollout_data'} with the tokens, response lengths, loss masks, rewards, rollout log-probs and the trainer's log-probs of the same tokens", type=str, group="debug")
+    dump_details: str | None = flag(None, "dump everything for post-hoc analysis under this directory (slime's spelling): sets --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt and --save-debug-train-data DIR/train_data/{rollout_id}_{rank}.pt where they are not given", type=str, group="debug")
     load_debug_rollout_data: str | None = flag(None, "train on the samples saved by --save-debug-rollout-data at this path ({rollout_id} substituted) instead of generating; implies --debug-train-only", type=str, group="debug")
     load_debug_rollout_data_subsample: float | None = flag(None, "keep this fraction of each loaded rollout (its first and last halves, as slime does)", type=float, group="debug")
     debug_rollout_only: bool = flag(False, "generate (and save with --save-debug-rollout-data) without training: no trainer step, no weight sync", group="debug")
@@ -61,6 +64,8 @@ def check_training_modes(config: Any) -> None:
         template = getattr(config, name)
         if template is not None:
             check_path_template(template, "--" + name.replace("_", "-"))
+    if config.save_debug_train_data is not None:
+        check_path_template(config.save_debug_train_data, "--save-debug-train-data", extra_fields=("rank",))
     fraction = config.load_debug_rollout_data_subsample
     if fraction is not None:
         if config.load_debug_rollout_data is None:
@@ -77,12 +82,14 @@ def check_training_modes(config: Any) -> None:
             "drop --fully-async")
 
 
-def check_path_template(template: str, flag_text: str) -> None:
-    """A ``{rollout_id}`` path template formats (other placeholders are an error naming them)."""
+def check_path_template(template: str, flag_text: str, extra_fields: tuple[str, ...] = ()) -> None:
+    """A ``{rollout_id}`` path template formats (other placeholders than ``extra_fields`` are an
+    error naming them)."""
     try:
-        template.format(rollout_id=0)
+        template.format(rollout_id=0, **{name: 0 for name in extra_fields})
     except (KeyError, IndexError, ValueError) as error:
-        raise ValueError(f"{flag_text} {template!r}: the only placeholder is {{rollout_id}} ({error!r})") from None
+        allowed = ", ".join("{" + name + "}" for name in ("rollout_id", *extra_fields))
+        raise ValueError(f"{flag_text} {template!r}: the placeholders are {allowed} ({error!r})") from None
 
 
 def needs_reward(config: Any) -> bool:

@@ -7,6 +7,15 @@ dicts]}``. miles adds the step's groups (each sample's ``group_index``, kept as 
 and its rollout counts under ``"miles_stats"``, so a replayed step reports the same
 ``rollout/*`` counts and trains on exactly the same samples as the original step.
 
+``--save-debug-train-data`` (slime's, formatted with ``rollout_id`` and ``rank``) writes what a
+step trained on: ``{"rollout_id", "rank", "rollout_data"}`` with slime's per-sample lists
+(``tokens``, ``response_lengths``, ``total_lengths``, ``loss_masks``, ``rewards``,
+``rollout_log_probs``) and ``log_probs``, the trainer's log-probs of each sample's response
+tokens (``None`` for a sample the trainer did not score in this process: trainers in worker
+processes). The driver
+holds the whole batch, so it writes one file, rank 0. ``--dump-details DIR`` sets both
+templates under ``DIR`` as slime does.
+
 ``--debug-train-only`` runs without an engine: :class:`NoEngine` stands in for the
 rollout backend and refuses every generation request with a message saying why.
 """
@@ -16,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from miles_host.dashboard.samples import TRAIN_LOG_PROBS_KEY, reward_or_none
 from miles_host.protocols import RolloutBackendBase
 from miles_host.rollout_manager import RolloutStats
 from miles_host.sample import Sample
@@ -28,6 +38,46 @@ from miles_host.sample import Sample
 def debug_path(template: str, rollout_id: int | str) -> Path:
     """The file of ``rollout_id`` under a ``{rollout_id}`` path template."""
     return Path(template.format(rollout_id=rollout_id))
+
+
+def rollout_data_template(config: Any) -> str | None:
+    """``--save-debug-rollout-data``, else ``--dump-details``' ``rollout_data/{rollout_id}.pt``."""
+    if config.save_debug_rollout_data or not config.dump_details:
+        return config.save_debug_rollout_data
+    return str(Path(config.dump_details) / "rollout_data" / "{rollout_id}.pt")
+
+
+def train_data_template(config: Any) -> str | None:
+    """``--save-debug-train-data``, else ``--dump-details``' ``train_data/{rollout_id}_{rank}.pt``."""
+    if config.save_debug_train_data or not config.dump_details:
+        return config.save_debug_train_data
+    return str(Path(config.dump_details) / "train_data" / "{rollout_id}_{rank}.pt")
+
+
+def keeps_train_log_probs(config: Any) -> bool:
+    """Whether the trainer keeps each sample's log-probs in its metadata: for the dashboard's
+    rollout browser or the train-data dump."""
+    return bool(config.use_miles_dashboard or train_data_template(config))
+
+
+def save_debug_train_data(template: str, rollout_id: int, samples: list[Sample],
+                          scalar: Callable[[Any], float]) -> Path:
+    """Write what the step trained on (slime's ``rollout_data`` lists, the trainer's log-probs
+    read from each sample's metadata, where the dashboard's writer takes them); the path written."""
+    path = Path(template.format(rollout_id=rollout_id, rank=0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "tokens": [list(s.tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [len(s.tokens) for s in samples],
+        "loss_masks": [list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length for s in samples],
+        "rewards": [reward_or_none(s, scalar) for s in samples],
+        "rollout_log_probs": [list(s.rollout_log_probs) if s.rollout_log_probs is not None else None for s in samples],
+        "log_probs": [s.metadata.get(TRAIN_LOG_PROBS_KEY) for s in samples],
+        "sample_indices": [s.index for s in samples],
+    }
+    torch.save({"rollout_id": rollout_id, "rank": 0, "rollout_data": data}, path)
+    return path
 
 
 def save_debug_rollout_data(template: str, rollout_id: int, groups: list[list[Sample]], stats: RolloutStats) -> Path:

@@ -33,7 +33,8 @@ from miles_host.config_training_modes import trains_only
 from miles_host import profiling
 from miles_host.dashboard.samples import write_step_samples
 from miles_host.data import PromptDataset
-from miles_host.debug_rollout import NoEngine, load_debug_rollout_data, save_debug_rollout_data
+from miles_host.debug_rollout import (NoEngine, load_debug_rollout_data, rollout_data_template, save_debug_rollout_data,
+                                      save_debug_train_data, train_data_template)
 from miles_host.evaluation import load_eval_datasets, run_evals
 from miles_host.health import RunStopped, TooManyFailedSamples, ZeroGradientWatch
 from miles_host.logging_backends import tensorboard_dir
@@ -321,9 +322,11 @@ class Run:
         return self.teacher.score(samples) if self.teacher is not None else {}
 
     def save_rollout(self, rollout_id: int, groups: list[list[Sample]], stats: Any, samples: list[Sample]) -> None:
-        """``--save-debug-rollout-data`` and ``--dump-rollouts``: the step's samples, before training."""
-        if self.config.save_debug_rollout_data:
-            save_debug_rollout_data(self.config.save_debug_rollout_data, rollout_id, groups, stats)
+        """``--save-debug-rollout-data`` (or ``--dump-details``) and ``--dump-rollouts``: the step's
+        samples, before training."""
+        template = rollout_data_template(self.config)
+        if template:
+            save_debug_rollout_data(template, rollout_id, groups, stats)
         if self.config.dump_rollouts:
             self.dump(rollout_id, samples)
 
@@ -376,6 +379,9 @@ class Run:
         counters = self.rank_counters()
         train_time = time.perf_counter() - train_start
         train_tokens = sum(len(s.tokens) for s in samples if s.status is not Status.FAILED)
+        template = train_data_template(self.config)
+        if template:  # --save-debug-train-data / --dump-details, with the trainer's log-probs
+            save_debug_train_data(template, rollout_id, samples, self.scorer.scalar)
         self.write_dashboard_samples(rollout_id, groups)  # with the trainer's log-probs
         if self.trainer.consecutive_nan_steps >= config.max_consecutive_nan_steps:
             self.checkpoint(rollout_id)

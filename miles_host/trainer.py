@@ -26,6 +26,7 @@ from miles_host.lora import apply_lora
 from miles_host.lora.sync import rollout_state
 from miles_host import offload, profiling
 from miles_host.dashboard.samples import record_train_log_probs
+from miles_host.debug_rollout import keeps_train_log_probs
 from miles_host.devices import resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.protocols import TrainerBase
@@ -535,7 +536,7 @@ class NativeTrainer(TrainerBase):
         old_B = cat(old) if old is not None else log_probs.detach().float()
         if loss_batch.rollout_log_probs is not None:
             metrics.update(mismatch_metrics(old_B, loss_batch.rollout_log_probs, loss_batch.loss_mask))
-        if self.config.use_miles_dashboard:  # the rollout browser's train-vs-rollout heat map
+        if keeps_train_log_probs(self.config):  # the dashboard's heat map, --save-debug-train-data
             record_train_log_probs(micro, old_B, batch.response_lengths)
         for term in self.loss_terms:
             outputs = {"batch": batch, "log_probs": log_probs, "model": self.model}

@@ -47,7 +47,8 @@ def _round(values: Sequence[float] | None) -> list[float] | None:
     return None if values is None else [float(f"{float(v):.9g}") for v in values]
 
 
-def _reward(sample: Any, scalar: Callable[[Any], float]) -> float | None:
+def reward_or_none(sample: Any, scalar: Callable[[Any], float]) -> float | None:
+    """The sample's scalar reward, None where it has none (a failed sample)."""
     try:
         return scalar(sample.reward)
     except (TypeError, ValueError):
@@ -63,7 +64,7 @@ def sample_record(sample: Any, tokenizer: Any, scalar: Callable[[Any], float]) -
         "index": sample.index,
         "group_index": sample.group_index,
         "status": getattr(sample.status, "value", str(sample.status)),
-        "reward": _reward(sample, scalar),
+        "reward": reward_or_none(sample, scalar),
         "prompt": sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt),
         "response": sample.response,
         "prompt_length": len(sample.tokens) - length,

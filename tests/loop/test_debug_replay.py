@@ -111,9 +111,42 @@ def test_flags_are_checked(tmp_path):
         MilesConfig(debug_rollout_only=True, debug_train_only=True)
     with pytest.raises(ValueError, match="implies --debug-train-only"):
         MilesConfig(debug_rollout_only=True, load_debug_rollout_data="x_{rollout_id}.pt")
-    with pytest.raises(ValueError, match="only placeholder"):
+    with pytest.raises(ValueError, match=r"the placeholders are \{rollout_id\} "):
         MilesConfig(save_debug_rollout_data="x_{step}.pt")
+    with pytest.raises(ValueError, match=r"--save-debug-train-data .*the placeholders are \{rollout_id\}, \{rank\}"):
+        MilesConfig(save_debug_train_data="x_{rollout_id}_{step}.pt")
+    MilesConfig(save_debug_train_data="x_{rollout_id}_{rank}.pt")
     with pytest.raises(ValueError, match="no rollout engine"):
         MilesConfig(debug_train_only=True, eval_prompt_data=["a", "b.jsonl"])
     with pytest.raises(FileNotFoundError, match="--save-debug-rollout-data"):
         load_debug_rollout_data(str(tmp_path / "missing_{rollout_id}.pt"), 3)
+
+
+def test_dump_details_writes_slimes_rollout_and_train_data(tiny_task, tmp_path, varied_reward):
+    """``--dump-details DIR``: slime's rollout_data/{rollout_id}.pt and train_data/{rollout_id}_{rank}.pt; the
+    train data's log-probs of step 0 (one optimizer step a rollout: the initial model's) equal transformers'
+    float64 log-softmax of the same tokens, and the rollout dump replays."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _ = tiny_task
+    dump = tmp_path / "dump"
+    args = [arg for arg in base_args(*tiny_task, tmp_path / "out", "--num-rollout", "1", "--rollout-temperature", "1.0",
+                                     "--dump-details", str(dump), *varied_reward) if arg not in ("--rm-type", "exact")]
+    assert main(args) == 0
+    assert sorted(p.name for p in (dump / "rollout_data").iterdir()) == ["0.pt"]
+    assert sorted(p.name for p in (dump / "train_data").iterdir()) == ["0_0.pt"]
+    rollout = torch.load(dump / "rollout_data" / "0.pt", weights_only=True)
+    train = torch.load(dump / "train_data" / "0_0.pt", weights_only=True)
+    assert train["rollout_id"] == 0 and train["rank"] == 0
+    data = train["rollout_data"]
+    assert data["tokens"] == [s["tokens"] for s in rollout["samples"]]
+    assert data["rollout_log_probs"] == [s["rollout_log_probs"] for s in rollout["samples"]]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    for tokens, length, log_probs in zip(data["tokens"], data["response_lengths"], data["log_probs"]):
+        assert len(log_probs) == length
+        with torch.no_grad():
+            logits = reference(torch.tensor([tokens])).logits[0, :-1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0][-length:]
+        torch.testing.assert_close(torch.tensor(log_probs, dtype=torch.float64), want, atol=1e-4, rtol=0)
+    groups, _ = load_debug_rollout_data(str(dump / "rollout_data" / "{rollout_id}.pt"), 0)
+    assert sum(len(g) for g in groups) == 16
