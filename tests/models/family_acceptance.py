@@ -1,10 +1,12 @@
-"""The acceptance checks of a model family against transformers, shared by the per-family test
-files: a tiny random checkpoint saved with the quickstart tokenizer, the HF -> miles -> HF weight
-round trip, the engine's greedy tokens and log-probs, the refusal of ``--true-on-policy``, one GRPO
-step through the CLI."""
+"""Tiny random checkpoints of the model families added beside the conftest's table (saved once
+per session with the quickstart tokenizer, :func:`tiny_checkpoint`) and the acceptance checks
+against transformers that ``test_family_acceptance.py`` runs for each: the HF -> miles -> HF
+weight round trip, the engine's greedy tokens and log-probs, the refusal of ``--true-on-policy``,
+preemption, one GRPO step through the CLI. The per-family files test the quirks."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +22,52 @@ from miles_host.quickstart_preset import QUICKSTART_DIR
 VOCAB = 99
 PROMPTS = [[5, 9, 17, 33, 2], list(range(10, 31)), [7] * 9, [90, 3]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SLIDING, FULL = "sliding_attention", "full_attention"
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, max_position_embeddings=256, initializer_range=0.05,
+    pad_token_id=0, bos_token_id=None, eos_token_id=1,
+)
+
+#: case -> (HF model_type, config kwargs, family module)
+CASES = {
+    # DSA: the indexer keeps 4 keys, contexts reach 31 tokens
+    "deepseek_v32": ("deepseek_v32", dict(
+        _COMMON, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=4, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2,
+        index_n_heads=16, index_head_dim=16, index_topk=4,
+    ), "miles_models.deepseek_v32"),
+    # sliding and full layers, one KV-sharing layer of each, sparse activations on two layers,
+    # per-layer MLP widths, per-layer-input ids past their table
+    "gemma3n": ("gemma3n_text", dict(
+        _COMMON, intermediate_size=[96, 80, 96, 64, 96], num_hidden_layers=5, num_key_value_heads=2, head_dim=16,
+        layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING], sliding_window=4, num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0], altup_num_inputs=4, laurel_rank=8,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=64, final_logit_softcapping=30.0,
+    ), "miles_models.gemma3n"),
+}
+_SAVED: dict[str, tuple] = {}
+
+
+def family_lookup(case: str):
+    """The ``family`` argument of :func:`load_pretrained` for a case: its plugin's record."""
+    module = importlib.import_module(CASES[case][2])
+    (record,) = module.miles_register_model_families()
+
+    def lookup(model_type: str):
+        assert model_type in record.model_types, model_type
+        return record
+
+    return lookup
+
+
+def tiny_checkpoint(case: str, tmp_path_factory) -> tuple:
+    """``(transformers model, checkpoint path)`` of a case, built once per session."""
+    if case not in _SAVED:
+        model_type, config, _ = CASES[case]
+        path = tmp_path_factory.mktemp(case)
+        _SAVED[case] = save_tiny(model_type, config, path), path
+    return _SAVED[case]
 
 
 def save_tiny(model_type: str, config: dict, path: Path):

@@ -1,8 +1,8 @@
-"""Gemma-3n text (``gemma3n_text``) against transformers on a tiny random model with sliding and
-full layers, two KV-sharing layers (one of each type), activation sparsity on two layers,
-per-layer MLP widths and per-layer-input ids beyond their table: training logits, the engine's
-greedy tokens and log-probs, the HF -> miles -> HF weight round trip, a GRPO step, and the
-refusal of ``--true-on-policy``."""
+"""Gemma-3n text (``gemma3n_text``) on the tiny model of ``family_acceptance.CASES`` (sliding and
+full layers, two KV-sharing layers, activation sparsity on two layers, per-layer MLP widths,
+per-layer-input ids past their table): config and cache layout, training logits against
+transformers, gradients (recomputed or not), the multimodal checkpoint's language model. The
+checks every family passes: ``test_family_acceptance.py``."""
 
 from __future__ import annotations
 
@@ -16,40 +16,16 @@ from miles_host.models import load_pretrained, save_pretrained
 from miles_models import gemma3n
 
 from .conftest import hf_logits, prompts_batch
-from .family_acceptance import (
-    VOCAB,
-    assert_engine_matches_transformers,
-    assert_gpu_engine_matches_transformers,
-    assert_round_trip_bit_for_bit,
-    assert_small_cache_engine_matches,
-    assert_true_on_policy_refused,
-    grpo_step,
-    save_tiny,
-)
+from .family_acceptance import VOCAB, family_lookup, tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-RECORD = gemma3n.miles_register_model_families()[0]
-SLIDING, FULL = "sliding_attention", "full_attention"
-CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=[96, 80, 96, 64, 96], num_hidden_layers=5,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.05,
-    pad_token_id=0, bos_token_id=None, eos_token_id=1, layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING],
-    sliding_window=4, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0],
-    altup_num_inputs=4, laurel_rank=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=64,
-    final_logit_softcapping=30.0,
-)
-
-
-def lookup(model_type: str):
-    assert model_type in RECORD.model_types
-    return RECORD
+lookup = family_lookup("gemma3n")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma3n")
-    return save_tiny("gemma3n_text", CONFIG, path), path
+    return tiny_checkpoint("gemma3n", tmp_path_factory)
 
 
 def test_config_mapping_and_kv_sharing_layout(checkpoint):
@@ -95,9 +71,6 @@ def test_published_kv_weights_of_sharing_layers_are_ignored(checkpoint):
         checkpoint[1], family=lookup).config) == []
 
 
-def test_weights_round_trip_bit_for_bit(checkpoint, tmp_path):
-    assert_round_trip_bit_for_bit(checkpoint[1], lookup, tmp_path)
-
 
 def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpoint, tmp_path):
     """The language model of a ``gemma3n`` checkpoint (``text_config``, ``model.language_model.*``)
@@ -119,31 +92,3 @@ def test_the_multimodal_checkpoints_language_model_loads_and_round_trips(checkpo
     saved = load_file(tmp_path / "saved" / "model.safetensors")
     assert sorted(saved) == sorted(tensors)
     assert all(torch.equal(saved[name], t) for name, t in tensors.items())
-
-
-def test_engine_greedy_tokens_and_log_probs_match_transformers(checkpoint):
-    hf_model, path = checkpoint
-    assert_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
-
-
-@pytest.mark.slow
-def test_preemption_prefix_sharing_and_chunked_prefill_keep_the_tokens(checkpoint):
-    """The cache's zero-width entries of KV-sharing layers follow the blocks through sharing,
-    copy-on-write and recompute."""
-    assert_small_cache_engine_matches(load_pretrained(checkpoint[1], family=lookup))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_engine_matches_transformers(checkpoint):
-    hf_model, path = checkpoint
-    assert_gpu_engine_matches_transformers(hf_model, load_pretrained(path, family=lookup))
-
-
-def test_true_on_policy_is_refused_with_the_reason(checkpoint):
-    assert_true_on_policy_refused(load_pretrained(checkpoint[1], family=lookup))
-
-
-@pytest.mark.slow
-def test_a_grpo_step_runs(checkpoint, tmp_path):
-    assert grpo_step(checkpoint[1], tmp_path)["train/train_rollout_logprob_abs_diff"] < 1e-4
