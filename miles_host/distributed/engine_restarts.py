@@ -98,10 +98,10 @@ class RestartingRouter(RolloutRouter):
         return outputs
 
     def abort_all(self):
-        outputs = [o for part in self._all("abort_all") for o in part]
+        outputs = [o for part in self._all("abort_all") for o in part if self._deliver(o)]
         self.requests.clear()
         self.load = [0] * len(self.clients)
-        return [o for o in outputs if self._deliver(o)]
+        return outputs
 
     def step_metrics(self) -> dict:
         """``ft/engine_restarts``: the restarts of the run so far."""
@@ -116,7 +116,7 @@ class RestartingRouter(RolloutRouter):
         rid, sample = meta["id"], meta.get("index", 0)
         request = self.requests.get(rid)
         if request is None:
-            return True  # not a tracked request (submitted before a restart cleared it): the manager decides
+            return True  # untracked (finished, or cleared by abort_all): the manager decides
         if sample in request.delivered:
             return False
         request.delivered.add(sample)

@@ -228,6 +228,10 @@ class SGLangRolloutBackend(RolloutBackendBase):
             self._released.discard(tag)
         return resume
 
+    def step_metrics(self) -> dict:
+        """``ft/dropped_servers`` under ``--use-fault-tolerance``: servers dropped from the router so far."""
+        return {"ft/dropped_servers": len(self.pool.dropped)} if self.pool.fault_tolerant else {}
+
     def shutdown(self) -> None:
         """Stop the request threads (in-flight requests are abandoned)."""
         self._pool.shutdown(wait=False, cancel_futures=True)

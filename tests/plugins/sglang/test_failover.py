@@ -81,6 +81,7 @@ def test_a_server_that_went_down_is_dropped_and_its_requests_generated_elsewhere
         assert all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outputs), outputs
         assert got == reference(dense_model, prompts)  # every sample, once, as it would have been
         assert [c.url for c in backend.clients] == [up.url]
+        assert backend.step_metrics() == {"ft/dropped_servers": 1}
         err = capsys.readouterr().err
         assert f"SGLang server {down.url} does not answer" in err and "dropped from the router" in err, err
         named = [(n, p.detach().clone()) for n, p in make_engine(dense_model).model.named_parameters()][:2]
@@ -126,5 +127,6 @@ def test_the_last_server_is_never_dropped(dense_model, fault_tolerance):
         assert {o["meta_info"]["finish_reason"]["type"] for o in outputs} == {"abort"}
         assert "no answer after 3 tries" in outputs[0]["meta_info"]["finish_reason"]["message"]
         assert [c.url for c in backend.clients] == [fake.url]
+        assert backend.step_metrics() == ({"ft/dropped_servers": 0} if fault_tolerance else {})
     finally:
         backend.shutdown()
