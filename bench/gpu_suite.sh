@@ -23,7 +23,8 @@
 #        spec_4b_bigram (the 4B shape fine-tuned on a noisy bigram language: a policy with structure a draft can learn)
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
-#        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2, CP=2 against one process; x4 adds TP2xPP2, EP2xPP2)
+#        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2, CP=2, PP2xVPP2 against one process; x4 adds TP2xPP2,
+#                           EP2xPP2, DP2xPP2 with the distributed optimizer)
 #        scale_x8 / scale_x4 (bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
 #        scale_x1 (the reduced one-GPU version; SCALE_VARIANT=fp8_r3|no_fp8|no_r3, one per call)
 set -uo pipefail
@@ -102,9 +103,10 @@ for step in "${steps[@]}"; do
     spec_4b_peaky) run spec_4b_peaky 400 python3 bench/spec_rollout.py --model 4b --num-prompts 16 --logit-std 10 ;;
     spec_tests) run spec_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/spec \
       tests/rollout/test_sampling.py tests/rollout/test_gpu_engine.py ;;
-    megatron_parallel) MILES_MEGATRON_TEST_DEVICE=cuda run megatron_parallel 300 python3 -m pytest -q -p no:cacheprovider \
+    megatron_parallel) MILES_MEGATRON_TEST_DEVICE=cuda run megatron_parallel 420 python3 -m pytest -q -p no:cacheprovider \
       --tb=short tests/plugins/megatron/test_megatron_parallel.py tests/plugins/megatron/test_megatron_context_parallel.py \
-      ;;  # 2 GPUs: TP/EP/PP/CP 2 (4-rank cases skip unless 4 GPUs)
+      tests/plugins/megatron/test_megatron_virtual_pipeline.py tests/plugins/megatron/test_megatron_distributed_optimizer.py \
+      ;;  # 2 GPUs: TP/EP/PP/CP 2, PP2 x VPP2 (4-rank cases, DP2 x PP2 distributed optimizer among them, skip unless 4 GPUs)
     small_m) run small_m 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/fp8/test_decode_gemm.py \
       tests/plugins/int4/test_decode_gemm.py tests/plugins/int4/test_kernels.py tests/plugins/fp8/test_gpu.py ;;
     quantized_ab) run quantized_ab 540 python3 bench/quantized_decode.py --repeats 2 \

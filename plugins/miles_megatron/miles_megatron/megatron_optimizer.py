@@ -190,7 +190,9 @@ def _allocate_state(adam: torch.optim.Optimizer) -> None:
     """Zero moments and step for the parameters of a ``torch.optim.AdamW`` that has taken no step
     yet: Megatron-Core 0.16 reads the step from the inner state when it builds the sharded state
     to load into (TransformerEngine's and Apex's Adam keep it in the parameter groups), and the
-    loaded moments are copied into these tensors."""
+    loaded moments are copied into these tensors. (Another Adam keeps its own state layout.)"""
+    if type(adam) not in (torch.optim.AdamW, torch.optim.Adam):
+        return
     for group in adam.param_groups:
         for param in group["params"]:
             state = adam.state[param]
