@@ -6,6 +6,7 @@ requests generated again; the run ends like an uninterrupted one. Without it, or
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.conftest import base_args, read_metrics, run_launched, run_one_process
 from tests.distributed.test_worker_failures import sync_faults  # noqa: F401 - the fixture
@@ -99,3 +100,23 @@ def test_engines_killed_in_the_weight_broadcast_are_restarted(tiny_task, tmp_pat
                            "--test-rollout-die-in-broadcast", "2")
     assert [m["ft/engine_restarts"] for m in got] == [0, 2]
     assert "killed by signal 9" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_killed_engine_on_a_gpu_is_restarted_on_its_gpu(tiny_task, tmp_path, fault_plugin, signal_reward, capsys):
+    """One trainer and one colocated engine on cuda:0 (weights by CUDA IPC): the engine is
+    killed in rollout 1, started again on the same GPU and the run finishes with the
+    rollouts of a run without the kill."""
+    model, data = tiny_task
+    common = ("--num-rollout", "2", "--device", "cuda", "--colocate", "--use-fault-tolerance", *FAST_HEALTH_CHECK,
+              *signal_reward, *fault_plugin)
+    assert run_launched(base_args(model, data, tmp_path / "plain", *common), worker_timeout=300, rollout_num_gpus=1) == 0
+    argv = base_args(model, data, tmp_path / "ft", *common, "--test-engine-kill", "0:5")
+    assert run_launched(argv, worker_timeout=300, rollout_num_gpus=1) == 0
+    assert "rollout engine rollout-0" in capsys.readouterr().err
+    plain, got = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "ft")
+    assert [m["ft/engine_restarts"] for m in got] == [0, 1]
+    assert [_comparable(m).keys() for m in got] == [_comparable(m).keys() for m in plain]
+    for want, have in zip(plain, got):  # GPU kernels differ with the batch: response lengths, not bits
+        assert have["rollout/response_len_mean"] == pytest.approx(want["rollout/response_len_mean"], abs=0.5)
