@@ -38,7 +38,7 @@ from tests.plugins.megatron.test_megatron_parallel import (  # noqa: E402,F401
     _one_process_run,
     clean_groups,
 )
-from tests.plugins.megatron.test_megatron_trainer import make_samples, make_trainer  # noqa: E402
+from tests.plugins.megatron.test_megatron_trainer import MODELS, make_samples, make_trainer  # noqa: E402
 
 #: three micro-batches of at most 14 tokens (sample lengths 7, 7, 8, 7); the device of the ranks
 DYNAMIC = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "14", "--device", DEVICE)
@@ -46,16 +46,17 @@ DYNAMIC = ("--use-dynamic-batch-size", "--max-tokens-per-gpu", "14", "--device",
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A four-layer tied Qwen3 (two layers per pipeline rank: one per model chunk)."""
+    """Four-layer tied Qwen3 and Qwen3-MoE (two layers per pipeline rank: one per model chunk)."""
     return save_models(tmp_path_factory.mktemp("virtual_pipeline"), {
-        "qwen3_4l": lambda: transformers.Qwen3Config(
-            vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
-        "qwen3_moe_4l": lambda: transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-            norm_topk_prob=True, tie_word_embeddings=False),
-    })
+        "qwen3_4l": lambda: _four_layers("qwen3"), "qwen3_moe_4l": lambda: _four_layers("qwen3_moe")})
+
+
+def _four_layers(name: str):
+    """The trainer tests' model ``name`` with four decoder layers."""
+    config = MODELS[name]().to_dict()
+    config.update(num_hidden_layers=4)
+    config.pop("layer_types", None)  # (derived from the layer count)
+    return transformers.AutoConfig.for_model(config.pop("model_type"), **config)
 
 
 def _two_ranks() -> None:
