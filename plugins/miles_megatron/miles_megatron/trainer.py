@@ -137,6 +137,9 @@ class MegatronTrainer(NativeTrainer):
             return super()._make_optimizer(fused)
         from miles_megatron.megatron_optimizer import build_megatron_optimizer
 
+        # (the parameters are views of the DDP parameter buffer the optimizer gathers into: moving them to the
+        # host and back would detach them from it; --offload-train / --colocate are refused)
+        self.can_offload_train_state = False
         self.optimizer = build_megatron_optimizer(self.ddp_chunks, self.config, self.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
         self.last_step_lr = None
