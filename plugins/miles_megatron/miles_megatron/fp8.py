@@ -15,8 +15,13 @@ group), so the 128-row blocks, hence the scales and the FP8 values, are the same
 the head dim is a multiple of 128; otherwise :func:`apply_fp8` refuses. The output
 layer (LM head), embeddings and router stay in the model dtype, as in the native recipe.
 
-Tensor parallelism above 1 is refused (Megatron's impl also owns the TP gradient
-all-reduce); expert parallelism is fine (each rank holds whole experts).
+Tensor parallelism: each rank's shard is quantized on its own, which gives the full
+weight's FP8 blocks when every shard boundary falls on a 128 boundary (the local shape
+a multiple of 128 both ways; :func:`apply_fp8` refuses otherwise). The FP8 impl does the
+communication Megatron's impl does around its GEMMs: with sequence parallelism the
+sequence-sharded input is all-gathered (its gradient reduce-scattered), without it the
+input gradient of a column-parallel linear is all-reduced over the TP group. Expert
+parallelism: each rank holds whole experts.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from miles_megatron.runtime import EXPERT_TP
 from miles_megatron.weights import GLOBAL_RENAMES, _invert, _layer_map
 
 logger = logging.getLogger(__name__)
@@ -54,13 +60,27 @@ def native_weight_name(megatron_name: str, config: Any) -> str | None:
 
 
 def _fp8_forward_impl(input, weight, bias=None, *, power_of_two: bool, allreduce_dgrad=False,
-                      sequence_parallel=False, **_megatron_settings):
-    """Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` at TP = 1, in FP8."""
+                      sequence_parallel=False, tp_group=None, **_megatron_settings):
+    """Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` in FP8: the same
+    input all-gather (sequence parallel) or input-gradient all-reduce (``allreduce_dgrad``)
+    over ``tp_group`` around the FP8 GEMMs."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
     from miles_fp8.linear import fp8_linear
 
-    if allreduce_dgrad or sequence_parallel:
-        raise RuntimeError("the FP8 megatron linear runs at tensor-parallel size 1 only")
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
     return fp8_linear(input, weight, bias, power_of_two)
+
+
+def _full_shape(module: torch.nn.Module, tp: int) -> tuple[int, ...]:
+    """The unsharded weight shape of a (column- or row-) parallel linear at TP size ``tp``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    rows, cols = module.weight.shape
+    return (rows * tp, cols) if isinstance(module, ColumnParallelLinear) else (rows, cols * tp)
 
 
 def apply_fp8(gpt: torch.nn.Module, native_config: Any, config: Any) -> set[str]:
@@ -68,8 +88,6 @@ def apply_fp8(gpt: torch.nn.Module, native_config: Any, config: Any) -> set[str]
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from miles_fp8.recipe import Fp8Recipe, is_fp8_weight
 
-    if config.tensor_model_parallel_size > 1:
-        raise ValueError("--plugins fp8 with --train-backend megatron needs --tensor-model-parallel-size 1")
     power_of_two = Fp8Recipe.from_config(config).power_of_two_scales
     impl = functools.partial(_fp8_forward_impl, power_of_two=power_of_two)
     chosen: set[str] = set()
@@ -78,9 +96,16 @@ def apply_fp8(gpt: torch.nn.Module, native_config: Any, config: Any) -> set[str]
             continue  # (a tied output layer has no weight of its own)
         name = f"{path}.weight"
         native = native_weight_name(name, native_config)
-        shape = tuple(module.weight.shape)
+        local = tuple(module.weight.shape)
+        tp = EXPERT_TP if getattr(module, "is_expert", False) else int(config.tensor_model_parallel_size)
+        shape = _full_shape(module, tp) if tp > 1 else local
         if native is None or not is_fp8_weight(native, (1, *shape) if native.endswith("_proj") else shape):
             continue
+        if local[0] % 128 or local[1] % 128:
+            raise ValueError(
+                f"--plugins fp8 with --train-backend megatron: {name} is split over {tp} tensor-parallel ranks into "
+                f"{list(local)} shards, which cut its 128 x 128 FP8 blocks (the rollout quantizes the whole "
+                f"{list(shape)} weight); use a --tensor-model-parallel-size that leaves multiples of 128, or 1")
         if native.endswith("qkv_proj.weight") and native_config.head_dim % 128:
             raise ValueError(
                 f"--plugins fp8 with --train-backend megatron: head_dim {native_config.head_dim} is not a multiple "

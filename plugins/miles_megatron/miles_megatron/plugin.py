@@ -122,10 +122,27 @@ def check_model(config):
             f"--tensor-model-parallel-size {tp}: the model's {native.num_heads} attention heads and "
             f"{native.num_kv_heads} KV heads must each divide evenly over the tensor-parallel ranks"
         )
+    if config.precision == "fp8" and tp > 1:
+        check_fp8_shards(native, tp)
     uneven = tensor_parallel_problems(native, tp)
     if uneven:
         raise ValueError(f"--tensor-model-parallel-size {tp}: the model's MLA down projections are split over the "
                          f"tensor-parallel ranks; {', '.join(uneven)} must divide by {tp}")
+
+
+def check_fp8_shards(native, tp: int) -> None:
+    """FP8 at TP > 1: every tensor-parallel shard of a dense linear holds whole 128 x 128 blocks
+    (the rollout quantizes the whole weight), so the per-rank MLP width and attention width are
+    multiples of 128 (the heads themselves: ``apply_fp8``'s head_dim check)."""
+    widths = {"intermediate_size": native.intermediate_size, "num_heads x head_dim": native.num_heads * native.head_dim}
+    if native.moe is not None and native.moe.shared_intermediate_size:
+        widths["shared_intermediate_size"] = native.moe.shared_intermediate_size
+    cut = [f"{name} {width} / {tp} = {width / tp:g}" for name, width in widths.items() if (width // tp) % 128 or width % tp]
+    if cut:
+        raise ValueError(
+            f"--plugins fp8 with --tensor-model-parallel-size {tp}: the tensor-parallel shards would cut the 128 x 128 "
+            f"FP8 blocks the rollout quantizes ({'; '.join(cut)}, not multiples of 128); use a smaller "
+            "--tensor-model-parallel-size, or 1")
 
 
 def miles_register_train_backends():

@@ -61,9 +61,6 @@ def check_supported(config: Any) -> None:
     if config.use_distributed_optimizer and config.optimizer_cpu_offload:
         problems.append("--use-distributed-optimizer with --optimizer-cpu-offload (Megatron's distributed optimizer "
                         "keeps its state on the trainer's device)")
-    if config.precision == "fp8" and config.tensor_model_parallel_size > 1:
-        problems.append("--precision fp8 with --tensor-model-parallel-size > 1 (the FP8 GEMMs replace Megatron's "
-                        "linear compute, whose tensor-parallel gradient all-reduce is not wired)")
     if problems:
         raise ValueError(f"--train-backend megatron does not support {'; '.join(problems)}; use --train-backend native")
 

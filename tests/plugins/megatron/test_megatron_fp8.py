@@ -22,6 +22,12 @@ MODELS = {
         vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen3_tp": lambda: transformers.Qwen3Config(  # two kv heads: one per rank at TP = 2
+        vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=128, tie_word_embeddings=False),
+    "tp_cuts_blocks": lambda: transformers.Qwen3Config(  # intermediate 384: 192-row shards at TP = 2
+        vocab_size=64, hidden_size=256, intermediate_size=384, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=128, tie_word_embeddings=True),
     "head_dim_64": lambda: transformers.Qwen3Config(
         vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
@@ -83,18 +89,39 @@ def test_fp8_training_step_and_rollout_weights_match_the_native_fp8_trainer(mode
 def test_fp8_refuses_what_it_cannot_make_unified(models):
     with pytest.raises(ValueError, match="head_dim 64"):
         make_trainer(models, "head_dim_64", "megatron", "--plugins", "fp8")
-    from miles_host.cli.args import resolve_run_config
-    from miles_host.plugin_manager import MilesPluginManager
+    with pytest.raises(ValueError, match=r"intermediate_size 384 / 2 = 192, not multiples of 128"):
+        make_trainer(models, "tp_cuts_blocks", "megatron", "--plugins", "fp8", "--tensor-model-parallel-size", "2",
+                     "--actor-num-gpus-per-node", "2")
 
-    manager = MilesPluginManager()
-    manager.discover()
-    paths, data = models
-    with pytest.raises(ValueError, match="fp8 with --tensor-model-parallel-size > 1"):  # the backend record's check
-        resolve_run_config([
-            "--hf-checkpoint", str(paths["qwen3"]), "--prompt-data", str(data), "--rm-type", "exact",
-            "--train-backend", "megatron", "--plugins", "fp8", "--tensor-model-parallel-size", "2",
-            "--actor-num-gpus-per-node", "2",
-        ], manager)
+
+@pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fp8_with_two_tensor_parallel_ranks_gives_the_one_process_step(models, sequence_parallel):
+    """TP = 2 (gloo, two trainer processes) with FP8: each rank's shard holds whole 128 x 128 blocks, so the
+    FP8 values are the one-process ones and the loss, grad norm and the next step's loss agree to float32
+    summation order (the input-gradient all-reduce, or with sequence parallelism the all-gather and
+    reduce-scatter, done around the FP8 GEMMs)."""
+    from tests.plugins.megatron.test_megatron_parallel import _leave_groups
+
+    samples = make_samples()
+    _leave_groups()
+    single = make_trainer(models, "qwen3_tp", "megatron", "--plugins", "fp8")
+    want = [single.train(samples) for _ in range(2)]
+    _leave_groups()
+    extra = ["--sequence-parallel"] if sequence_parallel else []
+    group = make_trainer(models, "qwen3_tp", "megatron", "--plugins", "fp8", "--tensor-model-parallel-size", "2",
+                         "--actor-num-gpus-per-node", "2", *extra)
+    # Sequence parallelism pads the sequence dimension to a multiple of TP, which regroups the tokens of the
+    # weight-gradient GEMMs' 128-token FP8 groups: the gradients agree to FP8 rounding only (as with EP).
+    grad_rel, next_loss_abs = (0.1, 1e-3) if sequence_parallel else (1e-4, 1e-5)
+    try:
+        got = [group.train(samples) for _ in range(2)]
+        assert got[0]["train/loss"] == pytest.approx(want[0]["train/loss"], abs=1e-5)
+        assert got[1]["train/loss"] == pytest.approx(want[1]["train/loss"], abs=next_loss_abs)
+        for step_got, step_want in zip(got, want):
+            assert step_got["train/grad_norm"] == pytest.approx(step_want["train/grad_norm"], rel=grad_rel)
+    finally:
+        group.stop()
+        _leave_groups()
 
 
 def test_fp8_with_two_expert_parallel_ranks_gives_the_one_process_loss(models, tmp_path):
