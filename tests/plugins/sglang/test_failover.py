@@ -14,7 +14,7 @@ from miles_sglang.backend import SGLangRolloutBackend
 from tests.plugins.sglang.conftest import make_engine, serve
 from tests.plugins.sglang.test_backend import FakeSGLang, backend_config, drain
 
-FAULT_TOLERANT = dict(use_fault_tolerance=True, rollout_health_check_interval=0.2, rollout_health_check_timeout=0.5,
+FAULT_TOLERANT = dict(use_fault_tolerance=True, rollout_health_check_interval=0.2, rollout_health_check_timeout=2.0,
                       rollout_health_check_first_wait=0.0)
 
 
