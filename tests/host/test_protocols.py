@@ -160,7 +160,7 @@ def test_phases_refuse_a_backend_that_does_not_release_memory():
 def _placement_config(**fields):
     defaults = dict(use_ray=False, actor_num_nodes=1, actor_num_gpus_per_node=1, rollout_num_gpus=None,
                     rollout_backend="embedded", train_backend="native", weight_sync="inprocess", colocate=False,
-                    device="cpu")
+                    device="cpu", use_fault_tolerance=False)
     return SimpleNamespace(**{**defaults, **fields})
 
 
