@@ -128,12 +128,16 @@ def _selection_QL(indexer: Indexer, q_QID, k_LD, w_QI) -> torch.Tensor:
     return torch.cat(chunks, dim=0) & causal_QL
 
 
-def _paged(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index, cache_layer: int) -> torch.Tensor:
-    """The engine's step: K/V and indexer keys written at the tokens' slots, then the indexer's
-    top-k over each token's cached context and the sparse attention over those keys.
+def paged_attend(layer: DSAttention, attention: Any, q_TND, k_TND, v_TND, index, cache_layer: int) -> torch.Tensor:
+    """The engine's step (the rollout package registers it for its paged context in
+    :data:`DSA_CONTEXTS`): K/V and indexer keys written at the tokens' slots, then the indexer's
+    top-k over each token's cached context and the sparse attention over those keys; the
+    batch-invariant paged backend (``--true-on-policy``) is refused.
 
     A cache of ``n`` DSA layers holds their K/V entries ``0 .. n-1``, then their indexer-key
     entries ``n .. 2n-1`` (the order of :meth:`CausalLM.attention_layout`)."""
+    if attention.backend == "triton_invariant":
+        _refuse_true_on_policy()
     q_TID, k_TD, w_TI = index
     meta, cache = attention.metadata, attention.kv_cache
     num_layers, odd = divmod(len(cache.k_NSHD), 2)
@@ -183,12 +187,6 @@ DSA_CONTEXTS: dict[type, Callable[..., torch.Tensor]] = {
 
 
 def _context_handler(attention: Any) -> Callable[..., torch.Tensor]:
-    # imported here: the rollout package imports the models
-    from miles_host.rollout.attention import PagedAttention
-
-    DSA_CONTEXTS.setdefault(PagedAttention, _paged)
-    if isinstance(attention, PagedAttention) and attention.backend == "triton_invariant":
-        return _refuse_true_on_policy
     for kind in type(attention).__mro__:
         if kind in DSA_CONTEXTS:
             return DSA_CONTEXTS[kind]

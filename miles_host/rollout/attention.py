@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from miles_host.kernels.attention_metadata import AttentionMetadata
+from miles_host.models.dsa import DSA_CONTEXTS, paged_attend
 from miles_host.rollout.kv_cache import PagedKVCache
 
 
@@ -166,3 +167,7 @@ class PagedAttention:
             meta.cu_seqlens_q_host, meta.context_lens_host,
             scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
         )
+
+
+#: DeepSeek Sparse Attention layers attend in the engine's paged context through the indexer cache
+DSA_CONTEXTS[PagedAttention] = paged_attend

@@ -57,7 +57,7 @@ def test_rollout_and_training_pick_the_same_keys_in_bfloat16(checkpoint, monkeyp
 
     model = load_pretrained(checkpoint[1], dtype=torch.bfloat16, family=lookup)
     rollout: dict[tuple[int, int], set[int]] = {}  # (layer, position) -> selected key positions
-    paged, topk = dsa._paged, dsa_kernels.topk_positions
+    paged, topk = dsa.paged_attend, dsa_kernels.topk_positions
 
     def recording_paged(layer, attention, q_TND, *rest):
         chosen = []
