@@ -11,9 +11,9 @@ and its rollout counts under ``"miles_stats"``, so a replayed step reports the s
 step trained on: ``{"rollout_id", "rank", "rollout_data"}`` with slime's per-sample lists
 (``tokens``, ``response_lengths``, ``total_lengths``, ``loss_masks``, ``rewards``,
 ``rollout_log_probs``) and ``log_probs``, the trainer's log-probs of each sample's response
-tokens (``None`` for a sample the trainer did not score in this process: trainers in worker
-processes). The driver
-holds the whole batch, so it writes one file, rank 0. ``--dump-details DIR`` sets both
+tokens (trainers in worker processes send theirs back to the driver's samples:
+:mod:`miles_host.distributed.sample_details`). The driver holds the whole batch, so it
+writes one file, rank 0. ``--dump-details DIR`` sets both
 templates under ``DIR`` as slime does.
 
 ``--debug-train-only`` runs without an engine: :class:`NoEngine` stands in for the

@@ -3,7 +3,8 @@
 ``<output_dir>/dashboard/samples/step_<rollout_id>.jsonl`` holds the first whole groups of
 the step, up to ``--miles-dashboard-samples-per-step`` samples, one JSON object each: the
 prompt, the response, its reward, and per response token its id, its text, the rollout's
-log-prob, the trainer's log-prob of the same token (when the trainer ran in this process),
+log-prob, the trainer's log-prob of the same token (trainer processes send theirs to the
+driver: :mod:`miles_host.distributed.sample_details`),
 the loss mask and, with routing replay, the share of MoE layers whose replayed experts the
 training router chose as well. Floats keep 9 significant digits, what a float32 needs to
 round-trip, so a train-rollout difference of one float32 ulp still shows (the file is for

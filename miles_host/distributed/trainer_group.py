@@ -13,6 +13,8 @@ import torch
 from miles_host.distributed.comm import WorkerHandle, new_group, rebuild_manager, serve
 from miles_host.distributed.errors import WorkerFailed
 from miles_host.distributed.failures import failed_worker
+from miles_host.distributed.sample_details import SampleDetails, put_details, take_details
+from miles_host.debug_rollout import keeps_train_log_probs
 from miles_host.plugin_manager import sum_counters
 from miles_host.protocols import TrainerBase, writes_shards
 
@@ -43,12 +45,24 @@ def trainer_class_for(config: Any, manager: Any) -> type:
 class _TrainerTarget:
     def __init__(self, trainer):
         self.trainer = trainer
+        self.trained: list = []  # the copies of the driver's samples last trained on
+
+    def _details(self) -> SampleDetails | None:
+        """The per-sample values the driver's dashboard and dump read (None when nothing keeps them)."""
+        return take_details(self.trained) if keeps_train_log_probs(self.trainer.config) else None
 
     def rank_counters(self):
-        return self.trainer.rank_counters()
+        """This rank's counters, and the per-sample values plugins wrote while counting (R3's agreement)."""
+        counters = self.trainer.rank_counters()
+        details, self.trained = self._details(), []
+        return counters, details
 
     def train(self, samples):
-        return self.trainer.train(samples)
+        """Train; the per-sample values the trainer kept (its log-probs), by position in ``samples``
+        (the metrics are rank 0's)."""
+        self.trained = samples
+        self.trainer.train(samples)
+        return self._details()
 
     def load_state_dict(self, state):
         # Tensors that came through the pipe live in memory shared with the sender, whose
@@ -126,6 +140,7 @@ class TrainerGroup(TrainerBase):
     def __init__(self, local, handles: list[WorkerHandle]):
         self.local = local
         self.handles = handles
+        self.trained: list = []  # the samples of the last train, for the ranks' per-sample values
 
     # -- rank 0's view -------------------------------------------------------------
 
@@ -189,7 +204,9 @@ class TrainerGroup(TrainerBase):
                 handle.recv("'stream_weights'")
 
     def train(self, samples) -> dict[str, float]:
-        """Every rank trains on ``samples``. A rank that fails, before or under a collective,
+        """Every rank trains on ``samples``; the per-sample values the other ranks kept for the
+        dashboard and the train-data dump go into ``samples``' metadata
+        (:mod:`~miles_host.distributed.sample_details`). A rank that fails, before or under a collective,
         is named (:func:`~miles_host.distributed.failures.failed_worker`); the error says
         whether rank 0 had taken an optimizer step of this rollout yet."""
         steps_before = self.optimizer_steps()
@@ -205,8 +222,8 @@ class TrainerGroup(TrainerBase):
             failed = failed_worker(self.handles, "'train'", error, "trainer-0")
             failed.trainer_state_unchanged = steps_before is not None and self.optimizer_steps() == steps_before
             raise failed from error
-        for handle in self.handles:
-            handle.recv("'train'")
+        put_details(samples, [handle.recv("'train'") for handle in self.handles])
+        self.trained = samples
         return metrics
 
     def optimizer_steps(self) -> int | None:
@@ -214,12 +231,15 @@ class TrainerGroup(TrainerBase):
         return self.local.optimizer_steps()
 
     def rank_counters(self) -> dict[str, float]:
-        """The step's :func:`~miles_host.hookspecs.miles_rank_counters`, summed over every rank."""
+        """The step's :func:`~miles_host.hookspecs.miles_rank_counters`, summed over every rank (the
+        per-sample values plugins wrote meanwhile, such as R3's agreement, put into the trained samples)."""
         for handle in self.handles:
             handle.send("rank_counters")
         parts = [self.local.rank_counters()]
-        parts += [handle.recv("'rank_counters'") for handle in self.handles]
-        return sum_counters(parts)
+        replies = [handle.recv("'rank_counters'") for handle in self.handles]
+        put_details(self.trained, [details for _, details in replies])
+        self.trained = []
+        return sum_counters(parts + [counters for counters, _ in replies])
 
     def state_dict(self) -> dict:
         """Rank 0's checkpoint state; a sharded trainer's is gathered with every rank."""
