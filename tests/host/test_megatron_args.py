@@ -298,8 +298,10 @@ def test_spec_of_a_model_miles_builds(models, capsys, tmp_path):
 @pytest.mark.parametrize("spec, message", [
     (["slime_plugins.models.glm4", "get_glm_spec"], "builds GLM-4 dense (sandwich norms) (model_type glm4), but "
                                                     "--hf-checkpoint is model_type glm4_moe"),
-    (["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"], "a model miles cannot build"),
-    (["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"], "a model miles cannot build"),
+    (["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"], "builds Qwen3.5 (gated delta-net linear attention) "
+                                                            "(model_type qwen3_5/qwen3_5_moe), but "),
+    (["slime_plugins.models.qwen3_next", "get_qwen3_next_spec"], "builds Qwen3-Next (gated delta-net linear "
+                                                                 "attention) (model_type qwen3_next), but "),
     (["my_plugins.models.mine", "get_spec"], "not a layer spec miles knows"),
     # upstream miles spells slime's specs miles_plugins.models.*
     (["miles_plugins.models.glm4", "get_glm_spec"], "--spec miles_plugins.models.glm4 get_glm_spec builds GLM-4"),
