@@ -3,7 +3,7 @@
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
 # out of time loses only itself). Usage on the GPU machine:
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
-# Steps: tests rollout rollout_plain grpo grpo_async (miles synchronous vs --fully-async on one GPU: step ratio, overlap, idle, staleness)
+# Steps: tests families_tests (the GPU tests of the newer families, LoRA, OPD, dashboard) rollout rollout_plain grpo grpo_async (miles synchronous vs --fully-async on one GPU: step ratio, overlap, idle, staleness)
 #        grpo_async_profile (the same, one more step of each profiled: GPU busy time, kernels)
 #        grpo_async_process (the same with the engine in its own process on the trainer's GPU)
 #        two_gpu_async (needs 2 GPUs: the quickstart --fully-async, engine process on the second GPU) grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
@@ -59,6 +59,9 @@ two_gpu() {
 for step in "${steps[@]}"; do
   case $step in
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests ;;
+    families_tests) run families_tests 480 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/models \
+      tests/kernels/test_dsa.py tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py \
+      tests/rollout/test_triton_attention.py tests/lora tests/opd tests/dashboard ;;  # GPU tests of the new model families' kernels and engines (DSA, Gated DeltaNet, sinks / chunked attention), LoRA, OPD, the CUDA memory snapshot
     rollout) run rollout 240 python3 bench/rollout.py --repeats 2 ;;
     rollout_plain) run rollout_plain 200 python3 bench/rollout.py --repeats 2 --skip-hf --no-overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
