@@ -3,9 +3,12 @@ the train-data dump (and the dashboard, which reads the same metadata) has them 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from miles_host.dashboard.samples import step_file
 from miles_host.distributed.sample_details import put_details, take_details
 from miles_host.sample import Sample
 from tests.distributed.conftest import base_args, run_launched
@@ -31,15 +34,22 @@ def assert_dump_has_initial_model_log_probs(dump, model_dir) -> None:
         torch.testing.assert_close(torch.tensor(log_probs, dtype=torch.float64), want, atol=1e-4, rtol=0)
 
 
-def test_two_trainer_processes_dump_every_samples_log_probs(tiny_task, tmp_path, signal_reward):
+@pytest.mark.parametrize("backend", ["native_dp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_trainer_processes_dump_every_samples_log_probs(tiny_task, tmp_path, signal_reward, backend):
     """DP2 (gloo, two trainer processes): each rank trains on half of the samples; the driver's
-    train-data dump has the log-probs of all of them, equal to transformers' float64 reference."""
+    train-data dump has the log-probs of all of them, equal to transformers' float64 reference,
+    and so has the dashboard's sample file."""
     model, data = tiny_task
-    dump = tmp_path / "dump"
-    argv = [arg for arg in base_args(model, data, tmp_path / "out", "--num-rollout", "1", "--dump-details", str(dump),
-                                     *signal_reward) if arg not in ("--rm-type", "exact")]
-    assert run_launched(argv, worker_timeout=60, actor_num_gpus_per_node=2) == 0
+    dump, out = tmp_path / "dump", tmp_path / "out"
+    argv = [arg for arg in base_args(model, data, out, "--num-rollout", "1", "--dump-details", str(dump),
+                                     "--use-miles-dashboard", *signal_reward) if arg not in ("--rm-type", "exact")]
+    assert run_launched(argv, worker_timeout=60, actor_num_gpus_per_node=2, train_backend=backend) == 0
     assert_dump_has_initial_model_log_probs(dump, model)
+    train_data = torch.load(dump / "train_data" / "0_0.pt", weights_only=True)["rollout_data"]
+    want = dict(zip(train_data["sample_indices"], train_data["log_probs"]))
+    shown = [json.loads(line) for line in step_file(out, 0).read_text().splitlines()]
+    assert shown and all(record["train_log_probs"] == pytest.approx(want[record["index"]], abs=1e-8)
+                         for record in shown)
 
 
 def test_details_go_back_by_position_and_the_first_answer_stays():
