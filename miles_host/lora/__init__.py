@@ -3,6 +3,8 @@
 - :mod:`~miles_host.lora.layers`: :class:`LoraLinear`, adapters on the row slices of a fused linear;
   adapters next to a precision recipe's quantized linears (``adapt_in_place``)
 - :mod:`~miles_host.lora.targets`: the adaptable HF linears and PEFT's name matching
+- :mod:`~miles_host.lora.experts`: :class:`LoraExperts`, adapters on the routed experts' stacked
+  weights (PEFT's ``target_parameters``)
 - :mod:`~miles_host.lora.inject`: :func:`apply_lora`, what the trainer calls after loading the policy
 - :mod:`~miles_host.lora.export`: merged weights for weight sync, ``--save-hf`` and checkpoint output
 - :mod:`~miles_host.lora.sync`: ``--lora-sync``: merged weights, or adapters run unmerged by the engine

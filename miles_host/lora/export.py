@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from miles_host.lora.layers import lora_modules, merged_weight
+from miles_host.lora.layers import lora_modules
 from miles_host.lora.peft_io import save_adapter
 
 
@@ -28,9 +28,7 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | N
         return state
     out = {key: value for key, value in state.items() if ".lora_A." not in key and ".lora_B." not in key}
     for name, module in layers.items():
-        a = {p.key: state[f"{name}.lora_A.{p.key}"] for p in module.parts}
-        b = {p.key: state[f"{name}.lora_B.{p.key}"] for p in module.parts}
-        out[f"{name}.weight"] = merged_weight(state[f"{name}.weight"], module.parts, a, b, module.scaling)
+        out.update(module.merged_weights(name, state))
     return out
 
 

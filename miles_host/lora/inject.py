@@ -5,8 +5,9 @@ The chosen linears become :class:`~miles_host.lora.layers.LoraLinear` (same para
 for the base weights, which are frozen: no gradients, no optimizer state); a precision
 recipe's quantized linears (``--precision int4`` / ``fp8``, which need ``--lora-sync adapter``)
 keep their own forward and state and get the adapters next to them, in the model's dtype
-(:func:`~miles_host.lora.layers.adapt_in_place`). Every other parameter of the model is frozen
-too, so the optimizer the trainer builds next holds the adapters only.
+(:func:`~miles_host.lora.layers.adapt_in_place`). Routed experts picked by name (``experts``,
+``experts.gate_up_proj``, ...) become :class:`~miles_host.lora.experts.LoraExperts`. Every other
+parameter of the model is frozen too, so the optimizer the trainer builds next holds the adapters only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from miles_host.lora.experts import adapt_experts
 from miles_host.lora.layers import LoraLinear, LoraPart, adapt_in_place
 from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
 from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, quantized_linears, select, split_names
@@ -95,6 +97,12 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
     if not chosen:
         raise ValueError(f"--exclude-modules {config.exclude_modules} leaves no module of --target-modules "
                          f"{config.target_modules or ALL_LINEAR} to adapt; {available_names(candidates)}")
+    experts = {c.native for c in chosen if c.experts}
+    if experts and config.lora_dropout:
+        raise ValueError(f"--lora-dropout {config.lora_dropout:g} with adapters on the routed experts "
+                         f"({sorted(experts)[0]}, ...): their update is a weight delta W + B A (PEFT's "
+                         "target_parameters), so no dropout can act on its input; give --lora-dropout 0 or "
+                         "--exclude-modules experts")
     model.requires_grad_(False)
     by_native: dict[str, list[LoraPart]] = {}
     for candidate in chosen:
@@ -104,7 +112,9 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
         parent_name, _, attribute = native.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, attribute)
-        if native in quantized:
+        if native in experts:
+            adapt_experts(base, parts, config.lora_rank, config.lora_alpha)
+        elif native in quantized:
             adapt_in_place(base, parts, config.lora_rank, config.lora_alpha, config.lora_dropout, adapter_dtype)
         else:
             setattr(parent, attribute, LoraLinear(base, parts, config.lora_rank, config.lora_alpha,

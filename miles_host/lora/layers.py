@@ -133,6 +133,13 @@ class LoraAdapters:
                           b_OR.to(y_TO.dtype).t())
         return out.view(y_TO.shape)
 
+    def merged_weights(self, name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The merged weight of this layer (native name ``name``) from a native ``state``
+        (:func:`merged_weight`), under its native name."""
+        a = {p.key: state[f"{name}.lora_A.{p.key}"] for p in self.parts}
+        b = {p.key: state[f"{name}.lora_B.{p.key}"] for p in self.parts}
+        return {f"{name}.weight": merged_weight(state[f"{name}.weight"], self.parts, a, b, self.scaling)}
+
     def _lora_repr(self) -> str:
         keys = ", ".join(p.key for p in self.parts)
         return f"lora_rank={self.rank}, lora_alpha={self.alpha:g}, parts=({keys})"
@@ -214,7 +221,11 @@ def merged_weight(
     return merged.to(weight_OI.dtype)
 
 
-def lora_modules(model: torch.nn.Module) -> dict[str, LoraAdapters]:
-    """The model's LoRA layers (:class:`LoraLinear` and adapted quantized linears) by module
-    name (empty: the model carries no adapters)."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoraAdapters)}
+def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's LoRA layers (:class:`LoraLinear`, adapted quantized linears and routed experts:
+    :class:`~miles_host.lora.experts.LoraExperts`) by module name (empty: the model carries no
+    adapters). Each has ``parts``, ``rank``, ``alpha``, ``scaling``, ``lora_A`` / ``lora_B``,
+    ``fuse_adapters()`` and ``merged_weights(name, state)``."""
+    from miles_host.lora.experts import LoraExperts
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, (LoraAdapters, LoraExperts))}

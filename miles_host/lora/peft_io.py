@@ -2,7 +2,9 @@
 
 Keys are PEFT's, ``base_model.model.<HF module path>.lora_A.weight`` (``[r, in]``) and
 ``...lora_B.weight`` (``[out, r]``), so ``peft.PeftModel.from_pretrained`` loads a miles
-adapter onto the transformers model, and miles loads an adapter PEFT wrote. Only plain LoRA
+adapter onto the transformers model, and miles loads an adapter PEFT wrote. Adapters on the
+routed experts' stacks are PEFT's ``target_parameters`` (``lora.ParamWrapper``; layout and key
+names: :mod:`miles_host.lora.experts`). Only plain LoRA
 is read: one rank and alpha for all modules, no DoRA, no rsLoRA, no trained biases or
 extra saved modules (each is refused by name).
 """
@@ -15,37 +17,64 @@ from typing import Any
 
 import torch
 
-from miles_host.lora.layers import LoraLinear, lora_modules
-from miles_host.lora.targets import candidates_of
+from miles_host.lora.experts import LoraExperts, PeftLayout, peft_layout
+from miles_host.lora.layers import lora_modules
+from miles_host.lora.targets import candidates_of, matches
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def peft_places(model: torch.nn.Module) -> dict[str, tuple[str, PeftLayout]]:
+    """PEFT key -> (native name of the adapter matrix, its :class:`PeftLayout`) for every
+    adapter matrix of ``model``."""
+    out = {}
+    for name, module in lora_modules(model).items():
+        if isinstance(module, LoraExperts):
+            for local, layout in peft_layout(module, _PREFIX).items():
+                out[layout.key] = (f"{name}.{local}", layout)
+            continue
+        for part in module.parts:
+            for matrix in ("A", "B"):
+                key = f"{_PREFIX}{part.hf_module}.lora_{matrix}.weight"
+                out[key] = (f"{name}.lora_{matrix}.{part.key}", PeftLayout(key, _same, _same))
+    return out
+
+
 def adapter_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors of ``model`` (from ``state``, a native state dict such as a
     sharded trainer's gathered one, when given), float32 on the CPU."""
     state = state if state is not None else model.state_dict()
-    out = {}
-    for name, module in lora_modules(model).items():
-        for part in module.parts:
-            for matrix in ("A", "B"):
-                tensor = state[f"{name}.lora_{matrix}.{part.key}"]
-                out[f"{_PREFIX}{part.hf_module}.lora_{matrix}.weight"] = tensor.detach().float().cpu().contiguous()
-    return out
+    return {key: layout.to_peft(state[native].detach()).float().cpu().contiguous()
+            for key, (native, layout) in peft_places(model).items()}
+
+
+def _picking_names(adapted: list[str], every: list[str], leaf: Any) -> list[str]:
+    """The shortest names (``leaf(path)``) that pick exactly the ``adapted`` paths out of
+    ``every``, else the full paths."""
+    leaves = sorted({leaf(path) for path in adapted})
+    picked = [p for p in every if leaf(p) in leaves]
+    return leaves if sorted(picked) == sorted(adapted) else sorted(adapted)
 
 
 def adapter_config(model: torch.nn.Module, config: Any) -> dict[str, Any]:
-    """PEFT's ``LoraConfig`` fields for the adapters of ``model``. ``target_modules`` is the
-    leaf names when they pick exactly the adapted modules, else the full module paths."""
+    """PEFT's ``LoraConfig`` fields for the adapters of ``model``. ``target_modules`` (linears)
+    and ``target_parameters`` (routed experts' stacks) are the leaf names (``q_proj``,
+    ``experts.gate_up_proj``) when they pick exactly the adapted ones, else the full paths."""
     modules = list(lora_modules(model).values())
     first = modules[0]
-    adapted = [p.hf_module for m in modules for p in m.parts]
-    every = [c.part.hf_module for c in candidates_of(model)]
-    leaves = sorted({path.rsplit(".", 1)[-1] for path in adapted})
-    picked_by_leaves = [p for p in every if p.rsplit(".", 1)[-1] in leaves]
-    targets = leaves if sorted(picked_by_leaves) == sorted(adapted) else sorted(adapted)
+    candidates = candidates_of(model)
+    linears = [p.hf_module for m in modules if not isinstance(m, LoraExperts) for p in m.parts]
+    stacks = [p.hf_module for m in modules if isinstance(m, LoraExperts) for p in m.parts]
+    targets = _picking_names(linears, [c.part.hf_module for c in candidates if not c.experts],
+                             lambda path: path.rsplit(".", 1)[-1]) if linears else None
+    parameters = _picking_names(stacks, [c.part.hf_module for c in candidates if c.experts],
+                                lambda path: ".".join(path.rsplit(".", 2)[-2:])) if stacks else None
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -54,6 +83,7 @@ def adapter_config(model: torch.nn.Module, config: Any) -> dict[str, Any]:
         "lora_alpha": first.alpha,
         "lora_dropout": float(config.lora_dropout),
         "target_modules": targets,
+        "target_parameters": parameters,
         "exclude_modules": None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -107,12 +137,19 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
 
 
 def adapter_modules(path: str | Path) -> list[str]:
-    """The HF module paths an adapter file holds LoRA pairs for."""
+    """The HF paths an adapter file holds LoRA pairs for: linear modules, and the stacked
+    parameters its ``target_parameters`` adapt (``<experts module>.gate_up_proj``)."""
     from safetensors import safe_open
 
     with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt", device="cpu") as handle:
         keys = list(handle.keys())
-    return sorted({k[len(_PREFIX):].rsplit(".lora_", 1)[0] for k in keys if k.startswith(_PREFIX) and ".lora_" in k})
+    modules = {k[len(_PREFIX):].rsplit(".lora_", 1)[0].replace(".base_layer", "")
+               for k in keys if k.startswith(_PREFIX) and ".lora_" in k}
+    parameters = read_adapter_config(path).get("target_parameters") or []
+    stacks = {f"{module}.{target.rsplit('.', 1)[-1]}" for module in modules for target in parameters
+              if matches(f"{module}.{target.rsplit('.', 1)[-1]}", target)}
+    wrapped = {stack.rsplit(".", 1)[0] for stack in stacks}
+    return sorted((modules - wrapped) | stacks)
 
 
 def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
@@ -126,11 +163,7 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
     if not file.is_file():
         raise FileNotFoundError(f"--lora-adapter-path {path}: no {WEIGHTS_FILE} there")
     tensors = load_file(str(file))
-    places: dict[str, tuple[LoraLinear, str, str]] = {}
-    for module in lora_modules(model).values():
-        for part in module.parts:
-            for matrix in ("A", "B"):
-                places[f"{_PREFIX}{part.hf_module}.lora_{matrix}.weight"] = (module, matrix, part.key)
+    places = peft_places(model)
     unexpected = sorted(set(tensors) - set(places))
     missing = sorted(set(places) - set(tensors))
     if unexpected or missing:
@@ -141,9 +174,10 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> None:
                          "give --target-modules / --exclude-modules that pick the adapter's modules (or leave "
                          "--target-modules out to take the adapter's own)")
     with torch.no_grad():
-        for key, (module, matrix, part_key) in places.items():
-            destination = (module.lora_A if matrix == "A" else module.lora_B)[part_key]
-            if tuple(destination.shape) != tuple(tensors[key].shape):
+        for key, (native, layout) in places.items():
+            destination = model.get_parameter(native)
+            expected = tuple(layout.to_peft(destination).shape)
+            if expected != tuple(tensors[key].shape):
                 raise ValueError(f"--lora-adapter-path {path}: {key} has shape {tuple(tensors[key].shape)}, the "
-                                 f"model's LoRA layer expects {tuple(destination.shape)}")
-            destination.copy_(tensors[key])
+                                 f"model's LoRA layer expects {expected}")
+            destination.copy_(layout.from_peft(tensors[key]))

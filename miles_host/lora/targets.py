@@ -6,10 +6,16 @@ row numbers go through ``convert_native_tensor`` and come back split and renamed
 linear is found with the rows of the native linear it owns. Linear modules of the decoder
 qualify: ``torch.nn.Linear`` and a precision recipe's quantized linears (modules with integer
 ``in_features`` / ``out_features``, :func:`is_quantized_linear`); the lm head is read as a
-matrix, not called; MoE routers and stacked experts are no linears.
+matrix, not called; MoE routers are no linears.
+
+The routed experts' stacked 3-D weights (``experts.gate_up_proj``, ``experts.down_proj``) are
+candidates too, as PEFT's ``target_parameters`` (:mod:`~miles_host.lora.experts`). Names pick
+them in their dotted forms only: ``experts`` (the module: both stacks), ``experts.gate_up_proj``,
+``mlp.experts.down_proj``, a full path; a bare ``down_proj`` stays the dense linear's name, as
+in PEFT's ``target_modules``, and ``all-linear`` leaves the experts out (as PEFT does).
 
 Matching follows PEFT's rules on those HF module paths: a name matches a module whose path
-equals it or ends with ``.<name>``; ``all-linear`` is every adaptable module (PEFT leaves the
+equals it or ends with ``.<name>``; ``all-linear`` is every adaptable linear (PEFT leaves the
 output layer out too).
 """
 
@@ -20,6 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
+from miles_host.lora.experts import experts_parts, is_experts
 from miles_host.lora.layers import LoraAdapters, LoraLinear, LoraPart
 
 ALL_LINEAR = "all-linear"
@@ -40,10 +47,20 @@ _NEVER = ("lm_head", "mtp.")
 
 @dataclass(frozen=True)
 class Candidate:
-    """An HF linear that can carry an adapter: inside native module ``native`` at ``part``."""
+    """An HF linear (or, ``experts``: a routed experts' stacked parameter) that can carry an
+    adapter: inside native module ``native`` at ``part``."""
 
     native: str
     part: LoraPart
+    experts: bool = False
+
+    def picked_by(self, name: str) -> bool:
+        """Whether list entry ``name`` picks this candidate (PEFT's suffix rule; expert stacks by
+        their module, ``experts``, or a dotted name)."""
+        if not self.experts:
+            return matches(self.part.hf_module, name)
+        module = self.part.hf_module.rsplit(".", 1)[0]
+        return matches(module, name) or ("." in name and matches(self.part.hf_module, name))
 
 
 def split_names(text: str | list[str] | None) -> list[str]:
@@ -80,10 +97,15 @@ def _row_parts(family: Any, native_weight: str, out_features: int, config: Any) 
 
 
 def adaptable_modules(model: torch.nn.Module, family: Any) -> list[Candidate]:
-    """Every HF linear of ``model`` that can carry an adapter, in module order."""
+    """Every HF linear (and routed-experts stack) of ``model`` that can carry an adapter, in module order."""
     found = []
     for name, module in model.named_modules():
-        if any(name == n or name.startswith(n) for n in _NEVER) or not _is_linear(module):
+        if any(name == n or name.startswith(n) for n in _NEVER):
+            continue
+        if is_experts(module) and family.convert_native_tensor is not None:
+            found += [Candidate(name, part, experts=True) for part in experts_parts(family, name, module, model.config)]
+            continue
+        if not _is_linear(module):
             continue
         parts = _row_parts(family, f"{name}.weight", module.out_features, model.config)
         for hf_weight, start, stop in parts or ():
@@ -122,24 +144,27 @@ def select(candidates: list[Candidate], targets: Iterable[str], excludes: Iterab
     ValueError when a target or exclude name matches no adaptable module (a typo adapts
     nothing silently otherwise), listing the names that exist."""
     targets, excludes = list(targets), list(excludes)
-    unmatched = [t for t in targets if t != ALL_LINEAR and not any(matches(c.part.hf_module, t) for c in candidates)]
-    unmatched += [e for e in excludes if not any(matches(c.part.hf_module, e) for c in candidates)]
+    unmatched = [t for t in targets if t != ALL_LINEAR and not any(c.picked_by(t) for c in candidates)]
+    unmatched += [e for e in excludes if not any(c.picked_by(e) for c in candidates)]
     if unmatched:
         raise ValueError(
             f"--target-modules/--exclude-modules: {', '.join(unmatched)} matches no adaptable module of this model; "
             f"{available_names(candidates)}"
         )
-    chosen = [c for c in candidates if ALL_LINEAR in targets or any(matches(c.part.hf_module, t) for t in targets)]
-    return [c for c in chosen if not any(matches(c.part.hf_module, e) for e in excludes)]
+    chosen = [c for c in candidates
+              if (ALL_LINEAR in targets and not c.experts) or any(c.picked_by(t) for t in targets)]
+    return [c for c in chosen if not any(c.picked_by(e) for e in excludes)]
 
 
 def available_names(candidates: list[Candidate]) -> str:
     """The adaptable names, for error messages: the leaf names and one full path as an example."""
     if not candidates:
         return "the model has no adaptable linear modules"
-    leaves = list(dict.fromkeys(c.part.key for c in candidates))
-    return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, or a full module path "
-            f"such as {candidates[0].part.hf_module})")
+    leaves = list(dict.fromkeys(c.part.key for c in candidates if not c.experts))
+    leaves += list(dict.fromkeys(f"experts.{c.part.key}" for c in candidates if c.experts))
+    leaves += ["experts (both stacks of the routed experts)"] if any(c.experts for c in candidates) else []
+    return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, which leaves the routed "
+            f"experts out, or a full module path such as {candidates[0].part.hf_module})")
 
 
 def family_of(model: torch.nn.Module) -> Any:

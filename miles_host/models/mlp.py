@@ -121,6 +121,13 @@ def init_experts(module: torch.nn.Module, hidden_size: int, moe: MoEConfig, act:
     module.experts_impl = moe.experts_impl
 
 
+def gated_expert(x_TH: torch.Tensor, gate_up_2IH: torch.Tensor, down_HI: torch.Tensor,
+                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One expert's gated MLP: ``down(act(gate x) * (up x))``, gate rows first in ``gate_up``."""
+    gate_TI, up_TI = F.linear(x_TH, gate_up_2IH).chunk(2, dim=-1)
+    return F.linear(act(gate_TI) * up_TI, down_HI)
+
+
 class Experts(torch.nn.Module):
     """All routed experts as 3-D weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
@@ -138,24 +145,35 @@ class Experts(torch.nn.Module):
 
     def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
         """One expert's gated MLP on its tokens."""
-        gate, up = F.linear(x_e, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj[expert])
+        return gated_expert(x_e, self.gate_up_proj[expert], self.down_proj[expert], self.act)
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                 routing: moe_grouped.Routing | None = None) -> torch.Tensor:
         """The routed experts' output; ``routing``: the layout of ids and weights if the caller has it (fused path)."""
+        return self.routed_with(x_TH, ids_TK, weights_TK, routing, self.gate_up_proj, self.down_proj)
+
+    def routed_with(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                    routing: moe_grouped.Routing | None, gate_up_E2IH: torch.Tensor,
+                    down_EHI: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` over the given stacked weights (LoRA passes its merged ``W + scaling * B @ A``;
+        :mod:`miles_host.lora.experts`), on the path the batch takes: grouped GEMMs with gradients,
+        the fused kernels at inference, else the per-expert loop."""
         # training: one grouped GEMM per projection, forward and backward, no host sync
         if (
             torch.is_grad_enabled()
             and not _invariant_active()
-            and moe_train.uses_grouped_experts(self.experts_impl, x_TH, self.gate_up_proj)
+            and moe_train.uses_grouped_experts(self.experts_impl, x_TH, gate_up_E2IH)
         ):
-            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act)
+            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act)
         # inference: the fused kernels (one routing launch, one GEMM per projection, one combine; no host sync)
         if uses_fused_moe(self, x_TH) and self.act_name in moe_grouped.FUSED_ACTIVATIONS:
-            gemms = moe_grouped.DenseExpertGemms(self.gate_up_proj, self.down_proj, self.act_name)
+            gemms = moe_grouped.DenseExpertGemms(gate_up_E2IH, down_EHI, self.act_name)
             return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
-        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+
+        def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:
+            return gated_expert(x_e, gate_up_E2IH[expert], down_EHI[expert], self.act)
+
+        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, expert_mlp)
 
 
 #: inference paths of the routed experts: the fused kernels of :mod:`miles_host.kernels.moe_grouped`

@@ -1,0 +1,199 @@
+"""LoRA on the routed experts' stacked weights (PEFT's ``target_parameters``): adapters cross
+between miles and PEFT with the logits of the transformers model under ``peft`` (the
+independent reference) within float32 tolerance, both ways; gradients reach the adapters
+through the per-expert loop and the grouped-GEMM path alike; the engine's adapter mode
+re-merges after each sync; R3's replayed ids pick the adapted experts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles_host.config import MilesConfig
+from miles_host.lora import apply_lora, lora_modules, merged_state_dict, save_adapter
+from miles_host.lora.experts import LoraExperts
+from miles_host.lora.sync import prepare_engine_model
+from miles_host.models import load_pretrained
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+RANK, ALPHA = 4, 8
+QWEN3_MOE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-MoE checkpoint (hidden 64, 4 experts, top-2)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("lora_qwen3_moe")
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).save_pretrained(path)
+    return path
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(2, 99, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def _hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _adapted(path, seed: int = 1, **flags):
+    """The native model with adapters as ``flags`` say, every ``B`` drawn away from zero."""
+    config = MilesConfig(hf_checkpoint=str(path), lora_rank=RANK, lora_alpha=ALPHA, **flags)
+    model = load_pretrained(str(path), dtype=torch.float32)
+    apply_lora(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in lora_modules(model).values():
+            for b in module.lora_B.values():
+                b.normal_(0, 0.2)
+    return model, config
+
+
+def _assert_close(have: torch.Tensor, want: torch.Tensor) -> None:
+    assert (have - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), (have - want).abs().max()
+
+
+@pytest.mark.parametrize("targets", ["q_proj,experts", "experts.down_proj"])
+def test_expert_adapter_saved_by_miles_gives_the_same_logits_under_peft(moe_checkpoint, tmp_path, targets):
+    model, config = _adapted(moe_checkpoint, target_modules=targets)
+    experts = [m for m in lora_modules(model).values() if isinstance(m, LoraExperts)]
+    assert len(experts) == 2 and all(len(m.parts) == targets.count("experts") * (2 if targets.endswith("experts")
+                                                                               else 1) for m in experts)
+    save_adapter(model, tmp_path / "adapter", config)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["target_parameters"] == (["experts.down_proj", "experts.gate_up_proj"]
+                                          if targets.endswith("experts") else ["experts.down_proj"])
+    reference = peft.PeftModel.from_pretrained(_hf_model(moe_checkpoint), str(tmp_path / "adapter")).eval()
+    merged = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
+    merged.load_state_dict(merged_state_dict(model))
+    with torch.no_grad():
+        want = reference(_ids()).logits
+        base = _hf_model(moe_checkpoint)(_ids()).logits
+        assert (want - base).abs().max() > 1e-2  # the adapter changes the model
+        _assert_close(model(_ids()), want)
+        _assert_close(merged(_ids()), want)
+
+
+def test_adapter_trained_by_peft_with_target_parameters_gives_the_same_logits_in_miles(moe_checkpoint, tmp_path):
+    torch.manual_seed(2)
+    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["o_proj"], init_lora_weights=False,
+                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    reference = peft.get_peft_model(_hf_model(moe_checkpoint), peft_config).eval()
+    reference.save_pretrained(str(tmp_path / "peft_adapter"))
+    config = MilesConfig(hf_checkpoint=str(moe_checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
+                         lora_adapter_path=str(tmp_path / "peft_adapter"))
+    model = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
+    summary = apply_lora(model, config)
+    assert summary.adapted_modules == 2 * 3  # per layer: o_proj and both expert stacks
+    merged = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
+    merged.load_state_dict(merged_state_dict(model))
+    with torch.no_grad():
+        want = reference(_ids()).logits
+        _assert_close(model(_ids()), want)
+        _assert_close(merged(_ids()), want)
+
+
+def _adapter_grads(model) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(_ids()).float().pow(2).mean().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_gradients_reach_the_expert_adapters_through_the_loop_and_the_grouped_path(moe_checkpoint):
+    model, _ = _adapted(moe_checkpoint, target_modules="experts")
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    experts = [m for m in lora_modules(model).values() if isinstance(m, LoraExperts)]
+    grads = {}
+    for impl in ("loop", "grouped"):
+        for module in experts:
+            module.experts_impl = impl
+        grads[impl] = _adapter_grads(model)
+    assert set(grads["loop"]) == {f"layers.{i}.mlp.experts.lora_{m}.{k}" for i in range(2) for m in "AB"
+                                  for k in ("gate_up_proj", "down_proj")}
+    assert all(not any(p.grad is not None for p in m.parameters(recurse=False)) for m in experts)
+    for name, grad in grads["loop"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads["grouped"][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_expert_delta_is_w_plus_scaled_b_a_per_expert(moe_checkpoint):
+    """The merged stacks against the plain float64 formula, expert by expert."""
+    model, _ = _adapted(moe_checkpoint, target_modules="experts")
+    state = model.state_dict()
+    merged = merged_state_dict(model)
+    scaling = ALPHA / RANK
+    for key in ("gate_up_proj", "down_proj"):
+        name = f"layers.1.mlp.experts.{key}"
+        a, b = state[f"layers.1.mlp.experts.lora_A.{key}"], state[f"layers.1.mlp.experts.lora_B.{key}"]
+        for e in range(QWEN3_MOE["num_experts"]):
+            want = state[name][e].double() + scaling * b[e].double() @ a[e].double()
+            torch.testing.assert_close(merged[name][e].double(), want, rtol=0, atol=1e-6)
+    assert not any(".lora_" in k for k in merged)
+
+
+def test_target_names_for_experts_follow_peft(moe_checkpoint):
+    def adapted(**flags):
+        model = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
+        apply_lora(model, MilesConfig(hf_checkpoint=str(moe_checkpoint), lora_rank=RANK, lora_alpha=ALPHA, **flags))
+        return {name: sorted(p.key for p in m.parts) for name, m in lora_modules(model).items()}
+
+    assert not any("experts" in name for name in adapted())  # all-linear: PEFT's, no expert stacks
+    assert not any("experts" in name for name in adapted(target_modules="q_proj,experts",
+                                                         exclude_modules="experts"))
+    assert adapted(target_modules="mlp.experts.gate_up_proj") == {
+        f"layers.{i}.mlp.experts": ["gate_up_proj"] for i in range(2)}
+    with pytest.raises(ValueError, match="down_proj matches no adaptable module.*experts.gate_up_proj"):
+        adapted(target_modules="down_proj")  # a bare name is a linear's (no dense MLP here), as in PEFT
+    with pytest.raises(ValueError, match="--lora-dropout 0.1 with adapters on the routed experts"):
+        adapted(target_modules="experts", lora_dropout=0.1)
+
+
+def test_adapter_sync_engine_re_merges_the_expert_stacks_after_each_sync(moe_checkpoint):
+    trainer, config = _adapted(moe_checkpoint, target_modules="q_proj,experts")
+    config.lora_sync = "adapter"
+    engine = prepare_engine_model(load_pretrained(str(moe_checkpoint), dtype=torch.float32), config)
+    engine.load_state_dict(trainer.state_dict())
+    for module in lora_modules(engine).values():
+        module.miles_weights_updated()
+    with torch.no_grad():
+        _assert_close(engine(_ids()), trainer(_ids()))
+        for name, tensor in trainer.state_dict().items():  # a later sync: the adapters only
+            if ".lora_B." in name:
+                engine.get_parameter(name).copy_(tensor * 1.5)
+                trainer.get_parameter(name).mul_(1.5)
+        for module in lora_modules(engine).values():
+            module.miles_weights_updated()
+        _assert_close(engine(_ids()), trainer(_ids()))
+
+
+def test_replayed_expert_ids_run_through_the_adapted_experts(moe_checkpoint):
+    """R3: ids a routing plugin replays pick which adapted experts run (the routing code is the
+    block's own; the adapters only change the stacks)."""
+    from miles_host.routing import RoutingContext
+
+    model, _ = _adapted(moe_checkpoint, target_modules="experts")
+    block = model.get_submodule("layers.0.mlp")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    replay = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    block.routing_hooks = type(block.routing_hooks)(None)
+    block.routing_hooks._select = lambda **kw: kw["routing_context"].replay_expert_ids[kw["layer_index"]]
+    with torch.no_grad():
+        have = block(x, RoutingContext(replay_expert_ids={block.layer_index: replay}))
+        scores = torch.softmax(x @ block.router.weight.t(), dim=-1).gather(1, replay)
+        weights = scores / scores.sum(-1, keepdim=True) if block.moe.norm_topk_prob else scores
+        experts = block.experts
+        want = torch.zeros_like(x)
+        for t in range(5):
+            for k in range(2):
+                e = int(replay[t, k])
+                gate_up, down = experts.merged("gate_up_proj")[e], experts.merged("down_proj")[e]
+                gate, up = (gate_up @ x[t]).chunk(2)
+                want[t] += weights[t, k] * (down @ (torch.nn.functional.silu(gate) * up))
+    _assert_close(have, want)
