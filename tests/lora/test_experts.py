@@ -197,3 +197,68 @@ def test_replayed_expert_ids_run_through_the_adapted_experts(moe_checkpoint):
                 gate, up = (gate_up @ x[t]).chunk(2)
                 want[t] += weights[t, k] * (down @ (torch.nn.functional.silu(gate) * up))
     _assert_close(have, want)
+
+
+def _moe_policy(tiny_task, directory):
+    """The tiny task's tokenizer over a Qwen3-MoE policy (hidden 64, 4 experts, top-2)."""
+    import shutil
+
+    model, data = tiny_task
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, "vocab_size": 14, "tie_word_embeddings": True})
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory)
+    for file in model.iterdir():
+        if "token" in file.name:
+            shutil.copy(file, directory / file.name)
+    return directory, data
+
+
+@pytest.mark.parametrize("sync", ["merged", pytest.param("adapter", marks=pytest.mark.slow)])
+def test_a_grpo_run_trains_the_expert_adapters_and_the_engine_samples_from_them(tiny_task, tmp_path, signal_reward,
+                                                                                 sync):
+    from safetensors.torch import load_file
+
+    from tests.distributed.conftest import base_args, read_metrics, run_one_process
+
+    model, data = _moe_policy(tiny_task, tmp_path / "moe")
+    argv = base_args(model, data, tmp_path / "out", "--num-rollout", "2", "--lora-rank", str(RANK), "--lora-alpha",
+                     str(ALPHA), "--target-modules", "q_proj,experts", "--lora-sync", sync, *signal_reward,
+                     "--save-hf", str(tmp_path / "hf_{rollout_id}"))
+    assert run_one_process(argv) == 0
+    metrics = read_metrics(tmp_path / "out")
+    experts = 2 * 4 * RANK * ((64 + 64) + (32 + 64))  # 2 layers x 4 experts: A and B of gate_up_proj, down_proj
+    assert metrics[-1]["lora/trainable_params"] == experts + 2 * RANK * (64 + 64)
+    # the engine samples from the trained expert adapters: its log-probs are the trainer's up to float32 rounding
+    assert all(m["train/train_rollout_logprob_abs_diff_max"] < 1e-5 for m in metrics)
+    adapter = load_file(str(tmp_path / "hf_1" / "adapter_model.safetensors"))
+    stacks = [k for k in adapter if ".mlp.experts." in k and ".lora_B." in k]
+    assert len(stacks) == 4 and all(adapter[k].abs().max() > 0 for k in stacks)  # B left its zero start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_expert_adapter_gradients_of_the_bf16_grouped_gemms_match_the_float32_loop(moe_checkpoint, monkeypatch):
+    """On the GPU under bf16 autocast the experts take the grouped GEMMs (``_grouped_mm``) over
+    the merged stacks; the adapters' gradients are the float32 per-expert loop's up to bf16 rounding."""
+    from miles_host.kernels import moe_train
+
+    model, _ = _adapted(moe_checkpoint, target_modules="q_proj,experts")
+    model.cuda()
+    experts = [m for m in lora_modules(model).values() if isinstance(m, LoraExperts)]
+    for module in experts:
+        module.experts_impl = "loop"
+    model.zero_grad()
+    model(_ids().cuda()).float().pow(2).mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    calls = []
+    grouped = moe_train.grouped_experts
+    monkeypatch.setattr(moe_train, "grouped_experts", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    for module in experts:
+        module.experts_impl = "auto"
+    model.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(_ids().cuda()).float().pow(2).mean().backward()
+    assert len(calls) == len(experts)  # the grouped path ran
+    for name, grad in want.items():
+        have = dict(model.named_parameters())[name].grad
+        assert (have - grad).norm() <= 5e-2 * grad.norm(), name
