@@ -50,18 +50,22 @@ def _char_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
 
 
-@pytest.fixture(scope="module", params=sorted(MOE_CASES))
-def moe_task(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
+def save_moe_task(root, case: str, prompts: int = 32):
+    """A random ``MOE_CASES[case]`` model with near-tied routers and an addition dataset under ``root``."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MOE_CASES[request.param]())
+    model = transformers.AutoModelForCausalLM.from_config(MOE_CASES[case]())
     with torch.no_grad():  # near-tied router scores: bf16 rounding then flips some top-k choices
         for name, parameter in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 parameter.mul_(0.05)
     model.save_pretrained(root / "model")
     _char_tokenizer().save_pretrained(root / "model")
-    return root / "model", write_addition_data(root / "data.jsonl", 32)
+    return root / "model", write_addition_data(root / "data.jsonl", prompts)
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_CASES))
+def moe_task(request, tmp_path_factory):
+    return save_moe_task(tmp_path_factory.mktemp(request.param), request.param)
 
 
 class Observer:
