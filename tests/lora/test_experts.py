@@ -16,11 +16,9 @@ from miles_host.lora import apply_lora, lora_modules, merged_state_dict, save_ad
 from miles_host.lora.experts import LoraExperts
 from miles_host.lora.sync import prepare_engine_model
 from miles_host.models import load_pretrained
-
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-RANK, ALPHA = 4, 8
+from tests.lora.test_peft_interop import (ALPHA, RANK, _assert_close, _hf_model, _merged_model, peft,
+                                          peft_adapter_in_miles, transformers)
+from tests.lora.test_peft_interop import _input_ids as _ids
 QWEN3_MOE = dict(vocab_size=99, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
@@ -33,14 +31,6 @@ def moe_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora_qwen3_moe")
     transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).save_pretrained(path)
     return path
-
-
-def _ids() -> torch.Tensor:
-    return torch.randint(2, 99, (2, 11), generator=torch.Generator().manual_seed(3))
-
-
-def _hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def _adapted(path, seed: int = 1, **flags):
@@ -56,10 +46,6 @@ def _adapted(path, seed: int = 1, **flags):
     return model, config
 
 
-def _assert_close(have: torch.Tensor, want: torch.Tensor) -> None:
-    assert (have - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), (have - want).abs().max()
-
-
 @pytest.mark.parametrize("targets", ["q_proj,experts", "experts.down_proj"])
 def test_expert_adapter_saved_by_miles_gives_the_same_logits_under_peft(moe_checkpoint, tmp_path, targets):
     model, config = _adapted(moe_checkpoint, target_modules=targets)
@@ -71,8 +57,7 @@ def test_expert_adapter_saved_by_miles_gives_the_same_logits_under_peft(moe_chec
     assert saved["target_parameters"] == (["experts.down_proj", "experts.gate_up_proj"]
                                           if targets.endswith("experts") else ["experts.down_proj"])
     reference = peft.PeftModel.from_pretrained(_hf_model(moe_checkpoint), str(tmp_path / "adapter")).eval()
-    merged = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
-    merged.load_state_dict(merged_state_dict(model))
+    merged = _merged_model(moe_checkpoint, model)
     with torch.no_grad():
         want = reference(_ids()).logits
         base = _hf_model(moe_checkpoint)(_ids()).logits
@@ -82,22 +67,14 @@ def test_expert_adapter_saved_by_miles_gives_the_same_logits_under_peft(moe_chec
 
 
 def test_adapter_trained_by_peft_with_target_parameters_gives_the_same_logits_in_miles(moe_checkpoint, tmp_path):
-    torch.manual_seed(2)
-    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["o_proj"], init_lora_weights=False,
-                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    reference = peft.get_peft_model(_hf_model(moe_checkpoint), peft_config).eval()
-    reference.save_pretrained(str(tmp_path / "peft_adapter"))
-    config = MilesConfig(hf_checkpoint=str(moe_checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
-                         lora_adapter_path=str(tmp_path / "peft_adapter"))
-    model = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
-    summary = apply_lora(model, config)
+    reference, model, summary = peft_adapter_in_miles(
+        moe_checkpoint, tmp_path, target_modules=["o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     assert summary.adapted_modules == 2 * 3  # per layer: o_proj and both expert stacks
-    merged = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
-    merged.load_state_dict(merged_state_dict(model))
     with torch.no_grad():
         want = reference(_ids()).logits
         _assert_close(model(_ids()), want)
-        _assert_close(merged(_ids()), want)
+        _assert_close(_merged_model(moe_checkpoint, model)(_ids()), want)
 
 
 def _adapter_grads(model) -> dict[str, torch.Tensor]:

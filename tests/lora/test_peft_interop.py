@@ -64,16 +64,23 @@ def test_adapter_saved_by_miles_gives_the_same_logits_under_peft(hf_checkpoint, 
     _assert_close(unmerged, want)
 
 
-def test_adapter_trained_by_peft_gives_the_same_logits_in_miles(hf_checkpoint, tmp_path):
+def peft_adapter_in_miles(checkpoint, tmp_path, **peft_fields):
+    """A PEFT adapter (``LoraConfig(**peft_fields)``, random A and B: a non-trivial adapter)
+    saved by ``peft``, and the native model that loads it through ``--lora-adapter-path`` with no
+    ``--target-modules``: ``(peft reference model, native model, LoraSummary)``."""
     torch.manual_seed(2)
-    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"],
-                                  init_lora_weights=False)  # random A and B: a non-trivial adapter
-    reference = peft.get_peft_model(_hf_model(hf_checkpoint), peft_config).eval()
+    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights=False, **peft_fields)
+    reference = peft.get_peft_model(_hf_model(checkpoint), peft_config).eval()
     reference.save_pretrained(str(tmp_path / "peft_adapter"))
-    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
+    config = MilesConfig(hf_checkpoint=str(checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
                          lora_adapter_path=str(tmp_path / "peft_adapter"))
-    model = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
-    summary = apply_lora(model, config)
+    model = load_pretrained(str(checkpoint), dtype=torch.float32)
+    return reference, model, apply_lora(model, config)
+
+
+def test_adapter_trained_by_peft_gives_the_same_logits_in_miles(hf_checkpoint, tmp_path):
+    reference, model, summary = peft_adapter_in_miles(hf_checkpoint, tmp_path,
+                                                      target_modules=["q_proj", "k_proj", "o_proj", "up_proj"])
     assert summary.adapted_modules == 4 * 2  # the adapter's modules: four per layer
     ids = _input_ids()
     with torch.no_grad():
