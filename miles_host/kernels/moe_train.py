@@ -22,6 +22,12 @@ autograd, activation recomputation and R3 replay see the same graph every time:
    and the weights, so the gate weights (and through them the router) get
    ``dw[t, k] = <out[row of (t, k)], dy[t]>``.
 
+LoRA on the experts (:mod:`miles_host.lora.experts`) passes each stack's low-rank pair
+(:class:`StackAdapter`): step 3's projections become ``grouped_mm(x, W^T) + scaling *
+grouped_mm(grouped_mm(x, A^T), B^T)``, so autograd keeps ``[R, rank]`` activations instead of
+merged ``[E, out, in]`` stacks, and no full-size weight gradient is formed
+(:func:`low_rank_fits`: where ``_grouped_mm``'s 16-byte alignment allows the rank).
+
 The routing ids come in from the caller (``RoutingHooks.select``: the router's
 choice or an R3 replay); the gate weights carry the router's gradient.
 
@@ -143,6 +149,32 @@ def grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor)
     return grouped_mm_loop(a_MK, b_EKN, offsets_E)
 
 
+@dataclass(frozen=True)
+class StackAdapter:
+    """A LoRA update of one expert stack: expert ``e``'s weight is ``W_e + scaling * B_e @ A_e``
+    (``a_ERI`` ``[E, rank, in]``, ``b_EOR`` ``[E, out, rank]``)."""
+
+    a_ERI: torch.Tensor
+    b_EOR: torch.Tensor
+    scaling: float
+
+
+def low_rank_fits(rank: int, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` takes ``rank``-wide operands in ``dtype``: ``_grouped_mm`` wants
+    16-byte aligned rows (bf16: a rank that is a multiple of 8)."""
+    return rank * dtype.itemsize % 16 == 0
+
+
+def _project(x_RI: torch.Tensor, weight_EOI: torch.Tensor, adapter: StackAdapter | None,
+             offsets_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row group times its expert's ``weight^T``, plus the group's low-rank update if any."""
+    y_RO = grouped_mm(x_RI, weight_EOI.to(dtype).transpose(1, 2), offsets_E)
+    if adapter is None:
+        return y_RO
+    low_RR = grouped_mm(x_RI, adapter.a_ERI.to(dtype).transpose(1, 2), offsets_E)
+    return y_RO + adapter.scaling * grouped_mm(low_RR, adapter.b_EOR.to(dtype).transpose(1, 2), offsets_E)
+
+
 def compute_dtype(x_TH: torch.Tensor) -> torch.dtype:
     """The dtype the expert GEMMs run in: autocast's where it is on, else x's."""
     device_type = x_TH.device.type
@@ -184,9 +216,11 @@ def grouped_experts(
     gate_up_E2IH: torch.Tensor,
     down_EHI: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    adapters: tuple[StackAdapter | None, StackAdapter | None] = (None, None),
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype, differentiable in x, both weight
     stacks and ``weights_TK``: what ``routed_forward`` with ``Experts.expert_mlp`` computes.
+    ``adapters``: LoRA updates of ``(gate_up, down)`` (:class:`StackAdapter`), differentiable too.
 
     ``gate_up_E2IH``: ``[E, 2I, H]`` (gate rows first); ``down_EHI``: ``[E, H, I]``;
     ``act``: the gate's activation. Under autocast the GEMMs run in autocast's dtype
@@ -198,9 +232,9 @@ def grouped_experts(
     layout = expert_layout(ids_TK, num_experts)
     with torch.autocast(x_TH.device.type, enabled=False):
         x_RH = _PermuteTokens.apply(x_TH.to(dtype), layout.row_token_R, layout.pair_row_TK)
-        gate_up_R2I = grouped_mm(x_RH, gate_up_E2IH.to(dtype).transpose(1, 2), layout.offsets_E)
+        gate_up_R2I = _project(x_RH, gate_up_E2IH, adapters[0], layout.offsets_E, dtype)
         gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-        out_RH = grouped_mm(act(gate_RI) * up_RI, down_EHI.to(dtype).transpose(1, 2), layout.offsets_E)
+        out_RH = _project(act(gate_RI) * up_RI, down_EHI, adapters[1], layout.offsets_E, dtype)
         out_TKH = _UnpermuteRows.apply(out_RH, layout.pair_row_TK)
         combine_dtype = torch.promote_types(out_TKH.dtype, weights_TK.dtype)
         y_TH = torch.bmm(weights_TK.to(combine_dtype).unsqueeze(1), out_TKH.to(combine_dtype)).squeeze(1)

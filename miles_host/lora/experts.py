@@ -6,10 +6,14 @@ do (``Qwen3MoeExperts``). PEFT adapts such a parameter with ``target_parameters`
 (``lora.ParamWrapper``): one rank-``r`` pair per expert, and the expert's weight becomes
 ``W_e + scaling * B_e @ A_e``. :class:`LoraExperts` computes the same: ``lora_A.<param>``
 ``[E, R, in]`` and ``lora_B.<param>`` ``[E, out, R]``, and each forward runs the experts' own
-path (grouped GEMMs in training, fused kernels at inference, the per-expert loop elsewhere;
+path (fused kernels at inference, the per-expert loop elsewhere;
 :meth:`~miles_host.models.mlp.Experts.routed_with`) over the merged stacks, so gradients
-reach ``A`` and ``B`` through whichever path the batch takes. Like PEFT's wrapper, the
-update is a weight delta: no dropout on the adapters' input.
+reach ``A`` and ``B`` through whichever path the batch takes. The training path of grouped
+GEMMs adds the low-rank update as grouped GEMMs of its own instead
+(:class:`~miles_host.kernels.moe_train.StackAdapter`: no merged stacks kept for backward, no
+full-size weight gradient), where ``_grouped_mm``'s alignment allows the rank (bf16: a
+multiple of 8; else merged stacks). Like PEFT's wrapper, the update is a weight delta: no
+dropout on the adapters' input.
 
 PEFT's file layout (:func:`peft_layout`): ``lora_A.weight`` ``[E * R, in]`` (expert-major
 rows: ``A.reshape(E, R, in)``) and ``lora_B.weight`` ``[out, R * E]`` (rank-major columns:
@@ -33,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from miles_host.kernels import moe_train
 from miles_host.lora.layers import LoraPart
 from miles_host.models.mlp import Experts
 
@@ -80,6 +85,14 @@ class LoraExperts(Experts):
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                 routing: Any = None) -> torch.Tensor:
         fused = {key: self._buffers.get(f"lora_merged_{key}") for key in EXPERT_PARAMETERS}
+        if all(buffer is None for buffer in fused.values()) and self.takes_grouped(x_TH) and \
+                moe_train.low_rank_fits(self.rank, moe_train.compute_dtype(x_TH)):
+            adapters = tuple(
+                moe_train.StackAdapter(self.lora_A[key], self.lora_B[key], self.scaling) if key in self.lora_A else None
+                for key in EXPERT_PARAMETERS
+            )
+            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act,
+                                             adapters=adapters)
         stacks = [fused[key] if fused[key] is not None else self.merged(key) for key in EXPERT_PARAMETERS]
         return self.routed_with(x_TH, ids_TK, weights_TK, routing, *stacks)
 

@@ -152,6 +152,14 @@ class Experts(torch.nn.Module):
         """The routed experts' output; ``routing``: the layout of ids and weights if the caller has it (fused path)."""
         return self.routed_with(x_TH, ids_TK, weights_TK, routing, self.gate_up_proj, self.down_proj)
 
+    def takes_grouped(self, x_TH: torch.Tensor) -> bool:
+        """Whether this forward takes the training path of grouped GEMMs (:mod:`~miles_host.kernels.moe_train`)."""
+        return (
+            torch.is_grad_enabled()
+            and not _invariant_active()
+            and moe_train.uses_grouped_experts(self.experts_impl, x_TH, self.gate_up_proj)
+        )
+
     def routed_with(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                     routing: moe_grouped.Routing | None, gate_up_E2IH: torch.Tensor,
                     down_EHI: torch.Tensor) -> torch.Tensor:
@@ -159,11 +167,7 @@ class Experts(torch.nn.Module):
         :mod:`miles_host.lora.experts`), on the path the batch takes: grouped GEMMs with gradients,
         the fused kernels at inference, else the per-expert loop."""
         # training: one grouped GEMM per projection, forward and backward, no host sync
-        if (
-            torch.is_grad_enabled()
-            and not _invariant_active()
-            and moe_train.uses_grouped_experts(self.experts_impl, x_TH, gate_up_E2IH)
-        ):
+        if self.takes_grouped(x_TH):
             return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act)
         # inference: the fused kernels (one routing launch, one GEMM per projection, one combine; no host sync)
         if uses_fused_moe(self, x_TH) and self.act_name in moe_grouped.FUSED_ACTIVATIONS:

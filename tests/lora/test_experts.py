@@ -33,9 +33,9 @@ def moe_checkpoint(tmp_path_factory):
     return path
 
 
-def _adapted(path, seed: int = 1, **flags):
+def _adapted(path, seed: int = 1, rank: int = RANK, **flags):
     """The native model with adapters as ``flags`` say, every ``B`` drawn away from zero."""
-    config = MilesConfig(hf_checkpoint=str(path), lora_rank=RANK, lora_alpha=ALPHA, **flags)
+    config = MilesConfig(hf_checkpoint=str(path), lora_rank=rank, lora_alpha=ALPHA, **flags)
     model = load_pretrained(str(path), dtype=torch.float32)
     apply_lora(model, config)
     torch.manual_seed(seed)
@@ -83,15 +83,22 @@ def _adapter_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def test_gradients_reach_the_expert_adapters_through_the_loop_and_the_grouped_path(moe_checkpoint):
-    model, _ = _adapted(moe_checkpoint, target_modules="experts")
+@pytest.mark.parametrize("rank", [4, 2])  # float32: rank 4 takes the low-rank grouped GEMMs, 2 the merged stacks
+def test_gradients_reach_the_expert_adapters_through_the_loop_and_the_grouped_path(moe_checkpoint, rank, monkeypatch):
+    from miles_host.kernels import moe_train
+
+    model, _ = _adapted(moe_checkpoint, target_modules="experts", rank=rank)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     experts = [m for m in lora_modules(model).values() if isinstance(m, LoraExperts)]
+    calls, grouped = [], moe_train.grouped_experts
+    monkeypatch.setattr(moe_train, "grouped_experts", lambda *a, **k: calls.append(k) or grouped(*a, **k))
     grads = {}
     for impl in ("loop", "grouped"):
         for module in experts:
             module.experts_impl = impl
         grads[impl] = _adapter_grads(model)
+    assert len(calls) == 2 and all(bool(k.get("adapters")) == moe_train.low_rank_fits(rank, torch.float32)
+                                   for k in calls)
     assert set(grads["loop"]) == {f"layers.{i}.mlp.experts.lora_{m}.{k}" for i in range(2) for m in "AB"
                                   for k in ("gate_up_proj", "down_proj")}
     assert all(not any(p.grad is not None for p in m.parameters(recurse=False)) for m in experts)
@@ -215,11 +222,11 @@ def test_a_grpo_run_trains_the_expert_adapters_and_the_engine_samples_from_them(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_expert_adapter_gradients_of_the_bf16_grouped_gemms_match_the_float32_loop(moe_checkpoint, monkeypatch):
-    """On the GPU under bf16 autocast the experts take the grouped GEMMs (``_grouped_mm``) over
-    the merged stacks; the adapters' gradients are the float32 per-expert loop's up to bf16 rounding."""
+    """On the GPU under bf16 autocast the experts take the grouped GEMMs (``_grouped_mm``) with the
+    adapters' low-rank grouped GEMMs; the adapters' gradients are the float32 per-expert loop's up to bf16 rounding."""
     from miles_host.kernels import moe_train
 
-    model, _ = _adapted(moe_checkpoint, target_modules="q_proj,experts")
+    model, _ = _adapted(moe_checkpoint, target_modules="q_proj,experts", rank=8)  # bf16: low-rank grouped GEMMs
     model.cuda()
     experts = [m for m in lora_modules(model).values() if isinstance(m, LoraExperts)]
     for module in experts:
@@ -229,13 +236,14 @@ def test_expert_adapter_gradients_of_the_bf16_grouped_gemms_match_the_float32_lo
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     calls = []
     grouped = moe_train.grouped_experts
-    monkeypatch.setattr(moe_train, "grouped_experts", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    monkeypatch.setattr(moe_train, "grouped_experts", lambda *a, **k: calls.append(k["adapters"]) or grouped(*a, **k))
     for module in experts:
         module.experts_impl = "auto"
     model.zero_grad()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(_ids().cuda()).float().pow(2).mean().backward()
-    assert len(calls) == len(experts)  # the grouped path ran
+    assert len(calls) == len(experts)  # the grouped path ran, with the low-rank terms of both stacks
+    assert all(adapter is not None for adapters in calls for adapter in adapters)
     for name, grad in want.items():
         have = dict(model.named_parameters())[name].grad
         assert (have - grad).norm() <= 5e-2 * grad.norm(), name
