@@ -9,14 +9,15 @@ qualify: ``torch.nn.Linear`` and a precision recipe's quantized linears (modules
 matrix, not called; MoE routers are no linears.
 
 The routed experts' stacked 3-D weights (``experts.gate_up_proj``, ``experts.down_proj``) are
-candidates too, as PEFT's ``target_parameters`` (:mod:`~miles_host.lora.experts`). Names pick
-them in their dotted forms only: ``experts`` (the module: both stacks), ``experts.gate_up_proj``,
-``mlp.experts.down_proj``, a full path; a bare ``down_proj`` stays the dense linear's name, as
-in PEFT's ``target_modules``, and ``all-linear`` leaves the experts out (as PEFT does).
+candidates too, saved as PEFT's ``target_parameters`` (:mod:`~miles_host.lora.experts`). Names
+pick them as upstream miles' do: ``all-linear`` includes them (upstream's HF defaults for an MoE
+model, its ``mlp`` group), ``gate_up_proj`` / ``down_proj`` / ``experts.down_proj`` / a full path
+match by suffix (``down_proj`` also names a dense MLP's), ``gate_proj`` and ``up_proj`` given
+together (or ``linear_fc1``) pick the packed ``gate_up_proj`` stack, and ``experts`` names both
+stacks (``--exclude-modules experts`` leaves the routed experts out).
 
-Matching follows PEFT's rules on those HF module paths: a name matches a module whose path
-equals it or ends with ``.<name>``; ``all-linear`` is every adaptable linear (PEFT leaves the
-output layer out too).
+Matching follows PEFT's rules on those HF paths: a name matches a module whose path equals
+it or ends with ``.<name>``; ``all-linear`` is every adaptable module but the output layer.
 """
 
 from __future__ import annotations
@@ -55,12 +56,11 @@ class Candidate:
     experts: bool = False
 
     def picked_by(self, name: str) -> bool:
-        """Whether list entry ``name`` picks this candidate (PEFT's suffix rule; expert stacks by
-        their module, ``experts``, or a dotted name)."""
-        if not self.experts:
-            return matches(self.part.hf_module, name)
-        module = self.part.hf_module.rsplit(".", 1)[0]
-        return matches(module, name) or ("." in name and matches(self.part.hf_module, name))
+        """Whether list entry ``name`` picks this candidate (PEFT's suffix rule; an expert stack
+        also by its module's name, ``experts``)."""
+        if self.experts and matches(self.part.hf_module.rsplit(".", 1)[0], name):
+            return True
+        return matches(self.part.hf_module, name)
 
 
 def split_names(text: str | list[str] | None) -> list[str]:
@@ -144,16 +144,31 @@ def select(candidates: list[Candidate], targets: Iterable[str], excludes: Iterab
     ValueError when a target or exclude name matches no adaptable module (a typo adapts
     nothing silently otherwise), listing the names that exist."""
     targets, excludes = list(targets), list(excludes)
-    unmatched = [t for t in targets if t != ALL_LINEAR and not any(c.picked_by(t) for c in candidates)]
+    packed = _packed(targets)
+    picking = targets + list(packed)
+    picks = {t: any(c.picked_by(t) for c in candidates) for t in picking}
+    unmatched = [t for t in targets if t != ALL_LINEAR and not picks[t]
+                 and not any(picks[p] for p, pair in packed.items() if t in pair)]
     unmatched += [e for e in excludes if not any(c.picked_by(e) for c in candidates)]
     if unmatched:
         raise ValueError(
             f"--target-modules/--exclude-modules: {', '.join(unmatched)} matches no adaptable module of this model; "
             f"{available_names(candidates)}"
         )
-    chosen = [c for c in candidates
-              if (ALL_LINEAR in targets and not c.experts) or any(c.picked_by(t) for t in targets)]
+    chosen = [c for c in candidates if ALL_LINEAR in targets or any(c.picked_by(t) for t in picking)]
     return [c for c in chosen if not any(c.picked_by(e) for e in excludes)]
+
+
+def _packed(targets: list[str]) -> dict[str, tuple[str, str]]:
+    """``<prefix>gate_up_proj`` for each ``<prefix>gate_proj`` given with its ``<prefix>up_proj``
+    (upstream's expansion to the packed expert stack), with the pair it comes from."""
+    out = {}
+    for gate in targets:
+        if gate.rsplit(".", 1)[-1] == "gate_proj":
+            prefix = gate.removesuffix("gate_proj")
+            if f"{prefix}up_proj" in targets:
+                out[f"{prefix}gate_up_proj"] = (gate, f"{prefix}up_proj")
+    return out
 
 
 def available_names(candidates: list[Candidate]) -> str:
@@ -163,8 +178,8 @@ def available_names(candidates: list[Candidate]) -> str:
     leaves = list(dict.fromkeys(c.part.key for c in candidates if not c.experts))
     leaves += list(dict.fromkeys(f"experts.{c.part.key}" for c in candidates if c.experts))
     leaves += ["experts (both stacks of the routed experts)"] if any(c.experts for c in candidates) else []
-    return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, which leaves the routed "
-            f"experts out, or a full module path such as {candidates[0].part.hf_module})")
+    return (f"the names available are {', '.join(leaves)} (PEFT's names; also all-linear, or a full module path "
+            f"such as {candidates[0].part.hf_module})")
 
 
 def family_of(model: torch.nn.Module) -> Any:

@@ -19,7 +19,7 @@ COMMON = dict(vocab_size=99, hidden_size=64, intermediate_size=96, num_hidden_la
 CASES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
-    # routed experts (stacked 3-D weights) carry no adapters; the shared expert and its gate do
+    # routed experts (stacked 3-D weights: all-linear adapts them too), the shared expert and its gate
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=48,
         mlp_only_layers=[0])),

@@ -122,21 +122,23 @@ def test_the_expert_delta_is_w_plus_scaled_b_a_per_expert(moe_checkpoint):
     assert not any(".lora_" in k for k in merged)
 
 
-def test_target_names_for_experts_follow_peft(moe_checkpoint):
+def test_target_names_pick_the_expert_stacks_as_upstream_does(moe_checkpoint):
     def adapted(**flags):
         model = load_pretrained(str(moe_checkpoint), dtype=torch.float32)
         apply_lora(model, MilesConfig(hf_checkpoint=str(moe_checkpoint), lora_rank=RANK, lora_alpha=ALPHA, **flags))
-        return {name: sorted(p.key for p in m.parts) for name, m in lora_modules(model).items()}
+        return {name: sorted(p.key for p in m.parts) for name, m in lora_modules(model).items()
+                if name.endswith("experts")}
 
-    assert not any("experts" in name for name in adapted())  # all-linear: PEFT's, no expert stacks
-    assert not any("experts" in name for name in adapted(target_modules="q_proj,experts",
-                                                         exclude_modules="experts"))
-    assert adapted(target_modules="mlp.experts.gate_up_proj") == {
-        f"layers.{i}.mlp.experts": ["gate_up_proj"] for i in range(2)}
-    with pytest.raises(ValueError, match="down_proj matches no adaptable module.*experts.gate_up_proj"):
-        adapted(target_modules="down_proj")  # a bare name is a linear's (no dense MLP here), as in PEFT
+    both = {f"layers.{i}.mlp.experts": ["down_proj", "gate_up_proj"] for i in range(2)}
+    assert adapted() == both  # all-linear: upstream's HF defaults include the packed expert stacks
+    assert adapted(target_modules="experts") == adapted(target_modules="linear_fc1,linear_fc2") == both
+    assert adapted(target_modules="gate_proj,up_proj") == {name: ["gate_up_proj"] for name in both}
+    assert adapted(target_modules="mlp.experts.down_proj") == {name: ["down_proj"] for name in both}
+    assert adapted(exclude_modules="experts") == {}
+    with pytest.raises(ValueError, match="gate_proj matches no adaptable module.*experts.gate_up_proj"):
+        adapted(target_modules="gate_proj")  # half of the packed stack, and no dense MLP here
     with pytest.raises(ValueError, match="--lora-dropout 0.1 with adapters on the routed experts"):
-        adapted(target_modules="experts", lora_dropout=0.1)
+        adapted(lora_dropout=0.1)
 
 
 def test_adapter_sync_engine_re_merges_the_expert_stacks_after_each_sync(moe_checkpoint):
