@@ -199,7 +199,7 @@ def _moe_policy(tiny_task, directory):
     return directory, data
 
 
-@pytest.mark.parametrize("sync", ["merged", pytest.param("adapter", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
 def test_a_grpo_run_trains_the_expert_adapters_and_the_engine_samples_from_them(tiny_task, tmp_path, signal_reward,
                                                                                  sync):
     from safetensors.torch import load_file
@@ -254,23 +254,12 @@ def test_expert_adapter_gradients_of_the_bf16_grouped_gemms_match_the_float32_lo
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["native_dp", "fsdp"])
 def test_two_gloo_trainers_train_the_expert_adapters_as_one_process(tiny_task, tmp_path, signal_reward, backend):
-    from miles_host.checkpoint import load_checkpoint
-    from tests.distributed.conftest import base_args, read_metrics, run_launched, run_one_process
+    from tests.lora.test_training import one_and_two_gloo_trainers
 
     model, data = _moe_policy(tiny_task, tmp_path / "moe")
-    common = ("--num-rollout", "2", "--global-batch-size", "8", "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
-              "--target-modules", "experts", *signal_reward)
-    one = base_args(model, data, tmp_path / "one", *common, "--save", str(tmp_path / "c1"))
-    many = base_args(model, data, tmp_path / "many", *common, "--save", str(tmp_path / "c2"), "--weight-sync", "broadcast")
-    assert run_one_process(one) == 0
-    assert run_launched(many, worker_timeout=120, actor_num_gpus_per_node=2, rollout_num_gpus=1,
-                        train_backend=backend) == 0
-    for want, have in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "many")):
-        for key in want:
-            if not key.startswith("perf/"):
-                assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-    a = load_checkpoint(str(tmp_path / "c1"))["trainer"]["model"]
-    b = load_checkpoint(str(tmp_path / "c2"))["trainer"]["model"]
-    assert a.keys() == b.keys() and any(".experts.lora_B." in name for name in a)
-    for name in a:
-        assert (a[name] - b[name]).abs().max() <= 1e-5, name
+    a, b = one_and_two_gloo_trainers(model, data, tmp_path, backend, "--lora-rank", str(RANK), "--lora-alpha",
+                                     str(ALPHA), "--target-modules", "experts", *signal_reward, rel=1e-5,
+                                     worker_timeout=120)
+    assert any(".experts.lora_B." in name for name in a["model"])
+    for name in a["model"]:
+        assert (a["model"][name] - b["model"][name]).abs().max() <= 1e-5, name
