@@ -263,3 +263,48 @@ def test_two_gloo_trainers_train_the_expert_adapters_as_one_process(tiny_task, t
     assert any(".experts.lora_B." in name for name in a["model"])
     for name in a["model"]:
         assert (a["model"][name] - b["model"][name]).abs().max() <= 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_over_the_fused_moe_follows_expert_adapter_syncs(tmp_path):
+    """The engine of ``--lora-sync adapter`` on the GPU (fused MoE kernels over the merged-stack
+    buffers, CUDA graphs): after an adapter-only sync it samples the tokens of an eager engine
+    that was sent the merged weights."""
+    from miles_host.lora.sync import is_adapter_tensor, rollout_state
+    from miles_host.rollout import Engine
+    from tests.lora.test_engine_adapter import PROMPTS, SAMPLING, _tokens_and_log_probs
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE))
+    with torch.no_grad():  # peaky logits: no near-ties for greedy decoding
+        for name, parameter in hf.named_parameters():
+            parameter.normal_(0.0, 0.12 if parameter.dim() > 1 else 0.05)
+            if name.endswith("norm.weight"):
+                parameter.add_(1.0)
+    hf.save_pretrained(tmp_path / "moe")
+    path = str(tmp_path / "moe")
+    trainer, config = _adapted(path, target_modules="q_proj,experts")
+    config.lora_sync = "adapter"
+    merged_config = MilesConfig(hf_checkpoint=path, lora_rank=RANK, lora_alpha=ALPHA, target_modules="q_proj,experts")
+
+    def engine(lora_config, **kwargs):
+        model = load_pretrained(path, dtype=torch.float32, device="cuda")
+        if lora_config is not None:
+            model = prepare_engine_model(model, lora_config)
+        return Engine(model, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096, block_size=4, **kwargs)
+
+    graphs, merged = engine(config), engine(None, enforce_eager=True)
+    assert graphs.runner.graphs is not None
+    graphs.update_weights(list(rollout_state(trainer, None, config).items()), weight_version=1)
+    with torch.no_grad():
+        for name, parameter in trainer.named_parameters():
+            if ".lora_B." in name:
+                parameter.mul_(1.5)
+    adapters = [(n, t) for n, t in rollout_state(trainer, None, config).items() if is_adapter_tensor(n)]
+    graphs.update_weights(adapters, weight_version=2)
+    merged.update_weights(list(rollout_state(trainer, None, merged_config).items()), weight_version=2)
+    for (tokens, log_probs), (want_tokens, want_log_probs) in zip(_tokens_and_log_probs(graphs),
+                                                                  _tokens_and_log_probs(merged)):
+        assert tokens == want_tokens
+        assert (log_probs - want_log_probs).abs().max() <= 1e-4
