@@ -14,7 +14,8 @@
 
 from miles_host.lora.export import merged_state_dict, save_checkpoint_adapter, save_hf_checkpoint
 from miles_host.lora.inject import LoraSummary, apply_lora
-from miles_host.lora.layers import LoraLinear, LoraPart, lora_modules
+from miles_host.lora.layers import LoraLinear, LoraPart
+from miles_host.lora.modules import lora_modules
 from miles_host.lora.peft_io import load_adapter, save_adapter
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from miles_host.lora.layers import lora_modules
+from miles_host.lora.modules import lora_modules
 from miles_host.lora.peft_io import save_adapter
 
 

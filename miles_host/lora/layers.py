@@ -219,13 +219,3 @@ def merged_weight(
         delta = b_by_key[part.key].detach().to(compute) @ a_by_key[part.key].detach().to(compute)
         merged[part.start : part.stop] += scaling * delta
     return merged.to(weight_OI.dtype)
-
-
-def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The model's LoRA layers (:class:`LoraLinear`, adapted quantized linears and routed experts:
-    :class:`~miles_host.lora.experts.LoraExperts`) by module name (empty: the model carries no
-    adapters). Each has ``parts``, ``rank``, ``alpha``, ``scaling``, ``lora_A`` / ``lora_B``,
-    ``fuse_adapters()`` and ``merged_weights(name, state)``."""
-    from miles_host.lora.experts import LoraExperts
-
-    return {name: module for name, module in model.named_modules() if isinstance(module, (LoraAdapters, LoraExperts))}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from miles_host.lora.experts import LoraExperts, PeftLayout, peft_layout
-from miles_host.lora.layers import lora_modules
+from miles_host.lora.modules import lora_modules
 from miles_host.lora.targets import candidates_of, matches
 
 CONFIG_FILE = "adapter_config.json"

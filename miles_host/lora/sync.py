@@ -81,7 +81,7 @@ def prepare_engine_model(model: torch.nn.Module, config: Any) -> torch.nn.Module
         return model
     from miles_host.lora.inject import apply_lora
 
-    from miles_host.lora.layers import lora_modules
+    from miles_host.lora.modules import lora_modules
 
     engine_config = copy.copy(config)
     engine_config.lora_dropout = 0.0  # the engine samples: never drops the adapters' input
