@@ -59,6 +59,9 @@ class VariantExperts(torch.nn.Module):
     """
 
     takes_routing = False
+    #: the plain experts' paths (grouped-GEMM training, fused inference kernels, the loop), shared
+    takes_grouped = Experts.takes_grouped
+    routed_with = Experts.routed_with
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
         super().__init__()
@@ -107,7 +110,7 @@ class VariantExperts(torch.nn.Module):
 
     def _experts(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         if self.plain:  # the base experts' paths: grouped-GEMM training, fused inference kernels, the loop
-            return Experts.forward(self, x_TH, ids_TK, weights_TK)
+            return self.routed_with(x_TH, ids_TK, weights_TK, None, self.gate_up_proj, self.down_proj)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
 
 
