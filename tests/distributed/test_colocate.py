@@ -25,6 +25,7 @@ def _assert_same_metrics(expected: list[dict], got: list[dict]) -> None:
     assert any(m.get("train/loss") for m in got)  # the signal reward makes it train
 
 
+@pytest.mark.slow  # CI time; colocated phases: test_colocated_phases_release_and_offload_every_worker
 def test_two_colocated_trainers_and_engines_match_the_disaggregated_run(tiny_task, tmp_path, signal_reward):
     """2 gloo trainers + 2 engine processes, 2 rollouts: colocated (engines release their KV
     cache while training), also with --offload-train, and FSDP2 offloading both sides give

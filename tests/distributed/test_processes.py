@@ -126,7 +126,7 @@ def test_two_trainers_and_a_rollout_as_ray_actors_match_one_process(tiny_task, t
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
 
 
-@pytest.mark.parametrize("backend", ["native_dp", "fsdp"])
+@pytest.mark.parametrize("backend", ["native_dp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: CI time
 def test_resumed_multi_trainer_run_continues_like_an_uninterrupted_run(tiny_task, tmp_path, signal_reward, backend):
     """2 rollouts, then --load and 1 more, equal 3 rollouts in one run, with 2 trainer
     processes (regression: both ranks' optimizers once shared the loaded state's memory)."""

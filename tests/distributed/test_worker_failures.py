@@ -70,6 +70,7 @@ def test_an_engine_killed_during_the_weight_broadcast(tiny_task, tmp_path, sync_
     _resumes_like_an_uninterrupted_run(model, data, tmp_path, signal_reward, [1, 2])
 
 
+@pytest.mark.slow  # CI time; a hung engine: tests/distributed/test_engine_restarts.py
 def test_a_stopped_engine_during_the_weight_broadcast(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "3", "--save", str(tmp_path / "ckpt"),
@@ -77,6 +78,7 @@ def test_a_stopped_engine_during_the_weight_broadcast(tiny_task, tmp_path, sync_
     _fails_with_checkpoint_of(tmp_path, capsys, argv, ONE_ENGINE, "rollout-0", "did not answer", 0, timeout=15)
 
 
+@pytest.mark.slow  # CI time; worker naming: test_a_trainer_killed_at_start_up_is_named
 def test_a_stopped_trainer_1_is_named_trainer_1(tiny_task, tmp_path, sync_faults, signal_reward, capsys):
     """Trainer rank 1 stops at rollout 1's training: rank 0's all-reduce times out; the
     run names trainer-1 (not trainer-0), and rank 0 had not stepped, so rollout 0 is saved."""

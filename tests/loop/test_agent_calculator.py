@@ -22,6 +22,7 @@ def example_modules():
         sys.modules.pop(name, None)
 
 
+@pytest.mark.slow  # CI time: a learning run of the example agent
 def test_the_example_agents_eval_accuracy_rises(tmp_path, monkeypatch, example_modules):
     monkeypatch.chdir(EXAMPLE)  # agent.generate, agent.reward and task are found from the current directory
     monkeypatch.syspath_prepend(str(EXAMPLE))
