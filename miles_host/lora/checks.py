@@ -59,6 +59,10 @@ def check_lora(config: Any, registries: Any) -> None:
         from miles_host.lora.inject import check_adapter_shape
 
         check_adapter_shape(config)
+    if config.lora_dropout and config.hf_checkpoint:
+        from miles_host.lora.inject import checkpoint_expert_targets, refuse_expert_dropout
+
+        refuse_expert_dropout(checkpoint_expert_targets(config), config)
 
 
 def _check_sync(config: Any) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from miles_host.lora.experts import adapt_experts
+from miles_host.models.loading import default_family_lookup, model_class, native_config, read_hf_config
+from miles_host.routing import NO_ROUTING_HOOKS
 from miles_host.lora.layers import LoraLinear, LoraPart, adapt_in_place
 from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
 from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, quantized_linears, select, split_names
@@ -47,6 +49,29 @@ def _targets(config: Any) -> list[str]:
     if config.target_modules is None and config.lora_adapter_path:
         return adapter_modules(config.lora_adapter_path)
     return split_names(config.target_modules) or [ALL_LINEAR]
+
+
+def refuse_expert_dropout(experts: list[str], config: Any) -> None:
+    """``--lora-dropout`` > 0 cannot act on adapters of the routed experts (``experts``: the chosen
+    expert stacks): ValueError saying what to change."""
+    if experts and config.lora_dropout:
+        raise ValueError(f"--lora-dropout {config.lora_dropout:g} with adapters on the routed experts "
+                         f"({experts[0]}, ...): their update is a weight delta W + B A (PEFT's "
+                         "target_parameters), so no dropout can act on its input; give --lora-dropout 0 or "
+                         "--exclude-modules experts")
+
+
+def checkpoint_expert_targets(config: Any) -> list[str]:
+    """The routed-expert stacks the LoRA flags choose in ``--hf-checkpoint``'s model, built on the
+    meta device (no weights read): what the validation stage checks before anything loads."""
+    hf = read_hf_config(config.hf_checkpoint)
+    native = native_config(hf, default_family_lookup(hf["model_type"]))
+    if native.moe is None:
+        return []
+    with torch.device("meta"):
+        model = model_class(native)(native, NO_ROUTING_HOOKS)
+    chosen = select(candidates_of(model), _targets(config), split_names(config.exclude_modules))
+    return sorted({c.native for c in chosen if c.experts})
 
 
 def check_adapter_shape(config: Any) -> None:
@@ -98,11 +123,7 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
         raise ValueError(f"--exclude-modules {config.exclude_modules} leaves no module of --target-modules "
                          f"{config.target_modules or ALL_LINEAR} to adapt; {available_names(candidates)}")
     experts = {c.native for c in chosen if c.experts}
-    if experts and config.lora_dropout:
-        raise ValueError(f"--lora-dropout {config.lora_dropout:g} with adapters on the routed experts "
-                         f"({sorted(experts)[0]}, ...): their update is a weight delta W + B A (PEFT's "
-                         "target_parameters), so no dropout can act on its input; give --lora-dropout 0 or "
-                         "--exclude-modules experts")
+    refuse_expert_dropout(sorted(experts), config)
     model.requires_grad_(False)
     by_native: dict[str, list[LoraPart]] = {}
     for candidate in chosen:

@@ -141,6 +141,24 @@ def test_target_names_pick_the_expert_stacks_as_upstream_does(moe_checkpoint):
         adapted(lora_dropout=0.1)
 
 
+def test_the_validation_stage_refuses_dropout_on_expert_adapters(moe_checkpoint):
+    """Before any weight loads: the model is built on the meta device to see which stacks the flags choose."""
+    from miles_host.lora.checks import check_lora
+    from miles_host.plugin_manager import MilesPluginManager
+
+    manager = MilesPluginManager()
+    manager.activate()
+
+    def check(**flags):
+        check_lora(MilesConfig(hf_checkpoint=str(moe_checkpoint), lora_rank=RANK, lora_alpha=ALPHA, **flags),
+                   manager.registries)
+
+    with pytest.raises(ValueError, match=r"--lora-dropout 0.1 with adapters on the routed experts \(layers.0.mlp.experts"):
+        check(lora_dropout=0.1)
+    check(lora_dropout=0.1, exclude_modules="experts")
+    check(lora_dropout=0.1, target_modules="q_proj")
+
+
 def test_adapter_sync_engine_re_merges_the_expert_stacks_after_each_sync(moe_checkpoint):
     trainer, config = _adapted(moe_checkpoint, target_modules="q_proj,experts")
     config.lora_sync = "adapter"
