@@ -23,6 +23,7 @@
 #        spec_4b_bigram (the 4B shape fine-tuned on a noisy bigram language: a policy with structure a draft can learn)
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
+#        megatron_train megatron_quickstart (one GPU: the megatron trainer vs the native one, tok/s and learning)
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2, CP=2, PP2xVPP2 against one process; x4 adds TP2xPP2,
 #                           EP2xPP2, DP2xPP2 with the distributed optimizer)
 #        scale_x8 / scale_x4 (bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
@@ -61,7 +62,7 @@ for step in "${steps[@]}"; do
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests ;;
     families_tests) run families_tests 480 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/models \
       tests/kernels/test_dsa.py tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py \
-      tests/rollout/test_triton_attention.py tests/lora tests/opd tests/dashboard ;;  # GPU tests of the new model families' kernels and engines (DSA, Gated DeltaNet, sinks / chunked attention), LoRA, OPD, the CUDA memory snapshot
+      tests/rollout/test_triton_attention.py tests/lora tests/opd tests/dashboard/test_profiling.py ;;  # GPU tests of the new model families' kernels and engines (DSA, Gated DeltaNet, sinks / chunked attention), LoRA, OPD, the CUDA memory snapshot
     rollout) run rollout 240 python3 bench/rollout.py --repeats 2 ;;
     rollout_plain) run rollout_plain 200 python3 bench/rollout.py --repeats 2 --skip-hf --no-overlap ;;
     grpo) run grpo 420 python3 bench/grpo_step.py --train-compile ;;
@@ -71,6 +72,8 @@ for step in "${steps[@]}"; do
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     lora) run lora 480 python3 bench/lora_step.py ;;
+    megatron_train) run megatron_train 560 python3 bench/megatron_train.py --json "$OUT/megatron_train.json" ;;  # megatron vs native train tok/s, TP = PP = 1, 0.6B dense and the MoE bench shape (needs the megatron-core wheel in .whl/)
+    megatron_quickstart) quickstart quickstart_native 300; quickstart quickstart_megatron 400 --train-backend megatron ;;  # the quickstart learns with either trainer (eval accuracy, same call)
     lora_int4_decode) run lora_int4_decode 400 python3 bench/quantized_decode.py --repeats 3 --batches 1,8 \
       --precisions bf16,int4 --lora-rank 16 ;;  # batch-1 decode, LoRA (rank 16, every linear, --lora-sync adapter) over a bf16 vs an INT4 base, Qwen3-1.7B shape (goal: INT4 faster at batch 1)
     lora_int4_decode_8b) run lora_int4_decode_8b 400 python3 bench/quantized_decode.py --model 8b --repeats 2 \

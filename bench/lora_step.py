@@ -51,8 +51,9 @@ def trainer_state_bytes(trainer) -> dict:
             "optimizer_gb": _tensor_bytes(state) / 1e9}
 
 
-def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
-    """``args.steps`` steps of miles' loop with the variant's flags; medians after the first."""
+def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str] | None = None) -> dict:
+    """``args.steps`` steps of miles' loop with the variant's flags (``flags``, else
+    ``VARIANTS[name]``); medians after the first."""
     from miles_host.cli.args import resolve_run_config
     from miles_host.loop import Run
     from miles_host.plugin_manager import MilesPluginManager
@@ -62,7 +63,7 @@ def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
         "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
-        "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress", *VARIANTS[name],
+        "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress", *(VARIANTS[name] if flags is None else flags),
         *([] if args.tiny else ["--sglang-mem-fraction-static", str(args.mem_fraction)]),
         *(["--recompute-granularity", "full"] if args.recompute else []),
     ]
@@ -106,7 +107,8 @@ def bench_variant(name: str, model_dir: Path, data: Path, args) -> dict:
     med = lambda key: statistics.median(m[key] for m in steady)  # noqa: E731
     return {
         "step_s": med("perf/step_time_s"), "rollout_s": med("perf/rollout_time_s"), "train_s": med("perf/train_time_s"),
-        "sync_s": med("perf/weight_sync_time_s"), "trainable_params": trainable, "total_params": total,
+        "sync_s": med("perf/weight_sync_time_s"), "train_tok_per_s": med("perf/train_tok_per_s"),
+        "trainable_params": trainable, "total_params": total,
         "step_peak_gb": max(step_peaks) if step_peaks else float("nan"),
         "train_peak_gb": max(train_peaks) if train_peaks else float("nan"),
         "trainer_peak_gb": max(trainer_peaks) if trainer_peaks else float("nan"), **state,
