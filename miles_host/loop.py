@@ -443,9 +443,12 @@ class Run:
             self.release_save_lock()
 
     def close(self) -> None:
-        """Release what the trainer holds (process groups, parallel state): the run's end,
-        however it ended."""
-        self.trainer.close()
+        """Release what the trainer holds (process groups, parallel state) and what the rollout
+        backend holds (an in-process engine's device memory): the run's end, however it ended."""
+        try:
+            self.trainer.close()
+        finally:
+            self.backend.close()
 
     def release_save_lock(self) -> None:
         """Let another run use ``--save`` (idempotent)."""

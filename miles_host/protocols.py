@@ -148,7 +148,7 @@ class RolloutBackend(Protocol):
     Required: ``weight_version``, ``submit``, ``step``, ``has_unfinished``, ``abort_all``,
     ``update_weights``. Optional (:class:`RolloutBackendBase`): ``releases_memory`` with
     ``release_memory_occupation`` / ``resume_memory_occupation`` (``--colocate``,
-    ``--offload-rollout``).
+    ``--offload-rollout``), ``close`` at the run's end.
 
     Outputs are SGLang-shaped dicts: ``output_ids``, ``meta_info`` with ``id``, ``index``
     (sample of an ``n > 1`` request), ``finish_reason``, ``output_token_logprobs``,
@@ -199,6 +199,10 @@ class RolloutBackendBase:
         """Counters of the backend itself for each step's metrics (a restarting router's
         ``ft/engine_restarts``); none by default."""
         return {}
+
+    def close(self) -> None:
+        """The run's end: free what the backend holds (an in-process engine's device memory);
+        nothing by default. Nothing is generated after it."""
 
 
 # ----------------------------------------------------------------------------

@@ -7,10 +7,12 @@ manager drives: ``submit`` requests, ``step`` until enough groups finished,
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from miles_host.devices import resolve_device, resolve_dtype  # noqa: F401 - re-exported
 from miles_host.lora.sync import prepare_engine_model
+from miles_host.offload import settle
 from miles_host.protocols import RolloutBackendBase
 from miles_host.routing import RoutingHooks
 from miles_host.sglang_embedded import engine_kwargs_from_config
@@ -66,6 +68,8 @@ class EmbeddedRolloutBackend(RolloutBackendBase):
 
     def submit(self, rid: str, input_ids: list[int], sampling_params: dict, return_routed_experts: bool = False) -> None:
         """Queue a request (``sampling_params["n"]`` samples). Raises ValueError if bad."""
+        if self.engine is None:
+            raise RuntimeError("the embedded rollout engine was closed with its run (Run.close); start a new run")
         self.engine.add_request(
             rid, input_ids, sampling_params, return_logprob=True, return_routed_experts=return_routed_experts
         )
@@ -93,3 +97,16 @@ class EmbeddedRolloutBackend(RolloutBackendBase):
     def resume_memory_occupation(self, tags=None) -> None:
         """Take the released memory back before generating."""
         self.engine.resume_memory_occupation(tags)
+
+    def close(self) -> None:
+        """Abort what is in flight and drop the engine: its weights, KV cache and decode graphs
+        go back to the device's allocator and driver, for whatever this process runs next (a
+        second run, a benchmark's next case). Idempotent."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        engine.abort(None)
+        device = engine.device
+        del engine
+        gc.collect()  # the engine's modules and graphs hold reference cycles
+        settle(device)

@@ -365,3 +365,28 @@ def test_a_failing_plugin_hook_or_logger_does_not_stop_the_run(tiny_task, tmp_pa
     assert [r["good/seen"] for r in rows] == [0, 1]
     assert all(r["plugins/step_end_failures"] == 1 for r in rows)
     assert not any(isinstance(logger, ExplodingLogger) for logger in run.loggers)
+
+
+def test_run_close_frees_the_embedded_engine(tiny_task, tmp_path):
+    """``Run.close`` drops the in-process engine (weights, KV cache, graphs), so a second run
+    or a benchmark's next case in the same process finds the device memory free."""
+    import gc
+    import weakref
+
+    from miles_host.cli.args import resolve_run_config
+    from miles_host.loop import Run
+    from miles_host.plugin_manager import MilesPluginManager
+
+    model, data = tiny_task
+    manager = MilesPluginManager()
+    manager.discover()
+    config, _ = resolve_run_config(base_args(model, data, tmp_path / "o", "--num-rollout", "1")[1:], manager)
+    run = Run(config, manager)
+    assert run.run() == 0
+    engine, kv_cache = weakref.ref(run.backend.engine), weakref.ref(run.backend.engine.kv_cache)
+    run.close()
+    gc.collect()
+    assert engine() is None and kv_cache() is None  # nothing else kept them alive
+    run.close()  # a second close is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        run.backend.submit("r", [1, 2], {"max_new_tokens": 1})
