@@ -1,40 +1,57 @@
-"""Megatron-Core's optimizer for the megatron backend (``--use-distributed-optimizer``).
+"""Megatron-Core's optimizer for the megatron backend.
 
-``get_megatron_optimizer`` over the trainer's DDP-wrapped model chunks, with Megatron's
-distributed optimizer (ZeRO-1: each data-parallel rank keeps the Adam moments and the
-float32 master weights of its slice of the contiguous gradient buffer; the DDP reduces
-the gradients by reduce-scatter and, after the step, all-gathers the parameters). The
-parameters are float32 (this backend's masters), so Megatron's master weights are the
-parameters' own slices; the moments stay float32 (no precision-aware optimizer). The
-optimizer's settings are the host's (:mod:`miles_host.optimizer`): ``--optimizer``
-adam (AdamW) or sgd, ``--lr``, ``--weight-decay`` (Megatron's groups: biases and 1-D
-parameters take none, as the host's), ``--adam-beta1/2``, ``--adam-eps``,
-``--sgd-momentum``, ``--clip-grad``.
+``get_megatron_optimizer`` over the trainer's DDP-wrapped model chunks. The parameters are
+float32 (this backend's masters) and Megatron is told so (``bf16=False``), so it builds:
+
+- without ``--use-distributed-optimizer``, its ``FP32Optimizer`` (one per parameter kind:
+  dense, experts): a torch optimizer over the model's own parameters, its state keyed by
+  them (no separate master copies); the DDP all-reduces the gradients;
+- with ``--use-distributed-optimizer``, its distributed optimizer (ZeRO-1: each data-parallel
+  rank keeps the Adam moments and the float32 master weights of its slice of the contiguous
+  gradient buffer, the parameters' own slices here; the DDP reduce-scatters the gradients
+  and, after the step, all-gathers the parameters).
+
+The moments stay float32 (no precision-aware optimizer). The optimizer's settings are the
+host's (:mod:`miles_host.optimizer`): ``--optimizer`` adam (AdamW), ``--lr``,
+``--weight-decay`` (Megatron's groups: biases and 1-D parameters take none, as the host's;
+Megatron leaves the group's ``wd_mult`` to its own scheduler, so it is applied here once),
+``--adam-beta1/2``, ``--adam-eps``, ``--clip-grad``. With ``--optimizer-cpu-offload`` (not
+with the distributed optimizer) each ``FP32Optimizer``'s torch optimizer is the host's
+:class:`~miles_host.optimizer.CpuOffloadOptimizer` over the same groups: state and step on
+the CPU, the parameters copied back to the device.
 
 :class:`MegatronOptimizerStep` puts it where the host trainer keeps its torch optimizer:
 
 - the learning rate: its one parameter group's ``lr`` is what the host's ``LambdaLR``
   (``--lr-decay-style`` and warm-up, :func:`~miles_host.lr_schedule.lr_lambda`) sets; each
   step copies it into every group of Megatron's optimizers (dense and expert);
-- :meth:`~MegatronOptimizerStep.clip`: Megatron's gradient preparation (the reduced
-  gradients of this rank's slice to its master weights), its gradient norm over the whole
-  model (each gradient counted once over TP / PP / DP / EP, the tied embedding's copy not
-  at all) and its clipping to ``--clip-grad``; the host reads the norm and skips a step
-  whose loss or norm is not finite (as it does for its own optimizer);
-- :meth:`~MegatronOptimizerStep.step`: Megatron's step on the prepared gradients
-  (the inner optimizer, the masters back to the parameters, the DP all-gather);
-- ``sharded_state_dict`` / ``load_state_dict``: Megatron's own (``torch_dist``
-  checkpoints, :mod:`miles_megatron.dist_ckpt`).
+- :meth:`~MegatronOptimizerStep.clip`: Megatron's gradient preparation (the DDP's reduced
+  ``main_grad`` as the gradients of the parameters, or of this rank's master slice), its
+  gradient norm over the whole model (each gradient counted once over TP / PP / DP / EP,
+  the tied embedding's copy not at all) and its clipping to ``--clip-grad``; the host reads
+  the norm and skips a step whose loss or norm is not finite (as it does for its own
+  optimizer);
+- :meth:`~MegatronOptimizerStep.step`: Megatron's step on the prepared gradients (the inner
+  optimizer; with the distributed optimizer the masters back to the parameters and the DP
+  all-gather);
+- ``state``: the ``FP32Optimizer``'s per-parameter state, keyed by the model's parameters
+  (:class:`InnerState`), read and written by the torch-format checkpoint
+  (:mod:`miles_megatron.optimizer_state`) and moved by ``--offload-train``
+  (:mod:`miles_host.offload`); empty for the distributed optimizer, whose state is keyed by
+  its master slices;
+- ``sharded_state_dict`` / ``load_state_dict``: Megatron's own (``torch_dist`` checkpoints,
+  :mod:`miles_megatron.dist_ckpt`).
 
-On CPU, Megatron-Core 0.16's distributed optimizer accepts only parameters whose
-``Tensor.type()`` names a CUDA type (its clipping asserts the same of the gradients), and
-its checkpoint state is gathered after ``Tensor.cuda()``: while it runs, CPU tensors answer
-their CUDA type's name and stay where they are for ``cuda()``.
+On CPU, Megatron-Core 0.16's optimizers want CUDA: the distributed optimizer accepts only
+parameters whose ``Tensor.type()`` names a CUDA type (its clipping asserts the same of the
+gradients), and its checkpoint state is gathered after ``Tensor.cuda()``: while they run,
+CPU tensors answer their CUDA type's name and stay where they are for ``cuda()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import MutableMapping
 from typing import Any, Iterator
 
 import torch
@@ -47,7 +64,8 @@ def optimizer_config(config: Any):
     return OptimizerConfig(
         optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
-        sgd_momentum=config.sgd_momentum, clip_grad=config.clip_grad, use_distributed_optimizer=True,
+        sgd_momentum=config.sgd_momentum, clip_grad=config.clip_grad,
+        use_distributed_optimizer=config.use_distributed_optimizer,
         params_dtype=torch.float32, bf16=False, fp16=False, use_precision_aware_optimizer=False,
     )
 
@@ -90,6 +108,7 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
         super().__init__([{"params": params}], {"lr": lr})
         self.megatron = megatron
         self.device = torch.device(device)
+        self.state = InnerState(megatron)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -131,14 +150,15 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
         self._share_lr()
         if is_loading:
             for optimizer in self.megatron.chained_optimizers:
-                _allocate_state(optimizer.optimizer)
+                _allocate_state(getattr(optimizer.optimizer, "inner", optimizer.optimizer))
         with _on(self.device):
             return self.megatron.sharded_state_dict(model_state, is_loading=is_loading,
                                                     metadata={"distrib_optim_sharding_type": SHARDING})
 
     def state_dict(self) -> dict:
-        raise ValueError("--use-distributed-optimizer: the optimizer state is sharded over the data-parallel ranks; "
-                         "save it with --ckpt-format torch_dist")
+        raise ValueError("the megatron trainer's optimizer state is saved per parameter (--ckpt-format torch: "
+                         "miles_megatron.optimizer_state) or as Megatron's shards (--ckpt-format torch_dist), "
+                         "not as one torch state_dict")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """What :meth:`sharded_state_dict` read back from a torch_dist checkpoint (the learning
@@ -149,9 +169,9 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
 
 
 def build_megatron_optimizer(chunks: list[torch.nn.Module], config: Any, device: torch.device) -> MegatronOptimizerStep:
-    """Megatron's distributed optimizer over the rank's model ``chunks`` (each a
-    ``DistributedDataParallel`` built with ``use_distributed_optimizer``) with the host's
-    settings (see module doc)."""
+    """Megatron's optimizer over the rank's model ``chunks`` (each a ``DistributedDataParallel``,
+    built with ``use_distributed_optimizer`` as ``--use-distributed-optimizer`` says) with the
+    host's settings (see module doc)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from miles_megatron.runtime import quiet_imports
@@ -159,9 +179,63 @@ def build_megatron_optimizer(chunks: list[torch.nn.Module], config: Any, device:
     with quiet_imports(), _on(device):
         megatron = get_megatron_optimizer(optimizer_config(config), list(chunks))
     for optimizer in megatron.chained_optimizers:
-        _load_keeps_the_step(optimizer)
+        for group in optimizer.optimizer.param_groups:
+            group["weight_decay"] = config.weight_decay * group["wd_mult"]  # (Megatron's scheduler does this)
+        if config.use_distributed_optimizer:
+            _load_keeps_the_step(optimizer)
+        elif config.optimizer_cpu_offload:
+            optimizer.optimizer = _on_cpu(optimizer.optimizer, config)
     params = [param for ddp in chunks for param in ddp.module.parameters() if param.requires_grad]
     return MegatronOptimizerStep(megatron, params, config.lr, device)
+
+
+def _on_cpu(optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.Optimizer:
+    """``optimizer`` (a torch optimizer over the device parameters) as the host's
+    :class:`~miles_host.optimizer.CpuOffloadOptimizer` of the ``--optimizer`` over the same
+    groups (see module doc)."""
+    from miles_host.optimizer import OPTIMIZER_BUILDERS, CpuOffloadOptimizer
+
+    make = OPTIMIZER_BUILDERS[config.optimizer]
+    return CpuOffloadOptimizer(optimizer.param_groups, lambda groups: make(groups, config, config.lr, False), config.lr)
+
+
+class InnerState(MutableMapping):
+    """The per-parameter state of Megatron's ``FP32Optimizer`` torch optimizers, keyed by the
+    model's parameters as a torch optimizer's ``state`` is (see module doc): each parameter's
+    entry lives in the optimizer that holds it. Iteration lists the parameters with state."""
+
+    def __init__(self, megatron: Any):
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self.optimizers = [optimizer.optimizer for optimizer in megatron.chained_optimizers
+                           if not isinstance(optimizer, DistributedOptimizer) and optimizer.optimizer is not None]
+        self.owner = {id(param): inner for inner in self.optimizers
+                      for group in inner.param_groups for param in group["params"]}
+
+    def _inner(self, param: torch.Tensor) -> torch.optim.Optimizer:
+        inner = self.owner.get(id(param))
+        if inner is None:
+            raise KeyError("not a parameter of Megatron's FP32Optimizer")
+        return inner
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        inner = self._inner(param)
+        if param not in inner.state:
+            raise KeyError("no state yet")
+        return inner.state[param]
+
+    def __setitem__(self, param: torch.Tensor, state: dict) -> None:
+        self._inner(param).state[param] = state
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        del self._inner(param).state[param]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for inner in self.optimizers:
+            yield from list(inner.state)
+
+    def __len__(self) -> int:
+        return sum(len(inner.state) for inner in self.optimizers)
 
 
 def _load_keeps_the_step(optimizer: Any) -> None:

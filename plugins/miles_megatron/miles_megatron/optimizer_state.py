@@ -1,15 +1,18 @@
-"""AdamW state of a TP/EP-sharded or pipelined (PP) megatron trainer in checkpoints.
+"""The megatron trainer's Adam state in ``--ckpt-format torch`` checkpoints, on any layout.
 
-The moments of each parameter have its shape, so they are gathered and split
-exactly as the weights are (:func:`~miles_megatron.parallel.full_state`,
-:func:`~miles_megatron.parallel.rank_state`: TP/EP shards, PP stages renumbered to
-global layers) and stored under native names:
+The state is that of Megatron-Core's ``FP32Optimizer`` torch optimizers, keyed by the
+model's parameters (``trainer.optimizer.state``,
+:class:`~miles_megatron.megatron_optimizer.InnerState`). The moments of each parameter have
+its shape, so they are gathered and split exactly as the weights are
+(:func:`~miles_megatron.parallel.full_state`, :func:`~miles_megatron.parallel.rank_state`:
+TP/EP shards, PP stages renumbered to global layers; nothing to gather in one process) and
+stored under native names:
 ``{"moments": {"exp_avg": {native name: full tensor}, "exp_avg_sq": {...}},
-"step": float, "param_groups": [...]}``. Under PP with tied embeddings the last
-stage's copy of the embedding has the same moments as the first stage's (their
-gradients are summed over both), so it is dropped on save and loaded from the
-embedding's. A checkpoint written with one layout loads into a model-parallel
-trainer (the trainer checks ``model_parallel``).
+"step": float, "param_groups": [{"lr": ..., ...}]}`` (the learning rate of the next step).
+Under PP with tied embeddings the last stage's copy of the embedding has the same moments
+as the first stage's (their gradients are summed over both), so it is dropped on save and
+loaded from the embedding's. A checkpoint written with one layout loads into a trainer of
+any other.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Any
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: what a checkpoint keeps of the optimizer's parameter group: the learning rate the schedule set
+#: (the other settings are the flags')
+_SCHEDULED = ("lr", "initial_lr")
 
 
 def _named_params(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -50,7 +56,7 @@ def gather_optimizer_state(trainer: Any) -> dict | None:
             moments[key] = megatron_to_native(full, trainer.model.config) if trainer.rank == 0 else {}
     if trainer.rank != 0:
         return None
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.state_dict()["param_groups"]]
+    groups = [{k: v for k, v in group.items() if k in _SCHEDULED} for group in optimizer.param_groups]
     return {"moments": moments, "step": step, "param_groups": groups}
 
 
@@ -70,4 +76,4 @@ def load_optimizer_state(trainer: Any, saved: dict) -> None:
                 state[key] = shards[key][name].to(device=param.device, dtype=param.dtype).clone()
             optimizer.state[param] = state
     for group, values in zip(optimizer.param_groups, saved["param_groups"]):
-        group.update({k: v for k, v in values.items() if k != "params"})
+        group.update({k: v for k, v in values.items() if k in _SCHEDULED})

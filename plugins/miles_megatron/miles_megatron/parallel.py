@@ -36,10 +36,9 @@ GPTModel and:
   the same tokens as its TP peers) reach every expert, so an expert's gradient, summed
   over its expert-data-parallel group by Megatron's DDP, counts each token that many
   times (:mod:`miles_megatron.schedule` divides them out).
-- :func:`clip_grad_norm`: ``torch.nn.utils.clip_grad_norm_`` over the whole model,
-  each parameter counted once: a rank's squared gradient norms are divided by the
-  number of ranks of its stage holding the same gradient (:func:`_holders`), summed
-  over all ranks (the last stage's copy of a tied embedding not at all).
+
+The gradient norm and clipping over all ranks are Megatron-Core's optimizer's
+(:mod:`miles_megatron.megatron_optimizer`).
 """
 
 from __future__ import annotations
@@ -81,11 +80,6 @@ class Sizes:
         """The smallest data-parallel size with ``ETP * EP`` dividing ``TP * CP * DP``."""
         experts = EXPERT_TP * self.ep
         return experts // math.gcd(self.tp * self.cp, experts)
-
-    @property
-    def edp(self) -> int:
-        """Megatron's expert-data-parallel size: ranks of a stage holding the same experts."""
-        return self.tp * self.cp * self.dp // (EXPERT_TP * self.ep)
 
     @property
     def world(self) -> int:
@@ -265,46 +259,8 @@ def vocab_parallel_head(weight_VrH: torch.Tensor, vocab_size: int) -> torch.Tens
     return gather_from_tensor_model_parallel_region(weight_VrH.t().contiguous()).t()[:vocab_size]
 
 
-def _holders(name: str, dims: Mapping[str, int], sizes: Sizes) -> int:
-    """Ranks of one pipeline stage holding this parameter's (identical) gradient."""
-    if _EXPERT.match(name):
-        return sizes.edp  # the expert-data-parallel group (expert TP 1)
-    if sizes.tp > 1 and name in dims:
-        return sizes.dp * sizes.cp  # Megatron's data-parallel (with context) replicas of this TP shard
-    return sizes.tp * sizes.cp * sizes.dp
-
-
 def expert_batch_copies(sizes: Sizes, sequence_parallel: bool) -> int:
     """Times each token of a stage's batch reaches its experts (see module doc): the TP ranks
     hold the same tokens (each DP rank its own share), all-gathered over the EP group, or
     ``1 / TP`` of them each under sequence parallelism."""
     return 1 if sequence_parallel else sizes.tp
-
-
-def clip_grad_norm(gpt: torch.nn.Module | list[torch.nn.Module], max_norm: float, sizes: Sizes) -> torch.Tensor:
-    """``clip_grad_norm_`` over the full model (see module doc; ``gpt``: the rank's model, or its
-    model chunks under virtual pipeline stages); all ranks call it."""
-    from miles_megatron.pipeline import tied_output_copy
-
-    chunks = gpt if isinstance(gpt, (list, tuple)) else [gpt]
-    squares, named = [], []
-    for chunk in chunks:
-        dims = _partition_dims(chunk)
-        tied_copy = tied_output_copy(chunk) if sizes.pp > 1 else None
-        for name, param in chunk.named_parameters():
-            if param.grad is None:
-                continue
-            named.append((name, param))
-            if param is not tied_copy:  # the first stage's embedding counts it
-                squares.append(torch.linalg.vector_norm(param.grad.float()) ** 2 / _holders(name, dims, sizes))
-    device = named[0][1].grad.device if named else torch.device("cpu")
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for value in squares:
-        square += value
-    if sizes.parallel:
-        dist.all_reduce(square)  # the trainers' group: TP * PP * CP * DP ranks
-    total = torch.sqrt(square)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for _, param in named:
-        param.grad.mul_(coefficient.to(param.grad.device))
-    return total

@@ -30,8 +30,9 @@ every rank, rank 0 among them, gets the complete model for export and checkpoint
 
 Training and forward-only passes run on Megatron-Core's schedules (1F1B), gradients
 through its DDP and ``finalize_model_grads`` (the tied embedding's copies summed over the
-embedding group): :mod:`miles_megatron.schedule`. The clipping norm sums every stage's
-gradients, the tied copy counted once (:func:`miles_megatron.parallel.clip_grad_norm`).
+embedding group): :mod:`miles_megatron.schedule`. Megatron's optimizer's clipping norm
+sums every stage's gradients, the tied copy counted once
+(:mod:`miles_megatron.megatron_optimizer`).
 
 Routes observed in a forward (R2's recording, ``RoutingContext.captured``) exist on
 the stage that owns the layer: :func:`share_captured_routes` all-gathers them, so every

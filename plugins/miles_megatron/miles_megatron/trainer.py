@@ -119,26 +119,29 @@ class MegatronTrainer(NativeTrainer):
 
     def _make_optimizer(self, fused: bool | None = None) -> None:
         """Each model chunk in Megatron's DDP (:func:`miles_megatron.schedule.wrap_ddp_chunks`), then
-        the host's optimizer, or with ``--use-distributed-optimizer`` Megatron's distributed optimizer
-        under the host's learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
+        Megatron's optimizer (distributed with ``--use-distributed-optimizer``) under the host's
+        learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
         from miles_host.lr_schedule import lr_lambda
+        from miles_megatron.megatron_optimizer import build_megatron_optimizer
         from miles_megatron.schedule import wrap_ddp_chunks
 
-        distributed = self.config.use_distributed_optimizer
+        config = self.config
+        if config.optimizer not in self.optimizer_names:
+            raise ValueError(f"--optimizer {config.optimizer}: the {type(self).__name__} builds "
+                             f"{', '.join(self.optimizer_names)} only; give one of them")
+        distributed = config.use_distributed_optimizer
         with on_device(self.device):
             #: the DDP-wrapped model chunks (one without virtual pipeline stages)
-            self.ddp_chunks = wrap_ddp_chunks(self.model.chunks, overlap_grad_reduce=self.config.overlap_grad_reduce,
+            self.ddp_chunks = wrap_ddp_chunks(self.model.chunks, overlap_grad_reduce=config.overlap_grad_reduce,
                                               distributed_optimizer=distributed)
         self.ddp = self.ddp_chunks[0]
-        if not distributed:
-            return super()._make_optimizer(fused)
-        from miles_megatron.megatron_optimizer import build_megatron_optimizer
-
-        # (the parameters are views of the DDP parameter buffer the optimizer gathers into: moving them to the
-        # host and back would detach them from it; --offload-train / --colocate are refused)
-        self.can_offload_train_state = False
-        self.optimizer = build_megatron_optimizer(self.ddp_chunks, self.config, self.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.config))
+        _check_all_parameters_in_chunks(self.model, self.ddp_chunks)
+        # (with the distributed optimizer the parameters are views of the DDP parameter buffer it gathers
+        # into: moving them to the host and back would detach them from it; --offload-train / --colocate
+        # are refused)
+        self.can_offload_train_state = not distributed
+        self.optimizer = build_megatron_optimizer(self.ddp_chunks, config, self.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.last_step_lr = None
 
     def close(self) -> None:
@@ -205,15 +208,10 @@ class MegatronTrainer(NativeTrainer):
         return log_probs_without_grad(self, model, samples, phase)
 
     def _clip_grads(self) -> torch.Tensor:
-        """Under TP/EP/PP/DP: the norm over the whole model, each gradient counted once (with
-        ``--use-distributed-optimizer`` Megatron's norm and clipping)."""
-        if self.config.use_distributed_optimizer:
-            return self.optimizer.clip()
-        if not self.sizes.parallel:
-            return super()._clip_grads()
-        from miles_megatron.parallel import clip_grad_norm
-
-        return clip_grad_norm(self.model.chunks, self.config.clip_grad, self.sizes)
+        """Megatron's gradient norm over the whole model (each gradient counted once over
+        TP / EP / PP / DP) and its clipping to ``--clip-grad`` (:meth:`MegatronOptimizerStep.clip
+        <miles_megatron.megatron_optimizer.MegatronOptimizerStep.clip>`)."""
+        return self.optimizer.clip()
 
     # -- weights and state ------------------------------------------------------------
 
@@ -251,9 +249,9 @@ class MegatronTrainer(NativeTrainer):
 
     def state_dict(self) -> dict:
         """``--ckpt-format torch_dist``: the schedule's state, the model and optimizer being
-        :meth:`save_shards`' files. ``torch``: the native trainer's checkpoint (model under
-        native names), tagged with the backend: the optimizer state is indexed in Megatron's
-        parameter order (under TP/EP/PP gathered to full native-named moments; a collective)."""
+        :meth:`save_shards`' files. ``torch``: the model under native names and the optimizer's
+        moments gathered whole under native names (:mod:`miles_megatron.optimizer_state`; a
+        collective under TP/EP/PP/CP/DP), which load on any layout."""
         from miles_megatron.dist_ckpt import trainer_state, uses_torch_dist
 
         if uses_torch_dist(self.config):
@@ -261,8 +259,6 @@ class MegatronTrainer(NativeTrainer):
         if self.config.use_distributed_optimizer:
             raise ValueError("--use-distributed-optimizer shards the optimizer state over the data-parallel ranks: "
                              "checkpoints need --ckpt-format torch_dist")
-        if not self.sizes.parallel:
-            return {**super().state_dict(), "train_backend": self.backend}
         from miles_megatron.optimizer_state import gather_optimizer_state
 
         return {
@@ -270,7 +266,7 @@ class MegatronTrainer(NativeTrainer):
             "optimizer": gather_optimizer_state(self),
             "scheduler": self.scheduler.state_dict(),
             "consecutive_nan_steps": self.consecutive_nan_steps,
-            "critic": None,
+            "critic": self.critic.checkpoint_state() if self.critic is not None else None,
             "train_backend": self.backend,
             "model_parallel": {"tp": self.sizes.tp, "ep": self.sizes.ep, "pp": self.sizes.pp},
         }
@@ -287,13 +283,11 @@ class MegatronTrainer(NativeTrainer):
 
             load_trainer_state(self, state)
             return
-        layout = state.get("model_parallel")
-        if layout is None and not self.sizes.parallel:
-            return super().load_state_dict(state)
-        if layout is None or not self.sizes.parallel:
+        if "model_parallel" not in state:
             raise ValueError(
-                "--load: this megatron checkpoint was written with other model-parallel sizes "
-                f"({layout or 'TP = EP = 1'}); start from its HF weights with --hf-checkpoint instead"
+                "--load: this checkpoint of a one-process megatron trainer holds the state of the host's AdamW "
+                "(the megatron trainer now steps Megatron-Core's optimizer, whose state it saves per parameter); "
+                "start from its weights with --hf-checkpoint instead"
             )
         from miles_megatron.optimizer_state import load_optimizer_state
 
@@ -302,3 +296,16 @@ class MegatronTrainer(NativeTrainer):
         load_optimizer_state(self, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_checkpoint_state(state["critic"])
+
+
+def _check_all_parameters_in_chunks(model: torch.nn.Module, chunks: list[torch.nn.Module]) -> None:
+    """Megatron's optimizer steps the parameters of the DDP-wrapped chunks: a trainable parameter
+    attached to the policy outside them (by a plugin) would never train, so it is refused."""
+    inside = {id(param) for chunk in chunks for param in chunk.parameters()}
+    outside = [name for name, param in model.named_parameters() if param.requires_grad and id(param) not in inside]
+    if outside:
+        raise ValueError(f"--train-backend megatron trains the parameters of Megatron's model chunks; "
+                         f"{', '.join(outside[:5])} were attached outside them (a plugin's module): use --train-backend "
+                         "native")

@@ -1,5 +1,6 @@
-"""--optimizer-cpu-offload on the megatron trainer: the same training and the same gathered
-checkpoint state as the device optimizer (one process, CPU)."""
+"""--optimizer-cpu-offload on the megatron trainer: Megatron's FP32Optimizer steps the host's
+CpuOffloadOptimizer; the same training and the same gathered checkpoint state as the device
+optimizer (one process, CPU)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ def test_cpu_offloaded_step_trains_and_checkpoints_as_the_device_one(tmp_path):
     for flags in ((), ("--optimizer-cpu-offload", "--weight-decay", "0.1")):
         flags = flags or ("--weight-decay", "0.1")
         trainer = make_trainer(models, "qwen3", "megatron", *flags)
-        assert isinstance(trainer.optimizer, CpuOffloadOptimizer) == ("--optimizer-cpu-offload" in flags)
+        inner = trainer.optimizer.megatron.chained_optimizers[0].optimizer  # the FP32Optimizer's torch optimizer
+        assert isinstance(inner, CpuOffloadOptimizer) == ("--optimizer-cpu-offload" in flags)
         metrics = [trainer.train(make_samples()) for _ in range(2)]
         gathered = gather_optimizer_state(trainer)  # what a TP/EP/PP checkpoint holds
         if "--optimizer-cpu-offload" in flags:  # and it loads back into the CPU state
             load_optimizer_state(trainer, gathered)
             assert gather_optimizer_state(trainer)["step"] == gathered["step"]
-            assert all(t.device.type == "cpu" for s in trainer.optimizer.inner.state.values() for t in s.values())
+            assert all(t.device.type == "cpu" for s in inner.inner.state.values() for t in s.values())
         results.append((metrics, {k: v.clone() for k, v in trainer.model.state_dict().items()
                                   if torch.is_tensor(v)}, gathered))
         trainer.close()

@@ -3,8 +3,8 @@
 its gradient norm and clipping) on gloo trainer processes, CPU, float32
 (:mod:`miles_megatron.megatron_optimizer`).
 
-- DP 2 x PP 2: two optimizer steps give the losses, gradient norms and weights of one process
-  running the host's AdamW and clipping (``torch.optim.AdamW``, ``clip_grad_norm_``) within
+- DP 2 x PP 2: two optimizer steps give the losses, gradient norms and weights of the native
+  trainer in one process (the host's ``torch.optim.AdamW`` and ``clip_grad_norm_``) within
   float32 tolerance, and with ``--clip-grad`` small enough to clip.
 - Its state in a torch_dist checkpoint (Megatron's sharded optimizer state, each rank its
   slice): loaded back after a further step, that step repeats bit for bit (losses, gradient
@@ -45,13 +45,13 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def _one_process_then_group(models, name: str, samples, *parallel: str):
-    """Two steps of one process with the host's optimizer (their metrics and final weights), then
+    """Two steps of the native trainer in one process (their metrics and final weights), then
     the trainer group of ``parallel`` flags with the distributed optimizer (skipped on GPUs where
     there are fewer than its ``--actor-num-gpus-per-node``)."""
     world = int(parallel[parallel.index("--actor-num-gpus-per-node") + 1])
     if DEVICE != "cpu" and torch.cuda.device_count() < world:
         pytest.skip(f"MILES_MEGATRON_TEST_DEVICE=cuda needs {world} GPUs")
-    single = make_trainer(models, name, "megatron", *FLAGS)
+    single = make_trainer(models, name, "native", *FLAGS)
     assert type(single.optimizer) is torch.optim.AdamW  # the reference: the host's optimizer
     want = [single.train(samples) for _ in range(2)]
     expected = _weights(single)
