@@ -14,9 +14,12 @@ plugins build from :func:`block_rows`):
   computes one row block x one ``BLOCK_N`` column tile, ``out[rows, n] = a[rows, :]
   @ w[expert][n, :]^T`` with fp32 accumulation from ``k = 0``. With ``GATHER`` the
   rows of ``a`` are read through the row -> token table (the first GEMM reads ``x``
-  itself); padding rows read zeros. With ``GATED`` (gate_up) the program also
-  multiplies the up rows ``N + n`` and writes ``act(gate) * up`` (each rounded to
-  the output dtype first, as the eager ``act(gate) * up`` of bf16 tensors does).
+  itself); padding rows read zeros. With ``HAS_BIAS`` the expert's bias row is
+  added to the fp32 accumulators before any rounding (what ``F.linear(x, w, b)``
+  rounds once). With ``GATED`` (gate_up) the program also multiplies the up rows
+  ``N + n`` and writes :func:`act_and_mul` of gate and up (each rounded to the
+  output dtype first, as the eager ops of bf16 tensors do): ``act(gate) * up``,
+  or gpt-oss' clamped SwiGLU (``ACT`` 3 with ``LIMIT`` and ``ALPHA``).
 - :func:`_combine_kernel`: ``y[t] = sum_k w[t, k] * out[row of (t, k)]`` in fp32,
   slots in their order, one rounding: the top-k weighted sum in one launch.
 
@@ -36,7 +39,7 @@ from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
 from miles_host.kernels.moe_configs import max_row_blocks
 
 #: activation code of the GATED epilogue, by config name
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "clamped_swiglu": 3}
 
 
 @triton.jit
@@ -51,19 +54,33 @@ def _mma(a, b, acc, IEEE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def act_and_mul(gate, up, ACT: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+def act_and_mul(gate, up, ACT: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 1.0):
     """``act(gate) * up`` of fp32 accumulators, rounded as eager ops on ``DTYPE`` tensors round:
-    gate and up to ``DTYPE``, the activation to ``DTYPE``, the product to ``DTYPE``."""
+    gate and up to ``DTYPE``, the activation to ``DTYPE``, the product to ``DTYPE``.
+
+    ``ACT`` 3 is gpt-oss' clamped SwiGLU, every eager op of
+    :func:`~miles_host.kernels.eager_ops.clamped_swiglu` rounded in turn:
+    ``g = min(gate, LIMIT)``, ``u = clamp(up, -LIMIT, LIMIT)``, ``(u + 1) * (g * sigmoid(g * ALPHA))``.
+    """
     gate = cast_rne(gate, DTYPE, EMULATE).to(tl.float32)
     up = cast_rne(up, DTYPE, EMULATE).to(tl.float32)
-    if ACT == 0:
-        activated = gate / (1.0 + tl.exp(-gate))
-    elif ACT == 1:
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        activated = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner)
+    if ACT == 3:
+        gate = cast_rne(tl.minimum(gate, LIMIT), DTYPE, EMULATE).to(tl.float32)
+        up = cast_rne(tl.minimum(tl.maximum(up, -LIMIT), LIMIT), DTYPE, EMULATE).to(tl.float32)
+        scaled = cast_rne(gate * ALPHA, DTYPE, EMULATE).to(tl.float32)
+        sigmoid = cast_rne(1.0 / (1.0 + tl.exp(-scaled)), DTYPE, EMULATE).to(tl.float32)
+        activated = cast_rne(gate * sigmoid, DTYPE, EMULATE).to(tl.float32)
+        up = cast_rne(up + 1.0, DTYPE, EMULATE).to(tl.float32)
     else:
-        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    activated = cast_rne(activated, DTYPE, EMULATE).to(tl.float32)
+        if ACT == 0:
+            activated = gate / (1.0 + tl.exp(-gate))
+        elif ACT == 1:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            activated = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner)
+        else:
+            activated = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        activated = cast_rne(activated, DTYPE, EMULATE).to(tl.float32)
     return cast_rne(activated * up, DTYPE, EMULATE)
 
 
@@ -134,11 +151,11 @@ def _route_kernel(
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, RowToken, BlockExpert, W, C,
+    A, RowToken, BlockExpert, W, Bias, C,
     N,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_cm, stride_cn,
     K: tl.constexpr, K_BLOCKS: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -161,8 +178,13 @@ def _moe_gemm_kernel(
                 acc_up = _mma(a, w_up, acc_up, IEEE, EMULATE)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:  # the expert's bias row (gate_up: gate columns, then up at N + n)
+            bias_ptrs = Bias + expert.to(tl.int64) * stride_be + cols * stride_bn
+            acc += tl.load(bias_ptrs).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(bias_ptrs + N * stride_bn).to(tl.float32)[None, :]
         if GATED:
-            out = act_and_mul(acc, acc_up, ACT, C.dtype.element_ty, EMULATE)
+            out = act_and_mul(acc, acc_up, ACT, C.dtype.element_ty, EMULATE, LIMIT, ALPHA)
         else:
             out = cast_rne(acc, C.dtype.element_ty, EMULATE)
         c_ptrs = C + out_rows[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
@@ -210,24 +232,29 @@ def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_e
     )
 
 
-def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool, activation: str | None) -> None:
-    """``out[r] = a[row r] @ w_ENK[expert of r's block]^T`` for every row of a used block.
+def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool, activation: str | None,
+             bias_EN: torch.Tensor | None = None, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0) -> None:
+    """``out[r] = a[row r] @ w_ENK[expert of r's block]^T (+ bias_EN[expert])`` for every row of a used block.
 
-    ``activation`` (gate_up): ``w_ENK`` is ``[E, 2N, K]`` (gate rows first) and
-    ``out[r] = act(gate) * up``, ``[R, N]``. ``a``: ``[T, K]`` (``gather``: row r
+    ``activation`` (gate_up): ``w_ENK`` is ``[E, 2N, K]`` (gate rows first), ``bias_EN``
+    ``[E, 2N]`` likewise, and ``out[r] = act(gate) * up``, ``[R, N]`` (``clamped_swiglu``:
+    with ``swiglu_limit`` and ``swiglu_alpha``). ``a``: ``[T, K]`` (``gather``: row r
     reads ``a[row_token_R[r]]``) or ``[R, K]``. Rows of unused blocks are not written.
     """
     n, k = out_RN.shape[1], w_ENK.shape[2]
     num_blocks = block_expert_B.shape[0]
     if num_blocks == 0 or n == 0:
         return
+    bias = bias_EN if bias_EN is not None else w_ENK  # never read without HAS_BIAS
     grid = (num_blocks, triton.cdiv(n, config.block_n))
     _moe_gemm_kernel[grid](
-        a, row_token_R, block_expert_B, w_ENK, out_RN,
+        a, row_token_R, block_expert_B, w_ENK, bias, out_RN,
         n,
-        a.stride(0), a.stride(1), w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2), out_RN.stride(0), out_RN.stride(1),
-        K=k, K_BLOCKS=triton.cdiv(k, config.block_k), GATHER=gather, GATED=activation is not None, ACT=ACTIVATIONS[activation] if activation is not None else 0,
-        IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
+        a.stride(0), a.stride(1), w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2), bias.stride(0), bias.stride(1),
+        out_RN.stride(0), out_RN.stride(1),
+        K=k, K_BLOCKS=triton.cdiv(k, config.block_k), GATHER=gather, GATED=activation is not None,
+        ACT=ACTIVATIONS[activation] if activation is not None else 0, HAS_BIAS=bias_EN is not None,
+        LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha), IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

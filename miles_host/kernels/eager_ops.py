@@ -48,3 +48,19 @@ def activation(name: str):
     if name == "gelu":
         return F.gelu
     raise ValueError(f"unsupported activation {name!r}")
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss' gated activation: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * (g * sigmoid(alpha * g))`` (the fused epilogue rounds each of these ops in turn)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, act, swiglu_limit: float | None = None,
+                     swiglu_alpha: float = 1.0) -> torch.Tensor:
+    """A gated MLP's hidden: ``act(gate) * up``, or :func:`clamped_swiglu` where ``swiglu_limit`` is set."""
+    if swiglu_limit is None:
+        return act(gate) * up
+    return clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)

@@ -18,8 +18,10 @@ so a decode step captures it in a CUDA graph and a prefill runs it as it comes:
 2. gate_up: one grouped GEMM over the padded rows, ``x``'s rows gathered by token
    inside the kernel, gate and up tiles of ``gate_up_E2IH[e]`` in the same program
    and ``act(gate) * up`` in its epilogue (the activation never goes to memory
-   un-multiplied).
-3. down: the same grouped GEMM on the activation rows with ``down_EHI[e]``.
+   un-multiplied). gpt-oss' experts add their bias rows to the fp32 accumulators
+   and take the clamped SwiGLU (:data:`CLAMPED_SWIGLU`) in the same epilogue.
+3. down: the same grouped GEMM on the activation rows with ``down_EHI[e]`` (and
+   its bias rows).
 4. :func:`combine`: each token's K rows times their gate weights, summed in fp32
    in slot order and rounded once to x's dtype, in one launch.
 
@@ -45,14 +47,15 @@ from typing import Protocol
 import torch
 
 from miles_host.kernels.eager_ops import activation as eager_activation
+from miles_host.kernels.eager_ops import gated_activation
 
 # DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, max_row_blocks, moe_tiles, pick_block_m
 
 __all__ = [
-    "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe", "gemm_config",
-    "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m", "plan", "route",
+    "CLAMPED_SWIGLU", "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe",
+    "fuses", "gemm_config", "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m", "plan", "route",
 ]
 
 #: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
@@ -60,6 +63,10 @@ ROUTE_KERNEL_MAX_PAIRS = 4096
 
 #: activations the gate_up epilogue computes
 FUSED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+#: gpt-oss' clamped SwiGLU, which the gate_up epilogue computes too, given its limit and alpha
+#: (:class:`DenseExpertGemms`; the precision plugins' kernels take only :data:`FUSED_ACTIVATIONS`)
+CLAMPED_SWIGLU = "clamped_swiglu"
 
 #: weight-format name of the host's expert stacks by dtype (the tile table's key)
 DENSE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -105,31 +112,48 @@ class ExpertGemms(Protocol):
 
 @dataclass
 class DenseExpertGemms:
-    """The host's expert stacks: ``gate_up_E2IH [E, 2I, H]`` (gate rows first), ``down_EHI [E, H, I]``."""
+    """The host's expert stacks: ``gate_up_E2IH [E, 2I, H]`` (gate rows first), ``down_EHI [E, H, I]``;
+    gpt-oss' ``gate_up_bias_E2I [E, 2I]`` and ``down_bias_EH [E, H]`` where given, and its clamped
+    SwiGLU as ``activation`` :data:`CLAMPED_SWIGLU` with ``swiglu_limit`` and ``swiglu_alpha``."""
 
     gate_up_E2IH: torch.Tensor
     down_EHI: torch.Tensor
     activation: str = "silu"
+    gate_up_bias_E2I: torch.Tensor | None = None
+    down_bias_EH: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         self.num_experts, two_inter, self.hidden = self.gate_up_E2IH.shape
         self.inter = two_inter // 2
         self.weight_format = DENSE_FORMATS.get(self.gate_up_E2IH.dtype, str(self.gate_up_E2IH.dtype))
-        if self.activation not in FUSED_ACTIVATIONS:
-            raise ValueError(f"the fused MoE takes the activations {FUSED_ACTIVATIONS}; got {self.activation!r} "
+        if not fuses(self.activation, self.swiglu_limit):
+            raise ValueError(f"the fused MoE takes the activations {FUSED_ACTIVATIONS} and {CLAMPED_SWIGLU!r} with "
+                             f"a swiglu_limit; got {self.activation!r} with swiglu_limit={self.swiglu_limit} "
                              "(use --moe-kernel loop)")
 
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
         from miles_host.kernels import _moe_grouped_triton
 
+        clamp = dict(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha) if self.swiglu_limit is not None else {}
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
-                                     config, gather=True, activation=self.activation)
+                                     config, gather=True, activation=self.activation, bias_EN=self.gate_up_bias_E2I,
+                                     **clamp)
 
     def down(self, act_RI, routing, out_RH, config) -> None:
         from miles_host.kernels import _moe_grouped_triton
 
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,
-                                     config, gather=False, activation=None)
+                                     config, gather=False, activation=None, bias_EN=self.down_bias_EH)
+
+
+def fuses(activation: str, swiglu_limit: float | None = None) -> bool:
+    """Whether the gate_up epilogue computes ``activation``: one of :data:`FUSED_ACTIVATIONS`
+    (no limit), or :data:`CLAMPED_SWIGLU` with its ``swiglu_limit``."""
+    if activation == CLAMPED_SWIGLU:
+        return swiglu_limit is not None
+    return activation in FUSED_ACTIVATIONS and swiglu_limit is None
 
 
 def route(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, block_m: int) -> Routing:
@@ -232,7 +256,7 @@ def fused_moe(
     return combine(out_RH, routing, x_TH.dtype)
 
 
-def _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI) -> None:
+def _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, gate_up_bias_E2I, down_bias_EH) -> None:
     num_experts, two_inter, hidden = gate_up_E2IH.shape
     if x_TH.dim() != 2 or x_TH.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"x [T, H] and gate_up [E, 2I, H] disagree: {tuple(x_TH.shape)}, {tuple(gate_up_E2IH.shape)}")
@@ -243,6 +267,10 @@ def _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI) -> None:
     if x_TH.dtype not in DTYPES or gate_up_E2IH.dtype != x_TH.dtype or down_EHI.dtype != x_TH.dtype:
         raise ValueError(f"x and the expert weights need one dtype among bf16/fp16/fp32; got "
                          f"{x_TH.dtype}, {gate_up_E2IH.dtype}, {down_EHI.dtype}")
+    for name, bias, weight in (("gate_up", gate_up_bias_E2I, gate_up_E2IH), ("down", down_bias_EH, down_EHI)):
+        if bias is not None and (tuple(bias.shape) != tuple(weight.shape[:2]) or bias.dtype != weight.dtype):
+            raise ValueError(f"the {name} bias must be {list(weight.shape[:2])} in {weight.dtype}; "
+                             f"got {tuple(bias.shape)} in {bias.dtype}")
 
 
 def grouped_moe_forward(
@@ -254,6 +282,10 @@ def grouped_moe_forward(
     activation: str = "silu",
     *,
     block_m: int | None = None,
+    gate_up_bias_E2I: torch.Tensor | None = None,
+    down_bias_EH: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype (what ``routed_forward`` with
     ``Experts.expert_mlp`` computes), in a fixed number of launches and no host sync.
@@ -261,16 +293,19 @@ def grouped_moe_forward(
     ``ids_TK``: expert ids in ``[0, E)``; ``weights_TK``: gate weights (any float
     dtype, used in fp32); ``gate_up_E2IH``: ``[E, 2I, H]`` (gate rows first),
     ``down_EHI``: ``[E, H, I]``, any strides. ``block_m``: the layout's row block
-    (tests; default: the tile table's). On CUDA (and on CPU under
+    (tests; default: the tile table's). gpt-oss: the experts' biases
+    (``gate_up_bias_E2I [E, 2I]``, ``down_bias_EH [E, H]``) and ``activation``
+    :data:`CLAMPED_SWIGLU` with ``swiglu_limit`` / ``swiglu_alpha``. On CUDA (and on CPU under
     ``TRITON_INTERPRET=1``) the Triton path; elsewhere :func:`grouped_moe_forward_reference`.
     No autograd (inference only).
     """
-    _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI)
+    _check(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, gate_up_bias_E2I, down_bias_EH)
     if ids_TK.shape[0] == 0 or ids_TK.shape[1] == 0:
         return torch.zeros_like(x_TH)
+    gemms = DenseExpertGemms(gate_up_E2IH, down_EHI, activation, gate_up_bias_E2I, down_bias_EH, swiglu_limit,
+                             swiglu_alpha)
     if not uses_triton(x_TH):
-        return grouped_moe_forward_reference(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, activation)
-    gemms = DenseExpertGemms(gate_up_E2IH, down_EHI, activation)
+        return _reference(x_TH, ids_TK, weights_TK, gemms)
     tiles = None
     if block_m is not None:
         tiles = MoETiles(block_m, gemm_config(block_m, gemms.inter, gemms.hidden, x_TH.dtype),
@@ -285,16 +320,34 @@ def grouped_moe_forward_reference(
     gate_up_E2IH: torch.Tensor,
     down_EHI: torch.Tensor,
     activation: str = "silu",
+    *,
+    gate_up_bias_E2I: torch.Tensor | None = None,
+    down_bias_EH: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch, one expert at a time in float64, rounded once to x's dtype (the oracle)."""
+    """Plain PyTorch, one expert at a time in float64, rounded once to x's dtype (the oracle);
+    arguments as :func:`grouped_moe_forward`'s."""
+    gemms = DenseExpertGemms(gate_up_E2IH, down_EHI, activation, gate_up_bias_E2I, down_bias_EH, swiglu_limit,
+                             swiglu_alpha)
+    return _reference(x_TH, ids_TK, weights_TK, gemms)
 
-    act = eager_activation(activation)
+
+def _reference(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+               gemms: DenseExpertGemms) -> torch.Tensor:
+    act = eager_activation(gemms.activation) if gemms.swiglu_limit is None else None
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
-    for expert in range(gate_up_E2IH.shape[0]):
+    for expert in range(gemms.num_experts):
         tokens, slots = torch.nonzero(ids_TK == expert, as_tuple=True)
         if tokens.numel() == 0:
             continue
-        gate, up = (x_TH[tokens].double() @ gate_up_E2IH[expert].double().t()).chunk(2, dim=-1)
-        out = (act(gate) * up) @ down_EHI[expert].double().t()
+        gate_up = x_TH[tokens].double() @ gemms.gate_up_E2IH[expert].double().t()
+        if gemms.gate_up_bias_E2I is not None:
+            gate_up = gate_up + gemms.gate_up_bias_E2I[expert].double()
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = gated_activation(gate, up, act, gemms.swiglu_limit, gemms.swiglu_alpha)
+        out = hidden @ gemms.down_EHI[expert].double().t()
+        if gemms.down_bias_EH is not None:
+            out = out + gemms.down_bias_EH[expert].double()
         y_TH.index_add_(0, tokens, out * weights_TK[tokens, slots].double()[:, None])
     return y_TH.to(x_TH.dtype)

@@ -16,7 +16,11 @@ autograd, activation recomputation and R3 replay see the same graph every time:
    each token's K row gradients gathered and summed, no atomics.
 3. ``gate_up = grouped_mm(x_R, gate_up_E2IH^T)``, ``act(gate) * up``,
    ``out = grouped_mm(act_RI, down_EHI^T)``: ``torch._grouped_mm`` (CUTLASS on
-   sm90 in bf16) whose autograd gives the x and weight gradients.
+   sm90 in bf16) whose autograd gives the x and weight gradients. gpt-oss' experts
+   add each row's expert bias to both projections (bias rows gathered by the row's
+   expert: autograd sums each expert's rows into its bias gradient, in float32) and
+   take the clamped SwiGLU instead of ``act(gate) * up`` (plain torch ops on the
+   grouped output, :func:`~miles_host.kernels.eager_ops.gated_activation`).
 4. Unpermute and combine: ``y[t] = sum_k w[t, k] * out[row of (t, k)]`` as one
    batched ``[1, K] x [K, H]`` product per token in the promoted dtype of ``out``
    and the weights, so the gate weights (and through them the router) get
@@ -49,6 +53,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from miles_host.kernels.eager_ops import gated_activation
 
 #: rows each expert's group is padded to a multiple of (16 bytes of bf16 is 8; 16 also suits fp16/fp8)
 ALIGN_ROWS = 16
@@ -175,6 +181,17 @@ def _project(x_RI: torch.Tensor, weight_EOI: torch.Tensor, adapter: StackAdapter
     return y_RO + adapter.scaling * grouped_mm(low_RR, adapter.b_EOR.to(dtype).transpose(1, 2), offsets_E)
 
 
+def _add_expert_bias(y_RO: torch.Tensor, bias_EO: torch.Tensor | None, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``y[r] + bias[expert of row r]`` in y's dtype. ``_grouped_mm`` has no bias epilogue, so
+    in bf16 the sum is rounded once more than ``F.linear(x, w, b)`` rounds it. The gathered rows
+    come from a float32 copy of the bias, so its gradient sums each expert's rows in float32."""
+    if bias_EO is None:
+        return y_RO
+    rows_R = torch.arange(y_RO.shape[0], device=y_RO.device, dtype=offsets_E.dtype)
+    row_expert_R = torch.searchsorted(offsets_E, rows_R, right=True)  # the group whose end is past the row
+    return y_RO + bias_EO.float().index_select(0, row_expert_R).to(y_RO.dtype)
+
+
 def compute_dtype(x_TH: torch.Tensor) -> torch.dtype:
     """The dtype the expert GEMMs run in: autocast's where it is on, else x's."""
     device_type = x_TH.device.type
@@ -217,10 +234,16 @@ def grouped_experts(
     down_EHI: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     adapters: tuple[StackAdapter | None, StackAdapter | None] = (None, None),
+    *,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` in x's dtype, differentiable in x, both weight
     stacks and ``weights_TK``: what ``routed_forward`` with ``Experts.expert_mlp`` computes.
     ``adapters``: LoRA updates of ``(gate_up, down)`` (:class:`StackAdapter`), differentiable too.
+    gpt-oss: ``biases`` of ``(gate_up [E, 2I], down [E, H])`` (differentiable) and the clamped
+    SwiGLU where ``swiglu_limit`` is set (then ``act`` is unused).
 
     ``gate_up_E2IH``: ``[E, 2I, H]`` (gate rows first); ``down_EHI``: ``[E, H, I]``;
     ``act``: the gate's activation. Under autocast the GEMMs run in autocast's dtype
@@ -233,8 +256,10 @@ def grouped_experts(
     with torch.autocast(x_TH.device.type, enabled=False):
         x_RH = _PermuteTokens.apply(x_TH.to(dtype), layout.row_token_R, layout.pair_row_TK)
         gate_up_R2I = _project(x_RH, gate_up_E2IH, adapters[0], layout.offsets_E, dtype)
-        gate_RI, up_RI = gate_up_R2I.chunk(2, dim=-1)
-        out_RH = _project(act(gate_RI) * up_RI, down_EHI, adapters[1], layout.offsets_E, dtype)
+        gate_RI, up_RI = _add_expert_bias(gate_up_R2I, biases[0], layout.offsets_E).chunk(2, dim=-1)
+        hidden_RI = gated_activation(gate_RI, up_RI, act, swiglu_limit, swiglu_alpha)
+        out_RH = _project(hidden_RI, down_EHI, adapters[1], layout.offsets_E, dtype)
+        out_RH = _add_expert_bias(out_RH, biases[1], layout.offsets_E)
         out_TKH = _UnpermuteRows.apply(out_RH, layout.pair_row_TK)
         combine_dtype = torch.promote_types(out_TKH.dtype, weights_TK.dtype)
         y_TH = torch.bmm(weights_TK.to(combine_dtype).unsqueeze(1), out_TKH.to(combine_dtype)).squeeze(1)

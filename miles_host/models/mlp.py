@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import invariant_ops, moe_grouped, moe_router, moe_train
-from miles_host.kernels.eager_ops import activation
+from miles_host.kernels.eager_ops import activation, gated_activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import moe_tiles
 from miles_host.kernels.small_m_gemm import decode_linear
@@ -114,7 +114,12 @@ def init_experts(module: torch.nn.Module, hidden_size: int, moe: MoEConfig, act:
     module.gate_up_proj = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
     module.down_proj = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
     module.act = activation(act)
-    module.act_name = act
+    #: gpt-oss' clamped SwiGLU (replaces ``act(gate) * up`` where the limit is set)
+    module.swiglu_limit, module.swiglu_alpha = moe.swiglu_limit, moe.swiglu_alpha
+    #: the gated activation's name in the fused kernels (:func:`~miles_host.kernels.moe_grouped.fuses`)
+    module.act_name = moe_grouped.CLAMPED_SWIGLU if moe.swiglu_limit is not None else act
+    #: gpt-oss' per-expert biases ``gate_up [E, 2I]`` and ``down [E, H]`` (parameters of the variant experts)
+    module.gate_up_proj_bias = module.down_proj_bias = None
     #: the inference path, one of :data:`MOE_KERNELS` (the engine sets it from ``--moe-kernel``)
     module.moe_kernel = "fused"
     #: the gradient-enabled path (``MoEConfig.experts_impl``; :mod:`miles_host.kernels.moe_train`)
@@ -126,6 +131,25 @@ def gated_expert(x_TH: torch.Tensor, gate_up_2IH: torch.Tensor, down_HI: torch.T
     """One expert's gated MLP: ``down(act(gate x) * (up x))``, gate rows first in ``gate_up``."""
     gate_TI, up_TI = F.linear(x_TH, gate_up_2IH).chunk(2, dim=-1)
     return F.linear(act(gate_TI) * up_TI, down_HI)
+
+
+def _expert_mlp_of(experts: torch.nn.Module, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor):
+    """``expert_mlp(x_e, expert)`` of ``routed_forward`` over the given stacks, with the module's
+    biases and gated activation (gpt-oss' clamped SwiGLU) where it has them."""
+    gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    if gate_up_bias is None and down_bias is None and experts.swiglu_limit is None:
+        return lambda x_e, expert: gated_expert(x_e, gate_up_E2IH[expert], down_EHI[expert], experts.act)
+
+    def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = F.linear(x_e, gate_up_E2IH[expert], _row(gate_up_bias, expert)).chunk(2, dim=-1)
+        hidden = gated_activation(gate, up, experts.act, experts.swiglu_limit, experts.swiglu_alpha)
+        return F.linear(hidden, down_EHI[expert], _row(down_bias, expert))
+
+    return expert_mlp
+
+
+def _row(bias_EO: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return bias_EO[expert] if bias_EO is not None else None
 
 
 class Experts(torch.nn.Module):
@@ -144,8 +168,8 @@ class Experts(torch.nn.Module):
             _linear_default_init(weight)
 
     def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
-        """One expert's gated MLP on its tokens."""
-        return gated_expert(x_e, self.gate_up_proj[expert], self.down_proj[expert], self.act)
+        """One expert's gated MLP on its tokens (with its biases and clamped SwiGLU where it has them)."""
+        return _expert_mlp_of(self, self.gate_up_proj, self.down_proj)(x_e, expert)
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                 routing: moe_grouped.Routing | None = None) -> torch.Tensor:
@@ -165,18 +189,20 @@ class Experts(torch.nn.Module):
                     down_EHI: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` over the given stacked weights (LoRA passes its merged ``W + scaling * B @ A``;
         :mod:`miles_host.lora.experts`), on the path the batch takes: grouped GEMMs with gradients,
-        the fused kernels at inference, else the per-expert loop."""
+        the fused kernels at inference, else the per-expert loop. gpt-oss' expert biases and clamped
+        SwiGLU (:mod:`~miles_host.models.moe_variants`) take all three."""
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)
         # training: one grouped GEMM per projection, forward and backward, no host sync
         if self.takes_grouped(x_TH):
-            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act)
+            return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act,
+                                             biases=biases, swiglu_limit=self.swiglu_limit,
+                                             swiglu_alpha=self.swiglu_alpha)
         # inference: the fused kernels (one routing launch, one GEMM per projection, one combine; no host sync)
-        if uses_fused_moe(self, x_TH) and self.act_name in moe_grouped.FUSED_ACTIVATIONS:
-            gemms = moe_grouped.DenseExpertGemms(gate_up_E2IH, down_EHI, self.act_name)
+        if uses_fused_moe(self, x_TH) and moe_grouped.fuses(self.act_name, self.swiglu_limit):
+            gemms = moe_grouped.DenseExpertGemms(gate_up_E2IH, down_EHI, self.act_name, *biases, self.swiglu_limit,
+                                                 self.swiglu_alpha)
             return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
-
-        def expert_mlp(x_e: torch.Tensor, expert: int) -> torch.Tensor:
-            return gated_expert(x_e, gate_up_E2IH[expert], down_EHI[expert], self.act)
-
+        expert_mlp = _expert_mlp_of(self, gate_up_E2IH, down_EHI)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, expert_mlp)
 
 

@@ -10,13 +10,16 @@
   runs on ``weight * x`` and the outputs are summed unweighted.
 
 Routing (and so R3's capture and replay through the routing hooks) is the base
-block's: only the router's logits and the experts' math differ. Experts with
-biases or the clamp run the per-expert loop of
-:func:`~miles_host.models.mlp.routed_forward` (ordered in the batch-invariant
-mode; the fused and grouped kernels know neither); plain experts on scaled
-inputs run the base class's paths (grouped GEMM training, fused inference
-kernels, the loop) over one row per (token, chosen expert). Tensor legend:
-T tokens, H hidden, I expert intermediate, E experts, K top-k, R = T * K rows.
+block's: only the router's logits and the experts' math differ. The experts run
+the plain experts' paths (:meth:`~miles_host.models.mlp.Experts.routed_with`):
+with gradients the grouped GEMMs of :mod:`~miles_host.kernels.moe_train` (bias
+rows added per row's expert, the clamped SwiGLU in torch ops), at inference the
+fused kernels of :mod:`~miles_host.kernels.moe_grouped` (biases and the clamped
+SwiGLU in the GEMM epilogues; ``--moe-kernel loop`` keeps the per-expert loop),
+and the per-expert loop of :func:`~miles_host.models.mlp.routed_forward`
+elsewhere (ordered in the batch-invariant mode, which keeps it). Llama-4's
+scaled inputs run those paths over one row per (token, chosen expert). Tensor
+legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R = T * K rows.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.models.config import MoEConfig
-from miles_host.models.mlp import Experts, MoE, Router, _linear_default_init, init_experts, routed_forward
+from miles_host.models.mlp import Experts, MoE, Router, _linear_default_init, init_experts
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
 
 
@@ -55,28 +58,22 @@ class VariantExperts(torch.nn.Module):
     ``down_proj_bias [E, H]`` with ``expert_biases``. Deliberately not an ``Experts``
     subclass: the precision plugins (FP8, INT4) swap ``Experts`` modules for quantized
     plain-SwiGLU ones that know none of these variants, and refuse other 3-D expert
-    weights with their reason instead. Plain experts still run ``Experts``' forward.
+    weights with their reason instead. The math and its paths are ``Experts``'.
     """
 
     takes_routing = False
     #: the plain experts' paths (grouped-GEMM training, fused inference kernels, the loop), shared
     takes_grouped = Experts.takes_grouped
     routed_with = Experts.routed_with
+    expert_mlp = Experts.expert_mlp
 
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str):
         super().__init__()
         init_experts(self, hidden_size, moe, act)
-        self.gate_up_proj_bias = self.down_proj_bias = None
         if moe.expert_biases:
             self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
             self.down_proj_bias = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.scale_inputs = moe.scale_expert_inputs
-        #: gated experts without biases or clamp: the base class's kernels apply
-        self.plain = not moe.expert_biases and self.limit is None
-        if not self.plain:
-            self.act_name = "clamped_swiglu" if self.limit is not None else f"biased_{act}"
-            self.moe_kernel = "loop"
 
     def reset_parameters(self) -> None:
         """Weights as ``torch.nn.Linear`` initialises them, biases zero (a fresh layer)."""
@@ -86,18 +83,6 @@ class VariantExperts(torch.nn.Module):
             for bias in (self.gate_up_proj_bias, self.down_proj_bias):
                 if bias is not None:
                     bias.zero_()
-
-    def expert_mlp(self, x_e: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up_bias = self.gate_up_proj_bias[expert] if self.gate_up_proj_bias is not None else None
-        down_bias = self.down_proj_bias[expert] if self.down_proj_bias is not None else None
-        gate, up = F.linear(x_e, self.gate_up_proj[expert], gate_up_bias).chunk(2, dim=-1)
-        if self.limit is None:
-            hidden = self.act(gate) * up
-        else:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return F.linear(hidden, self.down_proj[expert], down_bias)
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, routing=None) -> torch.Tensor:
         if not self.scale_inputs:
@@ -109,9 +94,7 @@ class VariantExperts(torch.nn.Module):
         return y_RH.view(num_tokens, top_k, -1).sum(dim=1)
 
     def _experts(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        if self.plain:  # the base experts' paths: grouped-GEMM training, fused inference kernels, the loop
-            return self.routed_with(x_TH, ids_TK, weights_TK, None, self.gate_up_proj, self.down_proj)
-        return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, self.expert_mlp)
+        return self.routed_with(x_TH, ids_TK, weights_TK, None, self.gate_up_proj, self.down_proj)
 
 
 def needs_variant(moe: MoEConfig) -> bool:

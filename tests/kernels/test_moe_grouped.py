@@ -136,6 +136,25 @@ def test_fused_moe_under_the_triton_interpreter(request):
     run_interpreted(Path(__file__).with_name("interpreted_moe_fused.py"), request)
 
 
+def test_gpt_oss_experts_under_the_triton_interpreter(request):
+    """Expert biases and the clamped SwiGLU in the fused kernels, ``VariantExperts`` on them
+    (see interpreted_moe_gpt_oss.py)."""
+    run_interpreted(Path(__file__).with_name("interpreted_moe_gpt_oss.py"), request)
+
+
+def test_fused_activation_choices():
+    from miles_host.kernels.moe_grouped import DenseExpertGemms, fuses
+
+    assert fuses("silu") and fuses("clamped_swiglu", 7.0)
+    assert not fuses("clamped_swiglu") and not fuses("silu", 7.0) and not fuses("relu")
+    experts = make_experts(32, 16, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        DenseExpertGemms(experts.gate_up_proj, experts.down_proj, "clamped_swiglu")
+    x, ids, weights = routing_inputs(3, 32, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="gate_up bias"):
+        grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj, gate_up_bias_E2I=torch.zeros(8, 16))
+
+
 def test_set_moe_kernel_and_engine_config():
     from miles_host.models.mlp import set_moe_kernel
     from miles_host.rollout.config import EngineConfig
@@ -170,14 +189,19 @@ def test_kernel_compiles_for_sm90(dtype):
     from tests.plugins.triton_sm90 import compile_sm90
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
-    signature = {"A": pointer, "RowToken": "*i64", "BlockExpert": "*i32", "W": pointer, "C": pointer, "N": "i32",
-                 "stride_am": "i32", "stride_ak": "constexpr", "stride_we": "i32", "stride_wn": "i32",
-                 "stride_wk": "constexpr", "stride_cm": "i32", "stride_cn": "constexpr"}
+    signature = {"A": pointer, "RowToken": "*i64", "BlockExpert": "*i32", "W": pointer, "Bias": pointer,
+                 "C": pointer, "N": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_we": "i32",
+                 "stride_wn": "i32", "stride_wk": "constexpr", "stride_be": "i32", "stride_bn": "constexpr",
+                 "stride_cm": "i32", "stride_cn": "constexpr"}
     hidden, inter, num_experts, top_k = QWEN3_MOE
-    for num_tokens, gated, (n, k) in ((1, True, (inter, hidden)), (4096, False, (hidden, inter))):
+    # plain SwiGLU gate_up (decode), plain down (prefill), gpt-oss' biased clamped gate_up and biased down
+    for num_tokens, gated, (n, k), gpt_oss in ((1, True, (inter, hidden), False), (4096, False, (hidden, inter), False),
+                                               (64, True, (inter, hidden), True), (64, False, (hidden, inter), True)):
         config = gemm_config(pick_block_m(num_tokens * top_k, num_experts), n, k, dtype)
-        constexprs = dict(stride_ak=1, stride_wk=1, stride_cn=1, K=k, K_BLOCKS=-(-k // config.block_k),
-                          GATHER=gated, GATED=gated, ACT=0, IEEE=dtype == torch.float32, EMULATE=False,
+        constexprs = dict(stride_ak=1, stride_wk=1, stride_bn=1, stride_cn=1, K=k, K_BLOCKS=-(-k // config.block_k),
+                          GATHER=gated, GATED=gated, ACT=3 if gpt_oss else 0, HAS_BIAS=gpt_oss,
+                          LIMIT=7.0 if gpt_oss else 0.0, ALPHA=1.702 if gpt_oss else 1.0,
+                          IEEE=dtype == torch.float32, EMULATE=False,
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
         ptx = compile_sm90(_moe_grouped_triton._moe_gemm_kernel, signature, constexprs, config.num_warps,
                            config.num_stages, unaligned=())
@@ -213,6 +237,36 @@ def test_gpu_qwen3_moe_shapes_match_the_reference(num_tokens):
         got = grouped_moe_forward(*args)
         assert_close(got, grouped_moe_forward_reference(*args), torch.bfloat16)
         assert_close(got, routed_forward(x, ids, weights, num_experts, experts.expert_mlp), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_gpu_gpt_oss_experts_fused_match_the_loop(num_tokens):
+    """gpt-oss' experts (biases, clamped SwiGLU at limit 7) in bf16: the fused kernels against the
+    float64 reference and against ``VariantExperts``' own per-expert loop; empty experts at T=1."""
+    from miles_host.models.moe_variants import VariantExperts
+
+    hidden, inter, num_experts, top_k = 512, 256, 32, 4
+    torch.manual_seed(0)
+    moe = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, expert_biases=True,
+                    swiglu_limit=7.0, swiglu_alpha=1.702)
+    experts = VariantExperts(hidden, moe, "silu")
+    with torch.no_grad():  # pre-activations of O(10): the limit clamps a good share of them
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape) * (4.0 if param.dim() == 2 else 10.0 / param.shape[-1] ** 0.5))
+    experts = experts.to("cuda", torch.bfloat16).requires_grad_(False)
+    x, ids, weights = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
+    extras = dict(gate_up_bias_E2I=experts.gate_up_proj_bias, down_bias_EH=experts.down_proj_bias,
+                  swiglu_limit=7.0, swiglu_alpha=1.702)
+    args = (x, ids, weights, experts.gate_up_proj, experts.down_proj, "clamped_swiglu")
+    with torch.no_grad():
+        fused = experts(x, ids, weights)
+        assert torch.equal(fused, grouped_moe_forward(*args, **extras))
+        experts.moe_kernel = "loop"
+        loop = experts(x, ids, weights)
+    assert_close(fused, grouped_moe_forward_reference(*args, **extras), torch.bfloat16)
+    assert_close(fused, loop, torch.bfloat16)
 
 
 @pytest.mark.gpu
