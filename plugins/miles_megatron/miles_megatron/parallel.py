@@ -38,7 +38,8 @@ GPTModel and:
   times (:mod:`miles_megatron.schedule` divides them out).
 
 The gradient norm and clipping over all ranks are Megatron-Core's optimizer's
-(:mod:`miles_megatron.megatron_optimizer`).
+(:mod:`miles_megatron.megatron_optimizer`), which counts a gradient on every TP rank where
+its parameter is TP-split (:func:`mark_tensor_parallel`), on TP rank 0 where it is replicated.
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ def _partition_dims(gpt: torch.nn.Module) -> dict[str, int]:
         elif isinstance(module, RowParallelLinear):
             dims[prefix + "weight"] = 1
     return dims
+
+
+def mark_tensor_parallel(gpt: torch.nn.Module) -> None:
+    """Give each TP-split parameter Megatron's ``tensor_model_parallel`` / ``partition_dim``
+    attributes (built without Megatron's initialisation, the weights lack them): Megatron's
+    optimizer counts a gradient without them in the norm on TP rank 0 only, as a replica."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, dim in _partition_dims(gpt).items():
+        param = gpt.get_parameter(name)
+        if not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 #: the vocabulary rows of the model (padded to a multiple of TP, see :func:`padded_vocab`)

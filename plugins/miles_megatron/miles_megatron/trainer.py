@@ -123,6 +123,7 @@ class MegatronTrainer(NativeTrainer):
         learning-rate schedule (:mod:`miles_megatron.megatron_optimizer`)."""
         from miles_host.lr_schedule import lr_lambda
         from miles_megatron.megatron_optimizer import build_megatron_optimizer
+        from miles_megatron.parallel import mark_tensor_parallel
         from miles_megatron.schedule import wrap_ddp_chunks
 
         config = self.config
@@ -130,6 +131,8 @@ class MegatronTrainer(NativeTrainer):
             raise ValueError(f"--optimizer {config.optimizer}: the {type(self).__name__} builds "
                              f"{', '.join(self.optimizer_names)} only; give one of them")
         distributed = config.use_distributed_optimizer
+        for chunk in self.model.chunks:
+            mark_tensor_parallel(chunk)  # (the norm counts each TP shard's gradient)
         with on_device(self.device):
             #: the DDP-wrapped model chunks (one without virtual pipeline stages)
             self.ddp_chunks = wrap_ddp_chunks(self.model.chunks, overlap_grad_reduce=config.overlap_grad_reduce,
