@@ -11,7 +11,8 @@ without breaking them. Every name is a ``triton.jit`` function or a constant:
   (the deterministic split-K reduction), :func:`grouped_tile` (grouped tile order),
   :func:`mma` (the grouped MoE GEMM's product);
 - grouped MoE: :data:`ACTIVATIONS` (activation name -> kernel code),
-  :func:`act_and_mul` (``act(gate) * up`` in an epilogue), :func:`block_rows` (the rows
+  :func:`act_and_mul` (``act(gate) * up`` in an epilogue; code 3, gpt-oss' clamped SwiGLU, takes
+  ``LIMIT`` and ``ALPHA``), :func:`block_rows` (the rows
   of one block of the expert-sorted layout).
 """
 

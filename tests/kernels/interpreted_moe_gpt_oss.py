@@ -147,3 +147,26 @@ def test_loop_switch_and_batch_invariant_mode_keep_the_loop(kernels, monkeypatch
         monkeypatch.setattr(mlp, "_invariant_active", lambda: True)
         assert not mlp.uses_fused_moe(experts, x)
         torch.testing.assert_close(experts(x, ids, weights), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt_oss_logits_on_the_fused_experts_match_transformers(kernels, tmp_path, monkeypatch):
+    """The tiny gpt-oss checkpoint of the family tests (its limit clamps): logits with every MoE layer
+    on the fused kernels against transformers (float32)."""
+    pytest.importorskip("transformers")
+    from miles_host.kernels import moe_grouped
+    from miles_host.models import load_pretrained
+    from tests.models.conftest import hf_logits, prompts_batch
+    from tests.models.test_sinks_chunked_families import build, family_lookup
+
+    build("gpt_oss").save_pretrained(tmp_path)
+    input_ids, attention_mask = prompts_batch(lengths=(13, 6, 9))
+    reference = hf_logits(tmp_path, input_ids, attention_mask)
+    model = load_pretrained(tmp_path, family=family_lookup)
+    calls = []
+    original = moe_grouped.fused_moe
+    monkeypatch.setattr(moe_grouped, "fused_moe", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask)
+    assert len(calls) == 2  # both layers' experts
+    valid = attention_mask.bool()
+    assert (logits[valid] - reference[valid]).abs().max().item() <= 1e-4

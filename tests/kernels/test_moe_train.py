@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_host.kernels import moe_train
+from miles_host.kernels.eager_ops import clamped_swiglu
 from miles_host.models.config import EXPERTS_IMPLS, MoEConfig
 from miles_host.models.mlp import Experts, routed_forward
 
@@ -91,6 +92,107 @@ def test_gradients_match_float64_reference(case, mm, monkeypatch):
         assert_close_rel(grads[name], grads_ref[name], 1e-5, f"grad {name}")
     unused = sorted(set(range(inputs["gate_up_E2IH"].shape[0])) - set(inputs["ids_TK"].unique().tolist()))
     assert grads["gate_up_E2IH"][unused].abs().sum() == 0 and grads["down_EHI"][unused].abs().sum() == 0
+
+
+#: gpt-oss' clamp, small enough that many O(1) pre-activations lie beyond it
+LIMIT, ALPHA = 0.7, 1.702
+GPT_OSS_DIFFERENTIABLE = (*DIFFERENTIABLE, "gate_up_bias_E2I", "down_bias_EH")
+
+
+def gpt_oss_reference(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, gate_up_bias_E2I, down_bias_EH):
+    """``sum_k w[t, k] * (down[e] swiglu_clamped(gate[e] x + b, up[e] x + b) + b_down[e])``, float64, per expert."""
+    y_TH = torch.zeros(x_TH.shape, dtype=torch.float64)
+    for expert in range(gate_up_E2IH.shape[0]):
+        tokens, slots = torch.nonzero(ids_TK == expert, as_tuple=True)
+        gate, up = (x_TH[tokens] @ gate_up_E2IH[expert].t() + gate_up_bias_E2I[expert]).chunk(2, dim=-1)
+        out = clamped_swiglu(gate, up, LIMIT, ALPHA) @ down_EHI[expert].t() + down_bias_EH[expert]
+        y_TH = y_TH.index_add(0, tokens, out * weights_TK[tokens, slots][:, None])
+    return y_TH
+
+
+def draw_gpt_oss(seed=0, **case):
+    inputs = draw(**case, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    num_experts, two_inter, hidden = inputs["gate_up_E2IH"].shape
+    inputs["gate_up_bias_E2I"] = torch.randn(num_experts, two_inter, generator=generator, dtype=torch.float64) * 0.5
+    inputs["down_bias_EH"] = torch.randn(num_experts, hidden, generator=generator, dtype=torch.float64) * 0.5
+    return inputs
+
+
+def grouped_gpt_oss(dtype, gate_up_bias_E2I, down_bias_EH, **inputs):
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    return moe_train.grouped_experts(**cast, act=F.silu, biases=(gate_up_bias_E2I.to(dtype), down_bias_EH.to(dtype)),
+                                     swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mm", ["_grouped_mm", "loop"])
+def test_gpt_oss_gradients_match_float64_reference(case, mm, monkeypatch):
+    """Expert biases and the clamped SwiGLU: output and the gradients of x, gate weights, both
+    stacks and both biases (unused experts' bias gradients exactly zero)."""
+    if mm == "loop":
+        monkeypatch.setattr(moe_train, "grouped_mm", moe_train.grouped_mm_loop)
+    elif not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    inputs = draw_gpt_oss(**CASES[case])
+    grad_TH = torch.randn(inputs["x_TH"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    leaves = {name: value.detach().clone().requires_grad_(name in GPT_OSS_DIFFERENTIABLE)
+              if value.is_floating_point() else value for name, value in inputs.items()}
+    gate_up = (leaves["x_TH"] @ leaves["gate_up_E2IH"][0].t()).detach()
+    assert gate_up.numel() == 0 or (gate_up.abs() > LIMIT).any()  # the clamp is active
+    y_ref = gpt_oss_reference(**leaves)
+    grads_ref = torch.autograd.grad(y_ref, [leaves[n] for n in GPT_OSS_DIFFERENTIABLE], grad_TH)
+    y = grouped_gpt_oss(torch.float32, **leaves)
+    grads = torch.autograd.grad(y, [leaves[n] for n in GPT_OSS_DIFFERENTIABLE], grad_TH.float())
+    assert y.dtype == torch.float32
+    assert_close_rel(y.detach(), y_ref.detach(), 1e-5, "output")
+    for name, grad, grad_ref in zip(GPT_OSS_DIFFERENTIABLE, grads, grads_ref):
+        assert_close_rel(grad, grad_ref, 1e-5, f"grad {name}")
+    used = inputs["ids_TK"].unique()
+    unused = sorted(set(range(inputs["gate_up_E2IH"].shape[0])) - set(used.tolist()))
+    bias_grads = dict(zip(GPT_OSS_DIFFERENTIABLE, grads))
+    assert bias_grads["gate_up_bias_E2I"][unused].abs().sum() == 0 and bias_grads["down_bias_EH"][unused].abs().sum() == 0
+
+
+def _gpt_oss_experts(hidden, num_experts, top_k, inter, limit, device="cpu"):
+    from miles_host.models.moe_variants import VariantExperts
+
+    moe = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, expert_biases=True,
+                    swiglu_limit=limit, swiglu_alpha=ALPHA, experts_impl="grouped")
+    experts = VariantExperts(hidden, moe, "silu")
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape) * (0.5 if param.dim() == 2 else param.shape[-1] ** -0.5))
+    return experts.to(device)
+
+
+def _impl_results(experts, x_TH, ids_TK, weights_TK, impls, autocast_dtype=None):
+    """Output and the gradients of x, gate weights, both stacks and both biases under each ``experts_impl``."""
+    results = {}
+    for impl in impls:
+        experts.experts_impl = impl
+        experts.zero_grad()
+        x_TH.grad = weights_TK.grad = None
+        with torch.autocast(x_TH.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            y = experts(x_TH, ids_TK, weights_TK)
+        y.float().square().sum().backward()
+        results[impl] = [y.detach().float(), x_TH.grad, weights_TK.grad, experts.gate_up_proj.grad,
+                         experts.down_proj.grad, experts.gate_up_proj_bias.grad, experts.down_proj_bias.grad]
+    return results
+
+
+def test_gpt_oss_experts_module_grouped_matches_loop():
+    """``VariantExperts`` (biases, clamp) with ``experts_impl`` grouped vs loop: same output and gradients."""
+    torch.manual_seed(6)
+    experts = _gpt_oss_experts(32, 8, 2, 16, LIMIT)
+    x_TH = torch.randn(23, 32, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(8)[:2] for _ in range(23)])
+    weights_TK = torch.rand(23, 2, requires_grad=True)
+    results = _impl_results(experts, x_TH, ids_TK, weights_TK, ("grouped", "loop"))
+    for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down", "gate_up_bias", "down_bias"),
+                                       results["grouped"], results["loop"]):
+        assert grouped_t is not None and loop_t is not None, name
+        torch.testing.assert_close(grouped_t, loop_t, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_no_tokens():
@@ -210,6 +312,26 @@ def test_gpu_autocast_float32_masters_match_loop():
         y.float().square().sum().backward()
         results[impl] = [y.detach().float(), x_TH.grad, weights_TK.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
     for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down"), results["auto"], results["loop"]):
+        assert grouped_t.dtype == loop_t.dtype, name
+        assert_close_rel(grouped_t.cpu(), loop_t.double().cpu(), 2e-2, name)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gpt_oss_experts_grouped_match_loop():
+    """gpt-oss' experts (biases, clamped SwiGLU at limit 7) in the trainer's setting (float32 masters,
+    bf16 autocast): grouped GEMMs vs the per-expert loop, output and every gradient incl. the biases."""
+    torch.manual_seed(7)
+    experts = _gpt_oss_experts(256, 32, 4, 128, 7.0, device="cuda")
+    with torch.no_grad():  # pre-activations of O(10): the limit clamps a good share of them
+        experts.gate_up_proj.mul_(10.0)
+    x_TH = torch.randn(512, 256, device="cuda", requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(32)[:4] for _ in range(512)]).cuda()
+    weights_TK = torch.rand(512, 4, device="cuda", requires_grad=True)
+    assert moe_train.uses_grouped_experts("auto", x_TH.bfloat16(), experts.gate_up_proj)
+    results = _impl_results(experts, x_TH, ids_TK, weights_TK, ("auto", "loop"), autocast_dtype=torch.bfloat16)
+    for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down", "gate_up_bias", "down_bias"),
+                                       results["auto"], results["loop"]):
         assert grouped_t.dtype == loop_t.dtype, name
         assert_close_rel(grouped_t.cpu(), loop_t.double().cpu(), 2e-2, name)
 

@@ -178,9 +178,11 @@ def test_the_megatron_backend_refuses_the_variants_by_name(model_type, feature, 
         weights.megatron_transformer_config_kwargs(config)
 
 
-def test_llama4_experts_train_on_grouped_gemms(checkpoints):
-    """Llama-4's plain experts on router-scaled inputs take the grouped-GEMM training path: logits
-    follow transformers, gradients the per-expert loop's."""
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
+def test_variant_experts_train_on_grouped_gemms(model_type, checkpoints):
+    """gpt-oss' experts (biases, clamped SwiGLU) and Llama-4's plain experts on router-scaled inputs
+    take the grouped-GEMM training path: logits follow transformers, gradients (expert biases
+    included) the per-expert loop's."""
     from .test_hf_parity import _packed
     from .test_moe_train import _loss_and_grads
 
@@ -190,11 +192,11 @@ def test_llama4_experts_train_on_grouped_gemms(checkpoints):
             module.experts_impl = impl
         return len(experts)
 
-    _, path = checkpoints("llama4_text")
+    _, path = checkpoints(model_type)
     input_ids, attention_mask = prompts_batch(lengths=(13, 6, 9), seed=11)
     reference = hf_logits(path, input_ids, attention_mask)
     model = load_pretrained(path, family=family_lookup)
-    assert _set_experts_impl(model, "grouped") == 1
+    assert _set_experts_impl(model, "grouped") >= 1
     logits = model(input_ids, attention_mask)
     valid = attention_mask.bool()
     assert logits.requires_grad and (logits.detach()[valid] - reference[valid]).abs().max().item() <= 1e-4
@@ -204,6 +206,9 @@ def test_llama4_experts_train_on_grouped_gemms(checkpoints):
     log_probs_loop, grads_loop = _loss_and_grads(model, batch)
     torch.testing.assert_close(log_probs, log_probs_loop, rtol=1e-5, atol=1e-5)
     assert grads.keys() == grads_loop.keys() and any(".router." in name for name in grads)
+    if model_type == "gpt_oss":
+        assert any(name.endswith("experts.gate_up_proj_bias") for name in grads)
+        assert any(name.endswith("experts.down_proj_bias") for name in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_loop[name], rtol=1e-4, atol=1e-6, msg=name)
 
