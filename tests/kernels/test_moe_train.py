@@ -74,13 +74,18 @@ def grouped(dtype, **inputs):
     return moe_train.grouped_experts(**cast, act=F.silu)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mm", ["_grouped_mm", "loop"])
-def test_gradients_match_float64_reference(case, mm, monkeypatch):
+def use_grouped_mm(mm: str, monkeypatch) -> None:
+    """``mm``: ``_grouped_mm`` (torch's CPU kernel; skip where torch has none) or ``loop`` (the emulation)."""
     if mm == "loop":
         monkeypatch.setattr(moe_train, "grouped_mm", moe_train.grouped_mm_loop)
     elif not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mm", ["_grouped_mm", "loop"])
+def test_gradients_match_float64_reference(case, mm, monkeypatch):
+    use_grouped_mm(mm, monkeypatch)
     inputs = draw(**CASES[case])
     grad_TH = torch.randn(inputs["x_TH"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     y_ref, grads_ref = grads_of(reference, inputs, grad_TH)
@@ -130,10 +135,7 @@ def grouped_gpt_oss(dtype, gate_up_bias_E2I, down_bias_EH, **inputs):
 def test_gpt_oss_gradients_match_float64_reference(case, mm, monkeypatch):
     """Expert biases and the clamped SwiGLU: output and the gradients of x, gate weights, both
     stacks and both biases (unused experts' bias gradients exactly zero)."""
-    if mm == "loop":
-        monkeypatch.setattr(moe_train, "grouped_mm", moe_train.grouped_mm_loop)
-    elif not hasattr(torch, "_grouped_mm"):
-        pytest.skip("this torch has no torch._grouped_mm")
+    use_grouped_mm(mm, monkeypatch)
     inputs = draw_gpt_oss(**CASES[case])
     grad_TH = torch.randn(inputs["x_TH"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     leaves = {name: value.detach().clone().requires_grad_(name in GPT_OSS_DIFFERENTIABLE)
