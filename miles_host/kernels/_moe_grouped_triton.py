@@ -233,7 +233,7 @@ def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_e
 
 
 def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool, activation: str | None,
-             bias_EN: torch.Tensor | None = None, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0) -> None:
+             bias_EN: torch.Tensor | None = None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> None:
     """``out[r] = a[row r] @ w_ENK[expert of r's block]^T (+ bias_EN[expert])`` for every row of a used block.
 
     ``activation`` (gate_up): ``w_ENK`` is ``[E, 2N, K]`` (gate rows first), ``bias_EN``
@@ -254,7 +254,8 @@ def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool
         out_RN.stride(0), out_RN.stride(1),
         K=k, K_BLOCKS=triton.cdiv(k, config.block_k), GATHER=gather, GATED=activation is not None,
         ACT=ACTIVATIONS[activation] if activation is not None else 0, HAS_BIAS=bias_EN is not None,
-        LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha), IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
+        LIMIT=float(swiglu_limit) if swiglu_limit is not None else 0.0, ALPHA=float(swiglu_alpha),
+        IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -55,7 +55,8 @@ from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, ma
 
 __all__ = [
     "CLAMPED_SWIGLU", "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe",
-    "fuses", "gemm_config", "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m", "plan", "route",
+    "fuses", "gemm_config", "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m",
+    "plan", "route",
 ]
 
 #: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
@@ -136,10 +137,9 @@ class DenseExpertGemms:
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
         from miles_host.kernels import _moe_grouped_triton
 
-        clamp = dict(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha) if self.swiglu_limit is not None else {}
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
                                      config, gather=True, activation=self.activation, bias_EN=self.gate_up_bias_E2I,
-                                     **clamp)
+                                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
 
     def down(self, act_RI, routing, out_RH, config) -> None:
         from miles_host.kernels import _moe_grouped_triton

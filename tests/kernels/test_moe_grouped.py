@@ -152,7 +152,8 @@ def test_fused_activation_choices():
         DenseExpertGemms(experts.gate_up_proj, experts.down_proj, "clamped_swiglu")
     x, ids, weights = routing_inputs(3, 32, 8, 2, torch.float32)
     with pytest.raises(ValueError, match="gate_up bias"):
-        grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj, gate_up_bias_E2I=torch.zeros(8, 16))
+        grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                            gate_up_bias_E2I=torch.zeros(8, 16))
 
 
 def test_set_moe_kernel_and_engine_config():
