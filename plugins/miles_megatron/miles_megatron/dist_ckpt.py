@@ -7,15 +7,17 @@ state dict is Megatron's own, so the files are a Megatron checkpoint:
   ``decoder.layers.self_attention.linear_qkv.weight`` with the global layer as the
   first axis, TP shards as offsets, the SwiGLU ``linear_fc1`` as Megatron's factory,
   the tied output layer of the last pipeline stage as a replica of the embedding);
-- ``optimizer``: the host's torch optimizer (AdamW) in Megatron's ``FP32Optimizer``
-  layout: each parameter's moments a ShardedTensor keyed
-  ``optimizer.state.<moment>.<the parameter's key>`` with the parameter's sharding,
-  the step shared by all parameters (``state.common_step``), the parameter groups'
-  hyper-parameters common state (with ``--optimizer-cpu-offload`` the moments of the
-  CPU masters, in the same order). A run resumed on the same layout continues exactly;
-  on another TP / PP layout dist_checkpointing reads each rank's new shards from the
-  same files (the last stage's tied embedding moments are the first stage's: the
-  gradients of both copies are summed, so their moments agree).
+- ``optimizer``: Megatron-Core's optimizer's own ``sharded_state_dict``
+  (:mod:`miles_megatron.megatron_optimizer`): without ``--use-distributed-optimizer`` its
+  ``FP32Optimizer`` layout, each parameter's moments a ShardedTensor keyed
+  ``optimizer.state.<moment>.<the parameter's key>`` with the parameter's sharding (MoE:
+  the dense and expert optimizers' under ``chained_<i>.``), the step shared by all
+  parameters (``state.common_step``), the parameter groups' hyper-parameters common state
+  (with ``--optimizer-cpu-offload`` the moments of the CPU masters, in the same order); with
+  it the distributed optimizer's fully reshardable layout. A run resumed on the same layout
+  continues exactly; on another TP / PP layout dist_checkpointing reads each rank's new
+  shards from the same files (the last stage's tied embedding moments are the first
+  stage's: the gradients of both copies are summed, so their moments agree).
 
 Where the files go: ``<iteration folder>/`` :data:`SUBDIR` (``save_shards``), next to
 the host's ``state.pt`` (scheduler, data position, RNG). ``save_model_shards`` /
@@ -28,7 +30,6 @@ the host's ``state.pt`` (scheduler, data position, RNG). ``save_model_shards`` /
 from __future__ import annotations
 
 import contextlib
-import itertools
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,8 +40,6 @@ import torch
 SUBDIR = "torch_dist"
 #: the files of a torch_dist checkpoint that rank 0 writes (the host's manifest checksums them)
 RANK0_FILES = ("metadata.json", "common.pt", ".metadata")
-#: Megatron's name of the optimizer step shared by every parameter
-COMMON_STEP = "common_step"
 
 
 def _chunks(trainer: Any) -> list[torch.nn.Module]:
@@ -50,10 +49,6 @@ def _chunks(trainer: Any) -> list[torch.nn.Module]:
 
 def _chunk_key(index: int) -> str:
     return f"chunk{index}"
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return list(itertools.chain.from_iterable(group["params"] for group in optimizer.param_groups))
 
 
 def model_sharded_state(trainer: Any) -> dict:
@@ -67,52 +62,9 @@ def model_sharded_state(trainer: Any) -> dict:
     return states[0] if len(states) == 1 else {_chunk_key(i): state for i, state in enumerate(states)}
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Zero moments for parameters without state (a fresh optimizer about to be loaded):
-    the sharded state dict needs a tensor to read each moment into."""
-    for param in _optimizer_params(optimizer):
-        state = optimizer.state[param]
-        if "exp_avg" not in state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
 def optimizer_sharded_state(trainer: Any, model_state: dict, is_loading: bool = False) -> dict:
-    """The optimizer's state dict with each moment a ShardedTensor shaped as its parameter
-    (see module doc). A Megatron optimizer gives its own (``sharded_state_dict``)."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
-
-    optimizer = trainer.optimizer
-    if hasattr(optimizer, "sharded_state_dict"):
-        return optimizer.sharded_state_dict(model_state, is_loading=is_loading)
-    # --optimizer-cpu-offload: the AdamW over CPU masters, whose state_dict is the wrapper's
-    adamw = getattr(optimizer, "inner", optimizer)
-    if type(adamw) is not torch.optim.AdamW:
-        raise ValueError(f"--ckpt-format torch_dist saves AdamW's moments; this trainer's optimizer is a "
-                         f"{type(adamw).__name__} (use --optimizer adam, or --ckpt-format torch)")
-    if is_loading:
-        _init_optimizer_state(adamw)
-    params = _optimizer_params(optimizer)
-    id_to_sharded = get_param_id_to_sharded_param_map(model_state, params)
-    missing = [index for index in range(len(params)) if index not in id_to_sharded]
-    if missing:
-        names = {id(p): n for n, p in trainer.model.named_parameters()}
-        listed = ", ".join(names.get(id(params[i]), f"#{i}") for i in missing[:5])
-        raise ValueError(f"--ckpt-format torch_dist: optimizer parameters outside the GPTModel's sharded state "
-                         f"({listed}) cannot be saved as shards; use --ckpt-format torch")
-    state = optimizer.state_dict()
-    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-    if len(steps) > 1:
-        raise ValueError(f"--ckpt-format torch_dist keeps one optimizer step for all parameters (Megatron's "
-                         f"layout); this optimizer's parameters have taken {sorted(steps)} steps")
-    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
-    if steps:
-        state["state"][COMMON_STEP] = torch.tensor(steps.pop(), dtype=torch.float32)
-    return state
+    """Megatron's optimizer's sharded state dict (see module doc)."""
+    return trainer.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
 
 
 def sharded_state(trainer: Any, is_loading: bool = False, with_optimizer: bool = True) -> dict:
@@ -234,14 +186,20 @@ def load_model_shards(gpt: torch.nn.Module, directory: str | Path, device: Any) 
 
 
 def _restore_optimizer(optimizer: Any, loaded: dict) -> None:
-    """Load what :func:`optimizer_sharded_state` read back (the step shared again per parameter)."""
-    if hasattr(optimizer, "sharded_state_dict"):
-        optimizer.load_state_dict(loaded)
-        return
-    step = loaded["state"].pop(COMMON_STEP, None)
-    for param_state in loaded["state"].values():
-        param_state["step"] = torch.tensor(float(step) if step is not None else 0.0, dtype=torch.float32)
-    optimizer.load_state_dict(loaded)  # (the groups' parameter ids are this optimizer's: never saved)
+    """Load what :func:`optimizer_sharded_state` read back."""
+    if any("wd_mult" not in group for group in _param_groups(loaded)):
+        raise ValueError("--load: the optimizer state of this torch_dist checkpoint is the host AdamW's of an earlier "
+                         "megatron trainer, not Megatron-Core's optimizer's; load its weights alone with "
+                         "--no-load-optim")
+    optimizer.load_state_dict(loaded)
+
+
+def _param_groups(state: Any) -> list[dict]:
+    """Every ``param_groups`` entry's groups in a (nested) optimizer state dict."""
+    if not isinstance(state, dict):
+        return []
+    groups = [group for group in state.get("param_groups", []) if isinstance(group, dict)]
+    return groups + [group for key, value in state.items() if key != "param_groups" for group in _param_groups(value)]
 
 
 @contextlib.contextmanager

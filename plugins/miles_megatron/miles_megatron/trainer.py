@@ -3,12 +3,16 @@
 :class:`MegatronTrainer` is a :class:`~miles_host.trainer.NativeTrainer` whose policy
 (and reference) model is a :class:`~miles_megatron.policy.MegatronPolicy`: advantages,
 old/reference log-probs, micro-batching, the policy loss of
-:mod:`miles_host.algorithms`, corrections, AdamW with the same settings, clipping (with
-``--use-distributed-optimizer`` Megatron-Core's distributed optimizer and clipping instead,
-:mod:`miles_megatron.megatron_optimizer`), the LR schedule, metrics, weight export and
-checkpoints are the host's code; the
-forward and backward run on Megatron-Core's pipeline schedules, its
-``DistributedDataParallel`` and ``finalize_model_grads`` (:mod:`miles_megatron.schedule`).
+:mod:`miles_host.algorithms`, corrections, the LR schedule, the NaN/Inf step skipping,
+metrics, weight export and checkpoints are the host's code; the forward and backward run on
+Megatron-Core's pipeline schedules, its ``DistributedDataParallel`` and
+``finalize_model_grads`` (:mod:`miles_megatron.schedule`); the step is Megatron-Core's
+optimizer (AdamW with the host's settings, its gradient norm and clipping; distributed with
+``--use-distributed-optimizer``) under the host's schedule
+(:mod:`miles_megatron.megatron_optimizer`). ``--ckpt-format torch`` checkpoints hold the
+weights and Adam moments under native names, loadable on any layout
+(:mod:`miles_megatron.optimizer_state`); ``torch_dist`` ones Megatron's shards
+(:mod:`miles_megatron.dist_ckpt`).
 One process at TP = PP = EP = CP = DP = 1 (Megatron's ``parallel_state`` over a one-rank
 group), or ``TP * PP * CP * DP`` processes, one rank each (``--actor-num-gpus-per-node``; any
 combination of TP, EP, PP and CP, DP a multiple of the smallest that EP divides into, each DP
@@ -72,7 +76,7 @@ class MegatronTrainer(NativeTrainer):
     a rank of the host's trainer group (``world`` = TP * PP * DP, the group the default one)."""
 
     backend = "megatron"
-    #: under TP/EP/PP ``state_dict`` gathers the optimizer state: every rank must call it
+    #: under TP/EP/PP/DP ``state_dict`` gathers the optimizer state: every rank must call it
     #: (and the trainer group's process group is the default one, which Megatron needs)
     collective_state_dict = True
     #: checkpoints hold Adam's moments per parameter (optimizer_state.py)
@@ -147,6 +151,13 @@ class MegatronTrainer(NativeTrainer):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.last_step_lr = None
 
+    def offload_train_state(self) -> None:
+        """The host's ``--offload-train`` move, the gradients dropped first: each is its parameter's
+        ``main_grad``, a view of the DDP's gradient buffer, which moving it would detach from that
+        buffer (the next step would then add to a stale gradient). (The buffer stays put.)"""
+        self.optimizer.zero_grad(set_to_none=True)
+        super().offload_train_state()
+
     def close(self) -> None:
         """Leave Megatron's parallel state, and the default group the trainer created (the
         one-rank group, or under TP/EP/PP the trainers' group)."""
@@ -199,7 +210,8 @@ class MegatronTrainer(NativeTrainer):
 
     def _optimizer_step(self, samples, old, ref, advantages) -> dict[str, float]:
         """Forward and backward on Megatron's schedule, its DDP and gradient finalisation
-        (:func:`miles_megatron.schedule.train_step`), then the host's clipping and step."""
+        (:func:`miles_megatron.schedule.train_step`), then the host's clip-and-step (Megatron's
+        clipping and step, skipped on a NaN/Inf loss or norm)."""
         from miles_megatron.schedule import train_step
 
         metrics, loss_sum = train_step(self, samples, old, ref, advantages)
