@@ -1,8 +1,9 @@
 """The grouped-GEMM MoE forward (:mod:`miles_host.kernels.moe_grouped`) against its float64
 reference and against ``routed_forward``.
 
-CPU: ``interpreted_moe_grouped.py`` and ``interpreted_moe_fused.py`` run the Triton
-path under the interpreter in a subprocess (tiny shapes: H=32, I=16, E=8, K=2); the
+CPU: ``interpreted_moe_grouped.py``, ``interpreted_moe_fused.py`` and ``interpreted_moe_gpt_oss.py``
+(expert biases, clamped SwiGLU) run the Triton path under the interpreter in a subprocess
+(tiny shapes: H=32, I=16, E=8, K=2); the
 routing layout, the tile table, the CPU fallback and the ``--moe-kernel`` switch
 are checked here.
 GPU (marked ``gpu``): ``python -m pytest tests/kernels/test_moe_grouped.py -m gpu -v -s``

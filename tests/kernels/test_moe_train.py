@@ -1,5 +1,6 @@
 """The grouped-GEMM training experts (:mod:`miles_host.kernels.moe_train`) against a float64
-per-expert reference: outputs and the gradients of x, both weight stacks and the gate weights.
+per-expert reference: outputs and the gradients of x, both weight stacks and the gate weights
+(gpt-oss' experts: both biases too, with the clamped SwiGLU).
 
 CPU: ``torch._grouped_mm``'s CPU kernel (and the pure-torch loop) in float32.
 GPU (marked ``gpu``): the bf16 sm90 kernel, no host sync in forward + backward, autocast with
