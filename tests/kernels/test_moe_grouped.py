@@ -3,9 +3,8 @@ reference and against ``routed_forward``.
 
 CPU: ``interpreted_moe_grouped.py``, ``interpreted_moe_fused.py`` and ``interpreted_moe_gpt_oss.py``
 (expert biases, clamped SwiGLU) run the Triton path under the interpreter in a subprocess
-(tiny shapes: H=32, I=16, E=8, K=2); the
-routing layout, the tile table, the CPU fallback and the ``--moe-kernel`` switch
-are checked here.
+(tiny shapes: H=32, I=16, E=8, K=2); the routing layout, the tile table, the CPU
+fallback and the ``--moe-kernel`` switch are checked here.
 GPU (marked ``gpu``): ``python -m pytest tests/kernels/test_moe_grouped.py -m gpu -v -s``
 on Qwen3-MoE shapes (H=1024, I=384, E=64, K=8): accuracy, CUDA-graph capture and
 a timing print against ``routed_forward`` and ``_dense_over_experts``.
