@@ -179,6 +179,8 @@ def build_megatron_optimizer(chunks: list[torch.nn.Module], config: Any, device:
     with quiet_imports(), _on(device):
         megatron = get_megatron_optimizer(optimizer_config(config), list(chunks))
     for optimizer in megatron.chained_optimizers:
+        if optimizer.optimizer is None:  # (a rank without parameters of this kind)
+            continue
         for group in optimizer.optimizer.param_groups:
             group["weight_decay"] = config.weight_decay * group["wd_mult"]  # (Megatron's scheduler does this)
         if config.use_distributed_optimizer:
