@@ -14,7 +14,8 @@ where checkpoints go. Here:
 - ``--load DIR`` of a checkpoint Megatron (slime) wrote, which has no miles resume
   state (data position, RNG, schedule): the policy starts from its weights, with fresh
   optimizer moments, at rollout 0 (slime's ``--finetune`` with ``--no-load-optim``; the
-  optimizer parameter groups Megatron writes are not the host optimizer's).
+  optimizer state such a run writes follows its own flags, bf16 masters and the
+  distributed optimizer's sharding among them, not this trainer's).
 """
 
 from __future__ import annotations
