@@ -298,17 +298,19 @@ class MegatronTrainer(NativeTrainer):
 
             load_trainer_state(self, state)
             return
-        if "model_parallel" not in state:
+        with_optimizer = not getattr(self.config, "no_load_optim", False)
+        if "model_parallel" not in state and with_optimizer:
             raise ValueError(
                 "--load: this checkpoint of a one-process megatron trainer holds the state of the host's AdamW "
                 "(the megatron trainer now steps Megatron-Core's optimizer, whose state it saves per parameter); "
-                "start from its weights with --hf-checkpoint instead"
+                "give --no-load-optim to resume with fresh optimizer moments"
             )
         from miles_megatron.optimizer_state import load_optimizer_state
 
         with on_device(self.device):
             self.model.load_state_dict(state["model"])
-        load_optimizer_state(self, state["optimizer"])
+        if with_optimizer:
+            load_optimizer_state(self, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.consecutive_nan_steps = state.get("consecutive_nan_steps", 0)
         if self.critic is not None and state.get("critic") is not None:
