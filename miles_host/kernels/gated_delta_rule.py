@@ -148,20 +148,19 @@ def gated_delta_rule(
 
 
 def _fla_rule(q, k, v, g, beta, lengths, initial_states):  # pragma: no cover - CUDA with fla only
+    """flash-linear-attention's kernels, every tensor passed by keyword: the positional order
+    differs between its versions (0.6's ``fused_recurrent_gated_delta_rule`` has ``gk`` and
+    ``gv`` between ``g`` and ``beta``)."""
     chunk, fused_recurrent = fla_kernels()
     dtype = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    args = [x.to(dtype)[None] for x in (q, k, v)] + [g.float()[None], beta.to(dtype)[None]]
+    tensors = {"q": q.to(dtype)[None], "k": k.to(dtype)[None], "v": v.to(dtype)[None], "g": g.float()[None],
+               "beta": beta.to(dtype)[None]}
+    common = {"initial_state": initial_states.float(), "output_final_state": True, "use_qk_l2norm_in_kernel": True}
     if all(n == 1 for n in lengths):  # decode: each sequence one token, batched as [S, 1, ...]
-        args = [x[0][:, None] for x in args]
-        o, final = fused_recurrent(
-            *args, initial_state=initial_states.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
+        o, final = fused_recurrent(**{name: x[0][:, None] for name, x in tensors.items()}, **common)
         return o[:, 0].float(), final
     cu_seqlens = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.long, device=v.device)
-    o, final = chunk(
-        *args, initial_state=initial_states.float(), output_final_state=True, cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=True,
-    )
+    o, final = chunk(**tensors, cu_seqlens=cu_seqlens, **common)
     return o[0].float(), final
 
 

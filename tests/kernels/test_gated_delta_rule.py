@@ -51,3 +51,38 @@ def test_cuda_short_convolution_matches_the_cpu():
     got, got_state = causal_conv(x.cuda(), weight.cuda(), [30, 1, 9], state.cuda())
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_state.cpu(), expected_state)
+
+
+def _fla_stand_ins():
+    """Stand-ins with flash-linear-attention 0.6's signatures (``fused_recurrent_gated_delta_rule``
+    has ``gk`` and ``gv`` between ``g`` and ``beta``), computing with the PyTorch rule: a caller
+    that passes the tensors by position hands ``beta`` to ``gk`` and gets a TypeError here."""
+    from miles_host.kernels.gated_delta_rule import chunked_reference, recurrent_step
+
+    def fused_recurrent(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        assert gk is None and gv is None and beta is not None and use_qk_l2norm_in_kernel
+        o, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state)  # [S, 1, ...]
+        return o[:, None], state
+
+    def chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        assert cu_seqlens is not None and use_qk_l2norm_in_kernel
+        bounds = cu_seqlens.tolist()
+        parts = [chunked_reference(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], initial_state[s])
+                 for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return torch.cat([o for o, _ in parts])[None], torch.stack([state for _, state in parts])
+
+    return chunk, fused_recurrent
+
+
+@pytest.mark.parametrize("lengths", [[9, 1, 4], [1, 1, 1]], ids=["prefill", "decode"])
+def test_fla_calls_pass_every_tensor_by_keyword(lengths, monkeypatch):
+    from miles_host.kernels import gated_delta_rule as rule
+
+    monkeypatch.setattr(rule, "fla_kernels", _fla_stand_ins)
+    args = _inputs(lengths, "cpu", torch.float32)
+    expected_o, expected_states = gated_delta_rule(*args[:5], lengths, args[5], use_fla=False)
+    o, states = gated_delta_rule(*args[:5], lengths, args[5], use_fla=True)
+    torch.testing.assert_close(o, expected_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)

@@ -24,13 +24,18 @@ always_active = True
 INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 
 
+#: what ``layer_types`` calls a DSA layer (transformers before 5.2x spelled it the second way)
+SPARSE_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Native config of a DeepSeek-V3.2 model."""
     if not hf.get("q_lora_rank"):
         raise ValueError("deepseek_v32: config.json needs a q_lora_rank (the indexer's queries read the q latent)")
-    unused = sorted(t for t in hf.get("layer_types") or () if t != "indexed_attention")
+    unused = sorted(t for t in hf.get("layer_types") or () if t not in SPARSE_LAYER_TYPES)
     if unused:
-        raise ValueError(f"deepseek_v32: layer types {unused} are not supported (every layer is 'indexed_attention')")
+        raise ValueError(f"deepseek_v32: layer types {unused} are not supported (every layer is sparse attention: "
+                         f"one of {list(SPARSE_LAYER_TYPES)})")
     config = deepseek.config_from_hf({**hf, "rope_interleave": True})
     config.dsa = DSAConfig(
         index_n_heads=int(hf.get("index_n_heads", 64)),
