@@ -325,7 +325,10 @@ def test_gpu_autocast_float32_masters_match_loop():
 @gpu
 def test_gpu_gpt_oss_experts_grouped_match_loop():
     """gpt-oss' experts (biases, clamped SwiGLU at limit 7) in the trainer's setting (float32 masters,
-    bf16 autocast): grouped GEMMs vs the per-expert loop, output and every gradient incl. the biases."""
+    bf16 autocast): grouped GEMMs and the per-expert loop against the float64 loop on the CPU, output
+    and every gradient incl. the biases. The bf16 loop itself is several percent off in the gradients
+    that pass through the clamped SwiGLU at pre-activations of O(10) (x, gate_up: ~8% on the CPU), so
+    the grouped path must be as close as the loop is, not close to the loop."""
     torch.manual_seed(7)
     experts = _gpt_oss_experts(256, 32, 4, 128, 7.0, device="cuda")
     with torch.no_grad():  # pre-activations of O(10): the limit clamps a good share of them
@@ -335,10 +338,19 @@ def test_gpu_gpt_oss_experts_grouped_match_loop():
     weights_TK = torch.rand(512, 4, device="cuda", requires_grad=True)
     assert moe_train.uses_grouped_experts("auto", x_TH.bfloat16(), experts.gate_up_proj)
     results = _impl_results(experts, x_TH, ids_TK, weights_TK, ("auto", "loop"), autocast_dtype=torch.bfloat16)
-    for name, grouped_t, loop_t in zip(("y", "x", "w", "gate_up", "down", "gate_up_bias", "down_bias"),
-                                       results["auto"], results["loop"]):
+    exact = _gpt_oss_experts(256, 32, 4, 128, 7.0).double()
+    exact.load_state_dict({name: t.double().cpu() for name, t in experts.state_dict().items()})
+    exact.experts_impl = "loop"
+    x64, w64 = (t.detach().double().cpu().requires_grad_() for t in (x_TH, weights_TK))
+    y64 = exact(x64, ids_TK.cpu(), w64)
+    y64.square().sum().backward()
+    expected = [y64.detach(), x64.grad, w64.grad, exact.gate_up_proj.grad, exact.down_proj.grad,
+                exact.gate_up_proj_bias.grad, exact.down_proj_bias.grad]
+    for name, grouped_t, loop_t, exact_t in zip(("y", "x", "w", "gate_up", "down", "gate_up_bias", "down_bias"),
+                                                results["auto"], results["loop"], expected):
         assert grouped_t.dtype == loop_t.dtype, name
-        assert_close_rel(grouped_t.cpu(), loop_t.double().cpu(), 2e-2, name)
+        loop_error = ((loop_t.double().cpu() - exact_t).norm() / exact_t.norm()).item()
+        assert_close_rel(grouped_t.cpu(), exact_t, max(1.5 * loop_error, 2e-2), name)
 
 
 @pytest.mark.slow
