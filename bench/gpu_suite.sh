@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project checks on a lent GPU machine, in priority order, each step under
 # its own time limit, results appended to $OUT/gpu_suite.log as they come (a step that runs
-# out of time loses only itself). Usage on the GPU machine:
+# out of time loses only itself). Here first: `bash scripts/device_wheels.sh` (megatron-core, fla into
+# .whl/; `--transformers` adds this checkout's transformers), and each device call carries .whl.
+# Usage on the GPU machine:
 #   bash scripts/device_install.sh && bash bench/gpu_suite.sh [step ...]
 # Steps: tests families_tests (the GPU tests of the newer families, LoRA, OPD, dashboard) rollout rollout_plain grpo grpo_async (miles synchronous vs --fully-async on one GPU: step ratio, overlap, idle, staleness)
 #        grpo_async_profile (the same, one more step of each profiled: GPU busy time, kernels)
