@@ -13,7 +13,7 @@ grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/excl
 packages=("megatron-core==$(version megatron-core)" "flash-linear-attention==0.6.0" "fla-core==0.6.0")
 if [ "${1:-}" = "--transformers" ]; then
   packages+=("transformers==$(version transformers)" "huggingface-hub==$(version huggingface-hub)"
-             "kernels==$(version kernels)" "tomlkit" "httpx2")
+             "kernels==$(version kernels)" "tomlkit" "httpx2" "httpcore2" "truststore")
 fi
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
