@@ -73,6 +73,9 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
             from miles_megatron.mla_spec import with_latent_core_attention
 
             decoder_spec = with_latent_core_attention(decoder_spec)
+        from miles_megatron.sdpa_attention import with_sdpa_attention
+
+        decoder_spec = with_sdpa_attention(decoder_spec, config)
         block = MultiTokenPredictionBlock(config, get_gpt_mtp_block_spec(config, decoder_spec, False))
     for layer in block.layers:
         adjust_layer(layer.transformer_layer)

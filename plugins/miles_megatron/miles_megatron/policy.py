@@ -167,6 +167,9 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
             from miles_megatron.context_parallel import with_context_parallel_attention
 
             spec = with_context_parallel_attention(spec)
+        from miles_megatron.sdpa_attention import with_sdpa_attention
+
+        spec = with_sdpa_attention(spec, config)  # plain causal attention: one SDPA call, no [S, S] scores
         kwargs = gpt_model_kwargs(native_config)
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], sizes.tp)  # TP splits it evenly
         if sizes.pp > 1:

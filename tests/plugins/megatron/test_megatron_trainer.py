@@ -100,6 +100,26 @@ def test_log_probs_equal_the_native_trainers(models, name):
     assert sorted(megatron.model.replay.routers) == moe_layers
 
 
+def test_plain_attention_runs_one_sdpa_call_and_equals_megatrons_local_attention(models, monkeypatch):
+    """Causal GQA layers run :class:`SdpaAttention` (no ``[S, S]`` scores materialised); the log-probs
+    equal those of Megatron's local ``DotProductAttention`` on the same weights, padding included."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from miles_megatron import sdpa_attention
+    from miles_megatron.sdpa_attention import SdpaAttention
+
+    def core_attentions(trainer):
+        return {type(layer.self_attention.core_attention) for layer in trainer.model.gpt.decoder.layers}
+
+    sdpa = make_trainer(models, "qwen3", "megatron")
+    assert core_attentions(sdpa) == {SdpaAttention}
+    monkeypatch.setattr(sdpa_attention, "plain_attention", lambda config: False)
+    local = make_trainer(models, "qwen3", "megatron")
+    assert core_attentions(local) == {DotProductAttention}
+    samples = make_samples()
+    torch.testing.assert_close(log_probs(sdpa, samples), log_probs(local, samples), rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_two_steps_give_the_native_losses_and_weights(models, name):
     """Same data, same optimizer: same losses and exported weights after two steps.
