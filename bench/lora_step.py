@@ -115,15 +115,16 @@ def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str]
     }
 
 
-def run_in_subprocess(name: str, args) -> dict | None:
-    """``--only NAME`` in its own process (a clean allocator); its result, or None."""
-    result = args.workdir / f"result_{name}.json"
+def run_in_subprocess(name: str, args, script: str = __file__, extra: tuple[str, ...] = ()) -> dict | None:
+    """``script --only NAME`` in its own process (a clean allocator) with the run-shape flags of
+    ``args`` (and ``extra``); its result, or None."""
+    result = args.workdir / f"result_{name.replace(':', '_')}.json"
     result.unlink(missing_ok=True)
-    argv = [sys.executable, __file__, "--only", name, "--result-json", str(result), "--workdir", str(args.workdir),
+    argv = [sys.executable, script, "--only", name, "--result-json", str(result), "--workdir", str(args.workdir),
             "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
             "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
             "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--mem-fraction", str(args.mem_fraction),
-            *(["--tiny"] if args.tiny else []), *([] if args.recompute else ["--no-recompute"])]
+            *(["--tiny"] if args.tiny else []), *extra]
     if subprocess.run(argv).returncode != 0 or not result.is_file():
         print(f"{name}: the run failed (see above)")
         return None
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.result_json:
             args.result_json.write_text(json.dumps(result))
         return {args.only: result}
-    results = {name: run_in_subprocess(name, args) for name in VARIANTS}
+    extra = () if args.recompute else ("--no-recompute",)
+    results = {name: run_in_subprocess(name, args, extra=extra) for name in VARIANTS}
     print(f"\n{'variant':<6} {'step s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} {'trainable':>12} "
           f"{'step peak GB':>12} {'train peak GB':>13} {'trainer peak GB':>15} {'params+grads+opt GB':>20}")
     for name, r in results.items():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,17 +75,8 @@ def run_one(model: str, backend: str, args) -> dict:
 
 def run_isolated(model: str, backend: str, args) -> dict | None:
     """``--only MODEL:BACKEND`` in its own process; its result, or None if it failed."""
-    out = args.workdir / f"result_{model}_{backend}.json"
-    out.unlink(missing_ok=True)
-    argv = [sys.executable, __file__, "--only", f"{model}:{backend}", "--result-json", str(out),
-            "--workdir", str(args.workdir), "--steps", str(args.steps), "--prompts", str(args.prompts),
-            "--samples", str(args.samples), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-            "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--mem-fraction", str(args.mem_fraction),
-            "--moe-layers", str(args.moe_layers), *(["--tiny"] if args.tiny else [])]
-    if subprocess.run(argv).returncode != 0 or not out.is_file():
-        print(f"{model} / {backend}: the run failed (see above)")
-        return None
-    return json.loads(out.read_text())
+    return lora_step.run_in_subprocess(f"{model}:{backend}", args, script=__file__,
+                                       extra=("--moe-layers", str(args.moe_layers)))
 
 
 def main(argv: list[str] | None = None) -> dict:
