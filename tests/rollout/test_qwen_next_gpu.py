@@ -39,12 +39,13 @@ def test_graph_decode_equals_eager_decode_and_transformers(qwen3_next):
     expected = eager.generate(PROMPTS, SAMPLING)
     assert graphs.runner.graphs.num_replays > 0
     assert_same_outputs(got, expected, atol=1e-4)
-    hf = hf_model(qwen3_next)
+    # on the GPU: with fla importable, transformers' Qwen3-Next runs fla's Triton kernels, CUDA only
+    hf = hf_model(qwen3_next).cuda()
     for prompt, output in zip(PROMPTS, got[::2]):
         tokens = list(prompt)
         with torch.no_grad():
             for _ in output["output_ids"]:
-                tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+                tokens.append(int(hf(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
         assert output["output_ids"] == tokens[len(prompt):]
 
 
