@@ -23,6 +23,7 @@ from miles_host.algorithms.losses import PolicyLossBatch, micro_batch_share
 from miles_host.lr_schedule import lr_lambda, step_sizes
 from miles_host.loss_types import micro_batch_loss
 from miles_host.lora import apply_lora
+from miles_host.lora.layers import store_frozen_bases_in
 from miles_host.lora.sync import rollout_state
 from miles_host import offload, profiling
 from miles_host.dashboard.samples import record_train_log_probs
@@ -34,6 +35,10 @@ from miles_host.routing import RoutingHooks
 from miles_host.sample import Sample, Status
 
 logger = logging.getLogger(__name__)
+
+
+#: the dtype the training forward computes in on CUDA (autocast over float32 master weights)
+CUDA_AUTOCAST_DTYPE = torch.bfloat16
 
 
 @dataclass
@@ -184,6 +189,9 @@ class NativeTrainer(TrainerBase):
     train_state_offloaded = False
     #: why ``--optimizer-cpu-offload`` cannot work with this trainer (None: it can)
     cpu_offload_refusal: str | None = None
+    #: LoRA: the frozen base linears are stored in the forward's autocast dtype (a trainer whose
+    #: sharding wants one parameter dtype per module turns this off)
+    stores_frozen_lora_bases_cast = True
     #: the ``--optimizer`` values this trainer builds
     optimizer_names: tuple[str, ...] = ("adam", "sgd")
     #: metrics of the last rollout's advantages (``opd/*`` with ``--use-opd``)
@@ -200,6 +208,8 @@ class NativeTrainer(TrainerBase):
         self.convert_for_rollout = precision.convert_for_rollout
         # --lora-rank: adapters on the chosen linears, everything else frozen (before the optimizer is built)
         self.lora = apply_lora(self.model, config)
+        if self.lora is not None and self.stores_frozen_lora_bases_cast:
+            self._store_frozen_lora_bases_cast()
         if config.train_compile and config.true_on_policy:
             # compiled kernels would not compute what the engine's batch-invariant kernels do
             logger.warning("--train-compile is ignored with --true-on-policy (batch-invariant eager path)")
@@ -225,6 +235,14 @@ class NativeTrainer(TrainerBase):
         manager.hook.miles_prepare_model(model=self.model, role="train", config=config)
         self._make_optimizer()
         self.consecutive_nan_steps = 0
+
+    def _store_frozen_lora_bases_cast(self) -> None:
+        """Under bf16 autocast (CUDA), LoRA's frozen base linears in bf16
+        (:func:`miles_host.lora.layers.store_frozen_bases_in`: the same forward, no per-forward casts,
+        half their memory). Not with ``--true-on-policy``, whose forward casts as the engine loads."""
+        if self.device.type != "cuda" or self.config.true_on_policy:
+            return
+        store_frozen_bases_in(self.model, CUDA_AUTOCAST_DTYPE)
 
     def _make_optimizer(self, fused: bool | None = None) -> None:
         """The ``--optimizer`` over the model's parameters (no weight decay on biases and norms, as
@@ -258,7 +276,7 @@ class NativeTrainer(TrainerBase):
 
     def _autocast(self):
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast("cuda", dtype=CUDA_AUTOCAST_DTYPE)
         return torch.autocast("cpu", enabled=False)
 
     def pack(self, samples: list[Sample], phase: str) -> PackedBatch:

@@ -37,6 +37,8 @@ class Fsdp2Trainer(DataParallelTrainer):
 
     #: ``state_dict`` is a collective: the trainer group must call it on every rank
     collective_state_dict = True
+    #: FSDP2 all-gathers a module's parameters in one dtype
+    stores_frozen_lora_bases_cast = False
     cpu_offload_refusal = ("the FSDP2 trainer steps sharded parameters (DTensors), which have no CPU master copies "
                            "here; --train-backend native_dp (replicated) runs the optimizer step on CPU")
 

@@ -208,6 +208,28 @@ def adapt_in_place(module: torch.nn.Module, parts: list[LoraPart], rank: int, al
     return module
 
 
+def store_frozen_bases_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen base weight (and bias) of every :class:`LoraLinear` of ``model`` in
+    ``dtype``, the dtype autocast computes its GEMM in: autocast casts a float32 weight to
+    ``dtype`` at every forward (and again in a recomputed one), so a weight stored cast gives
+    bit-identical outputs without those copies and at half the memory. Weights shared with
+    another module (a tied ``lm_head``) keep their dtype. Returns how many weights were cast."""
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        for name in ("weight", "bias"):
+            parameter = module._parameters.get(name)
+            if parameter is None or uses[id(parameter)] > 1 or parameter.dtype == dtype:
+                continue
+            setattr(module, name, torch.nn.Parameter(parameter.detach().to(dtype), requires_grad=False))
+            cast += 1
+    return cast
+
+
 def merged_weight(
     weight_OI: torch.Tensor, parts: list[LoraPart], a_by_key: dict, b_by_key: dict, scaling: float
 ) -> torch.Tensor:

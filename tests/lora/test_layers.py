@@ -57,3 +57,46 @@ def test_dropout_reaches_the_adapters_input_only_and_only_in_training():
     layer.eval()
     assert not torch.allclose(out, layer(x))  # training drew a dropout mask; eval draws none
     assert torch.equal(layer(x), layer(x))
+
+
+def test_frozen_bases_stored_in_the_autocast_dtype_compute_the_same_bits():
+    """A base weight stored in bf16 gives bit for bit the output and adapter gradients that
+    autocast's per-forward cast of the float32 weight gives; a tied weight keeps its dtype."""
+    from miles_host.lora.layers import store_frozen_bases_in
+
+    torch.manual_seed(0)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(12, 6)
+            self.proj = LoraLinear(torch.nn.Linear(6, 12), PARTS, rank=3, alpha=6, dropout=0.0)
+            self.head = LoraLinear(torch.nn.Linear(6, 12, bias=False), PARTS[:1], rank=3, alpha=6, dropout=0.0)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.proj(self.embed(ids))[:, :6])
+
+    model = Tied()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ids = torch.randint(0, 12, (7,))
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(ids)
+        out.float().square().sum().backward()
+        return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    import copy
+
+    cast_model = copy.deepcopy(model)
+    assert store_frozen_bases_in(cast_model, torch.bfloat16) == 2  # proj's weight and bias; the tied head not
+    assert cast_model.proj.weight.dtype == torch.bfloat16 and not cast_model.proj.weight.requires_grad
+    assert cast_model.head.weight.dtype == torch.float32 and cast_model.head.weight is cast_model.embed.weight
+    want, want_grads = run(model)
+    got, got_grads = run(cast_model)
+    assert torch.equal(got, want)
+    assert want_grads.keys() == got_grads.keys() and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
