@@ -76,6 +76,10 @@ def attach_mtp_block(policy: Any, num_layers: int) -> None:
         from miles_megatron.sdpa_attention import with_sdpa_attention
 
         decoder_spec = with_sdpa_attention(decoder_spec, config)
+        if policy.config.moe is not None:
+            from miles_megatron.grouped_experts import with_grouped_experts
+
+            decoder_spec = with_grouped_experts(decoder_spec, policy.config.moe.experts_impl)
         block = MultiTokenPredictionBlock(config, get_gpt_mtp_block_spec(config, decoder_spec, False))
     for layer in block.layers:
         adjust_layer(layer.transformer_layer)

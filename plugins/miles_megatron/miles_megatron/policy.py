@@ -80,9 +80,11 @@ LOCAL_SETTINGS: dict[str, Any] = dict(
     bf16=False,  # bf16 *parameters*; the forward's bf16 comes from the trainer's autocast
 )
 #: MoE settings: one rank, so the all-gather dispatcher (no collective at size 1, no
-#: device-to-host copies on side streams), one small GEMM per expert (SequentialMLP), no
-#: TE fused permute/router kernels, the router GEMM in its input's dtype (as the native
-#: Qwen3-MoE router), no auxiliary loss (the native trainer has none)
+#: device-to-host copies on side streams), the experts as ``SequentialMLP`` in the spec (Megatron's
+#: ``GroupedMLP`` needs the grouped_gemm package and bf16 parameters), which
+#: :func:`~miles_megatron.grouped_experts.with_grouped_experts` swaps for its grouped-GEMM
+#: subclass, no TE fused permute/router kernels, the router GEMM in its input's dtype (as the
+#: native Qwen3-MoE router), no auxiliary loss (the native trainer has none)
 MOE_SETTINGS: dict[str, Any] = dict(
     moe_token_dispatcher_type="allgather",
     moe_grouped_gemm=False,
@@ -170,6 +172,10 @@ def build_gpt_model(native_config: Any, recompute: bool = False, device: Any = "
         from miles_megatron.sdpa_attention import with_sdpa_attention
 
         spec = with_sdpa_attention(spec, config)  # plain causal attention: one SDPA call, no [S, S] scores
+        if native_config.moe is not None:  # the routed experts as grouped GEMMs where experts_impl says so
+            from miles_megatron.grouped_experts import with_grouped_experts
+
+            spec = with_grouped_experts(spec, native_config.moe.experts_impl)
         kwargs = gpt_model_kwargs(native_config)
         kwargs["vocab_size"] = padded_vocab(kwargs["vocab_size"], sizes.tp)  # TP splits it evenly
         if sizes.pp > 1:

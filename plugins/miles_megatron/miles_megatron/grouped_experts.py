@@ -1,0 +1,137 @@
+"""Megatron-Core's routed experts as grouped GEMMs, on ``SequentialMLP``'s parameters.
+
+The local layer spec builds the experts as ``SequentialMLP``: per forward a host read of
+the token counts, then for each local expert its own ``linear_fc1``, activation and
+``linear_fc2`` (two small GEMMs per expert, launched from Python). Megatron's grouped
+alternatives do not run here: ``GroupedMLP`` needs the external ``grouped_gemm`` CUDA
+package and bf16 *parameters* (``config.bf16``; this backend keeps float32 masters under
+a bf16 autocast forward: :mod:`miles_megatron.policy`), ``TEGroupedMLP`` needs
+TransformerEngine.
+
+:class:`GroupedSequentialMLP` is ``SequentialMLP`` (same constructor, parameters
+``local_experts.{e}.linear_fc{1,2}.weight``, sharded state dict), so the weight maps,
+EP sharding, checkpoints, R3, weight sync and the optimizers see what they saw. Its
+forward computes every local expert at once with the native trainer's grouped-GEMM
+pieces (:mod:`miles_host.kernels.moe_train`):
+
+1. the dispatcher's rows (grouped by expert, ``tokens_per_expert`` each) placed in
+   :func:`~miles_host.kernels.moe_train.expert_layout`'s padded layout (each group a
+   multiple of ``ALIGN_ROWS`` rows, as ``torch._grouped_mm`` wants; padding rows zero);
+2. the experts' weights stacked in the compute dtype (autocast's where it is on, as
+   ``F.linear`` under autocast casts each expert's weight), ``grouped_mm`` for fc1;
+3. Megatron's activation (GLU: ``act(gate) * (up + glu_linear_offset)``, gate rows
+   first, clamped where ``activation_func_clamp_value`` is set), times each row's routing
+   probability (in the promoted dtype, rounded back, as ``MLP`` applies ``per_token_scale``);
+4. ``grouped_mm`` for fc2, the rows put back in the dispatcher's order.
+
+Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer's record
+(:data:`~miles_host.kernels.moe_train.EXPERTS_IMPLS`): ``auto`` groups where
+``_grouped_mm`` runs its bf16 kernel (CUDA sm90/sm100 under bf16) and keeps
+``SequentialMLP``'s loop elsewhere (the CPU), ``grouped`` always groups, ``loop`` never.
+What the grouped forward does not compute keeps the loop too (:func:`grouped_forward_covers`):
+expert biases, expert tensor parallelism, probabilities applied on the input, FP8/FP4
+padding, fused or TransformerEngine activations.
+
+Megatron's ``--moe-grouped-gemm`` stays off in ``TransformerConfig`` (it would build
+``GroupedMLP``); :func:`with_grouped_experts` puts this class in the layer spec instead.
+
+Tensor legend: N dispatched rows, R rows of the padded layout, E local experts,
+H hidden, F fc1 outputs (2I for GLU), I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from miles_host.kernels.moe_train import compute_dtype, expert_layout, grouped_mm, uses_grouped_experts
+
+
+def grouped_forward_covers(config: Any, expert_tp: int) -> bool:
+    """Whether :class:`GroupedSequentialMLP`'s grouped forward computes what ``SequentialMLP``
+    computes under ``config`` (a ``TransformerConfig``) with expert TP size ``expert_tp``."""
+    return (
+        expert_tp == 1
+        and not config.add_bias_linear
+        and not config.moe_apply_probs_on_input
+        and not (config.fp8 or getattr(config, "fp4", None))
+        and not config.use_te_activation_func
+        and not config.bias_activation_fusion
+    )
+
+
+class GroupedSequentialMLP(SequentialMLP):
+    """``SequentialMLP`` whose forward runs all local experts as two grouped GEMMs (module doc)."""
+
+    def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None,
+                 experts_impl: str = "auto"):
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        #: ``MoEConfig.experts_impl``: which forward runs (module doc)
+        self.experts_impl = experts_impl
+        self.covered = grouped_forward_covers(self.config, self.tp_group.size())
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """``SequentialMLP.forward``: ``(output [N, H], None)``, grouped where the experts impl says so."""
+        x_NH = permuted_local_hidden_states
+        fc1_1FH = self.local_experts[0].linear_fc1.weight.unsqueeze(0)  # the shape the impl check reads
+        if not (self.covered and uses_grouped_experts(self.experts_impl, x_NH, fc1_1FH)):
+            return super().forward(x_NH, tokens_per_expert, permuted_probs)
+        return self.grouped_forward(x_NH, tokens_per_expert, permuted_probs), None
+
+    def grouped_forward(self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        probs_N: torch.Tensor) -> torch.Tensor:
+        """The experts' output ``[N, H]`` in the compute dtype; no host sync on the counts."""
+        num_rows, num_experts = x_NH.shape[0], self.num_local_experts
+        device = x_NH.device
+        dtype = compute_dtype(x_NH)
+        expert_N = torch.repeat_interleave(torch.arange(num_experts, device=device), tokens_per_expert.to(device),
+                                           output_size=num_rows)
+        layout = expert_layout(expert_N.unsqueeze(1), num_experts)
+        fc1_EFH = torch.stack([expert.linear_fc1.weight.to(dtype) for expert in self.local_experts])
+        fc2_EHI = torch.stack([expert.linear_fc2.weight.to(dtype) for expert in self.local_experts])
+        with torch.autocast(device.type, enabled=False):
+            x_RH = _padded_rows(x_NH.to(dtype), layout.row_token_R)
+            hidden_RI = self.activation(grouped_mm(x_RH, fc1_EFH.transpose(1, 2), layout.offsets_E))
+            probs_R1 = _padded_rows(probs_N.unsqueeze(1), layout.row_token_R)
+            hidden_RI = (hidden_RI * probs_R1).to(dtype)
+            out_RH = grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
+        return out_RH.index_select(0, layout.pair_row_TK.squeeze(1))
+
+    def activation(self, fc1_RF: torch.Tensor) -> torch.Tensor:
+        """Megatron ``MLP``'s unfused activation of the fc1 output (GLU: gate rows first)."""
+        config = self.config
+        if not config.gated_linear_unit:
+            return config.activation_func(fc1_RF)
+        gate_RI, up_RI = torch.chunk(fc1_RF, 2, dim=-1)
+        if (limit := config.activation_func_clamp_value) is not None:
+            gate_RI, up_RI = gate_RI.clamp(max=limit), up_RI.clamp(min=-limit, max=limit)
+        return config.activation_func(gate_RI) * (up_RI + config.glu_linear_offset)
+
+
+def _padded_rows(x_NC: torch.Tensor, row_source_R: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of the padded layout: ``x[row_source[r]]``, zeros where the source is N (padding)."""
+    return torch.cat([x_NC, x_NC.new_zeros(1, x_NC.shape[1])]).index_select(0, row_source_R)
+
+
+def with_grouped_experts(spec: Any, experts_impl: str) -> Any:
+    """A copy of a decoder block spec whose ``SequentialMLP`` experts are
+    :class:`GroupedSequentialMLP` running ``experts_impl`` (``MoEConfig.experts_impl``)."""
+
+    def rewrite(node: Any) -> Any:
+        if getattr(node, "module", None) is SequentialMLP and dataclasses.is_dataclass(node):
+            node.module = GroupedSequentialMLP
+            node.params = {**node.params, "experts_impl": experts_impl}
+            return node
+        if isinstance(node, (list, tuple)):
+            return type(node)(rewrite(item) for item in node)
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                setattr(node, field.name, rewrite(getattr(node, field.name)))
+        return node
+
+    return rewrite(copy.deepcopy(spec))

@@ -1,0 +1,120 @@
+"""``GroupedSequentialMLP``: the megatron backend's routed experts as grouped GEMMs.
+
+The reference is Megatron-Core's own ``SequentialMLP.forward`` on the same module (its
+per-expert ``MLP``s), on the experts of the tiny Qwen3-MoE the trainer tests build: the
+same output and parameter gradients in float32 (tight) and under CPU bf16 autocast
+(loose), with uneven tokens per expert and an expert that gets none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytest.importorskip("transformers")
+
+from tests.plugins.megatron.test_megatron_trainer import MODELS, make_trainer  # noqa: E402
+from tests.plugins.megatron.conftest import save_models  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group(one_rank_group):
+    """(see conftest: no process group left behind)"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("megatron_grouped_experts"), {"qwen3_moe": MODELS["qwen3_moe"]})
+
+
+@pytest.fixture(scope="module")
+def experts(models):
+    """The first MoE layer's experts of the megatron trainer's model (4 experts, hidden 64, I 32, SwiGLU)."""
+    trainer = make_trainer(models, "qwen3_moe", "megatron")
+    return trainer.model.gpt.decoder.layers[0].mlp.experts
+
+
+def _run(module, forward, x_NH, tokens_per_expert, probs_N):
+    """Output and the gradients of x, probs and every expert weight (``forward``: which forward).
+    The trainer's model is in Megatron's DDP: the weight gradients land in ``main_grad``."""
+    parameters = dict(module.named_parameters())
+    for p in parameters.values():
+        p.main_grad.zero_()
+    x_NH = x_NH.clone().requires_grad_(True)
+    probs_N = probs_N.clone().requires_grad_(True)
+    out_NH, bias = forward(module, x_NH, tokens_per_expert, probs_N)
+    assert bias is None
+    out_NH.float().pow(2).sum().backward()
+    grads = {name: p.main_grad.clone() for name, p in parameters.items()}
+    return out_NH.detach(), x_NH.grad, probs_N.grad, grads
+
+
+def _inputs(counts):
+    generator = torch.Generator().manual_seed(0)
+    rows = sum(counts)
+    return (torch.randn(rows, 64, generator=generator), torch.tensor(counts),
+            torch.rand(rows, generator=generator))
+
+
+def _grouped(module, x, counts, probs):
+    return module.grouped_forward(x, counts, probs), None
+
+
+def _sequential(module, x, counts, probs):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    return SequentialMLP.forward(module, x, counts, probs)
+
+
+# uneven groups, one expert gets no token; groups whose sizes are multiples of the row alignment
+@pytest.mark.parametrize("counts", [[5, 1, 0, 11], [16, 0, 32, 16]])
+def test_grouped_forward_equals_sequential_mlp_float32(experts, counts):
+    from miles_megatron.grouped_experts import GroupedSequentialMLP
+
+    assert type(experts) is GroupedSequentialMLP and experts.covered
+    x, counts_E, probs = _inputs(counts)
+    want = _run(experts, _sequential, x, counts_E, probs)
+    got = _run(experts, _grouped, x, counts_E, probs)
+    for expected, actual in zip(want[:3], got[:3]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert got[3].keys() == want[3].keys() and len(got[3]) == 8
+    empty = f"local_experts.{counts.index(0)}."
+    assert all(float(grad.abs().max()) > 0 for name, grad in want[3].items() if not name.startswith(empty))
+    for name in want[3]:
+        torch.testing.assert_close(got[3][name], want[3][name], rtol=1e-5, atol=1e-5, msg=name)
+    assert float(got[3][f"{empty}linear_fc1.weight"].abs().max()) == 0.0  # no token, no gradient
+
+
+def test_grouped_forward_equals_sequential_mlp_under_bf16_autocast(experts):
+    x, counts_E, probs = _inputs([7, 0, 19, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _run(experts, _sequential, x, counts_E, probs)
+        got = _run(experts, _grouped, x, counts_E, probs)
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    for expected, actual in zip(want[:3], got[:3]):
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    for name in want[3]:
+        assert got[3][name].dtype == torch.float32  # float32 masters get float32 gradients
+        torch.testing.assert_close(got[3][name], want[3][name], rtol=2e-2, atol=5e-2, msg=name)
+
+
+def test_experts_impl_picks_the_forward(experts, monkeypatch):
+    """``loop`` runs SequentialMLP's forward, ``grouped`` the grouped one, ``auto`` the loop on the CPU."""
+    from miles_megatron.grouped_experts import GroupedSequentialMLP
+
+    calls = []
+
+    def recorded(self, x_NH, tokens_per_expert, probs_N):
+        calls.append("grouped")
+        return torch.zeros_like(x_NH)
+
+    monkeypatch.setattr(GroupedSequentialMLP, "grouped_forward", recorded)
+    x, counts_E, probs = _inputs([3, 2, 0, 1])
+    for impl, expected in (("loop", []), ("auto", []), ("grouped", ["grouped"])):
+        calls.clear()
+        monkeypatch.setattr(experts, "experts_impl", impl)
+        with torch.no_grad():
+            out, _ = experts(x, counts_E, probs)
+        assert calls == expected, impl
+        assert (out.abs().max() == 0) == (impl == "grouped")
