@@ -120,8 +120,19 @@ def test_plain_attention_runs_one_sdpa_call_and_equals_megatrons_local_attention
     torch.testing.assert_close(log_probs(sdpa, samples), log_probs(local, samples), rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_two_steps_give_the_native_losses_and_weights(models, name):
+def set_experts_impl(trainer, impl: str) -> int:
+    """Set the megatron trainer's ``experts_impl`` (``MoEConfig.experts_impl``) on every MoE layer; how many."""
+    from miles_megatron.grouped_experts import GroupedSequentialMLP
+
+    experts = [module for module in trainer.model.gpt.modules() if isinstance(module, GroupedSequentialMLP)]
+    for module in experts:
+        module.experts_impl = impl
+    return len(experts)
+
+
+# the MoE model twice: SequentialMLP's per-expert loop (auto on the CPU) and the grouped GEMMs
+@pytest.mark.parametrize("name, experts_impl", [("qwen3", "auto"), ("qwen3_moe", "auto"), ("qwen3_moe", "grouped")])
+def test_two_steps_give_the_native_losses_and_weights(models, name, experts_impl):
     """Same data, same optimizer: same losses and exported weights after two steps.
 
     Gradients agree to float32 rounding, but AdamW divides each gradient element by
@@ -132,6 +143,7 @@ def test_two_steps_give_the_native_losses_and_weights(models, name):
     flags = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1")
     native = make_trainer(models, name, "native", *flags)
     megatron = make_trainer(models, name, "megatron", *flags)
+    assert set_experts_impl(megatron, experts_impl) == (2 if name == "qwen3_moe" else 0)
     samples = make_samples()
     for _ in range(2):
         want, got = native.train(samples), megatron.train(samples)
