@@ -41,14 +41,13 @@ H hidden, F fc1 outputs (2I for GLU), I expert intermediate.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from miles_host.kernels.moe_train import compute_dtype, expert_layout, grouped_mm, uses_grouped_experts
+from miles_megatron.mla_spec import rewrite_spec
 
 
 def grouped_forward_covers(config: Any, expert_tp: int) -> bool:
@@ -122,16 +121,11 @@ def with_grouped_experts(spec: Any, experts_impl: str) -> Any:
     """A copy of a decoder block spec whose ``SequentialMLP`` experts are
     :class:`GroupedSequentialMLP` running ``experts_impl`` (``MoEConfig.experts_impl``)."""
 
-    def rewrite(node: Any) -> Any:
-        if getattr(node, "module", None) is SequentialMLP and dataclasses.is_dataclass(node):
-            node.module = GroupedSequentialMLP
-            node.params = {**node.params, "experts_impl": experts_impl}
-            return node
-        if isinstance(node, (list, tuple)):
-            return type(node)(rewrite(item) for item in node)
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for field in dataclasses.fields(node):
-                setattr(node, field.name, rewrite(getattr(node, field.name)))
-        return node
+    def changed(node: Any) -> bool:
+        if getattr(node, "module", None) is not SequentialMLP:
+            return False
+        node.module = GroupedSequentialMLP
+        node.params = {**node.params, "experts_impl": experts_impl}
+        return True
 
-    return rewrite(copy.deepcopy(spec))
+    return rewrite_spec(spec, changed)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -63,14 +63,12 @@ class _SumRotaryKeyGrad(torch.autograd.Function):
         return grad_SBND, None, None
 
 
-def replace_core_attention(spec: Any, old: type, new: type, submodules: type | None = None) -> Any:
-    """A copy of a decoder block spec with ``new`` as the core attention wherever it is
-    ``old`` (only in ``submodules`` nodes when given)."""
+def rewrite_spec(spec: Any, changed: Callable[[Any], bool]) -> Any:
+    """A copy of a decoder block spec, every dataclass node of it (``ModuleSpec``, submodules)
+    given to ``changed``, which may change it in place (True: its fields are not visited)."""
 
     def rewrite(node: Any) -> Any:
-        if (getattr(node, "core_attention", None) is old and dataclasses.is_dataclass(node)
-                and (submodules is None or isinstance(node, submodules))):
-            node.core_attention = new
+        if dataclasses.is_dataclass(node) and not isinstance(node, type) and changed(node):
             return node
         if isinstance(node, (list, tuple)):
             return type(node)(rewrite(item) for item in node)
@@ -80,6 +78,19 @@ def replace_core_attention(spec: Any, old: type, new: type, submodules: type | N
         return node
 
     return rewrite(copy.deepcopy(spec))
+
+
+def replace_core_attention(spec: Any, old: type, new: type, submodules: type | None = None) -> Any:
+    """A copy of a decoder block spec with ``new`` as the core attention wherever it is
+    ``old`` (only in ``submodules`` nodes when given)."""
+
+    def changed(node: Any) -> bool:
+        if getattr(node, "core_attention", None) is old and (submodules is None or isinstance(node, submodules)):
+            node.core_attention = new
+            return True
+        return False
+
+    return rewrite_spec(spec, changed)
 
 
 def with_latent_core_attention(spec: Any) -> Any:
