@@ -30,7 +30,8 @@ Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer
 ``SequentialMLP``'s loop elsewhere (the CPU), ``grouped`` always groups, ``loop`` never.
 What the grouped forward does not compute keeps the loop too (:func:`grouped_forward_covers`):
 expert biases, expert tensor parallelism, probabilities applied on the input, FP8/FP4
-padding, fused or TransformerEngine activations.
+padding, fused or TransformerEngine activations, and expert linears whose GEMMs
+``--plugins fp8`` replaced (:mod:`miles_megatron.fp8`).
 
 Megatron's ``--moe-grouped-gemm`` stays off in ``TransformerConfig`` (it would build
 ``GroupedMLP``); :func:`with_grouped_experts` puts this class in the layer spec instead.
@@ -78,9 +79,16 @@ class GroupedSequentialMLP(SequentialMLP):
         """``SequentialMLP.forward``: ``(output [N, H], None)``, grouped where the experts impl says so."""
         x_NH = permuted_local_hidden_states
         fc1_1FH = self.local_experts[0].linear_fc1.weight.unsqueeze(0)  # the shape the impl check reads
-        if not (self.covered and uses_grouped_experts(self.experts_impl, x_NH, fc1_1FH)):
+        if not (self.covered and not self.linears_replaced()
+                and uses_grouped_experts(self.experts_impl, x_NH, fc1_1FH)):
             return super().forward(x_NH, tokens_per_expert, permuted_probs)
         return self.grouped_forward(x_NH, tokens_per_expert, permuted_probs), None
+
+    def linears_replaced(self) -> bool:
+        """Whether an expert linear computes through its own ``_forward_impl`` (``--plugins fp8``:
+        :func:`miles_megatron.fp8.apply_fp8`), which only the per-expert loop calls."""
+        return any("_forward_impl" in vars(expert.linear_fc1) or "_forward_impl" in vars(expert.linear_fc2)
+                   for expert in self.local_experts)
 
     def grouped_forward(self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor,
                         probs_N: torch.Tensor) -> torch.Tensor:
