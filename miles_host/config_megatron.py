@@ -172,8 +172,8 @@ MEGATRON_IGNORED: dict[str, str] = {
     "cross_entropy_loss_fusion": "log-probs are computed in chunks from the hidden states (no fused cross entropy)",
     "no_check_for_nan_in_loss_and_grad": "miles checks every step: a NaN/Inf step is skipped, and "
                                          "--max-consecutive-nan-steps stops the run",
-    "moe_grouped_gemm": "the native trainer's experts run a grouped GEMM where it is fast (the engine's: "
-                        "--moe-kernel); the megatron backend runs one GEMM per expert (SequentialMLP)",
+    "moe_grouped_gemm": "the routed experts of both trainers run grouped GEMMs where they are fast (CUDA bf16; "
+                        "MoEConfig.experts_impl; the engine's: --moe-kernel), the per-expert loop elsewhere",
     "moe_permute_fusion": f"the fused token permutation {_TE}",
     "moe_router_dtype": "the native model computes the router in its family's dtype (float32 for DeepSeek and "
                         "GLM, the model's for Qwen); --train-backend megatron passes it to TransformerConfig",

@@ -23,7 +23,8 @@ Megatron-Core conventions used (local layer spec, no TransformerEngine):
   (DeepSeek's ``e_score_correction_bias``) as ``router.expert_bias``, shared experts as
   ``shared_experts.linear_fc{1,2}``.
 - SwiGLU ``linear_fc1`` is ``[gate; up]``, as miles' ``gate_up_proj``.
-- Routed experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}`` (SequentialMLP).
+- Routed experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}`` (SequentialMLP's layout, which
+  :class:`~miles_megatron.grouped_experts.GroupedSequentialMLP` keeps).
 - MTP (draft) layers: native ``mtp.{j}.*`` (:class:`~miles_host.models.model.MTPLayer`)
   <-> Megatron's ``mtp.layers.{j}.*`` (``MultiTokenPredictionLayer``): ``enorm``,
   ``hnorm``, ``eh_proj``, ``head_norm`` -> ``final_layernorm``, and the decoder layer
