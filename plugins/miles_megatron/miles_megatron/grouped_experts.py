@@ -99,15 +99,17 @@ class GroupedSequentialMLP(SequentialMLP):
         expert_N = torch.repeat_interleave(torch.arange(num_experts, device=device), tokens_per_expert.to(device),
                                            output_size=num_rows)
         layout = expert_layout(expert_N.unsqueeze(1), num_experts)
-        fc1_EFH = torch.stack([expert.linear_fc1.weight.to(dtype) for expert in self.local_experts])
-        fc2_EHI = torch.stack([expert.linear_fc2.weight.to(dtype) for expert in self.local_experts])
+        row_N = layout.pair_row_TK.squeeze(1)  # each dispatched row's row in the padded layout
+        # one stack and one cast per projection (their backward: one cast, then each expert's view)
+        fc1_EFH = torch.stack([expert.linear_fc1.weight for expert in self.local_experts]).to(dtype)
+        fc2_EHI = torch.stack([expert.linear_fc2.weight for expert in self.local_experts]).to(dtype)
         with torch.autocast(device.type, enabled=False):
-            x_RH = _padded_rows(x_NH.to(dtype), layout.row_token_R)
+            x_RH = _padded(x_NH.to(dtype), row_N, layout.num_rows)
             hidden_RI = self.activation(grouped_mm(x_RH, fc1_EFH.transpose(1, 2), layout.offsets_E))
-            probs_R1 = _padded_rows(probs_N.unsqueeze(1), layout.row_token_R)
+            probs_R1 = _padded(probs_N.unsqueeze(1), row_N, layout.num_rows)
             hidden_RI = (hidden_RI * probs_R1).to(dtype)
             out_RH = grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
-        return out_RH.index_select(0, layout.pair_row_TK.squeeze(1))
+        return out_RH.index_select(0, row_N)
 
     def activation(self, fc1_RF: torch.Tensor) -> torch.Tensor:
         """Megatron ``MLP``'s unfused activation of the fc1 output (GLU: gate rows first)."""
@@ -120,9 +122,10 @@ class GroupedSequentialMLP(SequentialMLP):
         return config.activation_func(gate_RI) * (up_RI + config.glu_linear_offset)
 
 
-def _padded_rows(x_NC: torch.Tensor, row_source_R: torch.Tensor) -> torch.Tensor:
-    """Row ``r`` of the padded layout: ``x[row_source[r]]``, zeros where the source is N (padding)."""
-    return torch.cat([x_NC, x_NC.new_zeros(1, x_NC.shape[1])]).index_select(0, row_source_R)
+def _padded(x_NC: torch.Tensor, row_N: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``x``'s rows at rows ``row_N`` of a zero ``[R, C]`` (padding rows stay zero); the backward
+    gathers the gradient rows back (no atomics)."""
+    return x_NC.new_zeros(num_rows, x_NC.shape[1]).index_copy(0, row_N, x_NC)
 
 
 def with_grouped_experts(spec: Any, experts_impl: str) -> Any:
