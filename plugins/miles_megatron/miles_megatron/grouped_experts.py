@@ -30,7 +30,8 @@ Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer
 ``SequentialMLP``'s loop elsewhere (the CPU), ``grouped`` always groups, ``loop`` never.
 What the grouped forward does not compute keeps the loop too (:func:`grouped_forward_covers`):
 expert biases, expert tensor parallelism, probabilities applied on the input, FP8/FP4
-padding, fused or TransformerEngine activations, and expert linears whose GEMMs
+padding, fused or TransformerEngine activations, weight gradients delayed to ``backward_dw``,
+and expert linears whose GEMMs
 ``--plugins fp8`` replaced (:mod:`miles_megatron.fp8`).
 
 Megatron's ``--moe-grouped-gemm`` stays off in ``TransformerConfig`` (it would build
@@ -61,6 +62,7 @@ def grouped_forward_covers(config: Any, expert_tp: int) -> bool:
         and not (config.fp8 or getattr(config, "fp4", None))
         and not config.use_te_activation_func
         and not config.bias_activation_fusion
+        and not getattr(config, "delay_wgrad_compute", False)
     )
 
 

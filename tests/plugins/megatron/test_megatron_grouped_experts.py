@@ -129,6 +129,23 @@ def test_experts_impl_picks_the_forward(experts, monkeypatch):
         assert (out.abs().max() == 0) == (impl == "grouped")
 
 
+@pytest.mark.parametrize("change", [dict(add_bias_linear=True), dict(moe_apply_probs_on_input=True),
+                                    dict(bias_activation_fusion=True), dict(delay_wgrad_compute=True), "expert_tp"])
+def test_what_the_grouped_forward_does_not_compute_keeps_the_loop(experts, change):
+    import copy
+
+    from miles_megatron.grouped_experts import grouped_forward_covers
+
+    assert grouped_forward_covers(experts.config, 1)
+    if change == "expert_tp":
+        assert not grouped_forward_covers(experts.config, 2)
+        return
+    config = copy.copy(experts.config)
+    for name, value in change.items():
+        setattr(config, name, value)
+    assert not grouped_forward_covers(config, 1)
+
+
 def _fresh_copy(experts, device):
     """A new ``GroupedSequentialMLP`` with ``experts``' config, groups and weights on ``device``, outside
     Megatron's DDP (its gradients in ``.grad``)."""
