@@ -99,6 +99,8 @@ def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str]
         steps.append(run.step(rollout_id))
         if cuda:
             step_peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+    if getattr(args, "profile", False):  # one more step, not in the medians: host and CUDA time by function / kernel
+        grpo_step.profile_step(run, args.steps)
     state = trainer_state_bytes(run.trainer)
     trainable = sum(p.numel() for p in run.trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in run.trainer.model.parameters())
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="keep every layer's activations (default: --recompute-granularity full in both runs; "
                              "without it a full fine-tune of this shape does not fit an 80 GB GPU beside the engine)")
     parser.add_argument("--mem-fraction", type=float, default=0.3, help="the engine's GPU memory fraction (both runs)")
+    parser.add_argument("--profile", action="store_true", help="profile one more step of each variant (host and CUDA)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_lora_bench"))
     args = parser.parse_args(argv)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.result_json:
             args.result_json.write_text(json.dumps(result))
         return {args.only: result}
-    extra = () if args.recompute else ("--no-recompute",)
+    extra = (() if args.recompute else ("--no-recompute",)) + (("--profile",) if args.profile else ())
     results = {name: run_in_subprocess(name, args, extra=extra) for name in VARIANTS}
     print(f"\n{'variant':<6} {'step s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} {'trainable':>12} "
           f"{'step peak GB':>12} {'train peak GB':>13} {'trainer peak GB':>15} {'params+grads+opt GB':>20}")
