@@ -257,7 +257,8 @@ def test_under_partial_rollout_an_aborted_session_trajectory_starts_again(chat_t
         groups0, stats0 = manager.generate(0)
         buffered = [s for g in manager.buffer for s in g]
         assert stats0.buffered_samples == 4
-        assert all(s.status is Status.ABORTED and 0 < s.response_length < 40 for s in buffered)
+        # aborted mid-turn (under a loaded machine possibly before its first token)
+        assert all(s.status is Status.ABORTED and s.response_length < 40 for s in buffered)
         groups1, _ = manager.generate(1)
     finally:
         manager.session_server.stop()
