@@ -44,6 +44,17 @@ def token_log_probs(
     return log_probs_T, entropy_T
 
 
+def _autocast_weight(weight_VH: torch.Tensor, hidden_TH: torch.Tensor) -> torch.Tensor:
+    """The lm-head weight as autocast would cast it for each chunk's GEMM, cast once: autocast
+    caches a cast only for a weight that requires grad, so a frozen head (LoRA's, a reference
+    model's) would be read and cast again for every chunk, forward and backward."""
+    device = hidden_TH.device.type
+    if not torch.is_autocast_enabled(device) or not weight_VH.is_floating_point():
+        return weight_VH
+    dtype = torch.get_autocast_dtype(device)
+    return weight_VH if weight_VH.dtype == dtype else weight_VH.to(dtype)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     # backward runs under the forward's autocast state: its recomputed logits and its two
     # GEMMs per chunk take the forward's precision (bf16 under bf16 autocast), not the fp32
@@ -54,9 +65,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         num_tokens = hidden_TH.shape[0]
         log_probs_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
         entropy_T = hidden_TH.new_empty(num_tokens if return_entropy else 0, dtype=torch.float32)
+        compute_weight_VH = _autocast_weight(weight_VH, hidden_TH)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            _, scaled_CV = _chunk_logits(hidden_TH[start:end], weight_VH, temperature, softcap)
+            _, scaled_CV = _chunk_logits(hidden_TH[start:end], compute_weight_VH, temperature, softcap)
             lse_C = torch.logsumexp(scaled_CV, dim=-1)
             log_probs_T[start:end] = scaled_CV.gather(1, target_ids_T[start:end, None]).squeeze(1) - lse_C
             if return_entropy:
@@ -75,10 +87,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_hidden_TH = torch.empty_like(hidden_TH) if need_hidden else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if need_weight else None
         num_tokens = hidden_TH.shape[0]
+        compute_weight_VH = _autocast_weight(weight_VH, hidden_TH)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             hidden_CH = hidden_TH[start:end]
-            logits_CV, scaled_CV = _chunk_logits(hidden_CH, weight_VH, temperature, softcap)
+            logits_CV, scaled_CV = _chunk_logits(hidden_CH, compute_weight_VH, temperature, softcap)
             log_probs_CV = torch.log_softmax(scaled_CV, dim=-1)
             probs_CV = log_probs_CV.exp()
             # d log p_target / d z = onehot - p
@@ -92,7 +105,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_CV = grad_CV * (1 - torch.tanh(logits_CV / softcap) ** 2)
             grad_CV = grad_CV.to(hidden_TH.dtype)
             if need_hidden:
-                grad_hidden_TH[start:end] = grad_CV @ weight_VH
+                grad_hidden_TH[start:end] = grad_CV @ compute_weight_VH
             if need_weight:
                 grad_weight_VH += (grad_CV.t() @ hidden_CH).float()
         if grad_weight_VH is not None:

@@ -97,3 +97,21 @@ def test_backward_under_bf16_autocast_matches_float64_and_runs_bf16_gemms():
     assert grad_hidden.dtype == hidden.dtype and grad_weight.dtype == weight.dtype
     for got, ref in ((grad_hidden, ref_h), (grad_weight, ref_w)):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_under_autocast_the_head_is_cast_once_to_what_autocast_computes_with(frozen):
+    """Under bf16 autocast an fp32 head (trainable, or frozen: LoRA's, a reference model's) gives
+    the bits of a head already stored in bf16, the cast autocast does for each chunk's GEMM; the
+    frozen head's cast is made once per pass, not once per chunk."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 32).bfloat16()
+    weight = torch.randn(100, 32).requires_grad_(not frozen)
+    targets = torch.randint(0, 100, (37,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = chunked_log_probs(hidden, weight.detach().bfloat16(), targets, chunk_size=8, return_entropy=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as trace:
+            got = chunked_log_probs(hidden, weight, targets, chunk_size=8, return_entropy=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    casts = [e for e in trace.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [100, 32]]
+    assert len(casts) == 1, [e.input_shapes for e in casts]
