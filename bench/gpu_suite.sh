@@ -73,8 +73,8 @@ for step in "${steps[@]}"; do
     grpo_async_process) run grpo_async_process 560 python3 bench/grpo_step.py --train-compile --fully-async --engine-process --steps 3 ;;  # the engine in its own process on the trainer's GPU (--colocate): no shared interpreter lock
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
-    lora) run lora 480 python3 bench/lora_step.py ;;
-    megatron_train) run megatron_train 560 python3 bench/megatron_train.py --json "$OUT/megatron_train.json" ;;  # megatron vs native train tok/s, TP = PP = 1, 0.6B dense and the MoE bench shape (needs the megatron-core wheel in .whl/)
+    lora) run lora 480 python3 bench/lora_step.py --profile ;;  # the full $OUT/gpu_suite.log holds each variant's profiled step (host functions, CUDA kernels)
+    megatron_train) run megatron_train 560 python3 bench/megatron_train.py --profile --json "$OUT/megatron_train.json" ;;  # megatron vs native train tok/s, TP = PP = 1, 0.6B dense and the MoE bench shape (needs the megatron-core wheel in .whl/)
     megatron_quickstart) quickstart quickstart_native 300; quickstart quickstart_megatron 400 --train-backend megatron ;;  # the quickstart learns with either trainer (eval accuracy, same call)
     lora_int4_decode) run lora_int4_decode 400 python3 bench/quantized_decode.py --repeats 3 --batches 1,8 \
       --precisions bf16,int4 --lora-rank 16 ;;  # batch-1 decode, LoRA (rank 16, every linear, --lora-sync adapter) over a bf16 vs an INT4 base, Qwen3-1.7B shape (goal: INT4 faster at batch 1)
