@@ -4,7 +4,7 @@ The local layer spec builds the experts as ``SequentialMLP``: per forward a host
 the token counts, then for each local expert its own ``linear_fc1``, activation and
 ``linear_fc2`` (two small GEMMs per expert, launched from Python). Megatron's grouped
 alternatives do not run here: ``GroupedMLP`` needs the external ``grouped_gemm`` CUDA
-package and bf16 *parameters* (``config.bf16``; this backend keeps float32 masters under
+package and bf16 *parameters* (``TransformerConfig.bf16``; this backend keeps float32 masters under
 a bf16 autocast forward: :mod:`miles_megatron.policy`), ``TEGroupedMLP`` needs
 TransformerEngine.
 
