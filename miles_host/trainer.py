@@ -239,8 +239,8 @@ class NativeTrainer(TrainerBase):
     def _store_frozen_lora_bases_cast(self) -> None:
         """Under bf16 autocast (CUDA), LoRA's frozen base linears in bf16
         (:func:`miles_host.lora.layers.store_frozen_bases_in`: the same forward, no per-forward casts,
-        half their memory). Not with ``--true-on-policy``, whose forward casts as the engine loads."""
-        if self.device.type != "cuda" or self.config.true_on_policy:
+        half their memory)."""
+        if self.device.type != "cuda":
             return
         store_frozen_bases_in(self.model, CUDA_AUTOCAST_DTYPE)
 

@@ -76,8 +76,6 @@ class MegatronTrainer(NativeTrainer):
     a rank of the host's trainer group (``world`` = TP * PP * DP, the group the default one)."""
 
     backend = "megatron"
-    #: Megatron's DDP and optimizer keep one parameter dtype
-    stores_frozen_lora_bases_cast = False
     #: under TP/EP/PP/DP ``state_dict`` gathers the optimizer state: every rank must call it
     #: (and the trainer group's process group is the default one, which Megatron needs)
     collective_state_dict = True
