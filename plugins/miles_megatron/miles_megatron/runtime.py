@@ -37,6 +37,8 @@ from typing import Any, Iterator
 
 import torch
 
+from miles_megatron.multi_tensor import use_foreach_ops
+
 PARALLEL_FLAGS = {
     "--tensor-model-parallel-size": "tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
@@ -191,7 +193,9 @@ def _fix_megatron_without_te() -> None:
     """megatron-core 0.16 tests ``te_general_gemm is not None`` in the router GEMM but
     only defines the name when TransformerEngine imports; and its MLA module believes
     TransformerEngine present when Megatron's TE extension imports (with mock classes in
-    place of TE's, which its ``isinstance`` checks then reject): told the truth."""
+    place of TE's, which its ``isinstance`` checks then reject): told the truth. Its
+    optimizers' gradient norm and scaling without Apex or TransformerEngine run on
+    :mod:`miles_megatron.multi_tensor`'s ops."""
     import importlib.util
 
     from megatron.core.transformer import multi_latent_attention
@@ -201,6 +205,7 @@ def _fix_megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+    use_foreach_ops()
 
 
 _lock = threading.RLock()
