@@ -36,7 +36,7 @@ def test_kernel_dequantizes_bit_for_bit_like_qat(kernels, group_size, dtype):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("m", [1, 7, 16, 40, 64])
+@pytest.mark.parametrize("m", [1, pytest.param(7, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow), 40, 64])  # (slow: CI time)
 def test_kernel_matches_the_reference(kernels, m, group_size, out_dtype):
     q, scale, packed = _weights(192, 512, group_size)
     x = _x(m, 512)
@@ -106,7 +106,7 @@ def test_gemv_matches_the_reference(kernels, out_dtype, split):
     _assert_matches(got, _expected(x, q, scale), out_dtype)
 
 
-@pytest.mark.parametrize("tile_rows", [32, 64])
+@pytest.mark.parametrize("tile_rows", [pytest.param(32, marks=pytest.mark.slow), 64])  # (slow: CI time)
 def test_tiled_halves_give_the_row_layout_sums_bit_for_bit(kernels, tile_rows):
     """The tile-by-tile storage (one tile's bytes of a group contiguous): same products, same order, both kernels,
     tiles smaller than, equal to and larger than a program's rows."""
