@@ -356,8 +356,7 @@ class Engine(MemoryOccupation):
         return (
             self.config.overlap_schedule and not batch.is_prefill and not batch.failed and bool(batch.sequences)
             and self.strategy is None and not self.runner.token_by_token
-            and not any(s.want_routed_experts or s.needs_processed_logits or s.wants_position_extras
-                        for s in batch.sequences)
+            and not any(s.needs_processed_logits or s.wants_position_extras for s in batch.sequences)
         )
 
     def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:

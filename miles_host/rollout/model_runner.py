@@ -37,11 +37,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Readback:
-    """A decode step's ``[token ids..., logprobs...]`` (float64) on their way to the host."""
+    """A decode step's ``[token ids..., logprobs...]`` (float64) on their way to the host,
+    and the step's captured routes ``[B, moe_layers, K]`` int32 when it captured them."""
 
     values: torch.Tensor
     ready: "torch.cuda.Event | None"
     n: int
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,6 +54,8 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float]
     extras: list[PositionExtras | None] | None = None
+    #: a launched decode step's captured routes, ``[B, moe_layers, K]`` int32 (None: not captured)
+    routes: np.ndarray | None = None
 
 
 def paged_metadata(
@@ -298,20 +302,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode(
-        self, batch: ScheduledBatch, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, batch: ScheduledBatch, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None,
+        want_routes: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward and sample a plain decode batch (one sampler per sequence) without waiting:
-        returns the device tensors ``(token ids [B], logprobs [B])`` (:meth:`finish_decode`)."""
+        returns the device tensors ``(token ids [B], logprobs [B], routes [B, moe_layers, K] or
+        None)``, the routes captured when ``want_routes`` (:meth:`start_readback`)."""
         if batch.pending_copies:
             self.kv_cache.copy_blocks(batch.pending_copies)
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
-        hidden_BH, _, _, _ = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
+        routing.extra["capture"] = want_routes
+        hidden_BH, _, _, routes_BLK = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
         if self.sampling_graphs is not None:
             sampled = self._sample_graphed(hidden_BH, seqs)
             if sampled is not None:
-                return sampled
-        return self._sample(self._logits(hidden_BH), seqs)[:2]
+                return (*sampled, routes_BLK)
+        return (*self._sample(self._logits(hidden_BH), seqs)[:2], routes_BLK)
 
     def _sample_graphed(self, hidden_BH: torch.Tensor, samplers: list[Sequence]):
         """:meth:`_sample`'s token ids and logprobs by a replayed sampling graph, or None when
@@ -354,18 +361,25 @@ class ModelRunner:
             return self.model.compute_logits(hidden_BH)
 
     @staticmethod
-    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> Readback:
-        """Start copying a launched step's results to the host (pinned, asynchronous) and mark
-        when they are there: reading them later waits for this step alone, not for the steps
-        launched after it (a plain ``tolist`` would wait for the whole stream)."""
+    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
+                       routes_BLK: torch.Tensor | None = None) -> Readback:
+        """Start copying a launched step's results (and captured routes) to the host (pinned,
+        asynchronous) and mark when they are there: reading them later waits for this step
+        alone, not for the steps launched after it (a plain ``tolist`` would wait for the whole
+        stream). The copies are queued before the next step, which reuses the decode graph's
+        output buffers."""
         values = torch.cat([tokens_B.double(), logprobs_B.double()])
         if not values.is_cuda:
-            return Readback(values, None, tokens_B.shape[0])
+            return Readback(values, None, tokens_B.shape[0], routes_BLK)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
+        routes_host = None
+        if routes_BLK is not None:
+            routes_host = torch.empty(routes_BLK.shape, dtype=routes_BLK.dtype, pin_memory=True)
+            routes_host.copy_(routes_BLK, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Readback(host, ready, tokens_B.shape[0])
+        return Readback(host, ready, tokens_B.shape[0], routes_host)
 
     @staticmethod
     def finish_decode(readback: Readback) -> StepResult:
@@ -373,7 +387,8 @@ class ModelRunner:
         if readback.ready is not None:
             readback.ready.synchronize()
         values, n = readback.values.tolist(), readback.n
-        return StepResult([int(t) for t in values[:n]], values[n:])
+        routes = None if readback.routes is None else readback.routes.numpy().copy()
+        return StepResult([int(t) for t in values[:n]], values[n:], routes=routes)
 
     def _routes_to_host(self, routes_TLK: torch.Tensor) -> torch.Tensor:
         """Start an asynchronous copy of the routes into a reused pinned buffer.

@@ -9,7 +9,11 @@ in and finishes are checked at the filled position. A sequence that stopped (EOS
 stop token or string) at step N was already launched in step N+1: that row's work is
 wasted and its placeholder dropped, which is the price of the overlap (one extra
 token of compute per stopping sequence). Only plain decode steps overlap; prefill,
-speculative decoding, route capture and batch-invariant mode run as before.
+speculative decoding and batch-invariant mode run as before.
+
+Route capture (R3) overlaps too: the step's routes leave the device with its tokens
+(the same pinned copy and event, queued before the next step reuses the decode graph's
+output buffer), and each sequence that asked gets its row when the step is resolved.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device
             src_index = host_to_device(torch.tensor(src, dtype=torch.long), device)
             ids_override = (host_to_device(torch.tensor(rows, dtype=torch.long), device),
                             previous.tokens_B.index_select(0, src_index))
-    tokens_B, logprobs_B = runner.launch_decode(batch, ids_override)
-    pending = PendingDecode(batch, tokens_B, logprobs_B, runner.start_readback(tokens_B, logprobs_B))
+    want_routes = any(seq.want_routed_experts for seq in batch.sequences)
+    tokens_B, logprobs_B, routes_BLK = runner.launch_decode(batch, ids_override, want_routes)
+    pending = PendingDecode(batch, tokens_B, logprobs_B, runner.start_readback(tokens_B, logprobs_B, routes_BLK))
     for seq in batch.sequences:
         pending.positions.append(len(seq.token_ids))
         seq.token_ids.append(PLACEHOLDER)
@@ -66,10 +71,12 @@ def resolve_step(pending: PendingDecode, result, block_manager, finish_reason) -
     """Fill ``pending``'s placeholders with ``result`` (a read :class:`StepResult`); return the
     ``(sequence, finish reason)`` pairs that stopped, their later placeholders dropped."""
     stopped = []
-    for seq, position, token, logprob in zip(pending.batch.sequences, pending.positions,
-                                             result.token_ids, result.logprobs):
+    for row, (seq, position, token, logprob) in enumerate(zip(pending.batch.sequences, pending.positions,
+                                                              result.token_ids, result.logprobs)):
         if seq.status == SequenceStatus.FINISHED:
             continue  # stopped at an earlier step; this row's work is discarded
+        if result.routes is not None and seq.want_routed_experts:  # the routes of the token it forwarded
+            seq.routed_expert_chunks.append((position - 1, result.routes[row:row + 1]))
         seq.token_ids[position] = token
         seq.output_logprobs[position - seq.num_prompt_tokens] = logprob
         if seq.status == SequenceStatus.RUNNING:  # (a preempted one holds no cache now)

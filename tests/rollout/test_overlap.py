@@ -72,3 +72,37 @@ def test_overlapped_abort_and_weight_update_read_the_launched_step_first(qwen3_d
         rest += engine.step()
     plain = make_engine(path).generate([PROMPTS[1]], params)[0]["output_ids"]
     assert [o["output_ids"] for o in rest] == [plain]
+
+
+def test_overlapped_decode_returns_the_plain_engines_routes(qwen3_moe, monkeypatch):
+    """Route capture (R3) overlaps: every token's routes, and the tokens, as the plain engine
+    returns them (seeded sampling, stops, n > 1; the second run preempts)."""
+    from miles_host.rollout import overlap
+    from tests.rollout.test_requests import capture_hooks
+
+    _, path = qwen3_moe
+    params = [
+        {"temperature": 1.0, "max_new_tokens": 21, "sampling_seed": 3, "n": 2},
+        {"temperature": 0.8, "max_new_tokens": 9, "sampling_seed": 11, "stop_token_ids": [5, 17, 33, 60]},
+        {"temperature": 0, "max_new_tokens": 14},
+    ]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # (the first request samples twice)
+    launched = []
+    launch = overlap.launch
+    monkeypatch.setattr(overlap, "launch", lambda *args: launched.append(args[1]) or launch(*args))
+    for kwargs in ({}, {"kv_cache_tokens": 64, "block_size": 4}):
+        plain = make_engine(path, routing_hooks=capture_hooks(), **kwargs).generate(
+            PROMPTS[:3], params, return_routed_experts=True)
+        assert not launched
+        engine = make_engine(path, routing_hooks=capture_hooks(), overlap_schedule=True, **kwargs)
+        overlapped = engine.generate(PROMPTS[:3], params, return_routed_experts=True)
+        assert len(launched) > 10  # the decode steps ran overlapped
+        launched.clear()
+        assert len(overlapped) == len(plain) == 4
+        for prompt, got, want in zip(prompts, overlapped, plain):
+            assert got["output_ids"] == want["output_ids"]
+            routes, expected = got["meta_info"]["routed_experts"], want["meta_info"]["routed_experts"]
+            assert routes.shape == (len(prompt) + len(got["output_ids"]) - 1, 2, 2)
+            assert (routes == expected).all()
+        if kwargs:
+            assert engine.scheduler.num_preemptions > 0
