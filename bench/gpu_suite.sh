@@ -84,7 +84,7 @@ for step in "${steps[@]}"; do
     quantized) run quantized 300 python3 bench/quantized_decode.py --repeats 2 ;;
     quantized_plain) run quantized_plain 300 python3 bench/quantized_decode.py --repeats 2 --no-overlap ;;
     r3) run r3 150 python3 bench/r3_overhead.py ;;
-    r3_long) run r3_long 300 python3 bench/r3_overhead.py --prompts 128 --new-tokens 1024 --repeats 2 ;;  # a rollout of several seconds
+    r3_long) run r3_long 400 python3 bench/r3_overhead.py --prompts 256 --new-tokens 1024 --repeats 3 ;;  # a rollout of >= 5 s on an H100
     moe) run moe 560 python3 bench/moe.py --json "$OUT/moe.json" ;;
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;

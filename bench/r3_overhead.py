@@ -3,7 +3,8 @@
 MoE model (Qwen3-MoE-shaped: hidden 1024, 8 layers, 16 q / 8 kv heads of dim 128,
 8 experts top-2 of intermediate 768, vocab 151936), bf16, random init. Rollout:
 64 prompts x 128 tokens, 128 new tokens, T=1, ignore_eos, the embedded engine
-with the r3 plugin active, ``return_routed_experts`` off vs on. Training: one
+with the r3 plugin active, ``return_routed_experts`` off vs on (one warm-up rollout of
+each, then their repeats alternating; medians). Training: one
 fwd+bwd of ``packed_log_probs`` over 8 x 1024 tokens, replay off vs on.
 
     python bench/r3_overhead.py          # H200
@@ -27,17 +28,25 @@ import torch  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    return interleaved([fn], repeats)[0]
+
+
+def interleaved(fns, repeats: int) -> list[float]:
+    """Median seconds of each of ``fns``, after one warm-up call of each, their calls
+    alternating (so a drift of the machine falls on every case alike)."""
+    for fn in fns:
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def main() -> None:
@@ -80,8 +89,9 @@ def main() -> None:
     engine = Engine.from_pretrained(directory, dtype=dtype, device=device, routing_hooks=hooks, tokenizer=None,
                                     **({"mem_fraction_static": 0.5} if device == "cuda" else {}))
     rows = []
-    for capture in (False, True):
-        seconds = timed(lambda: engine.generate(prompts, params, return_routed_experts=capture), args.repeats)
+    rollouts = [lambda capture=capture: engine.generate(prompts, params, return_routed_experts=capture)
+                for capture in (False, True)]
+    for capture, seconds in zip((False, True), interleaved(rollouts, args.repeats)):
         rows.append((f"rollout, capture {'on' if capture else 'off'}", seconds, prompts_n * new / seconds))
     del engine
     model = load_pretrained(directory, dtype=dtype, device=device, routing_hooks=hooks)
