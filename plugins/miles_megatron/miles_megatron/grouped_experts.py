@@ -24,6 +24,15 @@ pieces (:mod:`miles_host.kernels.moe_train`):
    probability (in the promoted dtype, rounded back, as ``MLP`` applies ``per_token_scale``);
 4. ``grouped_mm`` for fc2, the rows put back in the dispatcher's order.
 
+In Megatron's DDP without ``--overlap-grad-reduce`` (:func:`miles_megatron.schedule.wrap_ddp`
+sets :attr:`GroupedSequentialMLP.weight_grads_into_main_grad`), the stacks' backward adds each
+expert's weight gradient straight into its ``main_grad`` (the DDP's float32 gradient buffer),
+with one ``_foreach_add_`` per projection (:class:`StackedExpertWeights`): the same sums
+the DDP's per-parameter hook makes, without an ``AccumulateGrad`` and a Python hook call
+for each expert's two linears in every backward pass (~1,100 parameter tensors in the MoE
+bench shape: the hooks cost the backward more host time than its kernels leave). With the
+overlapped reduction the DDP counts each parameter's hook, so the gradients take that path.
+
 Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer's record
 (:data:`~miles_host.kernels.moe_train.EXPERTS_IMPLS`): ``auto`` groups where
 ``_grouped_mm`` runs its bf16 kernel (CUDA sm90/sm100 under bf16) and keeps
@@ -75,6 +84,8 @@ class GroupedSequentialMLP(SequentialMLP):
         #: ``MoEConfig.experts_impl``: which forward runs (module doc)
         self.experts_impl = experts_impl
         self.covered = grouped_forward_covers(self.config, self.tp_group.size())
+        #: the grouped forward's weight gradients go straight into the DDP's ``main_grad`` (module doc)
+        self.weight_grads_into_main_grad = False
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
@@ -103,8 +114,8 @@ class GroupedSequentialMLP(SequentialMLP):
         layout = expert_layout(expert_N.unsqueeze(1), num_experts)
         row_N = layout.pair_row_TK.squeeze(1)  # each dispatched row's row in the padded layout
         # one stack and one cast per projection (their backward: one cast, then each expert's view)
-        fc1_EFH = torch.stack([expert.linear_fc1.weight for expert in self.local_experts]).to(dtype)
-        fc2_EHI = torch.stack([expert.linear_fc2.weight for expert in self.local_experts]).to(dtype)
+        fc1_EFH = self.stacked([expert.linear_fc1.weight for expert in self.local_experts], dtype)
+        fc2_EHI = self.stacked([expert.linear_fc2.weight for expert in self.local_experts], dtype)
         with torch.autocast(device.type, enabled=False):
             x_RH = _padded(x_NH.to(dtype), row_N, layout.num_rows)
             hidden_RI = self.activation(grouped_mm(x_RH, fc1_EFH.transpose(1, 2), layout.offsets_E))
@@ -112,6 +123,14 @@ class GroupedSequentialMLP(SequentialMLP):
             hidden_RI = (hidden_RI * probs_R1).to(dtype)
             out_RH = grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
         return out_RH.index_select(0, row_N)
+
+    def stacked(self, weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The experts' weights ``[E, ...]`` in ``dtype``; gradients into ``main_grad`` where
+        :attr:`weight_grads_into_main_grad` holds and every weight trains in the DDP's buffer."""
+        if self.weight_grads_into_main_grad and torch.is_grad_enabled() and all(
+                weight.requires_grad and getattr(weight, "main_grad", None) is not None for weight in weights):
+            return StackedExpertWeights.apply(_ANCHOR, dtype, weights)
+        return torch.stack(weights).to(dtype)
 
     def activation(self, fc1_RF: torch.Tensor) -> torch.Tensor:
         """Megatron ``MLP``'s unfused activation of the fc1 output (GLU: gate rows first)."""
@@ -122,6 +141,30 @@ class GroupedSequentialMLP(SequentialMLP):
         if (limit := config.activation_func_clamp_value) is not None:
             gate_RI, up_RI = gate_RI.clamp(max=limit), up_RI.clamp(min=-limit, max=limit)
         return config.activation_func(gate_RI) * (up_RI + config.glu_linear_offset)
+
+
+#: the one input of :class:`StackedExpertWeights` autograd sees (its output must require grad)
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+class StackedExpertWeights(torch.autograd.Function):
+    """``torch.stack(weights).to(dtype)`` whose backward adds each weight's gradient (in the
+    weights' dtype, as the cast's backward gives it) to the weight's ``main_grad`` (module doc).
+    The weights come as one list, which autograd does not see: no ``AccumulateGrad`` of theirs
+    runs, so no hook of the DDP's either; ``anchor`` (:data:`_ANCHOR`) makes the output require
+    grad."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, dtype: torch.dtype, weights: list[torch.Tensor]) -> torch.Tensor:
+        ctx.weights = weights
+        return torch.stack(weights).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_E: torch.Tensor) -> tuple[None, None, None]:
+        main_grads = [weight.main_grad for weight in ctx.weights]
+        grads = grad_E.to(ctx.weights[0].dtype).to(main_grads[0].dtype).unbind(0)
+        torch._foreach_add_(main_grads, list(grads))
+        return None, None, None
 
 
 def _padded(x_NC: torch.Tensor, row_N: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -105,6 +105,8 @@ def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False,
     :mod:`miles_megatron.megatron_optimizer`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from miles_megatron.grouped_experts import GroupedSequentialMLP
+
     for name, param in gpt.named_parameters():
         if _EXPERT.search(f".{name}"):
             param.allreduce = False  # reduced over the expert-data-parallel group
@@ -115,6 +117,9 @@ def wrap_ddp(gpt: torch.nn.Module, overlap_grad_reduce: bool = False,
         use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
     )
+    for module in gpt.modules():  # (the DDP's hooks count every parameter only when the reduction overlaps)
+        if isinstance(module, GroupedSequentialMLP):
+            module.weight_grads_into_main_grad = not overlap_grad_reduce
     return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
 
 

@@ -29,9 +29,14 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def experts(models):
+def trainer(models):
+    """The megatron trainer (kept for the module: its DDP's gradient hooks go with it)."""
+    return make_trainer(models, "qwen3_moe", "megatron")
+
+
+@pytest.fixture(scope="module")
+def experts(trainer):
     """The first MoE layer's experts of the megatron trainer's model (4 experts, hidden 64, I 32, SwiGLU)."""
-    trainer = make_trainer(models, "qwen3_moe", "megatron")
     return trainer.model.gpt.decoder.layers[0].mlp.experts
 
 
@@ -193,3 +198,29 @@ def test_grouped_forward_equals_sequential_mlp_on_cuda_bf16(experts):
             assert float(got[2][name].abs().max()) == 0.0
         else:
             _assert_close_bf16(got[2][name], want[2][name], msg=name)
+
+
+def test_weight_gradients_go_straight_into_main_grad(experts):
+    """In the DDP without overlapped reduction the grouped forward's weight gradients are added
+    to ``main_grad`` by its stacks' backward: the sums the DDP's per-parameter hooks make, bit for
+    bit, and no parameter's gradient hook runs."""
+    assert experts.weight_grads_into_main_grad  # (the trainer wraps without --overlap-grad-reduce)
+    x, counts_E, probs = _inputs([5, 1, 0, 11])
+    calls = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: calls.append(p)) for p in experts.parameters()]
+    try:
+        direct = _run(experts, _grouped, x, counts_E, probs)
+        assert not calls
+        experts.weight_grads_into_main_grad = False
+        hooked = _run(experts, _grouped, x, counts_E, probs)
+        assert len(calls) == len(list(experts.parameters()))
+    finally:
+        experts.weight_grads_into_main_grad = True
+        for handle in handles:
+            handle.remove()
+    for got, want in zip(direct[:3], hooked[:3]):
+        assert torch.equal(got, want)
+    assert direct[3].keys() == hooked[3].keys()
+    for name in direct[3]:
+        assert torch.equal(direct[3][name], hooked[3][name]), name
+    assert any(grad.abs().max() > 0 for grad in direct[3].values())
