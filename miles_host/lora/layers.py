@@ -105,16 +105,20 @@ class LoraAdapters:
     def scaled_block_B(self) -> torch.Tensor:
         """Every part's ``scaling * B_p`` in one ``[O, P * R]`` matrix: part ``p``'s rows, columns
         ``[p * R, (p + 1) * R)``, zeros elsewhere (rows without an adapter included). Differentiable:
-        the training forward's second GEMM uses it."""
+        the training forward's second GEMM uses it. One part over every row is its ``B`` (no block
+        matrix); the scaling is one multiply of the whole (the same products as per part)."""
+        first = self.parts[0]
+        if len(self.parts) == 1 and first.start == 0 and first.stop == self.out_features:
+            return self.lora_B[first.key] * self.scaling
         blocks, position = [], 0
         for part in self.parts:
             if part.start > position:  # rows of an HF part that carries no adapter
                 blocks.append(self.lora_B[part.key].new_zeros(part.start - position, 0))
-            blocks.append(self.lora_B[part.key] * self.scaling)
+            blocks.append(self.lora_B[part.key])
             position = part.stop
         if position < self.out_features:
             blocks.append(blocks[-1].new_zeros(self.out_features - position, 0))
-        return torch.block_diag(*blocks)
+        return torch.block_diag(*blocks) * self.scaling
 
     def add_lora(self, y_TO: torch.Tensor, x_TI: torch.Tensor) -> torch.Tensor:
         """``y + scaling * B_p (A_p dropout(x))`` on each part's rows: ``x`` times every part's ``A``

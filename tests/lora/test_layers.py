@@ -34,6 +34,17 @@ def test_forward_and_merged_weight_match_the_formula():
     assert torch.equal(merged[4:8], layer.weight[4:8])
 
 
+def test_one_part_over_every_row_matches_the_formula():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 12, dtype=torch.float64)
+    layer = LoraLinear(base, [LoraPart("o_proj", "m.o_proj", 0, 12)], rank=3, alpha=6, dropout=0.0)
+    with torch.no_grad():
+        layer.lora_B["o_proj"].normal_()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    a, b = layer.lora_A["o_proj"], layer.lora_B["o_proj"]
+    assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias + 2.0 * x @ a.T @ b.T, rtol=0, atol=1e-12)
+
+
 def test_a_fresh_adapter_changes_nothing_and_only_adapters_get_gradients():
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 12, dtype=torch.float64)
