@@ -208,6 +208,9 @@ def adjust_layer(layer: torch.nn.Module) -> None:
         set_latent_norm_eps(layer)
     router = getattr(layer.mlp, "router", None)
     if router is not None:
+        from miles_megatron.dispatcher import use_one_rank_dispatcher  # (imports Megatron's dispatchers)
+
+        use_one_rank_dispatcher(layer.mlp)  # no host reads in the dispatch where one rank holds every expert
         # torch.compile'd token counting at every routing, read only by Megatron's expert-bias
         # update, which this backend never runs (the bias stays the checkpoint's, as in the
         # native trainer): skipped (no Dynamo trace per router, no compiler needed on GPU)

@@ -1,0 +1,75 @@
+"""Megatron-Core's token dispatch without host syncs where one rank holds every expert.
+
+With expert- and expert-tensor-parallel sizes 1 a dispatcher communicates nothing: it sorts
+the tokens by expert, and after the experts puts their outputs back. Megatron-Core 0.16's
+dispatchers still read sizes on the host there, several times per MoE layer and forward
+pass: ``MoEAllGatherTokenDispatcher`` copies the tokens per expert to the host and selects
+the sorted tokens and probabilities with ``masked_select`` (whose output size the host must
+read); ``MoEAlltoAllTokenDispatcher`` copies its split sizes to the host and waits for them
+before it sorts (its sync-free path needs TransformerEngine's fused permutation). Each read
+drains the GPU's queue mid-forward.
+
+:class:`OneRankTokenDispatcher` is ``MoEAllGatherTokenDispatcher`` (its preprocess,
+combine and reshapes) with a dispatch postprocess that knows the dropless output size
+(every token routed to ``top_k`` experts: ``tokens * top_k`` rows) and so selects with
+``torch.nonzero_static``: the same rows in the same order (expert-major, tokens ascending,
+as ``masked_select`` of the transposed map), the same probabilities, the tokens per expert
+left on the device (the grouped experts read them there; ``SequentialMLP``'s loop reads
+them itself). :func:`use_one_rank_dispatcher` gives an MoE layer one where it applies
+(no expert or expert-tensor parallelism, dropless, no router padding, no fused permutation,
+no latent projection, shared experts not overlapped with the dispatch); elsewhere the layer
+keeps Megatron's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoETokenDispatcher
+
+
+def applies(dispatcher: MoETokenDispatcher) -> bool:
+    """Whether :class:`OneRankTokenDispatcher` computes what ``dispatcher`` computes (module doc)."""
+    config = dispatcher.config
+    return (
+        dispatcher.ep_size == 1 and dispatcher.tp_size == 1
+        and config.moe_expert_capacity_factor is None
+        and not config.moe_pad_expert_input_to_capacity
+        and not config.moe_router_padding_for_quantization
+        and not config.moe_permute_fusion
+        and not getattr(config, "moe_latent_size", None)
+        and not config.moe_shared_expert_overlap
+    )
+
+
+class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """``MoEAllGatherTokenDispatcher`` for one rank holding every expert, without host reads
+    (module doc)."""
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Tokens sorted by expert ``[T * top_k, H]``, tokens per expert ``[E]`` (device) and the
+        sorted rows' probabilities ``[T * top_k]``."""
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.local_map = self.routing_map.contiguous()
+        num_tokens = self.local_map.shape[0]
+        picked_EtimesT = torch.nonzero_static(self.local_map.T.reshape(-1), size=num_tokens * self.router_topk)
+        picked = picked_EtimesT.squeeze(1)
+        sorted_tokens = picked % num_tokens
+        self.reversed_local_input_permutation_mapping = sorted_tokens
+        self.local_probs = probs.T.reshape(-1).index_select(0, picked)
+        tokens_per_expert = self.local_map.sum(dim=0).long()
+        self.routing_map = None
+        return hidden_states.index_select(0, sorted_tokens), tokens_per_expert, self.local_probs
+
+
+def use_one_rank_dispatcher(moe_layer: Any) -> None:
+    """Give ``moe_layer`` (a Megatron ``MoELayer``) a :class:`OneRankTokenDispatcher` in place of
+    its dispatcher where that computes the same (:func:`applies`)."""
+    old = getattr(moe_layer, "token_dispatcher", None)
+    if old is None or isinstance(old, OneRankTokenDispatcher) or not applies(old):
+        return
+    groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+    moe_layer.token_dispatcher = OneRankTokenDispatcher(old.num_local_experts, old.local_expert_indices,
+                                                        config=old.config, pg_collection=groups)
