@@ -131,8 +131,11 @@ def set_experts_impl(trainer, impl: str) -> int:
 
 
 # the MoE model twice: SequentialMLP's per-expert loop (auto on the CPU) and the grouped GEMMs
-@pytest.mark.parametrize("name, experts_impl", [("qwen3", "auto"), ("qwen3_moe", "auto"), ("qwen3_moe", "grouped")])
-def test_two_steps_give_the_native_losses_and_weights(models, name, experts_impl):
+@pytest.mark.parametrize("name, experts_impl, recompute", [
+    ("qwen3", "auto", False), ("qwen3_moe", "auto", False), ("qwen3_moe", "grouped", False),
+    ("qwen3_moe", "grouped", True),  # the grouped experts' weight gradients under recomputation
+])
+def test_two_steps_give_the_native_losses_and_weights(models, name, experts_impl, recompute):
     """Same data, same optimizer: same losses and exported weights after two steps.
 
     Gradients agree to float32 rounding, but AdamW divides each gradient element by
@@ -140,7 +143,8 @@ def test_two_steps_give_the_native_losses_and_weights(models, name, experts_impl
     moves by a noise-dependent fraction of the learning rate in either backend, so
     the weight gap scales with --lr (measured here: < 1e-6 at 1e-4; ~1e-5 for the
     MoE model at 1e-3)."""
-    flags = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1")
+    flags = ("--calculate-per-token-loss", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1",
+             *(("--recompute-granularity", "full") if recompute else ()))
     native = make_trainer(models, name, "native", *flags)
     megatron = make_trainer(models, name, "megatron", *flags)
     assert set_experts_impl(megatron, experts_impl) == (2 if name == "qwen3_moe" else 0)
