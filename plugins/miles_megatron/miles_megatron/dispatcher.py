@@ -32,15 +32,15 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 def applies(dispatcher: MoETokenDispatcher) -> bool:
     """Whether :class:`OneRankTokenDispatcher` computes what ``dispatcher`` computes (module doc)."""
-    config = dispatcher.config
+    settings = dispatcher.config  # (Megatron's TransformerConfig)
     return (
         dispatcher.ep_size == 1 and dispatcher.tp_size == 1
-        and config.moe_expert_capacity_factor is None
-        and not config.moe_pad_expert_input_to_capacity
-        and not config.moe_router_padding_for_quantization
-        and not config.moe_permute_fusion
-        and not getattr(config, "moe_latent_size", None)
-        and not config.moe_shared_expert_overlap
+        and settings.moe_expert_capacity_factor is None
+        and not settings.moe_pad_expert_input_to_capacity
+        and not settings.moe_router_padding_for_quantization
+        and not settings.moe_permute_fusion
+        and not getattr(settings, "moe_latent_size", None)
+        and not settings.moe_shared_expert_overlap
     )
 
 
