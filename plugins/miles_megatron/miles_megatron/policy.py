@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from miles_megatron.layout import PaddedLayout
 from miles_megatron.mla import set_latent_norm_eps
+from miles_megatron.plain_linears import use_plain_linears
 from miles_megatron.replay import RouterReplayBridge
 from miles_megatron.runtime import on_device, quiet_imports
 from miles_megatron.weights import (
@@ -204,6 +205,7 @@ def _stage_kwargs(vp_stage: int | None) -> dict[str, Any]:
 def adjust_layer(layer: torch.nn.Module) -> None:
     """This backend's changes to a Megatron ``TransformerLayer`` (decoder and MTP layers alike)."""
     layer.self_attn_bda = layer.mlp_bda = residual_bias_dropout_add
+    use_plain_linears(layer)  # F.linear where Megatron's Python linear function adds nothing (TP 1)
     if layer.config.multi_latent_attention:
         set_latent_norm_eps(layer)
     router = getattr(layer.mlp, "router", None)

@@ -376,3 +376,26 @@ def test_megatron_subgroups_time_out_after_the_worker_timeout(models, monkeypatc
         parallel_state.destroy_model_parallel()
     make_trainer(models, "qwen3", "megatron", "--worker-timeout", "90")
     assert seen["distributed_timeout_minutes"] == 2
+
+
+def test_tp1_linears_run_f_linear_with_megatrons_results(models):
+    """At TP size 1 every decoder linear but the routed experts' runs ``F.linear`` (autograd's own
+    backward): the output and gradients of Megatron's linear function, bit for bit (float32 CPU)."""
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    from miles_megatron.plain_linears import plain_linear
+
+    for name, plain_per_layer in (("qwen3", 4), ("qwen3_moe", 2)):  # (MoE: qkv and proj; the experts keep Megatron's)
+        gpt = make_trainer(models, name, "megatron").model.gpt
+        for layer in gpt.decoder.layers:
+            impls = [vars(m).get("_forward_impl") for m in layer.modules() if hasattr(m, "_forward_impl")]
+            assert impls.count(plain_linear) == plain_per_layer, name
+    linear = gpt.decoder.layers[0].self_attention.linear_qkv
+    x = torch.randn(5, 2, linear.weight.shape[1], generator=torch.Generator().manual_seed(0), requires_grad=True)
+    results = []
+    for impl in (plain_linear, linear_with_grad_accumulation_and_async_allreduce):
+        out = impl(x, linear.weight, None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                   sequence_parallel=False, tp_group=linear.tp_group)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, linear.weight])))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
