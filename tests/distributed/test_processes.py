@@ -110,6 +110,7 @@ def test_a_hung_rollout_process_is_reported_after_the_timeout(tiny_task, tmp_pat
     assert "worker rollout-0" in err and "--worker-timeout 3" in err, err
 
 
+@pytest.mark.slow  # CI time: Ray-placed workers run in test_fully_async_run, this layout as processes above
 def test_two_trainers_and_a_rollout_as_ray_actors_match_one_process(tiny_task, tmp_path, signal_reward):
     """The same run with the workers placed by Ray (a local cluster, placement group)."""
     pytest.importorskip("ray")

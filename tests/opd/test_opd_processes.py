@@ -23,7 +23,8 @@ def test_two_trainers_and_a_rollout_process_match_one_process(opd_task, tmp_path
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("parallel", ["--pipeline-model-parallel-size", "--tensor-model-parallel-size"])
+@pytest.mark.parametrize("parallel", [pytest.param("--pipeline-model-parallel-size", marks=pytest.mark.slow),  # (CI time)
+                                      "--tensor-model-parallel-size"])
 def test_megatron_model_parallel_trainers_match_the_native_trainer(opd_task, tmp_path, parallel):
     """--train-backend megatron with PP 2 or TP 2 (two processes): the same OPD metrics and loss."""
     pytest.importorskip("miles_megatron")
