@@ -106,20 +106,31 @@ def expert_layout(ids_TK: torch.Tensor, num_experts: int, align: int = ALIGN_ROW
 
 
 class _PermuteTokens(torch.autograd.Function):
-    """``x_R = [x; 0][row_token_R]``; backward sums each token's K row gradients (no atomics)."""
+    """``x_R = x[row_token_R]`` (``[x; 0]`` where a row reads token T: a padding row); backward
+    sums each token's K row gradients (no atomics)."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, row_token_R: torch.Tensor, pair_row_TK: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x_TH: torch.Tensor, row_token_R: torch.Tensor, pair_row_TK: torch.Tensor,
+                padding_rows: bool) -> torch.Tensor:
         ctx.save_for_backward(pair_row_TK)
-        padded_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
-        return padded_TH.index_select(0, row_token_R)
+        source_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])]) if padding_rows else x_TH
+        return source_TH.index_select(0, row_token_R)
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):
         (pair_row_TK,) = ctx.saved_tensors
         num_tokens, top_k = pair_row_TK.shape
         grad_TKH = grad_RH.index_select(0, pair_row_TK.reshape(-1)).view(num_tokens, top_k, grad_RH.shape[1])
-        return grad_TKH.sum(dim=1), None, None
+        return grad_TKH.sum(dim=1), None, None, None
+
+
+def permute_tokens(x_TH: torch.Tensor, row_token_R: torch.Tensor, pair_row_TK: torch.Tensor,
+                   padding_rows: bool = True) -> torch.Tensor:
+    """Row ``r`` of the result is token ``row_token_R[r]`` of ``x`` (token T: a zero padding row,
+    where ``padding_rows``); ``pair_row_TK`` ``[T, K]`` names the K rows each token went to
+    (every token exactly K). Differentiable in ``x``: its gradient gathers and sums each token's
+    K row gradients, where ``index_select``'s backward would add them with atomics."""
+    return _PermuteTokens.apply(x_TH, row_token_R, pair_row_TK, padding_rows)
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -138,6 +149,13 @@ class _UnpermuteRows(torch.autograd.Function):
         grad_RH = grad_TKH.new_zeros(ctx.num_rows, grad_TKH.shape[-1])
         grad_RH.index_copy_(0, pair_row_TK.reshape(-1), grad_TKH.reshape(-1, grad_TKH.shape[-1]))
         return grad_RH, None
+
+
+def unpermute_rows(out_RH: torch.Tensor, pair_row_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, K, H]``: the rows ``pair_row_TK`` of ``out`` (no row named twice). Differentiable in
+    ``out``: its gradient is copied back to those rows (``index_select``'s backward would add
+    with atomics), the other rows' gradient zero."""
+    return _UnpermuteRows.apply(out_RH, pair_row_TK)
 
 
 def grouped_mm_loop(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -254,13 +272,13 @@ def grouped_experts(
     dtype = compute_dtype(x_TH)
     layout = expert_layout(ids_TK, num_experts)
     with torch.autocast(x_TH.device.type, enabled=False):
-        x_RH = _PermuteTokens.apply(x_TH.to(dtype), layout.row_token_R, layout.pair_row_TK)
+        x_RH = permute_tokens(x_TH.to(dtype), layout.row_token_R, layout.pair_row_TK)
         gate_up_R2I = _project(x_RH, gate_up_E2IH, adapters[0], layout.offsets_E, dtype)
         gate_RI, up_RI = _add_expert_bias(gate_up_R2I, biases[0], layout.offsets_E).chunk(2, dim=-1)
         hidden_RI = gated_activation(gate_RI, up_RI, act, swiglu_limit, swiglu_alpha)
         out_RH = _project(hidden_RI, down_EHI, adapters[1], layout.offsets_E, dtype)
         out_RH = _add_expert_bias(out_RH, biases[1], layout.offsets_E)
-        out_TKH = _UnpermuteRows.apply(out_RH, layout.pair_row_TK)
+        out_TKH = unpermute_rows(out_RH, layout.pair_row_TK)
         combine_dtype = torch.promote_types(out_TKH.dtype, weights_TK.dtype)
         y_TH = torch.bmm(weights_TK.to(combine_dtype).unsqueeze(1), out_TKH.to(combine_dtype)).squeeze(1)
     return y_TH.to(x_TH.dtype)

@@ -10,15 +10,25 @@ before it sorts (its sync-free path needs TransformerEngine's fused permutation)
 drains the GPU's queue mid-forward.
 
 :class:`OneRankTokenDispatcher` is ``MoEAllGatherTokenDispatcher`` (its preprocess,
-combine and reshapes) with a dispatch postprocess that knows the dropless output size
-(every token routed to ``top_k`` experts: ``tokens * top_k`` rows) and so selects with
-``torch.nonzero_static``: the same rows in the same order (expert-major, tokens ascending,
-as ``masked_select`` of the transposed map), the same probabilities, the tokens per expert
-left on the device (the grouped experts read them there; ``SequentialMLP``'s loop reads
-them itself). :func:`use_one_rank_dispatcher` gives an MoE layer one where it applies
-(no expert or expert-tensor parallelism, dropless, no router padding, no fused permutation,
-no latent projection, shared experts not overlapped with the dispatch); elsewhere the layer
-keeps Megatron's.
+communication steps and reshapes) with its own sort and unsort:
+
+- the dispatch knows the dropless output size (every token routed to ``top_k`` experts:
+  ``tokens * top_k`` rows) and so selects with ``torch.nonzero_static``: the same rows in the
+  same order (expert-major, tokens ascending, as ``masked_select`` of the transposed map), the
+  same probabilities, the tokens per expert left on the device (the grouped experts read them
+  there; ``SequentialMLP``'s loop reads them itself);
+- the sort's backward gathers each token's ``top_k`` row gradients and sums them
+  (:func:`~miles_host.kernels.moe_train.permute_tokens`), and the combine gathers each
+  token's rows and sums them (:func:`~miles_host.kernels.moe_train.unpermute_rows`, whose
+  backward copies): no atomics. Megatron's sort backs off through ``index_select``'s backward
+  (an atomic ``index_add``) and its combine is a ``scatter_add_`` in the experts' dtype (bf16
+  atomics, rounded at every add, in no fixed order); here each token's sum is accumulated in
+  float32 and rounded once, in ascending expert order, as the native trainer's combine.
+
+:func:`use_one_rank_dispatcher` gives an MoE layer one where it applies (no expert or
+expert-tensor parallelism, dropless, no router padding, no fused permutation, no latent
+projection, shared experts not overlapped with the dispatch); elsewhere the layer keeps
+Megatron's.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoETokenDispatcher
+
+from miles_host.kernels.moe_train import permute_tokens, unpermute_rows
 
 
 def applies(dispatcher: MoETokenDispatcher) -> bool:
@@ -58,10 +70,17 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
         picked = picked_EtimesT.squeeze(1)
         sorted_tokens = picked % num_tokens
         self.reversed_local_input_permutation_mapping = sorted_tokens
+        #: each token's ``top_k`` rows, in ascending expert order ``[T, top_k]``
+        self.token_rows = torch.argsort(sorted_tokens, stable=True).view(num_tokens, self.router_topk)
         self.local_probs = probs.T.reshape(-1).index_select(0, picked)
         tokens_per_expert = self.local_map.sum(dim=0).long()
         self.routing_map = None
-        return hidden_states.index_select(0, sorted_tokens), tokens_per_expert, self.local_probs
+        rows = permute_tokens(hidden_states, sorted_tokens, self.token_rows, padding_rows=False)
+        return rows, tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts' rows ``[T * top_k, H]`` summed back per token ``[T, H]`` (module doc)."""
+        return unpermute_rows(hidden_states, self.token_rows).sum(dim=1)
 
 
 def use_one_rank_dispatcher(moe_layer: Any) -> None:

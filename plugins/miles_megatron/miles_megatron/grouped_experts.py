@@ -22,7 +22,8 @@ pieces (:mod:`miles_host.kernels.moe_train`):
 3. Megatron's activation (GLU: ``act(gate) * (up + glu_linear_offset)``, gate rows
    first, clamped where ``activation_func_clamp_value`` is set), times each row's routing
    probability (in the promoted dtype, rounded back, as ``MLP`` applies ``per_token_scale``);
-4. ``grouped_mm`` for fc2, the rows put back in the dispatcher's order.
+4. ``grouped_mm`` for fc2, the rows put back in the dispatcher's order (a gather whose
+   backward copies: :func:`~miles_host.kernels.moe_train.unpermute_rows`).
 
 In Megatron's DDP without ``--overlap-grad-reduce`` (:func:`miles_megatron.schedule.wrap_ddp`
 sets :attr:`GroupedSequentialMLP.weight_grads_into_main_grad`), the stacks' backward adds each
@@ -57,7 +58,13 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from miles_host.kernels.moe_train import compute_dtype, expert_layout, grouped_mm, uses_grouped_experts
+from miles_host.kernels.moe_train import (
+    compute_dtype,
+    expert_layout,
+    grouped_mm,
+    unpermute_rows,
+    uses_grouped_experts,
+)
 from miles_megatron.mla_spec import rewrite_spec
 
 
@@ -113,7 +120,7 @@ class GroupedSequentialMLP(SequentialMLP):
                                            output_size=num_rows)
         layout = expert_layout(expert_N.unsqueeze(1), num_experts)
         row_N = layout.pair_row_TK.squeeze(1)  # each dispatched row's row in the padded layout
-        # one stack and one cast per projection (their backward: one cast, then each expert's view)
+        # one stack and one cast per projection (backward: one cast, then each expert's slice of it)
         fc1_EFH = self.stacked([expert.linear_fc1.weight for expert in self.local_experts], dtype)
         fc2_EHI = self.stacked([expert.linear_fc2.weight for expert in self.local_experts], dtype)
         with torch.autocast(device.type, enabled=False):
@@ -122,7 +129,7 @@ class GroupedSequentialMLP(SequentialMLP):
             probs_R1 = _padded(probs_N.unsqueeze(1), row_N, layout.num_rows)
             hidden_RI = (hidden_RI * probs_R1).to(dtype)
             out_RH = grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
-        return out_RH.index_select(0, row_N)
+        return unpermute_rows(out_RH, row_N.unsqueeze(1)).squeeze(1)  # (backward: a copy, no atomics)
 
     def stacked(self, weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The experts' weights ``[E, ...]`` in ``dtype``; gradients into ``main_grad`` where

@@ -242,14 +242,19 @@ def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int):
 
 
 def _dispatch_and_combine(dispatcher, hidden, routing_map, probs):
+    hidden = hidden.detach().requires_grad_()
     hidden_states, probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
     hidden_states, probs = dispatcher.token_dispatch(hidden_states, probs)
     rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
-    combined = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(rows * 2.0)))
-    return rows, tokens_per_expert, row_probs, combined
+    scale_N1 = torch.arange(1, rows.shape[0] + 1, dtype=rows.dtype).unsqueeze(1)  # a different factor per row
+    combined = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(rows * scale_N1)))
+    combined.backward(torch.ones_like(combined))
+    return rows.detach(), tokens_per_expert, row_probs, combined.detach(), hidden.grad
 
 
 def test_one_rank_dispatch_is_megatrons_all_gather_dispatch(trainer):
+    """Rows, counts and probabilities as Megatron's; the combine and the sort's gradient as
+    Megatron's and a float64 sum (each token's rows scaled by their row numbers)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     from miles_megatron.dispatcher import OneRankTokenDispatcher
@@ -267,9 +272,23 @@ def test_one_rank_dispatch_is_megatrons_all_gather_dispatch(trainer):
         want = _dispatch_and_combine(megatrons, hidden, routing_map, probs)
         assert got[1].device == hidden.device and want[1].device.type == "cpu"
         assert torch.equal(got[1].cpu(), want[1])
-        for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        for a, b in zip(got[:1] + got[2:3], want[:1] + want[2:3]):
             assert a.shape == b.shape and torch.equal(a, b)
-        assert torch.allclose(got[3], 2.0 * hidden * top_k)  # (every token back from its top_k experts)
+        # float64: token t's rows are where the map puts its experts, expert-major
+        rows_of_token = [[] for _ in range(num_tokens)]
+        row = 0
+        for expert in range(num_experts):
+            for token in range(num_tokens):
+                if routing_map[token, expert]:
+                    rows_of_token[token].append(row)
+                    row += 1
+        factor_T = torch.tensor([sum(r + 1 for r in rows) for rows in rows_of_token], dtype=torch.float64)
+        want_combined = hidden.squeeze(1).double() * factor_T.unsqueeze(1)
+        want_grad = factor_T.view(-1, 1, 1).expand_as(hidden)
+        for combined, grad in ((got[3], got[4]), (want[3], want[4])):
+            assert torch.allclose(combined.squeeze(1).double(), want_combined, rtol=1e-6, atol=1e-5)
+            assert torch.allclose(grad.double(), want_grad, rtol=0, atol=1e-5)
+        assert torch.allclose(got[3], want[3], rtol=1e-6, atol=1e-6) and torch.allclose(got[4], want[4], rtol=0, atol=1e-6)
 
 
 def test_where_megatrons_dispatcher_stays(trainer):
