@@ -74,7 +74,7 @@ class LoraAdapters:
 
     def fuse_adapters(self) -> None:
         """Inference layout (the rollout engine's layers): every part's ``A`` stacked in one
-        ``[P * R, I]`` buffer and ``scaling * B_p`` placed block-wise in one ``[O, P * R]`` buffer
+        ``[P * R, I]`` buffer and its ``B_p`` placed block-wise in one ``[O, P * R]`` buffer
         (zeros elsewhere), so the update is two GEMMs (no per-part launches, no concatenation at
         each forward). The parameters stay what weight sync writes; the buffers are refreshed in
         place after every update (:meth:`miles_weights_updated`), so captured CUDA graphs stay valid."""
@@ -93,7 +93,7 @@ class LoraAdapters:
         rank = self.rank
         for i, part in enumerate(self.parts):
             fused_a[i * rank : (i + 1) * rank].copy_(self.lora_A[part.key])
-            fused_b[part.start : part.stop, i * rank : (i + 1) * rank].copy_(self.lora_B[part.key] * self.scaling)
+            fused_b[part.start : part.stop, i * rank : (i + 1) * rank].copy_(self.lora_B[part.key])
 
     def miles_weights_updated(self) -> None:
         """After an engine weight update: refresh the fused adapters, then what the base module refreshes."""
@@ -102,14 +102,14 @@ class LoraAdapters:
         if base_refresh is not None:
             base_refresh()
 
-    def scaled_block_B(self) -> torch.Tensor:
-        """Every part's ``scaling * B_p`` in one ``[O, P * R]`` matrix: part ``p``'s rows, columns
+    def block_B(self) -> torch.Tensor:
+        """Every part's ``B_p`` in one ``[O, P * R]`` matrix: part ``p``'s rows, columns
         ``[p * R, (p + 1) * R)``, zeros elsewhere (rows without an adapter included). Differentiable:
         the training forward's second GEMM uses it. One part over every row is its ``B`` (no block
-        matrix); the scaling is one multiply of the whole (the same products as per part)."""
+        matrix)."""
         first = self.parts[0]
         if len(self.parts) == 1 and first.start == 0 and first.stop == self.out_features:
-            return self.lora_B[first.key] * self.scaling
+            return self.lora_B[first.key]
         blocks, position = [], 0
         for part in self.parts:
             if part.start > position:  # rows of an HF part that carries no adapter
@@ -118,23 +118,24 @@ class LoraAdapters:
             position = part.stop
         if position < self.out_features:
             blocks.append(blocks[-1].new_zeros(self.out_features - position, 0))
-        return torch.block_diag(*blocks) * self.scaling
+        return torch.block_diag(*blocks)
 
     def add_lora(self, y_TO: torch.Tensor, x_TI: torch.Tensor) -> torch.Tensor:
         """``y + scaling * B_p (A_p dropout(x))`` on each part's rows: ``x`` times every part's ``A``
-        in one GEMM, then one GEMM with the block matrix of the ``B``'s (:meth:`scaled_block_B`, or
-        the engine's :meth:`fuse_adapters` buffer) that accumulates into ``y`` (``addmm``), so the
-        update costs no pass of its own over the ``[T, O]`` output."""
+        in one GEMM, then one GEMM with the block matrix of the ``B``'s (:meth:`block_B`, or the
+        engine's :meth:`fuse_adapters` buffer) that accumulates into ``y`` and scales by ``alpha``
+        (``addmm``), so neither the update nor the scaling costs a pass or a launch of its own.
+        Training and the engine's layers compute it alike."""
         fused_a = self._buffers.get("lora_fused_A")
         if fused_a is not None:
             a_RI, b_OR, h_TI = fused_a, self._buffers["lora_fused_B"], x_TI
         else:
             a_list = [self.lora_A[part.key] for part in self.parts]
             a_RI = a_list[0] if len(a_list) == 1 else torch.cat(a_list)
-            b_OR, h_TI = self.scaled_block_B(), self.lora_dropout(x_TI)
+            b_OR, h_TI = self.block_B(), self.lora_dropout(x_TI)
         low_TR = F.linear(h_TI, a_RI).to(y_TO.dtype)
         out = torch.addmm(y_TO.reshape(-1, self.out_features), low_TR.reshape(-1, low_TR.shape[-1]),
-                          b_OR.to(y_TO.dtype).t())
+                          b_OR.to(y_TO.dtype).t(), alpha=self.scaling)
         return out.view(y_TO.shape)
 
     def merged_weights(self, name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -238,10 +239,12 @@ def merged_weight(
     weight_OI: torch.Tensor, parts: list[LoraPart], a_by_key: dict, b_by_key: dict, scaling: float
 ) -> torch.Tensor:
     """``W + scaling * B @ A`` on each part's rows, computed in float32 (or W's dtype when wider)
-    and cast back to W's dtype."""
+    and cast back to W's dtype: one ``addmm_`` per part into a copy of ``W`` (the product, its
+    scaling and the sum in one GEMM epilogue; no ``[O, I]`` temporaries: a weight sync merges
+    every adapted linear)."""
     compute = torch.promote_types(weight_OI.dtype, torch.float32)
     merged = weight_OI.detach().to(compute, copy=True)
     for part in parts:
-        delta = b_by_key[part.key].detach().to(compute) @ a_by_key[part.key].detach().to(compute)
-        merged[part.start : part.stop] += scaling * delta
+        b, a = b_by_key[part.key].detach().to(compute), a_by_key[part.key].detach().to(compute)
+        merged[part.start : part.stop].addmm_(b, a, alpha=scaling)
     return merged.to(weight_OI.dtype)
