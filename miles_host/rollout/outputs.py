@@ -29,18 +29,30 @@ def routed_experts_array(seq: Sequence) -> np.ndarray | None:
 
     Every token but the last was forwarded once (or again after a preemption:
     later captures overwrite earlier ones). Chunks are numpy arrays (the
-    engine's per-step copies) or tensors (a decoding strategy's).
+    engine's per-step copies) or tensors (a decoding strategy's). Chunks that
+    continue each other (a decode's one row per step) are joined and placed with
+    one copy: a long rollout holds one chunk per sequence and step.
     """
     if not seq.routed_expert_chunks:
         return None
     num_rows = len(seq) - 1
-    _, first = seq.routed_expert_chunks[0]
-    out = np.zeros((num_rows, *first.shape[1:]), dtype=np.int32)
-    for start, chunk_TLK in seq.routed_expert_chunks:
-        if isinstance(chunk_TLK, torch.Tensor):
-            chunk_TLK = chunk_TLK.cpu().numpy()
-        rows = chunk_TLK[: max(0, num_rows - start)]
+    starts = [start for start, _ in seq.routed_expert_chunks]
+    arrays = [chunk.cpu().numpy() if isinstance(chunk, torch.Tensor) else chunk
+              for _, chunk in seq.routed_expert_chunks]
+    out = np.zeros((num_rows, *arrays[0].shape[1:]), dtype=np.int32)
+
+    def place(start: int, run: list[np.ndarray]) -> None:
+        rows = (run[0] if len(run) == 1 else np.concatenate(run))[: max(0, num_rows - start)]
         out[start:start + rows.shape[0]] = rows
+
+    run_start, run_end, run = starts[0], starts[0] + arrays[0].shape[0], [arrays[0]]
+    for start, chunk in zip(starts[1:], arrays[1:]):
+        if start != run_end:  # a gap or an overlap (a preempted sequence forwarded again)
+            place(run_start, run)
+            run_start, run = start, []
+        run.append(chunk)
+        run_end = start + chunk.shape[0]
+    place(run_start, run)
     return out
 
 
