@@ -158,6 +158,7 @@ def test_cuda_graph_decode_follows_adapter_syncs_in_place(peaky_checkpoint):
 
     path = peaky_checkpoint
     adapter_config, merged_config = _config(path, "adapter"), _config(path, "merged")
+    torch.cuda.empty_cache()  # the engines size their KV caches from the GPU's free memory: earlier tests' cache out
 
     def engine(config, **kwargs):
         model = load_pretrained(path, dtype=torch.float32, device="cuda")
