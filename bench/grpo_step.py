@@ -235,6 +235,50 @@ def profile_step(run, rollout_id: int) -> dict:
     return {"profiled_step_s": step_s, "gpu_busy_s": gpu_busy_s, "gpu_busy_fraction": gpu_busy_s / step_s}
 
 
+def sync_points_step(run, rollout_id: int, top: int = 25) -> dict[str, int]:
+    """One more step with CUDA's sync debug mode on during its training phase: every host
+    synchronisation there (``.item()``, ``.cpu()``, a pageable copy, ``nonzero`` ...) counted by
+    the innermost frame outside torch that caused it, the most frequent printed. A sync drains
+    the GPU's queue, so the host's next launches run with the GPU idle."""
+    import collections
+    import traceback
+    import warnings
+
+    counts: collections.Counter = collections.Counter()
+    train = run.trainer.train
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "/warnings.py" not in f.filename]
+        where = frames[-3:] if frames else []
+        counts[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(where))] += 1
+
+    def train_with_sync_debug(samples):
+        if not torch.cuda.is_available():
+            return train(samples)
+        shown = warnings.showwarning
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                return train(samples)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+
+    run.trainer.train = train_with_sync_debug
+    try:
+        run.step(rollout_id)
+    finally:
+        run.trainer.train = train
+    print(f"host syncs in the training phase: {sum(counts.values())}")
+    for where, count in counts.most_common(top):
+        print(f"{count:6d}  {where}")
+    return dict(counts)
+
+
 def bench_trl(model_dir: Path, data: Path, args) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback

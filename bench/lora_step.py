@@ -101,6 +101,8 @@ def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str]
             step_peaks.append(torch.cuda.max_memory_allocated() / 1e9)
     if getattr(args, "profile", False):  # one more step, not in the medians: host and CUDA time by function / kernel
         grpo_step.profile_step(run, args.steps)
+    if getattr(args, "sync_points", False):  # one more step: where the training phase synchronises with the GPU
+        grpo_step.sync_points_step(run, args.steps + 1)
     state = trainer_state_bytes(run.trainer)
     trainable = sum(p.numel() for p in run.trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in run.trainer.model.parameters())

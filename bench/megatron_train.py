@@ -76,7 +76,8 @@ def run_one(model: str, backend: str, args) -> dict:
 def run_isolated(model: str, backend: str, args) -> dict | None:
     """``--only MODEL:BACKEND`` in its own process; its result, or None if it failed."""
     return lora_step.run_in_subprocess(f"{model}:{backend}", args, script=__file__,
-                                       extra=("--moe-layers", str(args.moe_layers), *(["--profile"] if args.profile else [])))
+                                       extra=("--moe-layers", str(args.moe_layers), *(["--profile"] if args.profile else []),
+                                              *(["--sync-points"] if args.sync_points else [])))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--moe-layers", type=int, default=8)
     parser.add_argument("--mem-fraction", type=float, default=0.3, help="the engine's GPU memory fraction")
     parser.add_argument("--profile", action="store_true", help="profile one more step of each run (host and CUDA)")
+    parser.add_argument("--sync-points", action="store_true",
+                        help="one more step of each run listing the training phase's host syncs by where they come from")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_megatron_bench"))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

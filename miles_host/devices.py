@@ -1,10 +1,23 @@
-"""``--device`` and ``--dtype``: what ``auto`` resolves to."""
+"""``--device`` and ``--dtype``: what ``auto`` resolves to; small host -> device copies that
+do not wait for the GPU, and the host values they came from.
+
+A copy from pageable host memory to a CUDA device first waits for the stream's queued
+work (the GPU's queue drains, and the host's next launches find it idle); from pinned
+memory (PyTorch's caching host allocator) it does not. :func:`host_to_device` copies from
+pinned memory and remembers the host tensor, so :func:`host_values` gives a tensor's values
+on the host without reading the device (a packed batch's sequence bounds and positions,
+built on the host, read there again by the attention and the Megatron layout).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: device tensor -> the host tensor :func:`host_to_device` copied it from (while the device tensor lives)
+_HOST_SOURCES = WeakIdKeyDictionary()
 
 
 def resolve_device(config: Any) -> torch.device:
@@ -21,3 +34,24 @@ def resolve_dtype(config: Any, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.dtype)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``; a host tensor goes to a CUDA device through pinned memory,
+    without waiting for the GPU (module doc), and :func:`host_values` of the result is
+    ``tensor`` itself (the result must not be written in place afterwards)."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    copied = tensor.pin_memory().to(device, non_blocking=True)
+    _HOST_SOURCES[copied] = tensor
+    return copied
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values on the host: itself on the CPU, the host tensor :func:`host_to_device`
+    copied it from, else a copy read from the device (which waits for the GPU)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    source = _HOST_SOURCES.get(tensor)
+    return source if source is not None else tensor.cpu()

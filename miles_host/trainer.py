@@ -28,7 +28,7 @@ from miles_host.lora.sync import rollout_state
 from miles_host import offload, profiling
 from miles_host.dashboard.samples import record_train_log_probs
 from miles_host.debug_rollout import keeps_train_log_probs
-from miles_host.devices import resolve_device
+from miles_host.devices import host_to_device, resolve_device
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.protocols import TrainerBase
 from miles_host.routing import RoutingHooks
@@ -73,12 +73,13 @@ class PackedBatch:
             response_index.extend(range(start + first, start + len(tokens) - 1))
             lengths.append(sample.response_length)
             cu.append(start + len(tokens))
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        # built on the host, copied without waiting for the GPU (host_values reads them back for free)
+        as_long = lambda values: host_to_device(torch.tensor(values, dtype=torch.long), device)  # noqa: E731
         return cls(
             samples,
             as_long(ids),
             as_long(positions),
-            torch.tensor(cu, dtype=torch.int32, device=device),
+            host_to_device(torch.tensor(cu, dtype=torch.int32), device),
             as_long(targets),
             as_long(response_index),
             lengths,
@@ -87,7 +88,7 @@ class PackedBatch:
     def per_token(self, values: Iterable[Iterable[float]], device: torch.device) -> torch.Tensor:
         """Concatenate per-sample response values (e.g. rollout log-probs) into ``[R]``."""
         flat = [float(v) for row in values for v in row]
-        return torch.tensor(flat, dtype=torch.float32, device=device)
+        return host_to_device(torch.tensor(flat, dtype=torch.float32), device)
 
 
 def trainable(sample: Sample) -> bool:
@@ -537,7 +538,7 @@ class NativeTrainer(TrainerBase):
         batch = self.pack(micro, "train")
         indices = [s.metadata["_train_index"] for s in micro]
         log_probs, entropy = self.response_log_probs(self.model, batch, with_entropy=bool(self.config.entropy_coef))
-        cat = lambda parts: torch.cat([parts[i] for i in indices]).to(self.device)  # noqa: E731
+        cat = lambda parts: host_to_device(torch.cat([parts[i] for i in indices]), self.device)  # noqa: E731
         loss_batch = PolicyLossBatch(
             log_probs=log_probs.float(),
             advantages=cat(advantages).float(),

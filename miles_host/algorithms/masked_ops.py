@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from miles_host.devices import host_to_device
+
 
 def check_packed(response_lengths: Sequence[int], num_tokens: int) -> None:
     """Raise ``ValueError`` unless ``response_lengths`` sums to ``num_tokens``."""
@@ -26,8 +28,9 @@ def check_packed(response_lengths: Sequence[int], num_tokens: int) -> None:
 
 def sequence_index(response_lengths: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
     """Long tensor ``[N]``: for each packed token, the index of its sequence."""
-    lengths_S = torch.as_tensor(list(response_lengths), dtype=torch.long, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths_S), device=device), lengths_S)
+    lengths_S = torch.as_tensor(list(response_lengths), dtype=torch.long)
+    index_N = torch.repeat_interleave(torch.arange(len(lengths_S)), lengths_S)  # on the host: no device read
+    return index_N if device is None else host_to_device(index_N, device)
 
 
 def per_sequence_sum(values_N: torch.Tensor, response_lengths: Sequence[int]) -> torch.Tensor:

@@ -21,6 +21,8 @@ from typing import Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
+from miles_host.devices import host_values
+
 try:  # pragma: no cover - only on machines with flash-attn
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -98,7 +100,8 @@ class PackedAttention:
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, use_flash_attn: bool | None = None):
         self.cu_seqlens = cu_seqlens.to(torch.int32)
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        bounds = host_values(cu_seqlens)  # (a packed batch's: its host copy, no device read)
+        lengths = (bounds[1:] - bounds[:-1]).tolist()
         if not lengths or min(lengths) <= 0:
             raise ValueError(f"cu_seqlens must describe at least one non-empty sequence, got lengths {lengths}")
         self.lengths = lengths

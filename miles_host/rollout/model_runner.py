@@ -27,7 +27,8 @@ from miles_host.rollout.grammar import allowed_tokens
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.logprobs import PositionExtras, position_extras
 from miles_host.rollout.penalties import LogitsProcessing
-from miles_host.rollout.sampler import SamplingBatch, host_to_device, sample_with_distribution, seeded_uniforms
+from miles_host.devices import host_to_device
+from miles_host.rollout.sampler import SamplingBatch, sample_with_distribution, seeded_uniforms
 from miles_host.rollout.sampling_graphs import SamplingGraphs
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence

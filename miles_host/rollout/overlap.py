@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from miles_host.rollout.sampler import host_to_device
+from miles_host.devices import host_to_device
 from miles_host.rollout.scheduler import ScheduledBatch
 from miles_host.rollout.sequence import Sequence, SequenceStatus
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_host.rollout.sampler import host_to_device
+from miles_host.devices import host_to_device
 from miles_host.rollout.sampling_params import SamplingParams
 
 

@@ -28,19 +28,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from miles_host.devices import host_to_device
 from miles_host.rollout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from miles_host.rollout.penalties import LogitsProcessing
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to ``device`` without waiting for the GPU: from pageable
-    memory a CUDA copy first waits for the stream's queued work, from pinned memory
-    (PyTorch's caching host allocator) it does not."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

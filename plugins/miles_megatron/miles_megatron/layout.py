@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_host.devices import host_to_device, host_values
+
 
 @dataclass
 class PaddedLayout:
@@ -31,7 +33,7 @@ class PaddedLayout:
         """``multiple``: the padded sequence length is a multiple of it (sequence parallelism);
         ``at_least``: the smallest ``(S, B)`` (ranks whose MoE layers exchange tokens run equal
         shapes; the extra sequences are all padding)."""
-        bounds = cu_seqlens.to("cpu", torch.long)
+        bounds = host_values(cu_seqlens).long()  # (a packed batch's: its host copy, no device read)
         lengths = bounds[1:] - bounds[:-1]
         sequences = int(lengths.numel())
         batch = max(sequences, at_least[1])
@@ -39,7 +41,7 @@ class PaddedLayout:
         seq_len = -(-seq_len // multiple) * multiple
         sequence_T = torch.repeat_interleave(torch.arange(sequences), lengths)
         position_T = torch.arange(int(bounds[-1])) - bounds[:-1][sequence_T]
-        return cls(seq_len, batch, (position_T * batch + sequence_T).to(device))
+        return cls(seq_len, batch, host_to_device(position_T * batch + sequence_T, device))
 
     @property
     def rows(self) -> int:

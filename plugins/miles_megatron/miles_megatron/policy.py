@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_host.devices import host_values
 from miles_megatron.layout import PaddedLayout
 from miles_megatron.mla import set_latent_norm_eps
 from miles_megatron.plain_linears import use_plain_linears
@@ -459,7 +460,8 @@ class MegatronPolicy(torch.nn.Module):
             rotary_SB1D = None  # MLA: the attention ropes each token by its index in the sequence
             if not gpt.config.multi_latent_attention:
                 # [P, 1, D], every position (packed_seq: Megatron would keep its CP rank's part of the table)
-                freqs_PD = gpt.rotary_pos_emb(int(positions_T.max()) + 1, packed_seq=True)[:, 0]
+                positions = int(host_values(positions_T).max()) + 1  # (a packed batch's: its host copy)
+                freqs_PD = gpt.rotary_pos_emb(positions, packed_seq=True)[:, 0]
                 rotary_SB1D = freqs_PD[positions_SB]
             hidden_SBH = gpt.decoder(
                 hidden_states=x_SBH, attention_mask=mask, rotary_pos_emb=rotary_SB1D

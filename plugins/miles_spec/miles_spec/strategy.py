@@ -45,7 +45,7 @@ from miles_host import offload
 from miles_host.rollout.attention import PagedAttention
 from miles_host.rollout.kv_cache import PagedKVCache
 from miles_host.rollout.model_runner import paged_metadata
-from miles_host.rollout.sampler import host_to_device
+from miles_host.devices import host_to_device
 from miles_host.rollout.strategy import DecodeTokens
 
 from miles_spec.draft import ModelDraft
