@@ -28,7 +28,9 @@ pieces (:mod:`miles_host.kernels.moe_train`):
 In Megatron's DDP without ``--overlap-grad-reduce`` (:func:`miles_megatron.schedule.wrap_ddp`
 sets :attr:`GroupedSequentialMLP.weight_grads_into_main_grad`), the stacks' backward adds each
 expert's weight gradient straight into its ``main_grad`` (the DDP's float32 gradient buffer),
-with one ``_foreach_add_`` per projection (:class:`StackedExpertWeights`): the same sums
+with one ``add_`` per projection where the experts' ``main_grad`` lie evenly spaced in the
+buffer (Megatron's layout: every expert's two weights, in reverse order; :func:`evenly_spaced`),
+else one ``_foreach_add_`` (:class:`StackedExpertWeights`): the same sums
 the DDP's per-parameter hook makes, without an ``AccumulateGrad`` and a Python hook call
 for each expert's two linears in every backward pass (~1,100 parameter tensors in the MoE
 bench shape: the hooks cost the backward more host time than its kernels leave). With the
@@ -53,6 +55,7 @@ H hidden, F fc1 outputs (2I for GLU), I expert intermediate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,6 +96,8 @@ class GroupedSequentialMLP(SequentialMLP):
         self.covered = grouped_forward_covers(self.config, self.tp_group.size())
         #: the grouped forward's weight gradients go straight into the DDP's ``main_grad`` (module doc)
         self.weight_grads_into_main_grad = False
+        #: per projection (its first weight's id): the main_grads' buffer address and their one view
+        self._main_grad_views: dict[int, tuple[tuple[int, int], GradsView | None]] = {}
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
@@ -136,8 +141,16 @@ class GroupedSequentialMLP(SequentialMLP):
         :attr:`weight_grads_into_main_grad` holds and every weight trains in the DDP's buffer."""
         if self.weight_grads_into_main_grad and torch.is_grad_enabled() and all(
                 weight.requires_grad and getattr(weight, "main_grad", None) is not None for weight in weights):
-            return StackedExpertWeights.apply(_ANCHOR, dtype, weights)
+            return StackedExpertWeights.apply(_ANCHOR, dtype, weights, self.main_grads_view(weights))
         return torch.stack(weights).to(dtype)
+
+    def main_grads_view(self, weights: list[torch.Tensor]) -> GradsView | None:
+        """The weights' ``main_grad`` as one view (:func:`evenly_spaced`), found once per buffer."""
+        where = (weights[0].main_grad.data_ptr(), weights[-1].main_grad.data_ptr())
+        cached = self._main_grad_views.get(id(weights[0]))
+        if cached is None or cached[0] != where:
+            cached = self._main_grad_views[id(weights[0])] = (where, evenly_spaced([w.main_grad for w in weights]))
+        return cached[1]
 
     def activation(self, fc1_RF: torch.Tensor) -> torch.Tensor:
         """Megatron ``MLP``'s unfused activation of the fc1 output (GLU: gate rows first)."""
@@ -154,24 +167,59 @@ class GroupedSequentialMLP(SequentialMLP):
 _ANCHOR = torch.empty(0, requires_grad=True)
 
 
+@dataclass(frozen=True)
+class GradsView:
+    """Equally shaped tensors at evenly spaced places of one storage as one strided view
+    ``[E, ...]``: ``view[e]`` is tensor ``e``, or tensor ``E - 1 - e`` where ``reversed``."""
+
+    view: torch.Tensor
+    reversed: bool
+
+    def add_(self, values_E: torch.Tensor) -> None:
+        """Add ``values_E[e]`` to tensor ``e``, each promoted to the tensors' dtype (one kernel,
+        and a copy of ``values_E`` flipped where the layout is reversed)."""
+        self.view.add_(values_E.flip(0) if self.reversed else values_E)
+
+
+def evenly_spaced(tensors: list[torch.Tensor]) -> GradsView | None:
+    """``tensors`` as one :class:`GradsView` where they are contiguous, of one shape and dtype,
+    in one storage at a constant spacing (in order or reversed) without overlap; else None."""
+    first = tensors[0]
+    if len(tensors) < 2 or not all(
+            t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0]
+    if abs(step) < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    view = first.as_strided((len(tensors), *first.shape), (abs(step), *first.stride()), min(offsets))
+    return GradsView(view, step < 0)
+
+
 class StackedExpertWeights(torch.autograd.Function):
     """``torch.stack(weights).to(dtype)`` whose backward adds each weight's gradient (in the
-    weights' dtype, as the cast's backward gives it) to the weight's ``main_grad`` (module doc).
-    The weights come as one list, which autograd does not see: no ``AccumulateGrad`` of theirs
-    runs, so no hook of the DDP's either; ``anchor`` (:data:`_ANCHOR`) makes the output require
-    grad."""
+    weights' dtype, as the cast's backward gives it) to the weight's ``main_grad`` (module doc):
+    through ``grads_view`` (:func:`evenly_spaced` of the main_grads) in one ``add_`` where there
+    is one, else one ``_foreach_add_``. The weights come as one list, which autograd does not
+    see: no ``AccumulateGrad`` of theirs runs, so no hook of the DDP's either; ``anchor``
+    (:data:`_ANCHOR`) makes the output require grad."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, dtype: torch.dtype, weights: list[torch.Tensor]) -> torch.Tensor:
-        ctx.weights = weights
+    def forward(ctx: Any, anchor: torch.Tensor, dtype: torch.dtype, weights: list[torch.Tensor],
+                grads_view: GradsView | None) -> torch.Tensor:
+        ctx.weights, ctx.grads_view = weights, grads_view
         return torch.stack(weights).to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_E: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad_E: torch.Tensor) -> tuple[None, None, None, None]:
+        if ctx.grads_view is not None and ctx.weights[0].dtype == ctx.grads_view.view.dtype:
+            ctx.grads_view.add_(grad_E)  # (bf16 -> float32 in the add: the cast's backward, exactly)
+            return None, None, None, None
         main_grads = [weight.main_grad for weight in ctx.weights]
         grads = grad_E.to(ctx.weights[0].dtype).to(main_grads[0].dtype).unbind(0)
         torch._foreach_add_(main_grads, list(grads))
-        return None, None, None
+        return None, None, None, None
 
 
 def _padded(x_NC: torch.Tensor, row_N: torch.Tensor, num_rows: int) -> torch.Tensor:

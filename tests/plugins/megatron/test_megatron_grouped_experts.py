@@ -220,12 +220,33 @@ def test_weight_gradients_go_straight_into_main_grad(experts):
         experts.weight_grads_into_main_grad = True
         for handle in handles:
             handle.remove()
+    views = [view for _, view in experts._main_grad_views.values()]
+    assert len(views) == 2 and all(view is not None and view.reversed for view in views)  # (Megatron's layout)
     for got, want in zip(direct[:3], hooked[:3]):
         assert torch.equal(got, want)
     assert direct[3].keys() == hooked[3].keys()
     for name in direct[3]:
         assert torch.equal(direct[3][name], hooked[3][name]), name
     assert any(grad.abs().max() > 0 for grad in direct[3].values())
+
+
+def test_evenly_spaced_main_grads_are_one_view():
+    from miles_megatron.grouped_experts import evenly_spaced
+
+    buffer = torch.zeros(40)
+    chunks = [buffer[start:start + 6].view(2, 3) for start in (2, 12, 22, 32)]  # spacing 10, 6 used
+    for order, reversed_ in ((chunks, False), (chunks[::-1], True)):
+        grads = evenly_spaced(order)
+        assert grads is not None and grads.reversed == reversed_
+        values = torch.arange(24, dtype=torch.bfloat16).view(4, 2, 3)
+        grads.add_(values)
+        for tensor, value in zip(order, values):
+            assert torch.equal(tensor, value.float())
+        assert float(buffer.sum()) == float(values.float().sum())  # nothing between the tensors written
+        buffer.zero_()
+    assert evenly_spaced([buffer[0:6].view(2, 3), buffer[10:16].view(2, 3), buffer[24:30].view(2, 3)]) is None  # uneven
+    assert evenly_spaced([buffer[0:6].view(2, 3), buffer[3:9].view(2, 3)]) is None  # overlapping
+    assert evenly_spaced([buffer[0:6].view(2, 3), torch.zeros(2, 3)]) is None  # two storages
 
 
 # ---------------------------------------------------------------- the one-rank dispatcher
