@@ -36,6 +36,12 @@ for each expert's two linears in every backward pass (~1,100 parameter tensors i
 bench shape: the hooks cost the backward more host time than its kernels leave). With the
 overlapped reduction the DDP counts each parameter's hook, so the gradients take that path.
 
+Inside :func:`expert_stacks_reused` (one optimizer step's forward and backward passes without
+activation recomputation, and the log-prob passes: the weights do not change there) each
+projection's stacked, cast weights are built once and every micro-batch's forward reads them
+(one stack and cast per step instead of one per micro-batch; without recomputation autograd
+keeps every layer's stacks until the backward anyway).
+
 Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer's record
 (:data:`~miles_host.kernels.moe_train.EXPERTS_IMPLS`): ``auto`` groups where
 ``_grouped_mm`` runs its bf16 kernel (CUDA sm90/sm100 under bf16) and keeps
@@ -55,8 +61,9 @@ H hidden, F fc1 outputs (2I for GLU), I expert intermediate.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -138,10 +145,23 @@ class GroupedSequentialMLP(SequentialMLP):
 
     def stacked(self, weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The experts' weights ``[E, ...]`` in ``dtype``; gradients into ``main_grad`` where
-        :attr:`weight_grads_into_main_grad` holds and every weight trains in the DDP's buffer."""
-        if self.weight_grads_into_main_grad and torch.is_grad_enabled() and all(
-                weight.requires_grad and getattr(weight, "main_grad", None) is not None for weight in weights):
-            return StackedExpertWeights.apply(_ANCHOR, dtype, weights, self.main_grads_view(weights))
+        :attr:`weight_grads_into_main_grad` holds and every weight trains in the DDP's buffer;
+        built once per :func:`expert_stacks_reused` scope where gradients take that path or
+        none is taken."""
+        grad = torch.is_grad_enabled()
+        direct = self.weight_grads_into_main_grad and grad and all(
+            weight.requires_grad and getattr(weight, "main_grad", None) is not None for weight in weights)
+        stack = None
+        if _REUSED_STACKS is not None and (direct or not grad):
+            key = (id(weights[0]), dtype)
+            stack = _REUSED_STACKS.get(key)
+            if stack is None:
+                with torch.no_grad():
+                    stack = _REUSED_STACKS[key] = torch.stack(weights).to(dtype)
+            if not grad:
+                return stack
+        if direct:
+            return StackedExpertWeights.apply(_ANCHOR, dtype, weights, self.main_grads_view(weights), stack)
         return torch.stack(weights).to(dtype)
 
     def main_grads_view(self, weights: list[torch.Tensor]) -> GradsView | None:
@@ -207,19 +227,38 @@ class StackedExpertWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, dtype: torch.dtype, weights: list[torch.Tensor],
-                grads_view: GradsView | None) -> torch.Tensor:
+                grads_view: GradsView | None, stack: torch.Tensor | None = None) -> torch.Tensor:
+        """``stack``: the stacked, cast weights already built (:func:`expert_stacks_reused`)."""
         ctx.weights, ctx.grads_view = weights, grads_view
-        return torch.stack(weights).to(dtype)
+        return stack.view_as(stack) if stack is not None else torch.stack(weights).to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_E: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, grad_E: torch.Tensor) -> tuple[None, ...]:
         if ctx.grads_view is not None and ctx.weights[0].dtype == ctx.grads_view.view.dtype:
             ctx.grads_view.add_(grad_E)  # (bf16 -> float32 in the add: the cast's backward, exactly)
-            return None, None, None, None
+            return None, None, None, None, None
         main_grads = [weight.main_grad for weight in ctx.weights]
         grads = grad_E.to(ctx.weights[0].dtype).to(main_grads[0].dtype).unbind(0)
         torch._foreach_add_(main_grads, list(grads))
-        return None, None, None, None
+        return None, None, None, None, None
+
+
+#: the stacks built in the current :func:`expert_stacks_reused` scope (None: outside one)
+_REUSED_STACKS: dict[tuple[int, torch.dtype], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def expert_stacks_reused(enabled: bool = True) -> Iterator[None]:
+    """While the experts' weights stay unchanged (one step's passes): each projection's stacked,
+    cast weights built once and reused (module doc). Nested scopes share the outer one's."""
+    global _REUSED_STACKS
+    outer = _REUSED_STACKS
+    if enabled and outer is None:
+        _REUSED_STACKS = {}
+    try:
+        yield
+    finally:
+        _REUSED_STACKS = outer
 
 
 def _padded(x_NC: torch.Tensor, row_N: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -251,6 +251,7 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     from megatron.core.distributed import finalize_model_grads
 
     from miles_host.trainer import as_float64
+    from miles_megatron.grouped_experts import expert_stacks_reused
     from miles_megatron.parallel import expert_batch_copies
     from miles_megatron.runtime import on_device
 
@@ -278,8 +279,9 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
         # (every CP rank computes the loss over whole sequences: each backpropagates 1 / CP of it)
         return loss * (micro.share / sizes.cp), _keep
 
+    recompute = policy.gpt.config.recompute_granularity is not None
     policy.replay.keep_for_recompute(policy.gpt.config.recompute_granularity == "full")
-    with on_device(trainer.device):
+    with on_device(trainer.device), expert_stacks_reused(enabled=not recompute):
         try:
             _run(chunks, forward_step, micros, sizes.tp, forward_only=False)
         finally:
@@ -321,6 +323,7 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
     """Per-sample response log-probs under ``policy`` (the trainer's or the reference model),
     on every rank (see module doc)."""
     from miles_host.trainer import micro_batches
+    from miles_megatron.grouped_experts import expert_stacks_reused
     from miles_megatron.pipeline import current_stage, share_captured_routes
     from miles_megatron.runtime import on_device
 
@@ -353,7 +356,7 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
             out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return log_probs.new_zeros(()), lambda output: (output, {})
 
-    with on_device(trainer.device):
+    with on_device(trainer.device), expert_stacks_reused():
         try:
             _run(policy.chunks, forward_step, micros, sizes.tp, forward_only=True)
         finally:

@@ -230,6 +230,30 @@ def test_weight_gradients_go_straight_into_main_grad(experts):
     assert any(grad.abs().max() > 0 for grad in direct[3].values())
 
 
+def test_stacks_reused_within_a_scope(experts, monkeypatch):
+    """Inside ``expert_stacks_reused`` the stacks are built once for several passes, with the
+    same outputs and gradients (``main_grad`` sums over the passes) as stacks built per pass;
+    a pass without gradients reads them too."""
+    from miles_megatron import grouped_experts
+
+    x, counts_E, probs = _inputs([5, 1, 0, 11])
+    plain = [_run(experts, _grouped, x, counts_E, probs) for _ in range(2)]
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+    with grouped_experts.expert_stacks_reused():
+        reused = [_run(experts, _grouped, x, counts_E, probs) for _ in range(2)]
+        with torch.no_grad():
+            no_grad = experts.grouped_forward(x, counts_E, probs)
+    assert len(stacks) == 2  # (fc1 and fc2, once)
+    assert grouped_experts._REUSED_STACKS is None  # (the scope's stacks dropped)
+    for got, want in zip(reused, plain):
+        for a, b in zip(got[:3], want[:3]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(got[3][name], want[3][name]) for name in want[3])
+    assert torch.equal(no_grad, plain[0][0])
+
+
 def test_evenly_spaced_main_grads_are_one_view():
     from miles_megatron.grouped_experts import evenly_spaced
 
