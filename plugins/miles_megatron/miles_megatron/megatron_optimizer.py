@@ -122,9 +122,12 @@ class MegatronOptimizerStep(torch.optim.Optimizer):
             self.megatron.prepare_grads()
             norm = float(self.megatron.get_grad_norm())
             clip_grad = self.megatron.config.clip_grad
-            for optimizer in getattr(self.megatron, "chained_optimizers", [self.megatron]):
+            # Megatron's clip scales only below this coefficient; its per-parameter list
+            # building (after the norm's host read, with the GPU idle) is skipped otherwise
+            clips = clip_grad > 0 and clip_grad / (norm + 1.0e-6) < 1.0
+            for optimizer in getattr(self.megatron, "chained_optimizers", [self.megatron]) if clips else []:
                 parameters = optimizer.get_parameters()
-                if parameters and clip_grad > 0:
+                if parameters:
                     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
                     clip_grad_by_total_norm_fp32(parameters, max_norm=clip_grad, total_norm=norm)
