@@ -26,6 +26,7 @@
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
 #        megatron_train megatron_quickstart (one GPU: the megatron trainer vs the native one, tok/s and learning)
+#        megatron_moe (its MoE half) megatron_sync (each backend's host syncs in a training phase) step_tests
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2, CP=2, PP2xVPP2 against one process; x4 adds TP2xPP2,
 #                           EP2xPP2, DP2xPP2 with the distributed optimizer)
 #        scale_x8 / scale_x4 (bench/scale_run.py on 8 / 4 GPUs; longer than one 600 s device call)
@@ -75,6 +76,10 @@ for step in "${steps[@]}"; do
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     lora) run lora 480 python3 bench/lora_step.py --profile ;;  # the full $OUT/gpu_suite.log holds each variant's profiled step (host functions, CUDA kernels)
     megatron_train) run megatron_train 560 python3 bench/megatron_train.py --profile --json "$OUT/megatron_train.json" ;;  # megatron vs native train tok/s, TP = PP = 1, 0.6B dense and the MoE bench shape (needs the megatron-core wheel in .whl/)
+    megatron_moe) run megatron_moe 300 python3 bench/megatron_train.py --models moe --profile --json "$OUT/megatron_moe.json" ;;  # the MoE half of megatron_train (the open >= 1.0x item)
+    megatron_sync) run megatron_sync 260 python3 bench/megatron_train.py --models moe --steps 2 --sync-points ;;  # each backend's host syncs in one training phase, by where they come from
+    step_tests) run step_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/host/test_host_copies.py \
+      tests/plugins/megatron/test_megatron_grouped_experts.py tests/plugins/megatron/test_megatron_gpu.py tests/rollout/test_gpu_engine.py ;;  # the training step's sync-free copies, the megatron grouped experts and trainer, routes under overlapped graphs
     megatron_quickstart) quickstart quickstart_native 300; quickstart quickstart_megatron 400 --train-backend megatron ;;  # the quickstart learns with either trainer (eval accuracy, same call)
     lora_int4_decode) run lora_int4_decode 400 python3 bench/quantized_decode.py --repeats 3 --batches 1,8 \
       --precisions bf16,int4 --lora-rank 16 ;;  # batch-1 decode, LoRA (rank 16, every linear, --lora-sync adapter) over a bf16 vs an INT4 base, Qwen3-1.7B shape (goal: INT4 faster at batch 1)
