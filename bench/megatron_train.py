@@ -16,6 +16,7 @@ figure reads as a fraction of it; then megatron / native per model (goal >= 1.0x
 
     python bench/megatron_train.py             # on the GPU (needs megatron-core)
     python bench/megatron_train.py --tiny      # CPU smoke check (hidden 64, 2 layers)
+    python bench/megatron_train.py --models moe --sync-points   # + each backend's host syncs in a training phase
 """
 
 from __future__ import annotations
