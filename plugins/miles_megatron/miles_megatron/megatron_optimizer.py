@@ -190,8 +190,29 @@ def build_megatron_optimizer(chunks: list[torch.nn.Module], config: Any, device:
             _load_keeps_the_step(optimizer)
         elif config.optimizer_cpu_offload:
             optimizer.optimizer = _on_cpu(optimizer.optimizer, config)
+        elif torch.device(device).type == "cuda":
+            use_fused_kernel(optimizer.optimizer)
     params = [param for ddp in chunks for param in ddp.module.parameters() if param.requires_grad]
     return MegatronOptimizerStep(megatron, params, config.lr, device)
+
+
+def use_fused_kernel(inner: torch.optim.Optimizer) -> None:
+    """Megatron's torch Adam / AdamW (its optimizer without TransformerEngine or Apex: foreach,
+    a host loop over the parameters for the bias corrections and about ten passes over the
+    state) on torch's fused kernel, as the native trainer's AdamW on CUDA (Megatron with
+    TransformerEngine runs TE's FusedAdam). Before the first step: the per-parameter ``step``
+    counters are then created on the parameters' device (:func:`step_counter`)."""
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.state:
+        return
+    for group in (inner.defaults, *inner.param_groups):
+        group["fused"], group["foreach"] = True, False
+
+
+def step_counter(optimizer: torch.optim.Optimizer, param: torch.Tensor, value: float) -> torch.Tensor:
+    """A ``step`` state entry for ``param`` in ``optimizer`` (torch's rule: on the parameter's
+    device where the optimizer runs fused or capturable, else a CPU scalar)."""
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    return torch.tensor(float(value), dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 def _on_cpu(optimizer: torch.optim.Optimizer, config: Any) -> torch.optim.Optimizer:
@@ -216,6 +237,10 @@ class InnerState(MutableMapping):
                            if not isinstance(optimizer, DistributedOptimizer) and optimizer.optimizer is not None]
         self.owner = {id(param): inner for inner in self.optimizers
                       for group in inner.param_groups for param in group["params"]}
+
+    def step_counter(self, param: torch.Tensor, value: float) -> torch.Tensor:
+        """A ``step`` entry for ``param``'s state, where its optimizer keeps one (:func:`step_counter`)."""
+        return step_counter(self._inner(param), param, value)
 
     def _inner(self, param: torch.Tensor) -> torch.optim.Optimizer:
         inner = self.owner.get(id(param))
@@ -276,5 +301,5 @@ def _allocate_state(adam: torch.optim.Optimizer) -> None:
         for param in group["params"]:
             state = adam.state[param]
             if "exp_avg" not in state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                state.update(step=step_counter(adam, param, 0.0), exp_avg=torch.zeros_like(param),
                              exp_avg_sq=torch.zeros_like(param))

@@ -71,7 +71,7 @@ def load_optimizer_state(trainer: Any, saved: dict) -> None:
     for chunk in trainer.model.chunks:
         shards = {key: rank_state(full[key], chunk, config.vocab_size) for key in MOMENTS}
         for name, param in _named_params(chunk):
-            state = {"step": torch.tensor(float(saved["step"]), dtype=torch.float32)}
+            state = {"step": optimizer.state.step_counter(param, saved["step"])}
             for key in MOMENTS:
                 state[key] = shards[key][name].to(device=param.device, dtype=param.dtype).clone()
             optimizer.state[param] = state

@@ -123,3 +123,33 @@ def test_a_non_finite_gradient_norm_skips_the_step(models):
     assert trainer.optimizer_steps() == 1
     assert all(torch.equal(a, b) for a, b in zip(_weights(trainer).values(), weights.values()))
     assert all(torch.equal(a, b) for a, b in zip(_moments(trainer), moments))
+
+
+def test_megatrons_torch_adamw_on_the_fused_kernel_steps_as_torchs_fused_adamw():
+    """``use_fused_kernel`` (applied on CUDA) turns the AdamW Megatron builds without TransformerEngine
+    or Apex into torch's fused AdamW: the same steps bit for bit (torch runs that kernel on the CPU
+    too), its ``step`` counters where torch's own fused AdamW keeps them."""
+    from miles_megatron.megatron_optimizer import step_counter, use_fused_kernel
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    settings = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    megatrons = torch.optim.AdamW([{"params": params, "wd_mult": 1.0}], **settings)  # (foreach, as Megatron builds it)
+    use_fused_kernel(megatrons)
+    assert all(group["fused"] and not group["foreach"] for group in megatrons.param_groups)
+    fused = torch.optim.AdamW(twins, fused=True, **settings)
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g.clone(), g.clone()
+        megatrons.step()
+        fused.step()
+    for p, t in zip(params, twins):
+        assert torch.equal(p, t)
+        assert torch.equal(megatrons.state[p]["step"], fused.state[t]["step"])
+        assert megatrons.state[p]["step"].dtype == fused.state[t]["step"].dtype
+    assert step_counter(megatrons, params[0], 3).device == params[0].device
+    plain = torch.optim.AdamW(twins, **settings)
+    assert step_counter(plain, twins[0], 3).device.type == "cpu"
+    use_fused_kernel(fused)  # (an optimizer that has stepped is left as it is)
