@@ -4,8 +4,8 @@ do not wait for the GPU, and the host values they came from.
 A copy from pageable host memory to a CUDA device first waits for the stream's queued
 work (the GPU's queue drains, and the host's next launches find it idle); from pinned
 memory (PyTorch's caching host allocator) it does not. :func:`host_to_device` copies from
-pinned memory and remembers the host tensor, so :func:`host_values` gives a tensor's values
-on the host without reading the device (a packed batch's sequence bounds and positions,
+pinned memory and, asked to, remembers the host tensor, so :func:`host_values` gives a
+tensor's values on the host without reading the device (a packed batch's sequence bounds and positions,
 built on the host, read there again by the attention and the Megatron layout).
 """
 
@@ -36,15 +36,16 @@ def resolve_dtype(config: Any, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def host_to_device(tensor: torch.Tensor, device: torch.device | str, keep_host: bool = False) -> torch.Tensor:
     """``tensor`` on ``device``; a host tensor goes to a CUDA device through pinned memory,
-    without waiting for the GPU (module doc), and :func:`host_values` of the result is
-    ``tensor`` itself (the result must not be written in place afterwards)."""
+    without waiting for the GPU (module doc). ``keep_host``: :func:`host_values` of the result is
+    ``tensor`` itself (the result must then not be written in place)."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     copied = tensor.pin_memory().to(device, non_blocking=True)
-    _HOST_SOURCES[copied] = tensor
+    if keep_host:
+        _HOST_SOURCES[copied] = tensor
     return copied
 
 

@@ -78,8 +78,8 @@ class PackedBatch:
         return cls(
             samples,
             as_long(ids),
-            as_long(positions),
-            host_to_device(torch.tensor(cu, dtype=torch.int32), device),
+            host_to_device(torch.tensor(positions, dtype=torch.long), device, keep_host=True),
+            host_to_device(torch.tensor(cu, dtype=torch.int32), device, keep_host=True),
             as_long(targets),
             as_long(response_index),
             lengths,

@@ -48,6 +48,7 @@ def test_a_packed_batch_reaches_the_gpu_and_reads_back_without_a_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert index.tolist() == [0, 0, 1]
     assert batch.input_ids_T.tolist() == [1, 2, 3, 4, 5, 6, 7]
-    copied = host_to_device(torch.ones(3), "cuda")
-    assert host_values(copied).device.type == "cpu"
-    assert host_values(copied * 2).tolist() == [2.0, 2.0, 2.0]  # not a copy: read from the device
+    ones = torch.ones(3)
+    assert host_values(host_to_device(ones, "cuda", keep_host=True)) is ones
+    assert host_values(host_to_device(ones, "cuda")) is not ones  # (not kept: read from the device)
+    assert host_values(host_to_device(ones, "cuda", keep_host=True) * 2).tolist() == [2.0, 2.0, 2.0]
