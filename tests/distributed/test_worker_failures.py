@@ -98,6 +98,7 @@ def test_a_trainer_killed_in_training_leaves_the_last_completed_rollout(
     _resumes_like_an_uninterrupted_run(model, data, tmp_path, signal_reward, [1, 2])
 
 
+@pytest.mark.slow  # (~20 s; the trainer killed in training is named by the same path in CI)
 def test_a_trainer_killed_at_start_up_is_named(tiny_task, tmp_path, sync_faults, capsys):
     model, data = tiny_task
     argv = base_args(model, data, tmp_path / "o", "--num-rollout", "1", "--save", str(tmp_path / "ckpt"),
