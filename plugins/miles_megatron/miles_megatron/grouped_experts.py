@@ -36,11 +36,11 @@ for each expert's two linears in every backward pass (~1,100 parameter tensors i
 bench shape: the hooks cost the backward more host time than its kernels leave). With the
 overlapped reduction the DDP counts each parameter's hook, so the gradients take that path.
 
-Inside :func:`expert_stacks_reused` (one optimizer step's forward and backward passes without
-activation recomputation, and the log-prob passes: the weights do not change there) each
+Inside :func:`expert_stacks_reused` (one optimizer step's forward and backward passes and the
+log-prob passes, without activation recomputation: the weights do not change there) each
 projection's stacked, cast weights are built once and every micro-batch's forward reads them
-(one stack and cast per step instead of one per micro-batch; without recomputation autograd
-keeps every layer's stacks until the backward anyway).
+(one stack and cast per pass instead of one per micro-batch; without recomputation the
+training backward holds every layer's stacks at once anyway, so the peak stays).
 
 Which forward runs is the model's ``MoEConfig.experts_impl``, the native trainer's record
 (:data:`~miles_host.kernels.moe_train.EXPERTS_IMPLS`): ``auto`` groups where

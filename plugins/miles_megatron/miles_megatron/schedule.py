@@ -356,7 +356,8 @@ def log_probs_without_grad(trainer: Any, policy: Any, samples: list, phase: str)
             out.extend(torch.split(log_probs.float(), batch.response_lengths))
         return log_probs.new_zeros(()), lambda output: (output, {})
 
-    with on_device(trainer.device), expert_stacks_reused():
+    recompute = policy.gpt.config.recompute_granularity is not None  # (then only each layer's stacks are held at once)
+    with on_device(trainer.device), expert_stacks_reused(enabled=not recompute):
         try:
             _run(policy.chunks, forward_step, micros, sizes.tp, forward_only=True)
         finally:
