@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "models"), str(Path(__file__).resolve().parent)]
 
+import gpu_idle  # noqa: E402
 import grpo_step  # noqa: E402
 import torch  # noqa: E402
 
@@ -103,6 +104,8 @@ def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str]
         grpo_step.profile_step(run, args.steps)
     if getattr(args, "sync_points", False):  # one more step: where the training phase synchronises with the GPU
         grpo_step.sync_points_step(run, args.steps + 1)
+    if getattr(args, "idle_gaps", False) and cuda:  # one more step: where the training phase leaves the GPU idle
+        gpu_idle.idle_gaps_step(run, args.steps + 2, json_path=args.workdir / f"idle_gaps_{name}.json")
     state = trainer_state_bytes(run.trainer)
     trainable = sum(p.numel() for p in run.trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in run.trainer.model.parameters())

@@ -17,6 +17,7 @@ figure reads as a fraction of it; then megatron / native per model (goal >= 1.0x
     python bench/megatron_train.py             # on the GPU (needs megatron-core)
     python bench/megatron_train.py --tiny      # CPU smoke check (hidden 64, 2 layers)
     python bench/megatron_train.py --models moe --sync-points   # + each backend's host syncs in a training phase
+    python bench/megatron_train.py --models moe --idle-gaps     # + where each backend's training phase leaves the GPU idle
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def run_isolated(model: str, backend: str, args) -> dict | None:
     """``--only MODEL:BACKEND`` in its own process; its result, or None if it failed."""
     return lora_step.run_in_subprocess(f"{model}:{backend}", args, script=__file__,
                                        extra=("--moe-layers", str(args.moe_layers), *(["--profile"] if args.profile else []),
-                                              *(["--sync-points"] if args.sync_points else [])))
+                                              *(["--sync-points"] if args.sync_points else []),
+                                              *(["--idle-gaps"] if args.idle_gaps else [])))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="profile one more step of each run (host and CUDA)")
     parser.add_argument("--sync-points", action="store_true",
                         help="one more step of each run listing the training phase's host syncs by where they come from")
+    parser.add_argument("--idle-gaps", action="store_true",
+                        help="one more step of each run: the training phase's GPU idle gaps by the host code after them")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_megatron_bench"))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

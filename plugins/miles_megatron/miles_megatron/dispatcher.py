@@ -25,6 +25,13 @@ communication steps and reshapes) with its own sort and unsort:
   atomics, rounded at every add, in no fixed order); here each token's sum is accumulated in
   float32 and rounded once, in ascending expert order, as the native trainer's combine.
 
+Where the layer's experts are :class:`~miles_megatron.grouped_experts.GroupedSequentialMLP`
+and run grouped, the sort goes straight to their padded layout
+(:func:`~miles_host.kernels.moe_train.expert_layout` of each token's experts: per expert a
+multiple of ``ALIGN_ROWS`` rows, padding rows zero, probability zero) and hands them the
+layout in place of the counts, and the combine gathers from those rows: one reordering of
+the rows each way instead of two.
+
 :func:`use_one_rank_dispatcher` gives an MoE layer one where it applies (no expert or
 expert-tensor parallelism, dropless, no router padding, no fused permutation, no latent
 projection, shared experts not overlapped with the dispatch); elsewhere the layer keeps
@@ -39,7 +46,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoETokenDispatcher
 
-from miles_host.kernels.moe_train import permute_tokens, unpermute_rows
+from miles_host.kernels.moe_train import expert_layout, permute_tokens, unpermute_rows
+from miles_megatron.grouped_experts import GroupedSequentialMLP
 
 
 def applies(dispatcher: MoETokenDispatcher) -> bool:
@@ -60,12 +68,18 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
     """``MoEAllGatherTokenDispatcher`` for one rank holding every expert, without host reads
     (module doc)."""
 
+    #: the layer's grouped experts, which take the rows in their padded layout (module doc; None: none)
+    grouped_experts: GroupedSequentialMLP | None = None
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Tokens sorted by expert ``[T * top_k, H]``, tokens per expert ``[E]`` (device) and the
-        sorted rows' probabilities ``[T * top_k]``."""
+        sorted rows' probabilities ``[T * top_k]``; for grouped experts that run grouped, the
+        padded layout's rows ``[R, H]``, the layout and the rows' probabilities ``[R]``."""
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map.contiguous()
         num_tokens = self.local_map.shape[0]
+        if self.grouped_experts is not None and self.grouped_experts.runs_grouped(hidden_states):
+            return self._padded_dispatch(hidden_states, probs)
         picked_EtimesT = torch.nonzero_static(self.local_map.T.reshape(-1), size=num_tokens * self.router_topk)
         picked = picked_EtimesT.squeeze(1)
         sorted_tokens = picked % num_tokens
@@ -77,6 +91,19 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
         self.routing_map = None
         rows = permute_tokens(hidden_states, sorted_tokens, self.token_rows, padding_rows=False)
         return rows, tokens_per_expert, self.local_probs
+
+    def _padded_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The tokens in the grouped experts' padded layout (module doc)."""
+        num_tokens, num_experts = self.local_map.shape
+        # each token's experts, ascending (the map's row-major set entries)
+        picked_TtimesE = torch.nonzero_static(self.local_map.reshape(-1), size=num_tokens * self.router_topk).squeeze(1)
+        layout = expert_layout((picked_TtimesE % num_experts).view(num_tokens, self.router_topk), num_experts)
+        self.token_rows = layout.pair_row_TK
+        pair_probs = probs.reshape(-1).index_select(0, picked_TtimesE)
+        self.local_probs = probs.new_zeros(layout.num_rows).index_copy(0, layout.pair_row_TK.reshape(-1), pair_probs)
+        self.routing_map = None
+        rows = permute_tokens(hidden_states, layout.row_token_R, layout.pair_row_TK)
+        return rows, layout, self.local_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' rows ``[T * top_k, H]`` summed back per token ``[T, H]`` (module doc)."""
@@ -92,3 +119,5 @@ def use_one_rank_dispatcher(moe_layer: Any) -> None:
     groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
     moe_layer.token_dispatcher = OneRankTokenDispatcher(old.num_local_experts, old.local_expert_indices,
                                                         config=old.config, pg_collection=groups)
+    if isinstance(moe_layer.experts, GroupedSequentialMLP):
+        moe_layer.token_dispatcher.grouped_experts = moe_layer.experts

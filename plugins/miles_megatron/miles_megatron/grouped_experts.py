@@ -25,6 +25,13 @@ pieces (:mod:`miles_host.kernels.moe_train`):
 4. ``grouped_mm`` for fc2, the rows put back in the dispatcher's order (a gather whose
    backward copies: :func:`~miles_host.kernels.moe_train.unpermute_rows`).
 
+Where the layer's dispatcher is :class:`~miles_megatron.dispatcher.OneRankTokenDispatcher`, it
+sorts the tokens straight into the padded layout and hands the experts that
+:class:`~miles_host.kernels.moe_train.ExpertLayout` in place of the token counts: steps 1 and
+4's reorderings (and their backward) are skipped, and its combine reads the padded rows
+(:meth:`GroupedSequentialMLP.padded_forward`; the same rows in the same places, so the same
+result bit for bit).
+
 In Megatron's DDP without ``--overlap-grad-reduce`` (:func:`miles_megatron.schedule.wrap_ddp`
 sets :attr:`GroupedSequentialMLP.weight_grads_into_main_grad`), the stacks' backward adds each
 expert's weight gradient straight into its ``main_grad`` (the DDP's float32 gradient buffer),
@@ -69,6 +76,7 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from miles_host.kernels.moe_train import (
+    ExpertLayout,
     compute_dtype,
     expert_layout,
     grouped_mm,
@@ -110,11 +118,16 @@ class GroupedSequentialMLP(SequentialMLP):
                 permuted_probs: torch.Tensor):
         """``SequentialMLP.forward``: ``(output [N, H], None)``, grouped where the experts impl says so."""
         x_NH = permuted_local_hidden_states
-        fc1_1FH = self.local_experts[0].linear_fc1.weight.unsqueeze(0)  # the shape the impl check reads
-        if not (self.covered and not self.linears_replaced()
-                and uses_grouped_experts(self.experts_impl, x_NH, fc1_1FH)):
+        if isinstance(tokens_per_expert, ExpertLayout):  # rows already in the padded layout (module doc)
+            return self.padded_forward(x_NH, tokens_per_expert, permuted_probs), None
+        if not self.runs_grouped(x_NH):
             return super().forward(x_NH, tokens_per_expert, permuted_probs)
         return self.grouped_forward(x_NH, tokens_per_expert, permuted_probs), None
+
+    def runs_grouped(self, x_NH: torch.Tensor) -> bool:
+        """Whether the forward of rows like ``x_NH`` is the grouped one (else ``SequentialMLP``'s loop)."""
+        fc1_1FH = self.local_experts[0].linear_fc1.weight.unsqueeze(0)  # the shape the impl check reads
+        return self.covered and not self.linears_replaced() and uses_grouped_experts(self.experts_impl, x_NH, fc1_1FH)
 
     def linears_replaced(self) -> bool:
         """Whether an expert linear computes through its own ``_forward_impl`` (``--plugins fp8``:
@@ -127,21 +140,28 @@ class GroupedSequentialMLP(SequentialMLP):
         """The experts' output ``[N, H]`` in the compute dtype; no host sync on the counts."""
         num_rows, num_experts = x_NH.shape[0], self.num_local_experts
         device = x_NH.device
-        dtype = compute_dtype(x_NH)
         expert_N = torch.repeat_interleave(torch.arange(num_experts, device=device), tokens_per_expert.to(device),
                                            output_size=num_rows)
         layout = expert_layout(expert_N.unsqueeze(1), num_experts)
         row_N = layout.pair_row_TK.squeeze(1)  # each dispatched row's row in the padded layout
+        dtype = compute_dtype(x_NH)
+        with torch.autocast(device.type, enabled=False):
+            x_RH = _padded(x_NH.to(dtype), row_N, layout.num_rows)
+            probs_R = _padded(probs_N.unsqueeze(1), row_N, layout.num_rows).squeeze(1)
+        out_RH = self.padded_forward(x_RH, layout, probs_R)
+        return unpermute_rows(out_RH, row_N.unsqueeze(1)).squeeze(1)  # (backward: a copy, no atomics)
+
+    def padded_forward(self, x_RH: torch.Tensor, layout: ExpertLayout, probs_R: torch.Tensor) -> torch.Tensor:
+        """The experts' output ``[R, H]`` in the compute dtype for rows already in ``layout``'s
+        padded order (padding rows zero, their probability zero)."""
+        dtype = compute_dtype(x_RH)
         # one stack and one cast per projection (backward: one cast, then each expert's slice of it)
         fc1_EFH = self.stacked([expert.linear_fc1.weight for expert in self.local_experts], dtype)
         fc2_EHI = self.stacked([expert.linear_fc2.weight for expert in self.local_experts], dtype)
-        with torch.autocast(device.type, enabled=False):
-            x_RH = _padded(x_NH.to(dtype), row_N, layout.num_rows)
-            hidden_RI = self.activation(grouped_mm(x_RH, fc1_EFH.transpose(1, 2), layout.offsets_E))
-            probs_R1 = _padded(probs_N.unsqueeze(1), row_N, layout.num_rows)
-            hidden_RI = (hidden_RI * probs_R1).to(dtype)
-            out_RH = grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
-        return unpermute_rows(out_RH, row_N.unsqueeze(1)).squeeze(1)  # (backward: a copy, no atomics)
+        with torch.autocast(x_RH.device.type, enabled=False):
+            hidden_RI = self.activation(grouped_mm(x_RH.to(dtype), fc1_EFH.transpose(1, 2), layout.offsets_E))
+            hidden_RI = (hidden_RI * probs_R.unsqueeze(1)).to(dtype)
+            return grouped_mm(hidden_RI, fc2_EHI.transpose(1, 2), layout.offsets_E)
 
     def stacked(self, weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The experts' weights ``[E, ...]`` in ``dtype``; gradients into ``main_grad`` where

@@ -250,7 +250,7 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     and on ``.grad``. Returns the step's ``train/*`` metric sums and loss (every rank)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from miles_host.trainer import as_float64
+    from miles_host.trainer import as_float64, read_floats
     from miles_megatron.grouped_experts import expert_stacks_reused
     from miles_megatron.parallel import expert_batch_copies
     from miles_megatron.runtime import on_device
@@ -300,7 +300,7 @@ def train_step(trainer: Any, samples: list, old, ref, advantages) -> tuple[dict[
     from megatron.core import parallel_state as ps
 
     contributes = last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    totals = _sum_over_ranks({k: float(v) for k, v in sums.items()} if contributes else None, sizes)
+    totals = _sum_over_ranks(read_floats(sums) if contributes else None, sizes)
     loss_sum = totals.pop("train/loss", 0.0)
     return totals, loss_sum
 

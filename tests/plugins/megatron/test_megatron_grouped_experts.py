@@ -355,3 +355,46 @@ def test_where_megatrons_dispatcher_stays(trainer):
         assert not applies(dispatcher)
     finally:
         dispatcher.ep_size = 1
+
+
+def _routed_experts_pass(moe, hidden, routing_map, probs):
+    """The MoE layer's dispatch, experts and combine (``routed_experts_compute``) forward and
+    backward: the output and the gradients of the hidden states, the probabilities and every
+    expert weight (``main_grad``)."""
+    for p in moe.experts.parameters():
+        p.main_grad.zero_()
+    hidden = hidden.detach().clone().requires_grad_()
+    probs = probs.detach().clone().requires_grad_()
+    dispatcher = moe.token_dispatcher
+    hidden_states, row_probs = dispatcher.token_dispatch(*dispatcher.dispatch_preprocess(hidden, routing_map, probs))
+    output, _ = moe.routed_experts_compute(hidden_states, row_probs)
+    combined = dispatcher.combine_postprocess(dispatcher.token_combine(output))
+    combined.float().pow(2).sum().backward()
+    return combined.detach(), hidden.grad, probs.grad, {n: p.main_grad.clone() for n, p in moe.experts.named_parameters()}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+def test_the_dispatch_into_the_padded_layout_is_the_two_step_one(trainer, monkeypatch, num_tokens):
+    """Grouped experts take the dispatcher's rows in their padded layout (one reordering each
+    way): the output and every gradient equal the dispatch to expert-sorted rows followed by
+    the experts' own padding, bit for bit (tokens on one expert, experts with none)."""
+    from miles_host.kernels.moe_train import ExpertLayout
+
+    moe = trainer.model.gpt.decoder.layers[0].mlp
+    assert moe.token_dispatcher.grouped_experts is moe.experts
+    monkeypatch.setattr(moe.experts, "experts_impl", "grouped")  # (``auto`` keeps the loop on the CPU)
+    routing_map, probs = _routing(num_tokens, moe.config.num_moe_experts, moe.config.moe_router_topk, num_tokens)
+    hidden = torch.randn(num_tokens, 1, moe.config.hidden_size, generator=torch.Generator().manual_seed(num_tokens))
+    handed = []
+    forward = type(moe.experts).forward
+    monkeypatch.setattr(type(moe.experts), "forward",
+                        lambda self, x, counts, p: handed.append(type(counts)) or forward(self, x, counts, p))
+    padded = _routed_experts_pass(moe, hidden, routing_map, probs)
+    monkeypatch.setattr(moe.token_dispatcher, "grouped_experts", None)
+    two_step = _routed_experts_pass(moe, hidden, routing_map, probs)
+    assert handed == [ExpertLayout, torch.Tensor]
+    for got, want in zip(padded[:3], two_step[:3]):
+        assert torch.equal(got, want)
+    assert any(float(grad.abs().max()) > 0 for grad in padded[3].values())
+    for name in two_step[3]:
+        assert torch.equal(padded[3][name], two_step[3][name]), name
