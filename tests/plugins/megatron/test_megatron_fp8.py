@@ -119,8 +119,13 @@ def test_fp8_with_two_tensor_parallel_ranks_gives_the_one_process_step(models, s
         got = [group.train(samples) for _ in range(2)]
         assert got[0]["train/loss"] == pytest.approx(want[0]["train/loss"], abs=1e-5)
         assert got[1]["train/loss"] == pytest.approx(want[1]["train/loss"], abs=next_loss_abs)
-        for step_got, step_want in zip(got, want):
-            assert step_got["train/grad_norm"] == pytest.approx(step_want["train/grad_norm"], rel=grad_rel)
+        assert got[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=grad_rel)
+        # The first (clipped) Adam step moves each weight by ~lr * sign(gradient): where a gradient element
+        # is at the level of the dgrad all-reduce's summation-order noise its sign can differ, and a
+        # weight that moves a 128 x 128 block's largest element requantizes the whole block. The second
+        # step's gradients then agree to FP8 rounding only (without FP8 this comparison is exact to
+        # float32 summation order: test_megatron_parallel).
+        assert got[1]["train/grad_norm"] == pytest.approx(want[1]["train/grad_norm"], rel=0.1)
     finally:
         group.stop()
         _leave_groups()
