@@ -8,6 +8,7 @@ blocks per sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,3 +36,5 @@ class AttentionMetadata:
     # Host copies for the reference path (avoid a device sync per layer).
     cu_seqlens_q_host: list[int] | None = None
     context_lens_host: list[int] | None = None
+    # [T] int64 cache slots on the host (where route capture stores each token's experts)
+    slot_mapping_host: Any = None

@@ -18,6 +18,7 @@ numbers per step instead of the whole table.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from miles_host.models.context import ForwardContext, RoutingContext
@@ -241,6 +242,11 @@ class DecodeGraphs:
         hidden, routes_TLK = self.outputs[key]
         n = len(seqs)
         return hidden[:n], (routes_TLK[:n] if routes_TLK is not None else None)
+
+    def staged_slots(self, n: int) -> np.ndarray:
+        """The cache slots of the last replay's ``n`` rows (a host copy: the staging vector is reused)."""
+        start = SLOTS * self.max_bs
+        return self.host_np[start:start + n].copy()
 
     def forget_rows(self) -> None:
         """Resend every block-table row at the next replay (after the table was written elsewhere)."""

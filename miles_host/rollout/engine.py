@@ -46,8 +46,9 @@ from miles_host.rollout.kv_cache import PagedKVCache, kv_bytes_per_token, num_bl
 from miles_host.rollout.logprobs import LogprobOptions, input_logprobs
 from miles_host.rollout.memory import MemoryOccupation
 from miles_host.rollout.model_runner import ModelRunner
-from miles_host.rollout.outputs import rejected_output, sequence_output
+from miles_host.rollout.outputs import rejected_output, routed_experts_array, sequence_output
 from miles_host.rollout.request_checks import check_features
+from miles_host.rollout.route_store import RouteStore
 from miles_host.rollout.sampling_params import SamplingParams
 from miles_host.rollout.scheduler import ScheduledBatch, Scheduler
 from miles_host.rollout.sequence import Sequence, SequenceStatus
@@ -114,6 +115,9 @@ class Engine(MemoryOccupation):
         else:  # prefix caching off: a cached prefix would come without its recurrent state
             self.block_manager = HybridBlockManager(num_blocks, cfg.block_size, self.recurrent_states)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        #: captured routes (R3) per cache slot, read when a sequence finishes
+        self.route_store = RouteStore(num_blocks, cfg.block_size)
+        self.scheduler.on_release = self._keep_routes
         self.runner = ModelRunner(
             model, self.kv_cache, device=self.device, attention_backend=cfg.attention_backend,
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
@@ -284,6 +288,7 @@ class Engine(MemoryOccupation):
         batch = self.scheduler.schedule()
         if batch is None:
             return finished + self._drain()
+        self.route_store.copy_blocks(batch.pending_copies)  # as the KV cache copies them
         if self._overlaps(batch):
             previous, self._pending = self._pending, overlap.launch(self.runner, batch, self._pending, self.device)
             return finished + (self._collect(previous) if previous is not None else [])
@@ -302,7 +307,6 @@ class Engine(MemoryOccupation):
                 self.strategy.copy_blocks(batch.pending_copies)
             if not batch.is_prefill:
                 return finished + self._strategy_step(batch, want_routes)
-        starts = [s.num_cached_tokens if batch.is_prefill else len(s) - 1 for s in batch.sequences]
         if batch.is_prefill:
             for seq in batch.sequences:
                 if seq.num_output_tokens == 0 and seq.sample_index == 0:
@@ -315,8 +319,8 @@ class Engine(MemoryOccupation):
                 if self.strategy is not None:
                     self.strategy.on_prefill(batch, group, hidden_TH, cu_seqlens)
         result, routes = self.runner.run(batch, want_routes, on_hidden=on_hidden)
-        if routes:
-            self._store_routes(batch, starts, routes)
+        for slots_T, routes_TLK in routes:
+            self.route_store.write(slots_T, routes_TLK)
         extras = result.extras or [None] * len(batch.samplers)
         for seq, token, logprob, extra in zip(batch.samplers, result.token_ids, result.logprobs, extras):
             if seq.parent is not None and seq.num_output_tokens == 0:
@@ -362,7 +366,7 @@ class Engine(MemoryOccupation):
     def _collect(self, pending: "overlap.PendingDecode") -> list[dict[str, Any]]:
         """Read a launched step's tokens; finish the sequences that stopped."""
         result = self.runner.finish_decode(pending.readback)
-        stopped = overlap.resolve_step(pending, result, self.block_manager, self._finish_reason)
+        stopped = overlap.resolve_step(pending, result, self.block_manager, self._finish_reason, self.route_store)
         return [self._finish(seq, reason) for seq, reason in stopped]
 
     def _drain(self) -> list[dict[str, Any]]:
@@ -385,35 +389,45 @@ class Engine(MemoryOccupation):
                 if reason is not None:
                     break  # tokens past a stop are dropped, like a plain engine that stopped there
             if step.routes is not None and seq.want_routed_experts:
-                seq.routed_expert_chunks.append(step.routes)
+                self.route_store.write_positions(seq.block_table, *step.routes)
             seq.num_cached_tokens = len(seq) - 1
             self.block_manager.register_full_blocks(seq, len(seq) - 1)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         return finished
 
-    def _store_routes(self, batch: ScheduledBatch, starts: list[int], routes) -> None:
-        """Give each sequence its rows of the step's ``[T, moe_layers, K]`` routes (numpy)."""
-        for group, cu_seqlens, stacked_TLK in routes:
-            for j, index in enumerate(group):
-                seq = batch.sequences[index]
-                if seq.want_routed_experts:
-                    seq.routed_expert_chunks.append((starts[index], stacked_TLK[cu_seqlens[j]:cu_seqlens[j + 1]]))
-        for seq, source in zip(batch.samplers, batch.sample_from):
-            parent = batch.sequences[source]
-            if seq is not parent and seq.want_routed_experts:
-                seq.routed_expert_chunks = list(parent.routed_expert_chunks)
+    def _keep_routes(self, seq: Sequence) -> None:
+        """Before an unfinished ``seq`` gives up its blocks (preemption, failure): keep the routes
+        they hold; its row of a launched, unread step is kept when that step is read."""
+        if not seq.want_routed_experts or not seq.block_table:
+            return
+        rows = self.route_store.gather(seq.block_table, len(seq) - 1)
+        if rows is None:
+            return
+        seq.routed_expert_chunks = [(0, rows)]  # every row so far: earlier chunks are superseded
+        if self._pending is not None:
+            self._pending.released.append(seq)
+
+    def _routes_of(self, seq: Sequence):
+        """A finishing sequence's ``[len - 1, moe_layers, K]`` int32 routes (None: none captured):
+        from the slots of its blocks, or, without blocks (preempted), from the rows it kept."""
+        if seq.block_table:
+            rows = self.route_store.gather(seq.block_table, len(seq) - 1)
+            if rows is not None:
+                return rows
+        return routed_experts_array(seq)
 
     def _finish_reason(self, seq: Sequence, position: int | None = None) -> dict[str, Any] | None:
         return finish_reason(seq, self.eos_token_ids, self.config.max_model_len, self.tokenizer, position)
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> dict[str, Any]:
         seq.finish_reason = reason
-        self.scheduler.remove(seq)
         request = self._requests[seq.rid]
+        routes = self._routes_of(seq) if request.return_routed_experts else None  # before its blocks go
+        self.scheduler.remove(seq)
         output = sequence_output(
             seq, weight_version=self.weight_version, return_logprob=request.return_logprob,
-            return_routed_experts=request.return_routed_experts, tokenizer=self.tokenizer,
+            return_routed_experts=request.return_routed_experts, tokenizer=self.tokenizer, routed_experts=routes,
         )
         request.outputs[seq.sample_index] = output
         if request.done:

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Readback:
     """A decode step's ``[token ids..., logprobs...]`` (float64) on their way to the host,
-    and the step's captured routes ``[B, moe_layers, K]`` int32 when it captured them."""
+    and the step's captured routes ``[B, moe_layers, K]`` int32 when it captured them (on
+    CUDA in one of two reused pinned buffers: read it before the step after next is launched)."""
 
     values: torch.Tensor
     ready: "torch.cuda.Event | None"
@@ -55,7 +56,8 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float]
     extras: list[PositionExtras | None] | None = None
-    #: a launched decode step's captured routes, ``[B, moe_layers, K]`` int32 (None: not captured)
+    #: a launched decode step's captured routes, ``[B, moe_layers, K]`` int32 (None: not captured;
+    #: on CUDA a view of a reused pinned buffer)
     routes: np.ndarray | None = None
 
 
@@ -105,6 +107,7 @@ def paged_metadata(
         is_decode=is_decode,
         cu_seqlens_q_host=cu_seqlens,
         context_lens_host=context_lens,
+        slot_mapping_host=slots,
     )
     if attention_backend in ("triton", "triton_invariant"):
         from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
@@ -152,6 +155,8 @@ class ModelRunner:
         self._last_sampling: tuple[list, list, SamplingBatch] | None = None
         self._routes_host: torch.Tensor | None = None  # pinned staging of captured routes
         self._routes_used = 0
+        self._readback_routes: list[torch.Tensor | None] = [None, None]  # pinned, used in turn
+        self._readback_turn = 0
         #: per-sequence states of linear-attention layers (:mod:`.recurrent_state`; None: no such layers)
         self.recurrent_states = recurrent_states
         if use_cuda_graph:
@@ -210,15 +215,17 @@ class ModelRunner:
     def _forward(
         self, seqs: list[Sequence], num_new: list[int], is_decode: bool, routing: RoutingContext,
         ids_override: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor, tuple[np.ndarray, torch.Tensor] | None]:
         """Hidden states of each sequence's last token ``[B, hidden]``, the step's cu_seqlens,
         the hidden states of every forwarded token ``[T, hidden]`` and, when routes are
-        captured, their expert ids ``[T, moe_layers, K]`` int32 on the device."""
+        captured, ``(cache slots [T] int64 on the host, expert ids [T, moe_layers, K] int32
+        on the device)`` of those tokens."""
         capture = bool(routing.extra.get("capture"))
         if is_decode and self.graphs is not None and not self.token_by_token:
             if self.graphs.padded_size(len(seqs)) is not None:
                 hidden_BH, routes_TLK = self.graphs.replay(seqs, capture_routes=capture, ids_override=ids_override)
-                return hidden_BH, list(range(len(seqs) + 1)), hidden_BH, routes_TLK
+                captured = None if routes_TLK is None else (self.graphs.staged_slots(len(seqs)), routes_TLK)
+                return hidden_BH, list(range(len(seqs) + 1)), hidden_BH, captured
         input_ids, positions, meta = self._metadata(seqs, num_new, is_decode)
         if ids_override is not None:  # decode: one token per sequence, rows are token indices
             input_ids.index_copy_(0, *ids_override)
@@ -236,21 +243,23 @@ class ModelRunner:
             )
             hidden_TH = self.model.forward_hidden(input_ids, positions, context)
         routes_TLK = stack_routes(routing.captured) if capture else None
+        captured = None if routes_TLK is None else (meta.slot_mapping_host, routes_TLK)
         if is_decode:
-            return hidden_TH, meta.cu_seqlens_q_host, hidden_TH, routes_TLK
+            return hidden_TH, meta.cu_seqlens_q_host, hidden_TH, captured
         last_T = torch.tensor(meta.cu_seqlens_q_host[1:], dtype=torch.long) - 1
-        return hidden_TH[host_to_device(last_T, hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH, routes_TLK
+        return hidden_TH[host_to_device(last_T, hidden_TH.device)], meta.cu_seqlens_q_host, hidden_TH, captured
 
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, want_routes: bool, on_hidden=None
-    ) -> tuple[StepResult, list[tuple[list[int], list[int], dict]]]:
+    ) -> tuple[StepResult, list[tuple[np.ndarray, np.ndarray]]]:
         """Forward ``batch``, sample every sampler's next token.
 
         ``on_hidden(group, hidden_TH, cu_seqlens)``, when given, receives the hidden
         states of every forwarded token of each forward (a draft model reads them).
         Returns the sampled tokens and, when ``want_routes``, per forward
-        ``(sequence indices, cu_seqlens, [T, moe_layers, K] int32 numpy expert ids)``.
+        ``(cache slots [T] int64, expert ids [T, moe_layers, K] int32)`` (numpy; on CUDA
+        views of a reused pinned buffer, valid until the next step).
         """
         if batch.pending_copies:
             self.kv_cache.copy_blocks(batch.pending_copies)
@@ -262,19 +271,19 @@ class ModelRunner:
         extras: list[PositionExtras | None] | None = None
         if any(s.wants_position_extras for s in batch.samplers):
             extras = [None] * len(batch.samplers)
-        routes: list[tuple[list[int], list[int], torch.Tensor]] = []
+        routes: list[tuple[np.ndarray, torch.Tensor]] = []
         self._routes_used = 0
         for group in groups:
             routing = RoutingContext(phase="rollout")
             routing.extra["capture"] = want_routes
-            hidden_BH, cu_seqlens, hidden_TH, routes_TLK = self._forward(
+            hidden_BH, cu_seqlens, hidden_TH, captured = self._forward(
                 [seqs[i] for i in group], [num_new[i] for i in group], not batch.is_prefill, routing
             )
             if on_hidden is not None:
                 on_hidden(group, hidden_TH, cu_seqlens)
-            if routes_TLK is not None:
+            if captured is not None:
                 # copied while the step's sampling runs; read after the step's one sync
-                routes.append((group, cu_seqlens, self._routes_to_host(routes_TLK)))
+                routes.append((captured[0], self._routes_to_host(captured[1])))
             logits_BV = self._logits(hidden_BH)
             first = group[0]
             rows = [r for r, source in enumerate(batch.sample_from) if first <= source <= group[-1]]
@@ -299,27 +308,28 @@ class ModelRunner:
                         extras[r] = extra
                 if self.token_by_token:
                     logprobs[sub[0]] = self._invariant_logprob(hidden_BH, index, tokens[sub[0]], samplers[0])
-        return StepResult(tokens, logprobs, extras), [(g, cu, host.numpy().copy()) for g, cu, host in routes]
+        return StepResult(tokens, logprobs, extras), [(slots, host.numpy()) for slots, host in routes]
 
     @torch.inference_mode()
     def launch_decode(
         self, batch: ScheduledBatch, ids_override: tuple[torch.Tensor, torch.Tensor] | None = None,
         want_routes: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, torch.Tensor] | None]:
         """Forward and sample a plain decode batch (one sampler per sequence) without waiting:
-        returns the device tensors ``(token ids [B], logprobs [B], routes [B, moe_layers, K] or
-        None)``, the routes captured when ``want_routes`` (:meth:`start_readback`)."""
+        returns the device tensors ``token ids [B]`` and ``logprobs [B]`` and, when
+        ``want_routes``, ``(cache slots [B] on the host, routes [B, moe_layers, K] on the
+        device)`` (else None); :meth:`start_readback` copies them to the host."""
         if batch.pending_copies:
             self.kv_cache.copy_blocks(batch.pending_copies)
         seqs = batch.sequences
         routing = RoutingContext(phase="rollout")
         routing.extra["capture"] = want_routes
-        hidden_BH, _, _, routes_BLK = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
+        hidden_BH, _, _, captured = self._forward(seqs, [1] * len(seqs), True, routing, ids_override)
         if self.sampling_graphs is not None:
             sampled = self._sample_graphed(hidden_BH, seqs)
             if sampled is not None:
-                return (*sampled, routes_BLK)
-        return (*self._sample(self._logits(hidden_BH), seqs)[:2], routes_BLK)
+                return (*sampled, captured)
+        return (*self._sample(self._logits(hidden_BH), seqs)[:2], captured)
 
     def _sample_graphed(self, hidden_BH: torch.Tensor, samplers: list[Sequence]):
         """:meth:`_sample`'s token ids and logprobs by a replayed sampling graph, or None when
@@ -361,14 +371,14 @@ class ModelRunner:
         with batch_invariant_aten():
             return self.model.compute_logits(hidden_BH)
 
-    @staticmethod
-    def start_readback(tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
+    def start_readback(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor,
                        routes_BLK: torch.Tensor | None = None) -> Readback:
         """Start copying a launched step's results (and captured routes) to the host (pinned,
         asynchronous) and mark when they are there: reading them later waits for this step
         alone, not for the steps launched after it (a plain ``tolist`` would wait for the whole
         stream). The copies are queued before the next step, which reuses the decode graph's
-        output buffers."""
+        output buffers. The routes land in one of two pinned buffers used in turn (at most
+        two launched steps are unread)."""
         values = torch.cat([tokens_B.double(), logprobs_B.double()])
         if not values.is_cuda:
             return Readback(values, None, tokens_B.shape[0], routes_BLK)
@@ -376,11 +386,21 @@ class ModelRunner:
         host.copy_(values, non_blocking=True)
         routes_host = None
         if routes_BLK is not None:
-            routes_host = torch.empty(routes_BLK.shape, dtype=routes_BLK.dtype, pin_memory=True)
+            routes_host = self._readback_buffer(routes_BLK)
             routes_host.copy_(routes_BLK, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return Readback(host, ready, tokens_B.shape[0], routes_host)
+
+    def _readback_buffer(self, routes_BLK: torch.Tensor) -> torch.Tensor:
+        """The next of the two pinned route buffers, as a view shaped like ``routes_BLK``."""
+        self._readback_turn ^= 1
+        buffer = self._readback_routes[self._readback_turn]
+        if buffer is None or buffer.numel() < routes_BLK.numel():
+            buffer = torch.empty(max(routes_BLK.numel(), self.max_num_seqs * routes_BLK[0].numel()),
+                                 dtype=routes_BLK.dtype, pin_memory=True)
+            self._readback_routes[self._readback_turn] = buffer
+        return buffer[:routes_BLK.numel()].view(routes_BLK.shape)
 
     @staticmethod
     def finish_decode(readback: Readback) -> StepResult:
@@ -388,7 +408,7 @@ class ModelRunner:
         if readback.ready is not None:
             readback.ready.synchronize()
         values, n = readback.values.tolist(), readback.n
-        routes = None if readback.routes is None else readback.routes.numpy().copy()
+        routes = None if readback.routes is None else readback.routes.numpy()
         return StepResult([int(t) for t in values[:n]], values[n:], routes=routes)
 
     def _routes_to_host(self, routes_TLK: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,13 @@ from miles_host.rollout.sequence import Sequence
 
 
 def routed_experts_array(seq: Sequence) -> np.ndarray | None:
-    """``[prompt + completion - 1, moe_layers, top_k]`` int32 expert ids (SGLang's layout).
+    """``[prompt + completion - 1, moe_layers, top_k]`` int32 expert ids (SGLang's layout)
+    from ``seq.routed_expert_chunks`` (the engine keeps a sequence's routes there when it
+    gives up its KV blocks; otherwise they are read from the route store).
 
     Every token but the last was forwarded once (or again after a preemption:
-    later captures overwrite earlier ones). Chunks are numpy arrays (the
-    engine's per-step copies) or tensors (a decoding strategy's). Chunks that
-    continue each other (a decode's one row per step) are joined and placed with
-    one copy: a long rollout holds one chunk per sequence and step.
+    later captures overwrite earlier ones). Chunks are numpy arrays or tensors.
+    Chunks that continue each other are joined and placed with one copy.
     """
     if not seq.routed_expert_chunks:
         return None
@@ -63,8 +63,11 @@ def sequence_output(
     return_logprob: bool,
     return_routed_experts: bool,
     tokenizer: Any | None,
+    routed_experts: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """The result dict of one sample, shaped like SGLang's ``/generate`` response."""
+    """The result dict of one sample, shaped like SGLang's ``/generate`` response;
+    ``routed_experts`` (the engine's, read from its route store) is returned when
+    ``return_routed_experts``, else the sequence's own chunks (:func:`routed_experts_array`)."""
     output_ids = list(seq.output_ids)
     meta: dict[str, Any] = {
         "id": seq.rid,
@@ -81,7 +84,7 @@ def sequence_output(
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, output_ids)]
     if return_routed_experts:
-        meta["routed_experts"] = routed_experts_array(seq)
+        meta["routed_experts"] = routed_experts if routed_experts is not None else routed_experts_array(seq)
     result: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta}
     if tokenizer is not None:
         result["text"] = output_text(seq, tokenizer)

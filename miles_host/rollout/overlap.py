@@ -12,8 +12,12 @@ token of compute per stopping sequence). Only plain decode steps overlap; prefil
 speculative decoding and batch-invariant mode run as before.
 
 Route capture (R3) overlaps too: the step's routes leave the device with its tokens
-(the same pinned copy and event, queued before the next step reuses the decode graph's
-output buffer), and each sequence that asked gets its row when the step is resolved.
+(the same event, queued before the next step reuses the decode graph's output buffer),
+and when the step is resolved they are written at the step's cache slots
+(:class:`~miles_host.rollout.route_store.RouteStore`) in one vectorized write. Rows of
+sequences that no longer own those slots are left out: the discarded rows of sequences
+that stopped a step earlier, and those of sequences preempted since the launch, which
+keep their row with their other routes (``Sequence.routed_expert_chunks``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles_host.devices import host_to_device
@@ -40,6 +45,9 @@ class PendingDecode:
     logprobs_B: torch.Tensor
     readback: Any = None  # the results' copy to the host (model_runner.Readback)
     positions: list[int] = field(default_factory=list)  # index of each sequence's placeholder
+    slots: np.ndarray | None = None  # the cache slot of each row (when routes are captured)
+    #: sequences that gave up their blocks (preemption) before this step was read
+    released: list[Sequence] = field(default_factory=list)
 
 
 def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device: torch.device) -> PendingDecode:
@@ -58,8 +66,10 @@ def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device
             ids_override = (host_to_device(torch.tensor(rows, dtype=torch.long), device),
                             previous.tokens_B.index_select(0, src_index))
     want_routes = any(seq.want_routed_experts for seq in batch.sequences)
-    tokens_B, logprobs_B, routes_BLK = runner.launch_decode(batch, ids_override, want_routes)
-    pending = PendingDecode(batch, tokens_B, logprobs_B, runner.start_readback(tokens_B, logprobs_B, routes_BLK))
+    tokens_B, logprobs_B, captured = runner.launch_decode(batch, ids_override, want_routes)
+    slots_B, routes_BLK = captured if captured is not None else (None, None)
+    pending = PendingDecode(batch, tokens_B, logprobs_B, runner.start_readback(tokens_B, logprobs_B, routes_BLK),
+                            slots=slots_B)
     for seq in batch.sequences:
         pending.positions.append(len(seq.token_ids))
         seq.token_ids.append(PLACEHOLDER)
@@ -67,16 +77,17 @@ def launch(runner, batch: ScheduledBatch, previous: PendingDecode | None, device
     return pending
 
 
-def resolve_step(pending: PendingDecode, result, block_manager, finish_reason) -> list[tuple[Sequence, dict]]:
-    """Fill ``pending``'s placeholders with ``result`` (a read :class:`StepResult`); return the
-    ``(sequence, finish reason)`` pairs that stopped, their later placeholders dropped."""
-    stopped = []
+def resolve_step(pending: PendingDecode, result, block_manager, finish_reason,
+                 route_store=None) -> list[tuple[Sequence, dict]]:
+    """Fill ``pending``'s placeholders with ``result`` (a read :class:`StepResult`) and store
+    its routes in ``route_store``; return the ``(sequence, finish reason)`` pairs that
+    stopped, their later placeholders dropped."""
+    stopped, discarded = [], []
     for row, (seq, position, token, logprob) in enumerate(zip(pending.batch.sequences, pending.positions,
                                                               result.token_ids, result.logprobs)):
         if seq.status == SequenceStatus.FINISHED:
+            discarded.append(row)
             continue  # stopped at an earlier step; this row's work is discarded
-        if result.routes is not None and seq.want_routed_experts:  # the routes of the token it forwarded
-            seq.routed_expert_chunks.append((position - 1, result.routes[row:row + 1]))
         seq.token_ids[position] = token
         seq.output_logprobs[position - seq.num_prompt_tokens] = logprob
         if seq.status == SequenceStatus.RUNNING:  # (a preempted one holds no cache now)
@@ -87,4 +98,20 @@ def resolve_step(pending: PendingDecode, result, block_manager, finish_reason) -
             del seq.token_ids[position + 1:]
             del seq.output_logprobs[position + 1 - seq.num_prompt_tokens:]
             stopped.append((seq, reason))
+    if result.routes is not None and route_store is not None:
+        store_routes(pending, result.routes, discarded, route_store)
     return stopped
+
+
+def store_routes(pending: PendingDecode, routes_BLK: np.ndarray, discarded: list[int], route_store) -> None:
+    """Write a resolved step's routes at its cache slots, but for rows whose sequence no
+    longer owns its slot: ``discarded`` rows, and the rows of ``pending.released``
+    sequences, which keep theirs (``(position, [1, L, K])``) with their other routes."""
+    skip = list(discarded)
+    if pending.released:
+        released = {id(seq) for seq in pending.released}
+        for row, seq in enumerate(pending.batch.sequences):
+            if id(seq) in released:
+                skip.append(row)
+                seq.routed_expert_chunks.append((pending.positions[row] - 1, routes_BLK[row:row + 1].copy()))
+    route_store.write(pending.slots, routes_BLK, skip)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.sequence import Sequence, SequenceStatus
@@ -45,6 +46,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: slots past the last token each decode step writes (speculative decoding's drafts)
         self.num_lookahead_tokens = 0
+        #: called with an unfinished sequence about to lose its blocks (preempted, or failed)
+        self.on_release: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a request's sample 0; its other samples ride along in ``seq.children``."""
@@ -129,7 +132,7 @@ class Scheduler:
                     self.preempt(seq)
                     break
                 else:
-                    self.block_manager.free(seq)
+                    self._release(seq)
                     batch.failed.append(seq)
                     break
             else:
@@ -147,8 +150,13 @@ class Scheduler:
         """Free ``seq``'s blocks and put it first in line; it is recomputed from its tokens."""
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.block_manager.free(seq)
+        self._release(seq)
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if self.on_release is not None:
+            self.on_release(seq)
+        self.block_manager.free(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""

@@ -46,7 +46,8 @@ class Sequence:
     #: [[first output index, weight version], ...]: which weights generated which output tokens
     weight_version_spans: list[list[Any]] = field(default_factory=list)
     want_routed_experts: bool = False
-    # (first position, [tokens, layers, k] ids) chunks captured in forwards; later chunks win
+    # routes kept when it gave up its KV blocks unfinished (the engine's route store holds the
+    # rest): (first position, [tokens, layers, k] ids) chunks; later chunks win
     routed_expert_chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     num_prompt_cached_tokens: int = 0   # prompt tokens found in the prefix cache at first prefill
     stop_text_checked: int = 0          # output tokens already searched for stop strings
