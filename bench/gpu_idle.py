@@ -26,12 +26,17 @@ PHASE = "training_phase"
 
 def _where(launch: Any, depth: int = 3) -> str:
     """The innermost ``depth`` frames outside torch's own files of the Python stack that made
-    ``launch`` (a CUDA runtime call: its stack is its enclosing operator's)."""
-    event = launch
+    ``launch`` (a CUDA runtime call: its stack is its enclosing operator's); for work launched
+    where there is no Python stack (autograd's backward thread), the outermost operator
+    around it (``autograd::engine::evaluate_function: ...Backward0``)."""
+    event, outermost = launch, None
     while event is not None and not event.stack:
+        outermost = event
         event = event.cpu_parent
     frames = [f for f in (event.stack if event is not None else []) if "/torch/" not in f and not f.startswith("<built-in")]
-    return " <- ".join(f.rsplit("/", 1)[-1] for f in frames[:depth]) or "(no python frame)"
+    if frames:
+        return " <- ".join(f.rsplit("/", 1)[-1] for f in frames[:depth])
+    return f"(no python frame) {outermost.name}" if outermost is not None else "(no python frame)"
 
 
 def kernel_totals(events: Any, top: int = 60) -> dict[str, tuple[int, float]]:

@@ -11,6 +11,7 @@
 #        two_gpu_async (needs 2 GPUs: the quickstart --fully-async, engine process on the second GPU) grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
+#        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
@@ -91,6 +92,12 @@ for step in "${steps[@]}"; do
     r3) run r3 150 python3 bench/r3_overhead.py ;;
     r3_long) run r3_long 400 python3 bench/r3_overhead.py --prompts 256 --new-tokens 1024 --repeats 3 ;;  # a rollout of >= 5 s on an H100
     moe) run moe 560 python3 bench/moe.py --json "$OUT/moe.json" ;;
+    moe_quantized_decode) run moe_quantized_decode 400 python3 bench/moe.py --precisions bf16,fp8,int4 --kernels fused --batches 1,32 \
+      --prefill-seqs 0 --repeats 2 --json "$OUT/moe_quantized_decode.json" ;;  # FP8 / INT4 vs bf16 MoE decode at b1 and b32 on today's decode path
+    moe_int4_profile) run moe_int4_profile 300 python3 bench/moe.py --precisions int4 --kernels fused --batches 1 --prefill-seqs 0 \
+      --repeats 1 --profile-batch 1 ;;  # INT4 MoE b1 decode: GPU kernel time per token by kernel
+    moe_dsv3) run moe_dsv3 560 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
+      --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
