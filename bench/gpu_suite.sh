@@ -11,6 +11,7 @@
 #        two_gpu_async (needs 2 GPUs: the quickstart --fully-async, engine process on the second GPU) grpo_fast grpo_profile quantized quantized_plain r3 r3_long weight_sync fp8_gemm int4_gemm spec true_on_policy true_on_policy_moe true_on_policy_tests
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
+#        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
@@ -140,6 +141,9 @@ for step in "${steps[@]}"; do
     quickstart_gpu) run quickstart_gpu 300 python3 bench/quickstart_gpu.py ;;
     true_on_policy) run true_on_policy 300 python3 bench/true_on_policy.py --steps 2 ;;
     true_on_policy_moe) run true_on_policy_moe 300 python3 bench/true_on_policy.py --steps 2 --model moe ;;
+    true_on_policy_moe_batched) run true_on_policy_moe_batched_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      --tb=short tests/kernels/test_invariant_experts.py; run true_on_policy_moe_batched 300 python3 bench/true_on_policy.py \
+      --steps 2 --model moe --moe-invariant-decode batched ;;  # the batched invariant decode experts: bit-equal on the GPU, then diff 0.0 and cost (flip the switch's default if both hold)
     moe_train) run moe_train_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_train.py
       run moe_train 420 python3 bench/moe_train.py --json "$OUT/moe_train.json" ;;  # grouped vs loop vs transformers
     true_on_policy_tests) run true_on_policy_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \

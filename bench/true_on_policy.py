@@ -73,6 +73,7 @@ def run_mode(model_dir: Path, data: Path, args, true_on_policy: bool) -> dict:
         "--rollout-temperature", "1.0", "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress",
         *(["--device", "cpu", "--dtype", "float32"] if args.tiny else []),
         *(["--true-on-policy"] if true_on_policy else []),
+        "--moe-invariant-decode", args.moe_invariant_decode,
     ]
     manager = MilesPluginManager()
     config, _ = resolve_run_config(argv, manager)
@@ -118,6 +119,8 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=8,
                         help="decoder layers of the MoE model (64 experts, top-8; 16 did not fit a 5-minute call)")
     parser.add_argument("--only", choices=["default", "true_on_policy"])
+    parser.add_argument("--moe-invariant-decode", choices=["loop", "batched"], default="loop",
+                        help="the batch-invariant decode step's routed experts (the kernel switch of the same name)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)

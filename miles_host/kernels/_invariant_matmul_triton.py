@@ -1,7 +1,8 @@
 """Triton body of :mod:`miles_host.kernels.invariant_matmul` (imported only where Triton runs).
 
 One program per ``[block_m, block_n]`` output tile (grouped launch order for L2
-reuse of ``b``). Each program walks K from 0 in ``BLOCK_K`` chunks, masks the K
+reuse of ``b``; :func:`bmm`: per tile and batch entry, each entry's tiles computed as
+:func:`mm` computes them). Each program walks K from 0 in ``BLOCK_K`` chunks, masks the K
 tail with zeros (zero products leave the sums unchanged) and accumulates with
 ``tl.dot`` into one fp32 accumulator: the same sums, in the same order, for an
 output element whatever tile it sits in. Rows and columns past the edge load
@@ -61,14 +62,15 @@ def _emulated_k_step(acc, a_rows, b_cols, kb, K, stride_ak, stride_bk, BLOCK_K: 
 
 
 @triton.jit
-def _invariant_mm_kernel(
-    A, B, Bias, C,
+def _mm_tile(
+    A, B, Bias, C, tile,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, EMULATED_K_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    """Output tile ``tile`` (in the grouped launch order) of ``C = A @ B (+ Bias)``."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,6 +97,34 @@ def _invariant_mm_kernel(
     tl.store(c_ptrs, cast_rne(acc, C.dtype.element_ty, EMULATE), mask=mask)
 
 
+@triton.jit
+def _invariant_mm_kernel(
+    A, B, Bias, C,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, EMULATED_K_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    _mm_tile(A, B, Bias, C, tl.program_id(0), M, N, K,
+             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+             HAS_BIAS, EVEN_K, EMULATE, EMULATED_K_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _invariant_bmm_kernel(
+    A, B, C,
+    M, N, K,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
+    EVEN_K: tl.constexpr, EMULATE: tl.constexpr, EMULATED_K_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Program ``(tile, batch)``: :func:`_invariant_mm_kernel`'s tile of batch entry ``batch``."""
+    batch = tl.program_id(1).to(tl.int64)
+    _mm_tile(A + batch * stride_ab, B + batch * stride_bb, C, C + batch * stride_cb, tl.program_id(0), M, N, K,
+             stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+             False, EVEN_K, EMULATE, EMULATED_K_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
 def mm(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None, config, out_dtype: torch.dtype):
     """Launch one invariant GEMM (shapes and dtypes checked by the caller)."""
     m, k = a_MK.shape
@@ -114,3 +144,25 @@ def mm(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None, conf
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out_MN
+
+
+def bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor, config, out_dtype: torch.dtype) -> torch.Tensor:
+    """Launch one invariant GEMM per batch entry, all in one grid (shapes checked by the caller)."""
+    batches, m, k = a_BMK.shape
+    n = b_BKN.shape[2]
+    out_BMN = torch.empty((batches, m, n), dtype=out_dtype, device=a_BMK.device)
+    if batches == 0 or m == 0 or n == 0:
+        return out_BMN
+    emulate = emulate_rounding()
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), batches)
+    _invariant_bmm_kernel[grid](
+        a_BMK, b_BKN, out_BMN,
+        m, n, k,
+        a_BMK.stride(0), a_BMK.stride(1), a_BMK.stride(2), b_BKN.stride(0), b_BKN.stride(1), b_BKN.stride(2),
+        out_BMN.stride(0), out_BMN.stride(1), out_BMN.stride(2),
+        EVEN_K=k % config.block_k == 0,
+        EMULATE=emulate, EMULATED_K_BLOCKS=triton.cdiv(k, config.block_k) if emulate else 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out_BMN

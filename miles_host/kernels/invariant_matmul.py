@@ -146,3 +146,23 @@ def invariant_mm(
     n = b_KN.shape[1]
     config = config or matmul_config(m, n, k, a_MK.dtype)
     return _invariant_matmul_triton.mm(a_MK, b_KN, bias_N, config, out_dtype or a_MK.dtype)
+
+
+def invariant_bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor, *, config: MatmulConfig | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a[i] @ b[i]`` for every batch entry ``i`` as ``[B, M, N]``: each entry's rows exactly as
+    :func:`invariant_mm` of that entry computes them (the same kernel body, config by ``M``), in
+    one launch. ``a`` may be a broadcast view (batch stride 0: one input for every entry, as
+    ``x.expand(E, T, H)`` for every expert). No bias, no autograd.
+    On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the Triton kernel; elsewhere each entry's
+    :func:`invariant_mm_reference`."""
+    if a_BMK.dim() != 3 or b_BKN.dim() != 3 or a_BMK.shape[0] != b_BKN.shape[0] or a_BMK.shape[2] != b_BKN.shape[1]:
+        raise ValueError(f"invariant_bmm multiplies [B, M, K] x [B, K, N]; got {tuple(a_BMK.shape)} x {tuple(b_BKN.shape)}")
+    _check(a_BMK[0], b_BKN[0], None)
+    if not uses_triton(a_BMK):
+        return torch.stack([invariant_mm_reference(a, b, None, out_dtype) for a, b in zip(a_BMK, b_BKN)])
+    from miles_host.kernels import _invariant_matmul_triton
+
+    _, m, k = a_BMK.shape
+    config = config or matmul_config(m, b_BKN.shape[2], k, a_BMK.dtype)
+    return _invariant_matmul_triton.bmm(a_BMK, b_BKN, config, out_dtype or a_BMK.dtype)

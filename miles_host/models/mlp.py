@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels import invariant_ops, moe_grouped, moe_router, moe_train
+from miles_host.kernels import invariant_experts, invariant_ops, moe_grouped, moe_router, moe_train
 from miles_host.kernels.eager_ops import activation, gated_activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import moe_tiles
@@ -202,8 +202,23 @@ class Experts(torch.nn.Module):
             gemms = moe_grouped.DenseExpertGemms(gate_up_E2IH, down_EHI, self.act_name, *biases, self.swiglu_limit,
                                                  self.swiglu_alpha)
             return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
+        # a batch-invariant decode step in CUDA graphs: all experts in a few launches (same bits as the loop)
+        if self.takes_invariant_batched(x_TH):
+            return invariant_experts.dense_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act)
         expert_mlp = _expert_mlp_of(self, gate_up_E2IH, down_EHI)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, expert_mlp)
+
+    def takes_invariant_batched(self, x_TH: torch.Tensor) -> bool:
+        """Whether a batch-invariant decode step's experts run batched
+        (``--moe-invariant-decode batched``, :mod:`~miles_host.kernels.invariant_experts`): in CUDA-graph
+        capture, no autograd, plain gated experts (no biases, no clamped SwiGLU)."""
+        return (
+            invariant_experts.batched()
+            and _invariant_active()
+            and x_TH.is_cuda and torch.cuda.is_current_stream_capturing()
+            and not torch.is_grad_enabled()
+            and self.gate_up_proj_bias is None and self.down_proj_bias is None and self.swiglu_limit is None
+        )
 
 
 #: inference paths of the routed experts: the fused kernels of :mod:`miles_host.kernels.moe_grouped`
