@@ -158,6 +158,8 @@ def test_gradients_match_the_fast_path(name, device):
         (log_probs.sum() + 0.1 * entropy.sum()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
-    rtol, atol = (1e-4, 1e-5) if device == "cpu" else (1e-3, 1e-4)
+    # (float32, two summation orders: on a CPU with AVX-512 one of the 1,024 gradients of the MoE model's
+    # first o_proj, 0.033, differs by 1.7e-5 where its terms cancel)
+    rtol, atol = (1e-4, 3e-5) if device == "cpu" else (1e-3, 1e-4)
     for key in grads[0]:
         torch.testing.assert_close(grads[0][key], grads[1][key], rtol=rtol, atol=atol)
