@@ -203,22 +203,24 @@ class Experts(torch.nn.Module):
                                                  self.swiglu_alpha)
             return moe_grouped.fused_moe(x_TH, ids_TK, weights_TK, gemms, routing=routing)
         # a batch-invariant decode step in CUDA graphs: all experts in a few launches (same bits as the loop)
-        if self.takes_invariant_batched(x_TH):
+        if takes_invariant_batched(self, x_TH):
             return invariant_experts.dense_experts(x_TH, ids_TK, weights_TK, gate_up_E2IH, down_EHI, self.act)
         expert_mlp = _expert_mlp_of(self, gate_up_E2IH, down_EHI)
         return routed_forward(x_TH, ids_TK, weights_TK, self.num_experts, expert_mlp)
 
-    def takes_invariant_batched(self, x_TH: torch.Tensor) -> bool:
-        """Whether a batch-invariant decode step's experts run batched
-        (``--moe-invariant-decode batched``, :mod:`~miles_host.kernels.invariant_experts`): in CUDA-graph
-        capture, no autograd, plain gated experts (no biases, no clamped SwiGLU)."""
-        return (
-            invariant_experts.batched()
-            and _invariant_active()
-            and x_TH.is_cuda and torch.cuda.is_current_stream_capturing()
-            and not torch.is_grad_enabled()
-            and self.gate_up_proj_bias is None and self.down_proj_bias is None and self.swiglu_limit is None
-        )
+
+def takes_invariant_batched(experts: torch.nn.Module, x_TH: torch.Tensor) -> bool:
+    """Whether a batch-invariant decode step's routed ``experts`` (:class:`Experts` or a variant
+    sharing its ``routed_with``) run batched (``--moe-invariant-decode batched``,
+    :mod:`~miles_host.kernels.invariant_experts`): in CUDA-graph capture, no autograd, plain gated
+    experts (no biases, no clamped SwiGLU)."""
+    return (
+        invariant_experts.batched()
+        and _invariant_active()
+        and x_TH.is_cuda and torch.cuda.is_current_stream_capturing()
+        and not torch.is_grad_enabled()
+        and experts.gate_up_proj_bias is None and experts.down_proj_bias is None and experts.swiglu_limit is None
+    )
 
 
 #: inference paths of the routed experts: the fused kernels of :mod:`miles_host.kernels.moe_grouped`
