@@ -126,10 +126,12 @@ def test_retry_generates_a_stale_prompt_again():
 def test_abort_mode_hands_in_flight_groups_to_the_handler():
     producer, buffer, backend = producer_for()
     backend.weight_version = 0
+    hold_even_groups(backend, 2)  # the even groups are mid-generation at the update, however fast the machine
     producer.start()
     try:
         take(buffer, 1, 0)
         push(producer, backend, 1, "abort")
+        backend.hold = False
         stats = producer.pop_stats()
         later, _ = take(buffer, 2, 1)
     finally:
