@@ -3,8 +3,11 @@
 Random-init Qwen3-1.7B shape (hidden 2048, 28 layers, 16 q / 8 kv heads of dim 128,
 intermediate 6144, vocab 151936, tied embeddings), bf16 rollout, 16 prompts x 8 samples,
 128-token prompts, 256 new tokens (EOS ignored). Each variant runs in its own process
-(same engine memory fraction, so the KV cache is the same size in both, and the same
-activation recomputation, ``--recompute-granularity full``): the full model,
+with the same engine: its KV cache sized to the rollout (``--max-total-tokens``, passed as SGLang's, default
+every sequence's prompt and response at once, as a colocated run would size SGLang's pool;
+``--mem-fraction`` only caps it), so a step's peak is the memory the step needs rather than
+a fraction of whichever GPU runs it; and the same activation recomputation,
+``--recompute-granularity full``: the full model,
 then ``--lora-rank 16 --lora-alpha 32`` on all linears. Reported per variant: the
 steady-state medians of step / rollout / train / weight-sync seconds, trainable parameters,
 the peak GPU memory of a whole step and of the training phase (both include the engine's
@@ -65,7 +68,8 @@ def bench_variant(name: str, model_dir: Path, data: Path, args, flags: list[str]
         "--rollout-max-response-len", str(args.new_tokens), "--num-rollout", str(args.steps),
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6",
         "--output-dir", str(args.workdir / f"out_{name}"), "--no-progress", *(VARIANTS[name] if flags is None else flags),
-        *([] if args.tiny else ["--sglang-mem-fraction-static", str(args.mem_fraction)]),
+        *([] if args.tiny else ["--sglang-mem-fraction-static", str(args.mem_fraction),
+                                "--sglang-max-total-tokens", str(args.max_total_tokens)]),
         *(["--recompute-granularity", "full"] if args.recompute else []),
     ]
     manager = MilesPluginManager()
@@ -131,6 +135,7 @@ def run_in_subprocess(name: str, args, script: str = __file__, extra: tuple[str,
             "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
             "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
             "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--mem-fraction", str(args.mem_fraction),
+            "--max-total-tokens", str(args.max_total_tokens),
             *(["--tiny"] if args.tiny else []), *extra]
     if subprocess.run(argv).returncode != 0 or not result.is_file():
         print(f"{name}: the run failed (see above)")
@@ -151,7 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
                         help="keep every layer's activations (default: --recompute-granularity full in both runs; "
                              "without it a full fine-tune of this shape does not fit an 80 GB GPU beside the engine)")
-    parser.add_argument("--mem-fraction", type=float, default=0.3, help="the engine's GPU memory fraction (both runs)")
+    parser.add_argument("--mem-fraction", type=float, default=0.3,
+                        help="the engine's GPU memory fraction (both runs): a cap on its weights + KV cache")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="the engine's KV cache in tokens (both runs; default prompts x samples x (prompt + new "
+                             "tokens): the whole rollout resident at once)")
     parser.add_argument("--profile", action="store_true", help="profile one more step of each variant (host and CUDA)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_lora_bench"))
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps = 2 if args.tiny else 3
     if args.tiny:
         args.prompts, args.samples, args.new_tokens, args.prompt_len = 2, 2, 4, 4
+    if args.max_total_tokens is None:
+        args.max_total_tokens = args.prompts * args.samples * (args.prompt_len + args.new_tokens)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not (args.workdir / "model").is_dir():
         build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
