@@ -56,8 +56,10 @@ TUNED: dict[tuple[int, int, int, str], dict[int, tuple[int, tuple[int, int, int,
     },
 }
 
-#: the (block_n, block_k, num_warps, num_stages) candidates the sweep times per projection
-SWEEP_GEMMS = ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3))
+#: the (block_n, block_k, num_warps, num_stages) candidates the sweep times per projection (the narrow
+#: ones spread a few tokens' weight reads over more programs: the quantized kernels' decode tiles)
+SWEEP_GEMMS = ((16, 128, 2, 4), (16, 128, 4, 3), (32, 128, 2, 4), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3),
+               (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3))
 #: the row blocks the sweep tries
 SWEEP_BLOCK_M = (16, 32, 64, 128)
 
