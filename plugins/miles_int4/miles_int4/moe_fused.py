@@ -27,6 +27,7 @@ import triton.language as tl
 
 from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, block_rows, mma
 from miles_host.kernels.triton_common import cast_rne, emulate_rounding
+from miles_int4.moe_gemv import int4_moe_gemv, takes_gemv
 from miles_int4.quant import PACK_FACTOR
 
 
@@ -106,7 +107,8 @@ def int4_moe_gemm(a, routing, packed, scale, out_RN, config, gather: bool, activ
 
 @dataclass
 class Int4ExpertGemms:
-    """The fused MoE's GEMMs over an ``Int4Experts``' compressed-tensors stacks."""
+    """The fused MoE's GEMMs over an ``Int4Experts``' compressed-tensors stacks: one token's rows by the
+    CUDA-core GEMV (:mod:`miles_int4.moe_gemv`), more by the grouped tensor-core kernel."""
 
     gate_up_packed: torch.Tensor
     gate_up_scale: torch.Tensor
@@ -121,7 +123,13 @@ class Int4ExpertGemms:
         self.weight_format = f"int4_g{self.hidden // self.gate_up_scale.shape[2]}"
 
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
-        int4_moe_gemm(x_TH, routing, self.gate_up_packed, self.gate_up_scale, out_RI, config, True, self.activation)
+        if takes_gemv(x_TH, routing):
+            int4_moe_gemv(x_TH, routing, self.gate_up_packed, self.gate_up_scale, out_RI, True, self.activation)
+        else:
+            int4_moe_gemm(x_TH, routing, self.gate_up_packed, self.gate_up_scale, out_RI, config, True, self.activation)
 
     def down(self, act_RI, routing, out_RH, config) -> None:
-        int4_moe_gemm(act_RI, routing, self.down_packed, self.down_scale, out_RH, config, False, None)
+        if takes_gemv(act_RI, routing):
+            int4_moe_gemv(act_RI, routing, self.down_packed, self.down_scale, out_RH, False, None)
+        else:
+            int4_moe_gemm(act_RI, routing, self.down_packed, self.down_scale, out_RH, config, False, None)

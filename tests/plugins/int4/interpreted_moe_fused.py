@@ -36,3 +36,40 @@ def test_fused_int4_experts_match_the_loop_and_float64(kernels, use_kernel, num_
     torch.testing.assert_close(fused.float(), loop.float(), rtol=0, atol=2e-2 * scale)
     torch.testing.assert_close(fused.double(), float64_reference(experts, 32, x, ids, weights), rtol=0,
                                atol=2e-2 * scale)
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    return interpreted_module("miles_int4.moe_gemv")
+
+
+@pytest.mark.parametrize("group_size", [16, 32])
+def test_one_token_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size):
+    """Batch 1 takes the CUDA-core GEMV: the same dequantized bf16 weights as the grouped MMA kernel,
+    fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
+    from miles_host.kernels import switches
+    from miles_host.kernels.moe_configs import moe_tiles
+    from miles_host.kernels.moe_grouped import plan
+    from miles_int4 import kernel_switches
+
+    module = Int4Experts(make_experts(), group_size, use_kernel=False)
+    module.refresh(torch.bfloat16)
+    x, ids, weights = routing(1)
+    gemms = kernels.Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"),
+                                    "silu")
+    layout = plan(ids, weights, 4, 16)
+    assert gemv.takes_gemv(x, layout)
+    rows = layout.pair_row_TK.reshape(-1)
+    outputs = {}
+    for switch in (1, 0):
+        with switches.switched(**{kernel_switches.GEMV.name: switch}):
+            assert gemv.takes_gemv(x, layout) == bool(switch)
+            act = torch.full((layout.row_token_R.shape[0], 32), float("nan"), dtype=torch.bfloat16)
+            out = torch.full((layout.row_token_R.shape[0], 64), float("nan"), dtype=torch.bfloat16)
+            config = moe_tiles(1, 2, 4, 64, 32, torch.bfloat16, gemms.weight_format)
+            gemms.gate_up(x, layout, act, config.gate_up)
+            gemms.down(act, layout, out, config.down)
+            outputs[switch] = act[rows].float(), out[rows].float()
+    for gemv_rows, mma_rows in zip(outputs[1], outputs[0]):
+        assert torch.isfinite(gemv_rows).all()
+        torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-7, atol=1e-3)

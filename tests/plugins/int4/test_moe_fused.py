@@ -102,3 +102,22 @@ def test_kernel_compiles_for_sm90(gated):
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
     ptx = compile_sm90(moe_fused._int4_moe_gemm_kernel, signature, constexprs, 4, 3, unaligned=())
     assert re.search(r"(wgmma|mma)\.\S*bf16", ptx)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_one_token_gemv_compiles_for_sm90(gated):
+    """The batch-1 GEMV's GPU branch: word-pair dequantization and fp32 FMAs in inline PTX."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_int4 import moe_gemv
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    signature = {"A": "*bf16", "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": "*i32",
+                 "S": "*bf16", "C": "*bf16", "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                 "stride_se": "i32", "stride_sn": "i32", "stride_cm": "i32"}
+    block_n = moe_gemv.GATE_UP_BLOCK_N if gated else moe_gemv.DOWN_BLOCK_N
+    constexprs = dict(GROUPS=16, GROUP=128, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0, EMULATE=False,
+                      BLOCK_N=block_n)
+    ptx = compile_sm90(moe_gemv._int4_moe_gemv_kernel, signature, constexprs, moe_gemv.GEMV_WARPS, 3, unaligned=())
+    for instruction in ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2", "fma.rn.f32"):
+        assert instruction in ptx, instruction
+    assert "mma" not in ptx
