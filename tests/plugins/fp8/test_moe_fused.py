@@ -111,3 +111,20 @@ def test_kernel_compiles_for_sm90_on_fp8_tensor_cores(gated):
                       BLOCK_M=16, BLOCK_N=64)
     ptx = compile_sm90(moe_fused._fp8_moe_gemm_kernel, signature, constexprs, 4, 3, unaligned=())
     assert "e4m3" in ptx and ("wgmma" in ptx or "mma" in ptx)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_one_token_gemv_compiles_for_sm90(gated):
+    """The batch-1 GEMV's GPU branch: in-kernel 1x128 quantization, E4M3 weights widened, fp32 FMAs, no MMA."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
+    from miles_fp8 import moe_gemv
+    from tests.plugins.triton_sm90 import compile_sm90
+
+    signature = {"A": "*bf16", "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": "*fp8e4nv",
+                 "WS": "*fp32", "C": "*bf16", "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                 "stride_wse": "i32", "stride_wsn": "i32", "stride_cm": "i32"}
+    block_n = moe_gemv.GATE_UP_BLOCK_N if gated else moe_gemv.DOWN_BLOCK_N
+    constexprs = dict(K_BLOCKS=16, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0, POW2=False, EMULATE=False,
+                      BLOCK_N=block_n)
+    ptx = compile_sm90(moe_gemv._fp8_moe_gemv_kernel, signature, constexprs, moe_gemv.GEMV_WARPS, 3, unaligned=())
+    assert "e4m3" in ptx and "fma.rn.f32" in ptx and "mma" not in ptx
