@@ -30,6 +30,10 @@ from miles_host.kernels.triton_common import cast_rne, emulate_rounding
 from miles_int4.moe_gemv import int4_moe_gemv, takes_gemv
 from miles_int4.quant import PACK_FACTOR
 
+#: float32 bits of 2^23 (a nibble OR-ed into its mantissa gives 2^23 + nibble exactly), and 2^23 + 8
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC_OFFSET = tl.constexpr(8388616.0)
+
 
 @triton.jit
 def _int4_moe_gemm_kernel(
@@ -73,12 +77,21 @@ def _int4_moe_gemm_kernel(
 @triton.jit
 def _dequantized_tile(w_ptrs, s_ptrs, shifts, DTYPE: tl.constexpr, EMULATE: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BLOCK_K, BLOCK_N]`` of ``(q * scale).to(DTYPE)`` from ``[BLOCK_K / 8, BLOCK_N]`` packed words."""
+    """``[BLOCK_K, BLOCK_N]`` of ``(q * scale).to(DTYPE)`` from ``[BLOCK_K / 8, BLOCK_N]`` packed words.
+
+    No int-to-float conversion (as :func:`miles_int4.decode_gemm._dequantize`): bf16 on the GPU, the nibble
+    OR-ed into ``0x4300`` is the bf16 ``128 + nibble``, minus 136 is ``q`` exactly, and the bf16 product with
+    the scale rounds the exact product once; otherwise the same in float32 with
+    ``2^23 + nibble``, one rounding to ``DTYPE``. The QAT forward's weights either way."""
     packed = tl.load(w_ptrs)
     nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [words, 8, N]: k = 8 * word + i
-    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8
-    scale = tl.load(s_ptrs).to(tl.float32)
-    return cast_rne(q.to(tl.float32) * scale[None, :], DTYPE, EMULATE)
+    nibble = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+    scale = tl.load(s_ptrs)
+    if EMULATE or DTYPE != tl.bfloat16:
+        q = (nibble | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC_OFFSET
+        return cast_rne(q * scale.to(tl.float32)[None, :], DTYPE, EMULATE)
+    q = (nibble.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+    return q * scale[None, :]
 
 
 def int4_moe_gemm(a, routing, packed, scale, out_RN, config, gather: bool, activation: str | None) -> None:
