@@ -35,6 +35,9 @@ import gpu_idle  # noqa: E402
 import grpo_step  # noqa: E402
 import torch  # noqa: E402
 
+#: tokens of one KV-cache block: the default cache holds one more per sequence than its tokens need
+KV_BLOCK = 16
+
 VARIANTS = {"full": [], "lora": ["--lora-rank", "16", "--lora-alpha", "32", "--target-modules", "all-linear"]}
 
 
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the engine's GPU memory fraction (both runs): a cap on its weights + KV cache")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="the engine's KV cache in tokens (both runs; default prompts x samples x (prompt + new "
-                             "tokens): the whole rollout resident at once)")
+                             "tokens + one cache block): the whole rollout resident at once)")
     parser.add_argument("--profile", action="store_true", help="profile one more step of each variant (host and CUDA)")
     parser.add_argument("--result-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/miles_lora_bench"))
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         args.prompts, args.samples, args.new_tokens, args.prompt_len = 2, 2, 4, 4
     if args.max_total_tokens is None:
-        args.max_total_tokens = args.prompts * args.samples * (args.prompt_len + args.new_tokens)
+        args.max_total_tokens = args.prompts * args.samples * (args.prompt_len + args.new_tokens + KV_BLOCK)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not (args.workdir / "model").is_dir():
         build_assets(args.workdir, args.tiny, args.prompts, args.prompt_len)
