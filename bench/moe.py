@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -440,6 +441,14 @@ def _gemms_of(module):
 # ---------------------------------------------------------------------- main
 
 
+def _import_switch_owner(name: str) -> None:
+    """Import the plugin whose kernel switches ``name`` belongs to (by its prefix)."""
+    owners = {"fp8_": "miles_fp8.kernel_switches", "int4_": "miles_int4.kernel_switches"}
+    for prefix, module in owners.items():
+        if name.startswith(prefix):
+            importlib.import_module(module)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3_30b", help="comma list of " + ", ".join(SHAPES))
@@ -461,6 +470,8 @@ def parse_args(argv=None):
     parser.add_argument("--mem-fraction", type=float, default=0.85)
     parser.add_argument("--small-m-gemm", choices=["triton", "torch"], default="triton",
                         help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
+    parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=32)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
                         help="each decode batch also with the sampling graphs off (the eager sampler), same engine")
     parser.add_argument("--host-profile-batch", type=int, default=0,
@@ -491,6 +502,11 @@ def main(argv=None) -> int:
     from miles_host.kernels import small_m_gemm, switches
 
     switches.setVALUES(**{small_m_gemm.SMALL_M.name: args.small_m_gemm})
+    for setting in args.switch:  # plugins declare their switches on import
+        name, _, raw = setting.partition("=")
+        _import_switch_owner(name)
+        switches.setVALUES(**{name: int(raw) if raw.lstrip("-").isdigit() else raw})
+        print(f"kernel switch {name} = {switches.value(switches.declared(name))}")
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.sweep:

@@ -12,8 +12,8 @@ gate_up computes gate and up columns together and ends in the same ``act(gate) *
 Grid ``(N / BLOCK_N, T * top_k)``: program ``(n, p)`` reads pair ``p``'s padded row ``r``
 (``pair_row_TK``), its expert (``block_expert_B[r // block_m]``) and input row (the token with
 ``GATHER``, else ``r``) and writes ``BLOCK_N`` columns of row ``r`` (``BLOCK_N`` divides 128:
-one weight scale per K block). Padding rows are neither read nor written. ``--fp8-moe-gemv 0``
-sends one token to the tensor-core kernel too. Reference: the per-expert loop
+one weight scale per K block). Padding rows are neither read nor written. ``--fp8-moe-gemv-tokens N``
+sets the most tokens that take it (default 1; 0 sends every batch to the tensor-core kernel). Reference: the per-expert loop
 (``moe_kernel = "loop"``) and :func:`miles_fp8.moe_fused.fp8_moe_gemm`.
 
 Tensor legend: R padded rows, N output columns, K input columns (both multiples of 128).
@@ -89,8 +89,9 @@ def _fp8_moe_gemv_kernel(
 
 
 def takes_gemv(routing: Routing) -> bool:
-    """One token, the switch on (``--fp8-moe-gemv``)."""
-    return routing.pair_row_TK.shape[0] == 1 and switches.value(kernel_switches.MOE_GEMV) == 1
+    """At most ``--fp8-moe-gemv-tokens`` tokens (default 1: batch-1 decode; a function of the token count, so a
+    captured decode graph always replays the same kernel)."""
+    return 0 < routing.pair_row_TK.shape[0] <= switches.value(kernel_switches.MOE_GEMV_TOKENS)
 
 
 def fp8_moe_gemv(a: torch.Tensor, routing: Routing, w_q: torch.Tensor, w_scale: torch.Tensor, out_RN: torch.Tensor,

@@ -18,7 +18,7 @@ Grid ``(cdiv(N, BLOCK_N), T * top_k)``: program ``(n, p)`` reads pair ``p``'s pa
 ``GATHER``, else ``r``), and writes ``BLOCK_N`` columns of row ``r``; gate_up computes gate and
 up columns together and ends in the same ``act(gate) * up`` rounding as the tensor-core
 kernel's epilogue. Padding rows are neither read nor written (the combine reads pair rows
-only). Reference: the per-expert loop over the dequantized weights
+only). ``--int4-moe-gemv-tokens N`` sets the most tokens that take it (default 1; 0 turns it off). Reference: the per-expert loop over the dequantized weights
 (``Int4Experts`` with ``moe_kernel = "loop"``).
 
 Tensor legend: R padded rows, N output columns, K input columns, G groups, W words per group.
@@ -30,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels import switches
 from miles_host.kernels.moe_grouped import Routing
 from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, cast_rne, emulate_rounding
-from miles_int4.decode_gemm import _word_dot, _word_dot_emulated, gemv_enabled
+from miles_int4 import kernel_switches
+from miles_int4.decode_gemm import _word_dot, _word_dot_emulated
 from miles_int4.quant import PACK_FACTOR
 
 #: output columns per program by projection: narrow gate_up tiles (each reads gate and up rows)
@@ -120,8 +122,10 @@ def _int4_moe_gemv_kernel(
 
 
 def takes_gemv(a: torch.Tensor, routing: Routing) -> bool:
-    """One token of bf16 / fp16 activations, the GEMV switch on (``--int4-gemv``)."""
-    return routing.pair_row_TK.shape[0] == 1 and a.dtype in (torch.bfloat16, torch.float16) and gemv_enabled()
+    """bf16 / fp16 activations of at most ``--int4-moe-gemv-tokens`` tokens (default 1: batch-1 decode; a
+    function of the token count, so a captured decode graph always replays the same kernel)."""
+    return (0 < routing.pair_row_TK.shape[0] <= switches.value(kernel_switches.MOE_GEMV_TOKENS)
+            and a.dtype in (torch.bfloat16, torch.float16))
 
 
 def int4_moe_gemv(a: torch.Tensor, routing: Routing, packed: torch.Tensor, scale: torch.Tensor, out_RN: torch.Tensor,

@@ -50,10 +50,11 @@ def test_fused_router_layout_is_used_as_is(kernels):
         assert torch.equal(experts(x, ids, layout.weights_TK, routing=layout), experts(x, ids, layout.weights_TK))
 
 
-@pytest.mark.parametrize("power_of_two", [False, True])
-def test_one_token_gemv_matches_the_tensor_core_kernel(kernels, power_of_two):
-    """Batch 1 takes the CUDA-core GEMV: the same quantized activations and E4M3 products as the block-scaled
-    kernel, fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
+@pytest.mark.parametrize("power_of_two,num_tokens", [(False, 1), (True, 1), (False, 3)])
+def test_gemv_matches_the_tensor_core_kernel(kernels, power_of_two, num_tokens):
+    """Batch 1 (and up to ``--fp8-moe-gemv-tokens``) takes the CUDA-core GEMV: the same quantized activations and
+    E4M3 products as the block-scaled kernel, fp32 sums in another order (a bf16 rounding apart at most), on the
+    used rows only."""
     from miles_fp8 import kernel_switches
     from miles_host.kernels import switches
     from miles_host.kernels.moe_configs import moe_tiles
@@ -61,21 +62,22 @@ def test_one_token_gemv_matches_the_tensor_core_kernel(kernels, power_of_two):
 
     gemv = interpreted_module("miles_fp8.moe_gemv")
     experts = make_fp8_experts(power_of_two)
-    x, ids, weights = routing(1)
+    x, ids, weights = routing(num_tokens)
     gemms = kernels.Fp8ExpertGemms(experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
                                    experts.down_proj_scale_inv, "silu", power_of_two)
     layout = plan(ids, weights, 4, 16)
     rows = layout.pair_row_TK.reshape(-1)
-    tiles = moe_tiles(1, 2, 4, 128, 128, torch.bfloat16, gemms.weight_format)
+    tiles = moe_tiles(num_tokens, 2, 4, 128, 128, torch.bfloat16, gemms.weight_format)
     outputs = {}
-    for switch in (1, 0):
-        with switches.switched(**{kernel_switches.MOE_GEMV.name: switch}):
+    assert gemv.takes_gemv(layout) == (num_tokens == 1)
+    for switch in (num_tokens, 0):
+        with switches.switched(**{kernel_switches.MOE_GEMV_TOKENS.name: switch}):
             assert gemv.takes_gemv(layout) == bool(switch)
             act = torch.full((layout.row_token_R.shape[0], 128), float("nan"), dtype=torch.bfloat16)
             out = torch.full((layout.row_token_R.shape[0], 128), float("nan"), dtype=torch.bfloat16)
             gemms.gate_up(x, layout, act, tiles.gate_up)
             gemms.down(act, layout, out, tiles.down)
             outputs[switch] = act[rows].float(), out[rows].float()
-    for gemv_rows, mma_rows in zip(outputs[1], outputs[0]):
+    for gemv_rows, mma_rows in zip(outputs[num_tokens], outputs[0]):
         assert torch.isfinite(gemv_rows).all()
         torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-7, atol=1e-3)

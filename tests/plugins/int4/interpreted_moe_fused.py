@@ -43,10 +43,10 @@ def gemv():
     return interpreted_module("miles_int4.moe_gemv")
 
 
-@pytest.mark.parametrize("group_size", [16, 32])
-def test_one_token_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size):
-    """Batch 1 takes the CUDA-core GEMV: the same dequantized bf16 weights as the grouped MMA kernel,
-    fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
+@pytest.mark.parametrize("group_size,num_tokens", [(16, 1), (32, 1), (32, 3)])
+def test_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size, num_tokens):
+    """Batch 1 (and up to ``--int4-moe-gemv-tokens``) takes the CUDA-core GEMV: the same dequantized bf16 weights
+    as the grouped MMA kernel, fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
     from miles_host.kernels import switches
     from miles_host.kernels.moe_configs import moe_tiles
     from miles_host.kernels.moe_grouped import plan
@@ -54,22 +54,22 @@ def test_one_token_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size
 
     module = Int4Experts(make_experts(), group_size, use_kernel=False)
     module.refresh(torch.bfloat16)
-    x, ids, weights = routing(1)
+    x, ids, weights = routing(num_tokens)
     gemms = kernels.Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"),
                                     "silu")
     layout = plan(ids, weights, 4, 16)
-    assert gemv.takes_gemv(x, layout)
+    assert gemv.takes_gemv(x, layout) == (num_tokens == 1)
     rows = layout.pair_row_TK.reshape(-1)
     outputs = {}
-    for switch in (1, 0):
-        with switches.switched(**{kernel_switches.GEMV.name: switch}):
+    for switch in (num_tokens, 0):
+        with switches.switched(**{kernel_switches.MOE_GEMV_TOKENS.name: switch}):
             assert gemv.takes_gemv(x, layout) == bool(switch)
             act = torch.full((layout.row_token_R.shape[0], 32), float("nan"), dtype=torch.bfloat16)
             out = torch.full((layout.row_token_R.shape[0], 64), float("nan"), dtype=torch.bfloat16)
-            config = moe_tiles(1, 2, 4, 64, 32, torch.bfloat16, gemms.weight_format)
+            config = moe_tiles(num_tokens, 2, 4, 64, 32, torch.bfloat16, gemms.weight_format)
             gemms.gate_up(x, layout, act, config.gate_up)
             gemms.down(act, layout, out, config.down)
             outputs[switch] = act[rows].float(), out[rows].float()
-    for gemv_rows, mma_rows in zip(outputs[1], outputs[0]):
+    for gemv_rows, mma_rows in zip(outputs[num_tokens], outputs[0]):
         assert torch.isfinite(gemv_rows).all()
         torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-7, atol=1e-3)
