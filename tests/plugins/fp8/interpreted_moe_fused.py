@@ -56,28 +56,13 @@ def test_gemv_matches_the_tensor_core_kernel(kernels, power_of_two, num_tokens):
     E4M3 products as the block-scaled kernel, fp32 sums in another order (a bf16 rounding apart at most), on the
     used rows only."""
     from miles_fp8 import kernel_switches
-    from miles_host.kernels import switches
-    from miles_host.kernels.moe_configs import moe_tiles
     from miles_host.kernels.moe_grouped import plan
+    from tests.plugins.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     gemv = interpreted_module("miles_fp8.moe_gemv")
     experts = make_fp8_experts(power_of_two)
     x, ids, weights = routing(num_tokens)
     gemms = kernels.Fp8ExpertGemms(experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
                                    experts.down_proj_scale_inv, "silu", power_of_two)
-    layout = plan(ids, weights, 4, 16)
-    rows = layout.pair_row_TK.reshape(-1)
-    tiles = moe_tiles(num_tokens, 2, 4, 128, 128, torch.bfloat16, gemms.weight_format)
-    outputs = {}
-    assert gemv.takes_gemv(layout) == (num_tokens == 1)
-    for switch in (num_tokens, 0):
-        with switches.switched(**{kernel_switches.MOE_GEMV_TOKENS.name: switch}):
-            assert gemv.takes_gemv(layout) == bool(switch)
-            act = torch.full((layout.row_token_R.shape[0], 128), float("nan"), dtype=torch.bfloat16)
-            out = torch.full((layout.row_token_R.shape[0], 128), float("nan"), dtype=torch.bfloat16)
-            gemms.gate_up(x, layout, act, tiles.gate_up)
-            gemms.down(act, layout, out, tiles.down)
-            outputs[switch] = act[rows].float(), out[rows].float()
-    for gemv_rows, mma_rows in zip(outputs[num_tokens], outputs[0]):
-        assert torch.isfinite(gemv_rows).all()
-        torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-7, atol=1e-3)
+    assert gemv.takes_gemv(plan(ids, weights, 4, 16)) == (num_tokens == 1)
+    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS, gemv.takes_gemv)

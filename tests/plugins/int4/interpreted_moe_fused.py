@@ -47,29 +47,15 @@ def gemv():
 def test_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size, num_tokens):
     """Batch 1 (and up to ``--int4-moe-gemv-tokens``) takes the CUDA-core GEMV: the same dequantized bf16 weights
     as the grouped MMA kernel, fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
-    from miles_host.kernels import switches
-    from miles_host.kernels.moe_configs import moe_tiles
     from miles_host.kernels.moe_grouped import plan
     from miles_int4 import kernel_switches
+    from tests.plugins.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     module = Int4Experts(make_experts(), group_size, use_kernel=False)
     module.refresh(torch.bfloat16)
     x, ids, weights = routing(num_tokens)
     gemms = kernels.Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"),
                                     "silu")
-    layout = plan(ids, weights, 4, 16)
-    assert gemv.takes_gemv(x, layout) == (num_tokens == 1)
-    rows = layout.pair_row_TK.reshape(-1)
-    outputs = {}
-    for switch in (num_tokens, 0):
-        with switches.switched(**{kernel_switches.MOE_GEMV_TOKENS.name: switch}):
-            assert gemv.takes_gemv(x, layout) == bool(switch)
-            act = torch.full((layout.row_token_R.shape[0], 32), float("nan"), dtype=torch.bfloat16)
-            out = torch.full((layout.row_token_R.shape[0], 64), float("nan"), dtype=torch.bfloat16)
-            config = moe_tiles(num_tokens, 2, 4, 64, 32, torch.bfloat16, gemms.weight_format)
-            gemms.gate_up(x, layout, act, config.gate_up)
-            gemms.down(act, layout, out, config.down)
-            outputs[switch] = act[rows].float(), out[rows].float()
-    for gemv_rows, mma_rows in zip(outputs[num_tokens], outputs[0]):
-        assert torch.isfinite(gemv_rows).all()
-        torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-7, atol=1e-3)
+    assert gemv.takes_gemv(x, plan(ids, weights, 4, 16)) == (num_tokens == 1)
+    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS,
+                                               lambda layout: gemv.takes_gemv(x, layout))
