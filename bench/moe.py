@@ -442,11 +442,10 @@ def _gemms_of(module):
 
 
 def _import_switch_owner(name: str) -> None:
-    """Import the plugin whose kernel switches ``name`` belongs to (by its prefix)."""
+    """Import the module that declares kernel switch ``name``: a plugin's by its prefix, else the host's MoE kernels."""
     owners = {"fp8_": "miles_fp8.kernel_switches", "int4_": "miles_int4.kernel_switches"}
-    for prefix, module in owners.items():
-        if name.startswith(prefix):
-            importlib.import_module(module)
+    importlib.import_module(next((module for prefix, module in owners.items() if name.startswith(prefix)),
+                                 "miles_host.kernels.moe_grouped"))
 
 
 def parse_args(argv=None):

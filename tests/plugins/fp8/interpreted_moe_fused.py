@@ -57,7 +57,7 @@ def test_gemv_matches_the_tensor_core_kernel(kernels, power_of_two, num_tokens):
     used rows only."""
     from miles_fp8 import kernel_switches
     from miles_host.kernels.moe_grouped import plan
-    from tests.plugins.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
+    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     gemv = interpreted_module("miles_fp8.moe_gemv")
     experts = make_fp8_experts(power_of_two)

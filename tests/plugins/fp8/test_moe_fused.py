@@ -128,3 +128,19 @@ def test_one_token_gemv_compiles_for_sm90(gated):
                       BLOCK_N=block_n)
     ptx = compile_sm90(moe_gemv._fp8_moe_gemv_kernel, signature, constexprs, moe_gemv.GEMV_WARPS, 3, unaligned=())
     assert "e4m3" in ptx and "fma.rn.f32" in ptx and "mma" not in ptx
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 32])
+def test_gpu_gemv_matches_the_tensor_core_kernel(num_tokens):
+    from miles_fp8 import kernel_switches, moe_gemv
+    from miles_fp8.moe_fused import Fp8ExpertGemms
+    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
+
+    experts = make_fp8_experts(hidden=2048, inter=768, num_experts=128, device="cuda")
+    x, ids, weights = routing(num_tokens, hidden=2048, num_experts=128, top_k=8, device="cuda")
+    gemms = Fp8ExpertGemms(experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                           experts.down_proj_scale_inv, "silu", False)
+    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS,
+                                               moe_gemv.takes_gemv)

@@ -49,7 +49,7 @@ def test_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size, num_toke
     as the grouped MMA kernel, fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
     from miles_host.kernels.moe_grouped import plan
     from miles_int4 import kernel_switches
-    from tests.plugins.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
+    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     module = Int4Experts(make_experts(), group_size, use_kernel=False)
     module.refresh(torch.bfloat16)

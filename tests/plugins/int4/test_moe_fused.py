@@ -122,3 +122,19 @@ def test_one_token_gemv_compiles_for_sm90(gated):
     for instruction in ("lop3.b32", "sub.rn.bf16x2", "mul.rn.bf16x2", "fma.rn.f32"):
         assert instruction in ptx, instruction
     assert "mma" not in ptx
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 32])
+def test_gpu_gemv_matches_the_tensor_core_kernel(num_tokens):
+    from miles_int4 import kernel_switches, moe_gemv
+    from miles_int4.moe_fused import Int4ExpertGemms
+    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
+
+    module = Int4Experts(make_experts(hidden=2048, inter=768, num_experts=128, device="cuda"), 128, use_kernel=True)
+    module.refresh(torch.bfloat16)
+    x, ids, weights = routing(num_tokens, hidden=2048, num_experts=128, top_k=8, device="cuda")
+    gemms = Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"), "silu")
+    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS,
+                                               lambda layout: moe_gemv.takes_gemv(x, layout))

@@ -24,8 +24,9 @@ def assert_gemv_matches_the_tensor_core_kernel(gemms: ExpertGemms, x_TH: torch.T
     for most_tokens in (num_tokens, 0):
         with switches.switched(**{switch.name: most_tokens}):
             assert takes_gemv(layout) == bool(most_tokens)
-            act = torch.full((layout.row_token_R.shape[0], gemms.inter), float("nan"), dtype=x_TH.dtype)
-            out = torch.full((layout.row_token_R.shape[0], gemms.hidden), float("nan"), dtype=x_TH.dtype)
+            num_rows = layout.row_token_R.shape[0]
+            act = torch.full((num_rows, gemms.inter), float("nan"), dtype=x_TH.dtype, device=x_TH.device)
+            out = torch.full((num_rows, gemms.hidden), float("nan"), dtype=x_TH.dtype, device=x_TH.device)
             gemms.gate_up(x_TH, layout, act, tiles.gate_up)
             gemms.down(act, layout, out, tiles.down)
             outputs[most_tokens] = act[rows].float(), out[rows].float()
