@@ -106,10 +106,9 @@ for step in "${steps[@]}"; do
       tests/plugins/fp8/test_moe_fused.py tests/kernels/test_moe_grouped.py -k "gemv or qwen3_30b"
       run moe_quantized_decode 320 python3 bench/moe.py --precisions bf16,fp8,int4 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --repeats 2 --json "$OUT/moe_quantized_decode.json"
-      run moe_gemv_b32 200 python3 bench/moe.py --precisions int4,fp8 --kernels fused --batches 32 --prefill-seqs 0 \
-        --repeats 2 --switch int4_moe_gemv_tokens=32 --switch fp8_moe_gemv_tokens=32 --json "$OUT/moe_gemv_b32.json"
-      run moe_gemv_bf16_b1 150 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
-        --repeats 2 --switch moe_gemv_tokens=1 --json "$OUT/moe_gemv_bf16_b1.json" ;;  # the experts' CUDA-core GEMVs: GPU tests, FP8/INT4 vs bf16 at b1/b32, b32 through the quantized GEMVs, bf16 b1 through its GEMV
+      run moe_gemv_on 320 python3 bench/moe.py --precisions bf16,fp8,int4 --kernels fused --batches 1,32 --prefill-seqs 0 \
+        --repeats 2 --switch moe_gemv_tokens=32 --switch int4_moe_gemv_tokens=32 --switch fp8_moe_gemv_tokens=32 \
+        --json "$OUT/moe_gemv_on.json" ;;  # the experts' CUDA-core GEMVs (off by default): GPU tests, then bf16/FP8/INT4 decode at b1/b32 with the grouped kernels and with the GEMVs
     moe_sweep_decode) for p in fp8 int4; do run "moe_sweep_decode_$p" 150 python3 bench/moe.py --sweep --sweep-precision $p \
       --sweep-tokens 1,32 --json "$OUT/moe_sweep_decode_$p.json"; done ;;  # the quantized experts' decode tiles (T = 1, 32)
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

@@ -16,7 +16,7 @@ SMALL_M = declare("fp8_small_m", 64, None,
 SMALL_M_MMA = declare("fp8_small_m_mma", 1, (0, 1),
                       "small-M FP8 kernel products: 1 on FP8 tensor cores, 0 in fp16 with fp32 sums")
 #: most tokens whose MoE experts take the CUDA-core grouped GEMV (a program row per (token, slot) pair; 0: off)
-MOE_GEMV_TOKENS = declare("fp8_moe_gemv_tokens", 1, None,
+MOE_GEMV_TOKENS = declare("fp8_moe_gemv_tokens", 0, None,
                           "most tokens whose FP8 MoE experts take the CUDA-core grouped GEMV, one program row per "
                           "(token, slot) pair (0: the tensor-core kernel always)")
 #: 1: the plain-PyTorch path on the GPU too (debugging)

@@ -13,7 +13,7 @@ Grid ``(N / BLOCK_N, T * top_k)``: program ``(n, p)`` reads pair ``p``'s padded 
 (``pair_row_TK``), its expert (``block_expert_B[r // block_m]``) and input row (the token with
 ``GATHER``, else ``r``) and writes ``BLOCK_N`` columns of row ``r`` (``BLOCK_N`` divides 128:
 one weight scale per K block). Padding rows are neither read nor written. ``--fp8-moe-gemv-tokens N``
-sets the most tokens that take it (default 1; 0 sends every batch to the tensor-core kernel). Reference: the per-expert loop
+sets the most tokens that take it (default 0: every batch on the tensor-core kernel). Reference: the per-expert loop
 (``moe_kernel = "loop"``) and :func:`miles_fp8.moe_fused.fp8_moe_gemm`.
 
 Tensor legend: R padded rows, N output columns, K input columns (both multiples of 128).
@@ -89,8 +89,8 @@ def _fp8_moe_gemv_kernel(
 
 
 def takes_gemv(routing: Routing) -> bool:
-    """At most ``--fp8-moe-gemv-tokens`` tokens (default 1: batch-1 decode; a function of the token count, so a
-    captured decode graph always replays the same kernel)."""
+    """At most ``--fp8-moe-gemv-tokens`` tokens (default 0, none, until a GPU measurement sets it; a function
+    of the token count, so a captured decode graph always replays the same kernel)."""
     return 0 < routing.pair_row_TK.shape[0] <= switches.value(kernel_switches.MOE_GEMV_TOKENS)
 
 
