@@ -28,6 +28,7 @@
 #        spec_4b_bigram (the 4B shape fine-tuned on a noisy bigram language: a policy with structure a draft can learn)
 #        spec_small (16 sequences: the memory-bound regime of a rollout's long tail, where verifying k+1 tokens is ~free)
 #        two_gpu (needs 2 GPUs: NCCL broadcast GB/s, the quickstart disaggregated and FSDP2-colocated)
+#        h200_goals (lora then megatron_train, unprofiled: one device call)
 #        megatron_train megatron_quickstart (one GPU: the megatron trainer vs the native one, tok/s and learning)
 #        megatron_moe (its MoE half) megatron_sync (each backend's host syncs in a training phase) step_tests
 #        megatron_parallel (needs 2 GPUs: Megatron TP=2, EP=2, PP=2, CP=2, PP2xVPP2 against one process; x4 adds TP2xPP2,
@@ -78,6 +79,8 @@ for step in "${steps[@]}"; do
     two_gpu_async) quickstart two_gpu_async 420 --fully-async --rollout-num-gpus 1 --rollout-backend process ;;  # needs 2 GPUs
     grpo_fast) run grpo_fast 260 python3 bench/grpo_step.py --train-compile --steps 2 ;;
     lora) run lora 480 python3 bench/lora_step.py --profile ;;  # the full $OUT/gpu_suite.log holds each variant's profiled step (host functions, CUDA kernels)
+    h200_goals) run lora_goal 260 python3 bench/lora_step.py  # the LoRA and Megatron goals in one call, unprofiled
+      run megatron_goal 310 python3 bench/megatron_train.py --json "$OUT/megatron_train.json" ;;
     megatron_train) run megatron_train 560 python3 bench/megatron_train.py --profile --json "$OUT/megatron_train.json" ;;  # megatron vs native train tok/s, TP = PP = 1, 0.6B dense and the MoE bench shape (needs the megatron-core wheel in .whl/)
     megatron_moe) run megatron_moe 300 python3 bench/megatron_train.py --models moe --profile --json "$OUT/megatron_moe.json" ;;  # the MoE half of megatron_train (the open >= 1.0x item)
     megatron_sync) run megatron_sync 260 python3 bench/megatron_train.py --models moe --steps 2 --sync-points ;;  # each backend's host syncs in one training phase, by where they come from
