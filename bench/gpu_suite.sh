@@ -13,7 +13,7 @@
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only)
-#        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (their batch-1 GEMV: tests, decode)
+#        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
@@ -105,13 +105,11 @@ for step in "${steps[@]}"; do
       --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
-    moe_gemv) run moe_gemv_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/int4/test_moe_fused.py \
-      tests/plugins/fp8/test_moe_fused.py tests/kernels/test_moe_grouped.py -k "gemv or qwen3_30b"
-      run moe_quantized_decode 320 python3 bench/moe.py --precisions bf16,fp8,int4 --kernels fused --batches 1,32 \
-        --prefill-seqs 0 --repeats 2 --json "$OUT/moe_quantized_decode.json"
-      run moe_gemv_on 320 python3 bench/moe.py --precisions bf16,fp8,int4 --kernels fused --batches 1,32 --prefill-seqs 0 \
-        --repeats 2 --switch moe_gemv_tokens=32 --switch int4_moe_gemv_tokens=32 --switch fp8_moe_gemv_tokens=32 \
-        --json "$OUT/moe_gemv_on.json" ;;  # the experts' CUDA-core GEMVs (off by default): GPU tests, then bf16/FP8/INT4 decode at b1/b32 with the grouped kernels and with the GEMVs
+    moe_gemv) run moe_gemv_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/int4/test_moe_fused.py
+      run moe_quantized_decode 320 python3 bench/moe.py --precisions bf16,int4,fp8 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --repeats 2 --mem-fraction 0.5 --json "$OUT/moe_quantized_decode.json"
+      run moe_int4_grouped_b1 150 python3 bench/moe.py --precisions int4 --kernels fused --batches 1 --prefill-seqs 0 \
+        --repeats 2 --mem-fraction 0.5 --switch int4_moe_gemv_tokens=0 ;;  # the INT4 experts' batch-1 GEMV: its GPU tests, FP8/INT4 vs bf16 decode at b1/b32, INT4 b1 on the grouped kernel (the GEMV's baseline)
     moe_sweep_decode) for p in fp8 int4; do run "moe_sweep_decode_$p" 150 python3 bench/moe.py --sweep --sweep-precision $p \
       --sweep-tokens 1,32 --json "$OUT/moe_sweep_decode_$p.json"; done ;;  # the quantized experts' decode tiles (T = 1, 32)
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

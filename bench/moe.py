@@ -470,7 +470,7 @@ def parse_args(argv=None):
     parser.add_argument("--small-m-gemm", choices=["triton", "torch"], default="triton",
                         help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
     parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
-                        help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=32)")
+                        help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=0)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
                         help="each decode batch also with the sampling graphs off (the eager sampler), same engine")
     parser.add_argument("--host-profile-batch", type=int, default=0,

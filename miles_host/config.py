@@ -217,9 +217,6 @@ class TrainArgs:
     small_m_gemm: str = flag(
         "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
         "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
-    moe_gemv_tokens: int = flag(
-        0, "kernel switch: most tokens whose 16-bit MoE experts take the CUDA-core grouped GEMV, one program row "
-        "per (token, slot) pair (0: the grouped tensor-core kernel always)", type=int, group="kernels")
     moe_invariant_decode: str = flag(
         "loop", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,

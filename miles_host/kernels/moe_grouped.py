@@ -26,8 +26,7 @@ so a decode step captures it in a CUDA graph and a prefill runs it as it comes:
    in slot order and rounded once to x's dtype, in one launch.
 
 Steps 2 and 3 are an :class:`ExpertGemms`: :class:`DenseExpertGemms` for the host's
-bf16/fp16/fp32 experts (a few tokens' 16-bit experts optionally through the CUDA-core GEMV of
-:mod:`miles_host.kernels.moe_gemv`, ``--moe-gemv-tokens``); precision plugins (FP8, INT4) provide their own with the
+bf16/fp16/fp32 experts; precision plugins (FP8, INT4) provide their own with the
 weights in their format and the same layout. Tiles come from
 :mod:`miles_host.kernels.moe_configs` (a swept table by shape and token bucket).
 
@@ -53,7 +52,6 @@ from miles_host.kernels.eager_ops import gated_activation
 # DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, max_row_blocks, moe_tiles, pick_block_m
-from miles_host.kernels.moe_gemv import moe_gemv, takes_gemv
 
 __all__ = [
     "CLAMPED_SWIGLU", "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe",
@@ -137,8 +135,6 @@ class DenseExpertGemms:
                              "(use --moe-kernel loop)")
 
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
-        if takes_gemv(self.gate_up_E2IH, routing, self.gate_up_bias_E2I is not None or self.swiglu_limit is not None):
-            return moe_gemv(x_TH, routing, self.gate_up_E2IH, out_RI, True, self.activation)
         from miles_host.kernels import _moe_grouped_triton
 
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
@@ -146,8 +142,6 @@ class DenseExpertGemms:
                                      swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
 
     def down(self, act_RI, routing, out_RH, config) -> None:
-        if takes_gemv(self.down_EHI, routing, self.down_bias_EH is not None):
-            return moe_gemv(act_RI, routing, self.down_EHI, out_RH, False, None)
         from miles_host.kernels import _moe_grouped_triton
 
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,

@@ -96,20 +96,3 @@ def test_fp32_router_weights_with_bf16_activations(kernels):
     got = kernels.grouped_moe_forward(x, ids, weights.float(), gate_up, down)
     assert got.dtype == torch.bfloat16
     assert_close(got, kernels.grouped_moe_forward_reference(x, ids, weights.float(), gate_up, down), torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_tokens,hidden", [(1, 32), (3, 32), (1, 320)])
-def test_gemv_matches_the_grouped_kernel(kernels, dtype, num_tokens, hidden):
-    """A few tokens through ``--moe-gemv-tokens``: the CUDA-core GEMV gives the grouped kernel's rows within a
-    rounding, leaves the padding rows alone; 320 inputs take two K tiles, the second ragged."""
-    from miles_host.kernels import moe_gemv
-    from miles_host.kernels.moe_grouped import plan
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
-
-    experts = make_experts(hidden, INTER, EXPERTS, TOP_K, dtype)
-    x, ids, weights = routing_inputs(num_tokens, hidden, EXPERTS, TOP_K, dtype)
-    gemms = kernels.DenseExpertGemms(experts.gate_up_proj, experts.down_proj)
-    assert not moe_gemv.takes_gemv(gemms.gate_up_E2IH, plan(ids, weights, EXPERTS, 16), False)  # off by default
-    assert_gemv_matches_the_tensor_core_kernel(
-        gemms, x, ids, weights, moe_gemv.TOKENS, lambda layout: moe_gemv.takes_gemv(gemms.gate_up_E2IH, layout, False))

@@ -367,34 +367,3 @@ def test_gpu_decode_graphs_capture_the_fused_path(monkeypatch):
     monkeypatch.setattr(moe_grouped, "fused_moe", lambda *a, **k: calls.append(torch.is_grad_enabled()) or original(*a, **k))
     engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64)
     assert engine.runner.graphs is not None and calls and not any(calls)
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_gemv_compiles_for_sm90(gated):
-    """The few-token GEMV's GPU branch: fp32 FMAs of the widened bf16 weights, no MMA."""
-    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
-    from miles_host.kernels import _moe_gemv_triton, moe_gemv
-    from tests.plugins.triton_sm90 import compile_sm90
-
-    signature = {"A": "*bf16", "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": "*bf16",
-                 "C": "*bf16", "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_cm": "i32"}
-    block_n, block_k, warps = moe_gemv.GATE_UP_TILE if gated else moe_gemv.DOWN_TILE
-    constexprs = dict(K=2048 if gated else 768, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0, EMULATE=False,
-                      BLOCK_N=block_n, BLOCK_K=block_k)
-    ptx = compile_sm90(_moe_gemv_triton._moe_gemv_kernel, signature, constexprs, warps, 3, unaligned=())
-    assert "fma.rn.f32" in ptx and "mma" not in ptx
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("num_tokens", [1, 4])
-def test_gpu_gemv_matches_the_grouped_kernel_at_the_qwen3_30b_shape(num_tokens):
-    from miles_host.kernels import moe_gemv
-    from miles_host.kernels.moe_grouped import DenseExpertGemms
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
-
-    experts = make_experts(2048, 768, 128, 8, torch.bfloat16, device="cuda")
-    x, ids, weights = routing_inputs(num_tokens, 2048, 128, 8, torch.bfloat16, device="cuda")
-    gemms = DenseExpertGemms(experts.gate_up_proj, experts.down_proj)
-    assert_gemv_matches_the_tensor_core_kernel(
-        gemms, x, ids, weights, moe_gemv.TOKENS, lambda layout: moe_gemv.takes_gemv(gemms.gate_up_E2IH, layout, False))

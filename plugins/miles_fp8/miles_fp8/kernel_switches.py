@@ -15,11 +15,7 @@ SMALL_M = declare("fp8_small_m", 64, None,
 #: 1: the small-M kernel multiplies on FP8 tensor cores; 0: fp16 products, fp32 sums
 SMALL_M_MMA = declare("fp8_small_m_mma", 1, (0, 1),
                       "small-M FP8 kernel products: 1 on FP8 tensor cores, 0 in fp16 with fp32 sums")
-#: most tokens whose MoE experts take the CUDA-core grouped GEMV (a program row per (token, slot) pair; 0: off)
-MOE_GEMV_TOKENS = declare("fp8_moe_gemv_tokens", 0, None,
-                          "most tokens whose FP8 MoE experts take the CUDA-core grouped GEMV, one program row per "
-                          "(token, slot) pair (0: the tensor-core kernel always)")
 #: 1: the plain-PyTorch path on the GPU too (debugging)
 REFERENCE = declare("fp8_reference", 0, (0, 1), "1: plain-PyTorch FP8 path on the GPU too (debugging)")
 
-SWITCHES = (GEMM, SMALL_M, SMALL_M_MMA, MOE_GEMV_TOKENS, REFERENCE)
+SWITCHES = (GEMM, SMALL_M, SMALL_M_MMA, REFERENCE)

@@ -30,7 +30,6 @@ import triton.language as tl
 from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, block_rows
 from miles_host.kernels.triton_common import cast_rne, emulate_rounding
 from miles_fp8.decode_gemm import use_fp8_mma
-from miles_fp8.moe_gemv import fp8_moe_gemv, takes_gemv
 from miles_fp8.quant import BLOCK
 from miles_fp8.triton_kernels import _quantize_rows
 
@@ -109,8 +108,7 @@ def fp8_moe_gemm(a, routing, w_q, w_scale, out_RN, config, gather: bool, activat
 
 @dataclass
 class Fp8ExpertGemms:
-    """The fused MoE's GEMMs over an ``Fp8InferenceExperts``' stacks (FP8 + 128x128 block scales): one token's
-    rows by the CUDA-core GEMV (:mod:`miles_fp8.moe_gemv`), more by the grouped block-scaled kernel."""
+    """The fused MoE's GEMMs over an ``Fp8InferenceExperts``' stacks (FP8 + 128x128 block scales)."""
 
     gate_up_q: torch.Tensor
     gate_up_scale: torch.Tensor
@@ -125,16 +123,8 @@ class Fp8ExpertGemms:
         self.weight_format = WEIGHT_FORMAT
 
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
-        if takes_gemv(routing):
-            fp8_moe_gemv(x_TH, routing, self.gate_up_q, self.gate_up_scale, out_RI, True, self.activation,
-                         self.power_of_two)
-        else:
-            fp8_moe_gemm(x_TH, routing, self.gate_up_q, self.gate_up_scale, out_RI, config, True, self.activation,
-                         self.power_of_two)
+        fp8_moe_gemm(x_TH, routing, self.gate_up_q, self.gate_up_scale, out_RI, config, True, self.activation,
+                     self.power_of_two)
 
     def down(self, act_RI, routing, out_RH, config) -> None:
-        if takes_gemv(routing):
-            fp8_moe_gemv(act_RI, routing, self.down_q, self.down_scale, out_RH, False, None, self.power_of_two)
-        else:
-            fp8_moe_gemm(act_RI, routing, self.down_q, self.down_scale, out_RH, config, False, None,
-                         self.power_of_two)
+        fp8_moe_gemm(act_RI, routing, self.down_q, self.down_scale, out_RH, config, False, None, self.power_of_two)

@@ -18,7 +18,7 @@ SMALL_M = declare("int4_small_m", 64, None,
 GEMV = declare("int4_gemv", 1, (0, 1), "1: one-token INT4 inputs take the CUDA-core GEMV; 0: the tensor-core kernel")
 
 #: most tokens whose MoE experts take the CUDA-core grouped GEMV (a program row per (token, slot) pair; 0: off)
-MOE_GEMV_TOKENS = declare("int4_moe_gemv_tokens", 0, None,
+MOE_GEMV_TOKENS = declare("int4_moe_gemv_tokens", 1, None,
                           "most tokens whose INT4 MoE experts take the CUDA-core grouped GEMV, one program row per "
                           "(token, slot) pair (0: the tensor-core kernel always)")
 

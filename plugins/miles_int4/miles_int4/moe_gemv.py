@@ -18,7 +18,7 @@ Grid ``(cdiv(N, BLOCK_N), T * top_k)``: program ``(n, p)`` reads pair ``p``'s pa
 ``GATHER``, else ``r``), and writes ``BLOCK_N`` columns of row ``r``; gate_up computes gate and
 up columns together and ends in the same ``act(gate) * up`` rounding as the tensor-core
 kernel's epilogue. Padding rows are neither read nor written (the combine reads pair rows
-only). ``--int4-moe-gemv-tokens N`` sets the most tokens that take it (default 0: off). Reference: the per-expert loop over the dequantized weights
+only). ``--int4-moe-gemv-tokens N`` sets the most tokens that take it (default 1; 0 turns it off). Reference: the per-expert loop over the dequantized weights
 (``Int4Experts`` with ``moe_kernel = "loop"``).
 
 Tensor legend: R padded rows, N output columns, K input columns, G groups, W words per group.
@@ -122,9 +122,9 @@ def _int4_moe_gemv_kernel(
 
 
 def takes_gemv(a: torch.Tensor, routing: Routing) -> bool:
-    """bf16 / fp16 activations of at most ``--int4-moe-gemv-tokens`` tokens (default 0, none, until a GPU
-    measurement sets it; a function of the token count, so a captured decode graph always replays the same
-    kernel)."""
+    """bf16 / fp16 activations of at most ``--int4-moe-gemv-tokens`` tokens (default 1: batch-1 decode, where it
+    is faster than the grouped kernel; at 32 tokens it is slower: ``bench/RESULTS.md``). A function of the token
+    count, so a captured decode graph always replays the same kernel."""
     return (0 < routing.pair_row_TK.shape[0] <= switches.value(kernel_switches.MOE_GEMV_TOKENS)
             and a.dtype in (torch.bfloat16, torch.float16))
 

@@ -48,21 +48,3 @@ def test_fused_router_layout_is_used_as_is(kernels):
     assert experts.weight_format == "fp8_block128"
     with torch.no_grad():
         assert torch.equal(experts(x, ids, layout.weights_TK, routing=layout), experts(x, ids, layout.weights_TK))
-
-
-@pytest.mark.parametrize("power_of_two,num_tokens", [(False, 1), (True, 1), (False, 3)])
-def test_gemv_matches_the_tensor_core_kernel(kernels, power_of_two, num_tokens):
-    """Up to ``--fp8-moe-gemv-tokens`` tokens take the CUDA-core GEMV: the same quantized activations and
-    E4M3 products as the block-scaled kernel, fp32 sums in another order (a bf16 rounding apart at most), on the
-    used rows only."""
-    from miles_fp8 import kernel_switches
-    from miles_host.kernels.moe_grouped import plan
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
-
-    gemv = interpreted_module("miles_fp8.moe_gemv")
-    experts = make_fp8_experts(power_of_two)
-    x, ids, weights = routing(num_tokens)
-    gemms = kernels.Fp8ExpertGemms(experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                                   experts.down_proj_scale_inv, "silu", power_of_two)
-    assert gemv.takes_gemv(plan(ids, weights, 4, 16)) is False  # off by default
-    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS, gemv.takes_gemv)

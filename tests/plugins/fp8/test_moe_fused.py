@@ -111,36 +111,3 @@ def test_kernel_compiles_for_sm90_on_fp8_tensor_cores(gated):
                       BLOCK_M=16, BLOCK_N=64)
     ptx = compile_sm90(moe_fused._fp8_moe_gemm_kernel, signature, constexprs, 4, 3, unaligned=())
     assert "e4m3" in ptx and ("wgmma" in ptx or "mma" in ptx)
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_one_token_gemv_compiles_for_sm90(gated):
-    """The batch-1 GEMV's GPU branch: in-kernel 1x128 quantization, E4M3 weights widened, fp32 FMAs, no MMA."""
-    pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
-    from miles_fp8 import moe_gemv
-    from tests.plugins.triton_sm90 import compile_sm90
-
-    signature = {"A": "*bf16", "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": "*fp8e4nv",
-                 "WS": "*fp32", "C": "*bf16", "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
-                 "stride_wse": "i32", "stride_wsn": "i32", "stride_cm": "i32"}
-    block_n = moe_gemv.GATE_UP_BLOCK_N if gated else moe_gemv.DOWN_BLOCK_N
-    constexprs = dict(K_BLOCKS=16, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0, POW2=False, EMULATE=False,
-                      BLOCK_N=block_n)
-    ptx = compile_sm90(moe_gemv._fp8_moe_gemv_kernel, signature, constexprs, moe_gemv.GEMV_WARPS, 3, unaligned=())
-    assert "e4m3" in ptx and "fma.rn.f32" in ptx and "mma" not in ptx
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("num_tokens", [1, 32])
-def test_gpu_gemv_matches_the_tensor_core_kernel(num_tokens):
-    from miles_fp8 import kernel_switches, moe_gemv
-    from miles_fp8.moe_fused import Fp8ExpertGemms
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
-
-    experts = make_fp8_experts(hidden=2048, inter=768, num_experts=128, device="cuda")
-    x, ids, weights = routing(num_tokens, hidden=2048, num_experts=128, top_k=8, device="cuda")
-    gemms = Fp8ExpertGemms(experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                           experts.down_proj_scale_inv, "silu", False)
-    assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS,
-                                               moe_gemv.takes_gemv)

@@ -11,7 +11,9 @@ import torch
 
 from miles_host.models.mlp import uses_fused_moe
 from miles_int4.rollout import Int4Experts
-from tests.plugins.int4.test_moe_fused import float64_reference, make_experts, routing
+from tests.plugins.int4.test_moe_fused import (
+    assert_gemv_matches_the_tensor_core_kernel, float64_reference, make_experts, routing,
+)
 from tests.plugins.triton_interpret import interpreted_module
 
 
@@ -49,13 +51,12 @@ def test_gemv_matches_the_tensor_core_kernel(kernels, gemv, group_size, num_toke
     as the grouped MMA kernel, fp32 sums in another order (a bf16 rounding apart at most), on the used rows only."""
     from miles_host.kernels.moe_grouped import plan
     from miles_int4 import kernel_switches
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     module = Int4Experts(make_experts(), group_size, use_kernel=False)
     module.refresh(torch.bfloat16)
     x, ids, weights = routing(num_tokens)
     gemms = kernels.Int4ExpertGemms(*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj"),
                                     "silu")
-    assert gemv.takes_gemv(x, plan(ids, weights, 4, 16)) is False  # off by default
+    assert gemv.takes_gemv(x, plan(ids, weights, 4, 16)) == (num_tokens == 1)  # batch 1 by default
     assert_gemv_matches_the_tensor_core_kernel(gemms, x, ids, weights, kernel_switches.MOE_GEMV_TOKENS,
                                                lambda layout: gemv.takes_gemv(x, layout))

@@ -9,10 +9,14 @@ eager and inside a CUDA graph.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
+from miles_host.kernels import switches
+from miles_host.kernels.moe_configs import moe_tiles
+from miles_host.kernels.moe_grouped import ExpertGemms, plan
 from miles_host.models.config import MoEConfig
 from miles_host.models.mlp import Experts
 from miles_int4.quant import dequantize, quantize
@@ -55,6 +59,32 @@ def float64_reference(experts: Experts, group_size, x, ids, weights) -> torch.Te
         out = (act.double() @ down[e].t()).bfloat16().double()
         y.index_add_(0, tokens, out * weights.cpu()[tokens, slots].double()[:, None])
     return y.to(x.device)
+
+
+def assert_gemv_matches_the_tensor_core_kernel(gemms: ExpertGemms, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                                               weights_TK: torch.Tensor, switch: switches.Switch,
+                                               takes_gemv: Callable[[object], bool]) -> None:
+    """Both projections with ``switch`` (the GEMV's most tokens) at the batch's token count, then at 0: the pair
+    rows agree within two bf16 roundings (gate, up and their product are each rounded after fp32 sums in
+    another order) and are finite; the padding rows are left alone (NaN-filled here)."""
+    num_tokens, top_k = ids_TK.shape
+    layout = plan(ids_TK, weights_TK, gemms.num_experts, 16)
+    tiles = moe_tiles(num_tokens, top_k, gemms.num_experts, gemms.hidden, gemms.inter, x_TH.dtype,
+                      gemms.weight_format)
+    rows = layout.pair_row_TK.reshape(-1)
+    outputs = {}
+    for most_tokens in (num_tokens, 0):
+        with switches.switched(**{switch.name: most_tokens}):
+            assert takes_gemv(layout) == bool(most_tokens)
+            num_rows = layout.row_token_R.shape[0]
+            act = torch.full((num_rows, gemms.inter), float("nan"), dtype=x_TH.dtype, device=x_TH.device)
+            out = torch.full((num_rows, gemms.hidden), float("nan"), dtype=x_TH.dtype, device=x_TH.device)
+            gemms.gate_up(x_TH, layout, act, tiles.gate_up)
+            gemms.down(act, layout, out, tiles.down)
+            outputs[most_tokens] = act[rows].float(), out[rows].float()
+    for gemv_rows, mma_rows in zip(outputs[num_tokens], outputs[0]):
+        assert torch.isfinite(gemv_rows).all()
+        torch.testing.assert_close(gemv_rows, mma_rows, rtol=2**-6, atol=2**-7)
 
 
 def test_fused_int4_experts_under_the_triton_interpreter(request):
@@ -130,7 +160,6 @@ def test_one_token_gemv_compiles_for_sm90(gated):
 def test_gpu_gemv_matches_the_tensor_core_kernel(num_tokens):
     from miles_int4 import kernel_switches, moe_gemv
     from miles_int4.moe_fused import Int4ExpertGemms
-    from tests.kernels.expert_gemv import assert_gemv_matches_the_tensor_core_kernel
 
     module = Int4Experts(make_experts(hidden=2048, inter=768, num_experts=128, device="cuda"), 128, use_kernel=True)
     module.refresh(torch.bfloat16)
