@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=8,
                         help="decoder layers of the MoE model (64 experts, top-8; 16 did not fit a 5-minute call)")
     parser.add_argument("--only", choices=["default", "true_on_policy"])
-    parser.add_argument("--moe-invariant-decode", choices=["loop", "batched"], default="loop",
+    parser.add_argument("--moe-invariant-decode", choices=["loop", "batched"], default="batched",
                         help="the batch-invariant decode step's routed experts (the kernel switch of the same name)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)

@@ -218,7 +218,7 @@ class TrainArgs:
         "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
         "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
     moe_invariant_decode: str = flag(
-        "loop", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
+        "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,
         choices=["loop", "batched"], group="kernels")
     max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")

@@ -11,7 +11,8 @@ kernel body and tile config), one activation and one weighting over all experts,
 float32 sum in expert order: the same bits, which the training side's ordered combine
 (``_ordered_combine``, per expert on its tokens only) also gives.
 
-``--moe-invariant-decode``: ``loop`` (the per-expert form) or ``batched`` (this module).
+``--moe-invariant-decode``: ``batched`` (this module, the default: 2.9x the loop's rollout tok/s on the MoE
+bench shape, ``bench/RESULTS.md``) or ``loop`` (the per-expert form).
 
 Tensor legend: E experts, T tokens, H hidden, I expert intermediate, K experts per token.
 """
@@ -26,7 +27,7 @@ from miles_host.kernels import switches
 from miles_host.kernels.invariant_matmul import invariant_bmm
 
 #: ``--moe-invariant-decode``: the batch-invariant decode step's experts per expert, or batched
-DECODE = switches.declare("moe_invariant_decode", "loop", ("loop", "batched"),
+DECODE = switches.declare("moe_invariant_decode", "batched", ("loop", "batched"),
                           "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
                           "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)")
 

@@ -48,9 +48,9 @@ def test_batched_experts_are_the_loop_and_the_training_combine(dtype):
 def test_the_switch_is_a_run_flag():
     from miles_host.kernels import invariant_experts, switches
 
-    assert not invariant_experts.batched()  # (the loop until the batched form is measured on a GPU)
-    with switches.switched(moe_invariant_decode="batched"):
-        assert invariant_experts.batched()
+    assert invariant_experts.batched()  # the default
+    with switches.switched(moe_invariant_decode="loop"):
+        assert not invariant_experts.batched()
     with pytest.raises(ValueError, match="--moe-invariant-decode 'grouped'"):
         switches.setVALUES(moe_invariant_decode="grouped")
 
