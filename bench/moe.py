@@ -442,10 +442,11 @@ def _gemms_of(module):
 
 
 def _import_switch_owner(name: str) -> None:
-    """Import the module that declares kernel switch ``name``: a plugin's by its prefix, else the host's MoE kernels."""
+    """Import the module that declares kernel switch ``name``: a plugin's by its prefix, else the host's (every
+    host switch is imported by the built-in precision plugin)."""
     owners = {"fp8_": "miles_fp8.kernel_switches", "int4_": "miles_int4.kernel_switches"}
     importlib.import_module(next((module for prefix, module in owners.items() if name.startswith(prefix)),
-                                 "miles_host.kernels.moe_grouped"))
+                                 "miles_host.builtin.precision"))
 
 
 def parse_args(argv=None):

@@ -189,6 +189,21 @@ def _word_dot_emulated(word, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE: tl.co
 
 
 @triton.jit
+def _scaled_word_dot(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``[BLOCK_N, W]`` lanes: each word's eight weights (its row's bf16 ``scale [BLOCK_N]``) times the
+    activations ``x0 .. x7 [1, W]`` of its inputs: :func:`_word_dot` on the GPU with bf16, else
+    :func:`_word_dot_emulated` (same weights, same order)."""
+    if EMULATE or DTYPE != tl.bfloat16:
+        return _word_dot_emulated(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE, EMULATE)
+    bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    scale2 = tl.broadcast_to((bits | (bits << 16))[:, None], words.shape)
+    return _word_dot(words, scale2, tl.broadcast_to(x0, words.shape), tl.broadcast_to(x1, words.shape),
+                     tl.broadcast_to(x2, words.shape), tl.broadcast_to(x3, words.shape),
+                     tl.broadcast_to(x4, words.shape), tl.broadcast_to(x5, words.shape),
+                     tl.broadcast_to(x6, words.shape), tl.broadcast_to(x7, words.shape))
+
+
+@triton.jit
 def _x_of(x_ptr, base, offs_w, HALF: tl.constexpr, J: tl.constexpr):
     """fp32 activations ``[1, W]`` for input ``J`` of :func:`_word_dot` of every word of a group at ``base``."""
     HALF_J: tl.constexpr = (J // 2) % 2
@@ -243,15 +258,7 @@ def _int4_gemv_kernel(
         x5 = _x_of(x_ptr, base, offs_w, HALF, 5)
         x6 = _x_of(x_ptr, base, offs_w, HALF, 6)
         x7 = _x_of(x_ptr, base, offs_w, HALF, 7)
-        if EMULATE or dtype != tl.bfloat16:
-            acc += _word_dot_emulated(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, dtype, EMULATE)
-        else:
-            bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            scale2 = tl.broadcast_to((bits | (bits << 16))[:, None], words.shape)
-            acc += _word_dot(words, scale2, tl.broadcast_to(x0, words.shape), tl.broadcast_to(x1, words.shape),
-                             tl.broadcast_to(x2, words.shape), tl.broadcast_to(x3, words.shape),
-                             tl.broadcast_to(x4, words.shape), tl.broadcast_to(x5, words.shape),
-                             tl.broadcast_to(x6, words.shape), tl.broadcast_to(x7, words.shape))
+        acc += _scaled_word_dot(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, dtype, EMULATE)
         words, scale = next_words, next_scale
     total = tl.sum(acc, axis=1)[:, None]
     offs = offs_n[:, None]

@@ -27,12 +27,9 @@ import triton.language as tl
 
 from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, block_rows, mma
 from miles_host.kernels.triton_common import cast_rne, emulate_rounding
+from miles_int4.decode_gemm import _MAGIC_BITS, _MAGIC_OFFSET
 from miles_int4.moe_gemv import int4_moe_gemv, takes_gemv
 from miles_int4.quant import PACK_FACTOR
-
-#: float32 bits of 2^23 (a nibble OR-ed into its mantissa gives 2^23 + nibble exactly), and 2^23 + 8
-_MAGIC_BITS = tl.constexpr(0x4B000000)
-_MAGIC_OFFSET = tl.constexpr(8388616.0)
 
 
 @triton.jit

@@ -18,8 +18,9 @@ Grid ``(cdiv(N, BLOCK_N), T * top_k)``: program ``(n, p)`` reads pair ``p``'s pa
 ``GATHER``, else ``r``), and writes ``BLOCK_N`` columns of row ``r``; gate_up computes gate and
 up columns together and ends in the same ``act(gate) * up`` rounding as the tensor-core
 kernel's epilogue. Padding rows are neither read nor written (the combine reads pair rows
-only). ``--int4-moe-gemv-tokens N`` sets the most tokens that take it (default 1; 0 turns it off). Reference: the per-expert loop over the dequantized weights
-(``Int4Experts`` with ``moe_kernel = "loop"``).
+only). ``--int4-moe-gemv-tokens N`` sets the most tokens that take it (default 1; 0 turns it
+off). Reference: the per-expert loop over the dequantized weights (``Int4Experts`` with
+``moe_kernel = "loop"``) and the grouped kernel (tests).
 
 Tensor legend: R padded rows, N output columns, K input columns, G groups, W words per group.
 """
@@ -34,7 +35,7 @@ from miles_host.kernels import switches
 from miles_host.kernels.moe_grouped import Routing
 from miles_host.kernels.triton_common import ACTIVATIONS, act_and_mul, cast_rne, emulate_rounding
 from miles_int4 import kernel_switches
-from miles_int4.decode_gemm import _word_dot, _word_dot_emulated
+from miles_int4.decode_gemm import _scaled_word_dot
 from miles_int4.quant import PACK_FACTOR
 
 #: output columns per program by projection: narrow gate_up tiles (each reads gate and up rows)
@@ -59,7 +60,8 @@ def _group_words(w_ptrs, s_ptrs, mask_n, group, WORDS: tl.constexpr):
 
 @triton.jit
 def _group_dot(words, scale, x_row_ptr, base, offs_w, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 ``[BLOCK_N, W]`` lanes: each word's eight weights times their activations (:func:`_word_dot`)."""
+    """fp32 ``[BLOCK_N, W]`` lanes: each word's eight weights times their activations (the compressed-tensors
+    column order of :func:`_x_word_input`)."""
     x0 = _x_word_input(x_row_ptr, base, offs_w, 0)
     x1 = _x_word_input(x_row_ptr, base, offs_w, 1)
     x2 = _x_word_input(x_row_ptr, base, offs_w, 2)
@@ -68,14 +70,7 @@ def _group_dot(words, scale, x_row_ptr, base, offs_w, DTYPE: tl.constexpr, EMULA
     x5 = _x_word_input(x_row_ptr, base, offs_w, 5)
     x6 = _x_word_input(x_row_ptr, base, offs_w, 6)
     x7 = _x_word_input(x_row_ptr, base, offs_w, 7)
-    if EMULATE or DTYPE != tl.bfloat16:
-        return _word_dot_emulated(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE, EMULATE)
-    bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    scale2 = tl.broadcast_to((bits | (bits << 16))[:, None], words.shape)
-    return _word_dot(words, scale2, tl.broadcast_to(x0, words.shape), tl.broadcast_to(x1, words.shape),
-                     tl.broadcast_to(x2, words.shape), tl.broadcast_to(x3, words.shape),
-                     tl.broadcast_to(x4, words.shape), tl.broadcast_to(x5, words.shape),
-                     tl.broadcast_to(x6, words.shape), tl.broadcast_to(x7, words.shape))
+    return _scaled_word_dot(words, scale, x0, x1, x2, x3, x4, x5, x6, x7, DTYPE, EMULATE)
 
 
 @triton.jit
