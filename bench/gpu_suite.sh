@@ -14,6 +14,7 @@
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
+#        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
 #        small_m (GPU tests of the small-M FP8/INT4 kernels) quantized_ab (new vs old quantized decode paths)
@@ -110,6 +111,13 @@ for step in "${steps[@]}"; do
         --prefill-seqs 0 --repeats 2 --mem-fraction 0.5 --json "$OUT/moe_quantized_decode.json"
       run moe_int4_grouped_b1 150 python3 bench/moe.py --precisions int4 --kernels fused --batches 1 --prefill-seqs 0 \
         --repeats 2 --mem-fraction 0.5 --switch int4_moe_gemv_tokens=0 ;;  # the INT4 experts' batch-1 GEMV: its GPU tests, FP8/INT4 vs bf16 decode at b1/b32, INT4 b1 on the grouped kernel (the GEMV's baseline)
+    pdl) run pdl_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_pdl.py \
+        tests/kernels/test_small_m_gemm.py tests/kernels/test_moe_router.py tests/kernels/test_moe_grouped.py \
+        tests/rollout/test_gpu_attention.py tests/models/test_fused_kernels.py tests/plugins/int4
+      for p in off on; do run "pdl_$p" 150 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch pdl=$p --json "$OUT/moe_pdl_$p.json"; done
+      run pdl_profile 150 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
+        --new-tokens 64 --repeats 1 --profile-batch 1 --profile-top 45 ;;  # programmatic dependent launch: GPU tests (bits equal on/off), bf16 MoE decode b1/b32 with --pdl off then on, the b1 kernel profile
     moe_sweep_decode) for p in fp8 int4; do run "moe_sweep_decode_$p" 150 python3 bench/moe.py --sweep --sweep-precision $p \
       --sweep-tokens 1,32 --json "$OUT/moe_sweep_decode_$p.json"; done ;;  # the quantized experts' decode tiles (T = 1, 32)
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

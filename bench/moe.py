@@ -76,6 +76,12 @@ SHAPES = {
         norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
         tie_word_embeddings=False, num_nextn_predict_layers=0,
     ),
+    "small": dict(  # every decode kernel of the big shape (small-M linears, fused router), tiny weights
+        model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=64, num_experts_per_tok=4,
+        moe_intermediate_size=128, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
     "tiny": dict(
         model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -280,7 +286,7 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
             from bench.decode_profile import profile_decode
 
             prompts = torch.randint(1, vocab - 1, (args.profile_batch, args.prompt_len), generator=generator).tolist()
-            profile_decode(engine, prompts, args.new_tokens, label, top=10)
+            profile_decode(engine, prompts, args.new_tokens, label, top=args.profile_top)
         if args.host_profile_batch:
             from bench.decode_profile import host_profile_decode
 
@@ -478,6 +484,7 @@ def parse_args(argv=None):
                         help="host time per decode step at this batch, by Python function (cProfile)")
     parser.add_argument("--profile-batch", type=int, default=0, help="GPU kernel time per token at this batch "
                         "(torch.profiler, after the timed cases)")
+    parser.add_argument("--profile-top", type=int, default=10, help="kernels listed by --profile-batch")
     parser.add_argument("--sweep", action="store_true", help="tile sweep instead of the engine benchmark")
     parser.add_argument("--sweep-shape", default="qwen3_30b")
     parser.add_argument("--sweep-precision", default="bf16")

@@ -217,6 +217,10 @@ class TrainArgs:
     small_m_gemm: str = flag(
         "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
         "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
+    pdl: str = flag(
+        "on", "kernel switch: programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
+        "kernel starts while the one before it finishes and prefetches its weights): on or off", type=str,
+        choices=["on", "off"], group="kernels")
     moe_invariant_decode: str = flag(
         "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,

@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels import pdl
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
+from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels.moe_configs import max_row_blocks
 
 #: activation code of the GATED epilogue, by config name
@@ -142,7 +144,10 @@ def _route_kernel(
     num_pairs, num_rows, num_blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     pairs = tl.arange(0, NP)
     ids = tl.load(Ids + pairs, mask=pairs < num_pairs, other=E).to(tl.int32)  # E: past the last pair
     fill_layout(ids, RowToken, PairRow, BlockExpert, Scratch, num_rows, num_blocks,
@@ -156,8 +161,10 @@ def _moe_gemm_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_cm, stride_cn,
     K: tl.constexpr, K_BLOCKS: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)  # the layout and the input rows come from the kernels before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, a_rows, row_ok, out_rows = block_rows(RowToken, BlockExpert, pid_m, BLOCK_M, GATHER)
@@ -194,8 +201,10 @@ def _moe_gemm_kernel(
 @triton.jit
 def _combine_kernel(
     Out, PairRow, Weights, Y, H, stride_or, stride_wt, stride_yt,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, EMULATE: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -228,7 +237,7 @@ def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_e
     _route_kernel[(1,)](
         ids_TK.reshape(-1), row_token_R, pair_row_TK, block_expert_B, scratch,
         num_pairs, row_token_R.shape[0], block_expert_B.shape[0],
-        TOP_K=top_k, **constants, num_warps=8 if constants["NP"] >= 1024 else 4,
+        TOP_K=top_k, **constants, num_warps=8 if constants["NP"] >= 1024 else 4, **pdl.options(ids_TK),
     )
 
 
@@ -257,7 +266,7 @@ def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool
         LIMIT=float(swiglu_limit) if swiglu_limit is not None else 0.0, ALPHA=float(swiglu_alpha),
         IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(a),
     )
 
 
@@ -277,5 +286,6 @@ def combine(out_RH, pair_row_TK, weights_TK, y_TH) -> torch.Tensor:
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         out_RH, pair_row_TK.contiguous(), weights_TK, y_TH, hidden, out_RH.stride(0), weights_TK.stride(0),
         y_TH.stride(0), TOP_K=top_k, BLOCK_H=block_h, EMULATE=emulate_rounding(), num_warps=4,
+        **pdl.options(out_RH),
     )
     return y_TH

@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_host.kernels import pdl
 from miles_host.kernels._moe_grouped_triton import fill_layout, layout_constants
+from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
 
 #: key of a candidate that is out of the race (padding, already chosen): below every float's key
@@ -59,7 +61,10 @@ def _router_kernel(
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr,
     E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
+    pdl_wait(PDL)
     tok = tl.arange(0, T_P)
     t3 = tok[:, None, None]
     g3 = tl.arange(0, G_P)[None, :, None]
@@ -167,5 +172,5 @@ def route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token
         G=spec.n_group, G_P=g_p, S=group, S_P=s_p, TOPK_GROUP=spec.topk_group,
         SOFTMAX=spec.score_func == "softmax", HAS_BIAS=bias_E is not None, NORM=spec.norm_topk_prob,
         EMULATE=emulate_rounding(), **constants,
-        num_warps=num_warps or default_warps(t_p * g_p * s_p, num_tokens * spec.top_k),
+        num_warps=num_warps or default_warps(t_p * g_p * s_p, num_tokens * spec.top_k), **pdl.options(logits_TE),
     )

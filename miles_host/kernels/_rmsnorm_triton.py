@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels._triton_common import TL_DTYPES, cast, round_to
+from miles_host.kernels import pdl
+from miles_host.kernels._triton_common import TL_DTYPES, cast, pdl_start, pdl_wait, round_to
 
 
 @triton.jit
@@ -15,10 +16,14 @@ def _rmsnorm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     H, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
@@ -27,7 +32,6 @@ def _rmsnorm_kernel(
     else:
         xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         y = xf * rstd * (1.0 + w)
     else:
@@ -47,5 +51,6 @@ def rmsnorm(x_TH, weight_H, eps, unit_offset, residual_TH=None):
             hidden, eps,
             HAS_RESIDUAL=residual_TH is not None, UNIT_OFFSET=unit_offset,
             BLOCK=triton.next_power_of_2(hidden), DTYPE=TL_DTYPES[x_TH.dtype], num_warps=4 if hidden <= 2048 else 8,
+            **pdl.options(x_TH),
         )
     return out, res_out

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels._triton_common import TL_DTYPES, cast, round_to
+from miles_host.kernels import pdl
+from miles_host.kernels._triton_common import TL_DTYPES, cast, pdl_start, pdl_wait, round_to
 
 
 _round = round_to
@@ -34,7 +35,9 @@ def _qk_norm_rope_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     PASS: tl.constexpr, BLOCK_P: tl.constexpr,
     HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr, DTYPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -47,12 +50,6 @@ def _qk_norm_rope_kernel(
         weight = KW
         dst = KOut + (token * num_kv_heads + head - num_q_heads) * D
 
-    rstd = 1.0
-    if HAS_NORM:
-        d = tl.arange(0, BLOCK_D)
-        x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-
     i = tl.arange(0, BLOCK_R)
     rmask = i < R
     if INTERLEAVED:
@@ -61,13 +58,19 @@ def _qk_norm_rope_kernel(
     else:
         i1 = i
         i2 = i + R
-    x1 = tl.load(src + i1, mask=rmask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + i2, mask=rmask, other=0.0).to(tl.float32)
     w1 = 0.0
     w2 = 0.0
-    if HAS_NORM:
+    if HAS_NORM:  # norm weights first: no earlier kernel writes them (programmatic dependent launch)
         w1 = tl.load(weight + i1, mask=rmask, other=0.0).to(tl.float32)
         w2 = tl.load(weight + i2, mask=rmask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    rstd = 1.0
+    if HAS_NORM:
+        d = tl.arange(0, BLOCK_D)
+        x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    x1 = tl.load(src + i1, mask=rmask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=rmask, other=0.0).to(tl.float32)
     x1 = _normed(x1, w1, rstd, HAS_NORM, UNIT_OFFSET, DTYPE)
     x2 = _normed(x2, w2, rstd, HAS_NORM, UNIT_OFFSET, DTYPE)
     cos = tl.load(Cos + token * stride_c + i, mask=rmask, other=0.0).to(tl.float32)
@@ -106,6 +109,6 @@ def qk_norm_rope(q_TC, k_TC, num_q_heads, num_kv_heads, head_dim, cos_TR, sin_TR
         R=half, BLOCK_R=triton.next_power_of_2(max(half, 1)),
         PASS=passthrough, BLOCK_P=triton.next_power_of_2(max(passthrough, 1)),
         HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, INTERLEAVED=interleaved, DTYPE=TL_DTYPES[q_TC.dtype],
-        num_warps=1,
+        num_warps=1, **pdl.options(q_TC),
     )
     return q_out, k_out

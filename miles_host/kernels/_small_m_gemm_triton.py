@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels.triton_common import dot, split_k_epilogue
 
 
@@ -13,9 +14,14 @@ def _small_m_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr,
     M, N, stride_xm, stride_wn, stride_ym,
     BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Program (n tile, K split): ``acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile^T`` over its K-blocks."""
+    """Program (n tile, K split): ``acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile^T`` over its K-blocks.
+
+    With ``PDL`` the first one or two weight blocks are loaded before the wait for the previous
+    kernel (:mod:`miles_host.kernels.pdl`): the weight stream starts while that kernel finishes.
+    The products are the same, in the same order, either way."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -25,9 +31,20 @@ def _small_m_kernel(
     # N is a multiple of BLOCK_N and K of BLOCK_K (checked by the launcher): only token rows are masked
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    first = pid_k * BLOCKS_PER_SPLIT
+    PREFETCH: tl.constexpr = 2 if BLOCKS_PER_SPLIT >= 2 else 1
+    w0 = tl.load(w_ptrs + first * BLOCK_K)
+    if PREFETCH == 2:
+        w1 = tl.load(w_ptrs + (first + 1) * BLOCK_K)
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(BLOCKS_PER_SPLIT):
-        kb = pid_k * BLOCKS_PER_SPLIT + step
+    x = tl.load(x_ptrs + first * BLOCK_K, mask=mask_m[:, None], other=0.0)
+    acc = dot(w0, tl.trans(x), acc, EMULATE)
+    if PREFETCH == 2:
+        x = tl.load(x_ptrs + (first + 1) * BLOCK_K, mask=mask_m[:, None], other=0.0)
+        acc = dot(w1, tl.trans(x), acc, EMULATE)
+    for step in range(PREFETCH, BLOCKS_PER_SPLIT):
+        kb = first + step
         w = tl.load(w_ptrs + kb * BLOCK_K)
         x = tl.load(x_ptrs + kb * BLOCK_K, mask=mask_m[:, None], other=0.0)
         acc = dot(w, tl.trans(x), acc, EMULATE)

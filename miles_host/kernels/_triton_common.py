@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -40,3 +41,19 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 #: torch dtype -> Triton dtype of the activations the fused kernels take
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Let the next kernel of the stream launch (programmatic dependent launch,
+    :mod:`miles_host.kernels.pdl`); a no-op unless ``PDL``."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel of the stream has completed and its writes are visible
+    (:mod:`miles_host.kernels.pdl`); a no-op unless ``PDL``."""
+    if PDL:
+        gdc_wait()

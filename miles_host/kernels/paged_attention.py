@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_host.kernels import split_k
+from miles_host.kernels import pdl, split_k
+from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels._split_k_triton import cast_rne, emulate_rounding
 from miles_host.kernels.attention_metadata import AttentionMetadata
 
@@ -170,6 +171,7 @@ def _paged_attention_kernel(
     SPLITS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     Sinks=None, attn_chunk=0, USE_SINKS: tl.constexpr = False, USE_CHUNK: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program ``(tile, kv_head)`` attends the tile's query rows over their keys ``[lo, hi)``.
 
@@ -185,6 +187,8 @@ def _paged_attention_kernel(
     merges the partials in split order (deterministic whatever the arrival order), stores the
     output and resets the counter. ``SPLITS`` = 1 leaves the workspace and counters unused.
     """
+    pdl_start(PDL)
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
@@ -264,9 +268,11 @@ def _kv_write_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     H, D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_H: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """K and V rows of token ``program_id(0)`` (heads of block ``program_id(1)``) into its cache slot."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slot = tl.load(slots + t).to(tl.int64)
@@ -406,7 +412,7 @@ def paged_attention_triton(
         constexprs.update(Sinks=sinks, attn_chunk=int(chunk_size or 0))
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         q_THD, k_cache_NSHD, v_cache_NSHD, out, partial_acc, partial_ml, counters, *args,
-        SPLITS=splits, **constexprs,
+        SPLITS=splits, **constexprs, **pdl.options(q_THD),
     )
     return out
 
@@ -445,5 +451,5 @@ def write_kv_cache(
         k_THD.stride(0), k_THD.stride(1), v_THD.stride(0), v_THD.stride(1),
         k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         num_heads, D=head_dim, D_PAD=d_pad, DV=head_dim_v, DV_PAD=dv_pad,
-        BLOCK_H=block_h, EMULATE=emulate_rounding(), num_warps=4,
+        BLOCK_H=block_h, EMULATE=emulate_rounding(), num_warps=4, **pdl.options(k_THD),
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_host.kernels import split_k, switches
+from miles_host.kernels import pdl, split_k, switches
 
 #: largest token count this kernel takes: on the H200 (Qwen3-30B-A3B shape, same run) batch-1
 #: decode ran 1.13x faster with it than with cuBLAS, batch 8 0.96x (bench/RESULTS.md)
@@ -87,17 +87,28 @@ def small_m_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, split: int | None = N
         x_MK, w_NK, out, partials, counters, m, n, x_MK.stride(0), w_NK.stride(0), out.stride(0),
         BLOCKS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
         EMULATE=emulate_rounding(), BLOCK_M=split_k.block_m_for(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=4, **pdl.options(x_MK),
     )
     if not in_kernel:
         out.copy_(partials.sum(dim=0))
     return out
 
 
+def takes(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    """Whether the decode paths run :func:`small_m_linear` on these operands: CUDA, no autograd,
+    operands it :func:`fits`, ``--small-m-gemm triton``."""
+    return (x_MK.is_cuda and x_MK.dim() == 2 and not torch.is_grad_enabled() and fits(x_MK, w_NK)
+            and switches.value(SMALL_M) == "triton")
+
+
+def decode_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` (no bias): :func:`small_m_linear` where it :func:`takes` the operands, else ``F.linear``."""
+    return small_m_linear(x_MK, w_NK) if takes(x_MK, w_NK) else torch.nn.functional.linear(x_MK, w_NK)
+
+
 def decode_linear(module: torch.nn.Module, x_MK: torch.Tensor) -> torch.Tensor:
     """``module(x)``, by :func:`small_m_linear` where it serves (see the module doc)."""
-    if (type(module) is not torch.nn.Linear or not x_MK.is_cuda or x_MK.dim() != 2 or torch.is_grad_enabled()
-            or not fits(x_MK, module.weight) or switches.value(SMALL_M) != "triton"):
+    if type(module) is not torch.nn.Linear or not takes(x_MK, module.weight):
         return module(x_MK)
     y_MN = small_m_linear(x_MK, module.weight)
     return y_MN if module.bias is None else y_MN + module.bias

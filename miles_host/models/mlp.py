@@ -21,7 +21,7 @@ from miles_host.kernels import invariant_experts, invariant_ops, moe_grouped, mo
 from miles_host.kernels.eager_ops import activation, gated_activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import moe_tiles
-from miles_host.kernels.small_m_gemm import decode_linear
+from miles_host.kernels.small_m_gemm import decode_linear, decode_matmul
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
 from miles_host.routing import NO_ROUTING_HOOKS, RoutingHooks
@@ -83,6 +83,13 @@ class Router(torch.nn.Module):
         if self.moe.router_fp32:
             return F.linear(x_TH.float(), self.weight.float())
         return F.linear(x_TH, self.weight)
+
+    def decode_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` of a decode step (no autograd): the small-M GEMM where it serves
+        (:func:`~miles_host.kernels.small_m_gemm.decode_matmul`; the sums in another order than cuBLAS's)."""
+        if self.moe.router_fp32:
+            return self.logits(x_TH)
+        return decode_matmul(x_TH, self.weight)
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(scores_TE, scores_for_choice_TE)`` in float32."""
@@ -419,7 +426,7 @@ class MoE(torch.nn.Module):
         block_m = moe_tiles(x_TH.shape[0], moe.top_k, moe.num_experts, x_TH.shape[1], moe.intermediate_size,
                             x_TH.dtype, weight_format).block_m
         ids_TK, routing = moe_router.fused_route(
-            self.router.logits(x_TH), self.router_spec, self.router.expert_bias, block_m,
+            self.router.decode_logits(x_TH), self.router_spec, self.router.expert_bias, block_m,
             torch.float32 if moe.router_fp32 else x_TH.dtype,
         )
         self.routing_hooks.observe(self.layer_index, ids_TK, routing_context)
