@@ -68,8 +68,11 @@ class GQAAttention(torch.nn.Module):
 
     def forward_fused(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
         """Inference forward with q/k norm and rotary in one kernel (:mod:`miles_host.kernels.rotary`),
-        the projections of a few tokens by the small-M GEMM (:mod:`miles_host.kernels.small_m_gemm`)."""
-        from miles_host.kernels.rotary import qk_norm_rope
+        the projections of a few tokens by the small-M GEMM (:mod:`miles_host.kernels.small_m_gemm`).
+
+        Where the attention context keeps a paged cache (``kv_cache_store``: the engine's), the
+        same kernel stores the step's keys and values in it, and ``attend`` only reads."""
+        from miles_host.kernels.rotary import qk_norm_rope, qk_norm_rope_into_cache
 
         num_tokens = x_TH.shape[0]
         q, k, v = decode_linear(self.qkv_proj, x_TH).split(self.split_sizes, dim=-1)
@@ -77,18 +80,22 @@ class GQAAttention(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         head_norm = self.qk_norm == "head"
         cos, sin = rope_cos_sin
-        q_TND, k_TND = qk_norm_rope(
-            q, k, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+        norm = dict(
             q_weight=self.q_norm.weight if head_norm else None,
             k_weight=self.k_norm.weight if head_norm else None,
             eps=self.q_norm.eps if head_norm else 0.0,
             unit_offset=self.q_norm.unit_offset if head_norm else False,
             interleaved=self.rope_interleaved,
         )
-        y_TND = attention.attend(
-            self.layer_index, q_TND, k_TND, v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-        )
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        options = dict(scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
+        store = getattr(attention, "kv_cache_store", None)
+        if store is not None:
+            q_TND = qk_norm_rope_into_cache(q, k, v, *heads, cos, sin, *store(self.layer_index), **norm)
+            y_TND = attention.attend(self.layer_index, q_TND, None, None, kv_stored=True, **options)
+        else:
+            q_TND, k_TND = qk_norm_rope(q, k, *heads, cos, sin, **norm)
+            y_TND = attention.attend(self.layer_index, q_TND, k_TND, v.view(num_tokens, *heads[1:]), **options)
         return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1))
 
     def layout(self) -> tuple[int, int, int, int | None]:

@@ -100,6 +100,25 @@ class PagedAttention:
         self.metadata = metadata
         self.backend = backend
 
+    @staticmethod
+    def _store_kv(k_cache, v_cache, k_THD, v_THD, slots, triton_backend: bool) -> None:
+        if triton_backend and k_cache.is_cuda:
+            from miles_host.kernels.paged_attention import write_kv_cache
+
+            write_kv_cache(k_cache, v_cache, k_THD, v_THD, slots)  # one kernel for K and V
+        else:
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
+
+    def kv_cache_store(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_cache [X, H, D], v_cache [X, H, Dv], slots [T])`` of layer ``layer_index``: its caches
+        flattened over their slots and this step's slot of each token, for a kernel that stores
+        the step's keys and values itself (then :meth:`attend` with ``kv_stored=True``)."""
+        k_cache = self.kv_cache.k_NSHD[layer_index]
+        v_cache = self.kv_cache.v_NSHD[layer_index]
+        return (k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]),
+                self.metadata.slot_mapping_T)
+
     def attend(
         self,
         layer_index: int,
@@ -112,24 +131,21 @@ class PagedAttention:
         logit_softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         chunk_size: int | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """Store this step's k/v in layer ``layer_index``'s cache, return ``[T, Hq, Dv]``.
 
-        Sinks and chunked local attention: the Triton kernel; the ``flash_attn`` backend
-        falls back to the PyTorch reference for them (the decode-graph capture then fails
-        with the reason and the engine decodes eagerly)."""
+        ``kv_stored``: the caller has already stored them (at :meth:`kv_cache_store`'s slots);
+        ``k_THD``/``v_THD`` are then not read. Sinks and chunked local attention: the Triton
+        kernel; the ``flash_attn`` backend falls back to the PyTorch reference for them (the
+        decode-graph capture then fails with the reason and the engine decodes eagerly)."""
         meta = self.metadata
         k_cache = self.kv_cache.k_NSHD[layer_index]
         v_cache = self.kv_cache.v_NSHD[layer_index]
         slots = meta.slot_mapping_T
         triton_backend = self.backend in ("triton", "triton_invariant")
-        if triton_backend and k_cache.is_cuda:
-            from miles_host.kernels.paged_attention import write_kv_cache
-
-            write_kv_cache(k_cache, v_cache, k_THD, v_THD, slots)  # one kernel for K and V
-        else:
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_THD.to(k_cache.dtype))
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_THD.to(v_cache.dtype))
+        if not kv_stored:
+            self._store_kv(k_cache, v_cache, k_THD, v_THD, slots, triton_backend)
         q_THD = q_THD.to(k_cache.dtype)
         if (sinks is not None or chunk_size is not None) and not triton_backend:
             if q_THD.is_cuda and torch.cuda.is_current_stream_capturing():

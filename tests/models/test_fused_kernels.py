@@ -12,7 +12,7 @@ import torch
 
 from miles_host.kernels.activation import silu_and_mul, silu_and_mul_reference
 from miles_host.kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from miles_host.kernels.rotary import qk_norm_rope, qk_norm_rope_reference
+from miles_host.kernels.rotary import qk_norm_rope, qk_norm_rope_into_cache, qk_norm_rope_reference
 from miles_host.models import load_pretrained
 from miles_host.models.attention import PackedAttention
 from miles_host.models.context import ForwardContext
@@ -103,6 +103,43 @@ def test_qk_norm_rope_kernel_matches_reference(dtype, head_norm, interleaved, he
     # contracted differently, so only closeness (not a share of equal bits) is asserted
     _assert_close(q_out, q_ref.contiguous(), dtype, min_equal=0.0)
     _assert_close(k_out, k_ref.contiguous(), dtype, min_equal=0.0)
+
+
+def _rope_case(device, dtype, tokens=5, nq=8, nk=2, head_dim=64, half=32, slots_total=64):
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (nq + 2 * nk) * head_dim, generator=generator).to(device, dtype)
+    q, k, v = qkv.split((nq * head_dim, nk * head_dim, nk * head_dim), dim=-1)  # row-strided views
+    angles = torch.rand(tokens, half, generator=generator) * 6.28
+    weights = dict(q_weight=(1 + 0.1 * torch.randn(head_dim, generator=generator)).to(device, dtype),
+                   k_weight=(1 + 0.1 * torch.randn(head_dim, generator=generator)).to(device, dtype), eps=1e-6)
+    slots = torch.randperm(slots_total, generator=generator)[:tokens].to(device)
+    caches = [torch.zeros(slots_total, nk, head_dim, dtype=dtype, device=device) for _ in range(2)]
+    return (q, k, v, nq, nk, head_dim, angles.cos().to(device, dtype), angles.sin().to(device, dtype)), weights, slots, caches
+
+
+def _into_cache_then_separately(device):
+    """``qk_norm_rope_into_cache`` and ``qk_norm_rope`` + the cache write, on the same inputs."""
+    (q, k, v, nq, nk, d, cos, sin), weights, slots, (k_cache, v_cache) = _rope_case(device, torch.bfloat16)
+    q_fused = qk_norm_rope_into_cache(q, k, v, nq, nk, d, cos, sin, k_cache, v_cache, slots, **weights)
+    q_alone, k_alone = qk_norm_rope(q, k, nq, nk, d, cos, sin, **weights)
+    k_expected, v_expected = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k_expected[slots] = k_alone
+    v_expected[slots] = v.reshape(-1, nk, d)
+    return (q_fused, k_cache, v_cache), (q_alone, k_expected, v_expected)
+
+
+def test_qk_norm_rope_into_cache_stores_what_the_separate_write_stores_on_cpu():
+    for got, expected in zip(*_into_cache_then_separately("cpu")):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_qk_norm_rope_kernel_stores_keys_and_values_bit_for_bit():
+    """The decode form (keys and values into the paged cache by the same kernel) against the kernel's
+    queries and keys and a separate cache write: the same bits."""
+    for got, expected in zip(*_into_cache_then_separately("cuda")):
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

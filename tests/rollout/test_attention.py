@@ -43,3 +43,42 @@ def test_reference_matches_dense_attention(window, softcap):
         expected = attend_dense(q[cu[b]:cu[b + 1]].transpose(0, 1)[None], k, v, scale=0.25, query_offset=c - n,
                                 sliding_window=window, logit_softcap=softcap)
         torch.testing.assert_close(out[cu[b]:cu[b + 1]], expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_attention_block_stores_kv_itself_and_matches_the_eager_block(qwen3_dense):
+    """The fused decode form of a GQA block (keys and values stored by the q/k norm + rotary step,
+    ``attend(kv_stored=True)``) leaves the same cache and output as the eager block (CPU: the
+    references of the fused kernels)."""
+    from miles_host.kernels.attention_metadata import AttentionMetadata
+    from miles_host.rollout.attention import PagedAttention
+    from miles_host.rollout.kv_cache import PagedKVCache
+    from tests.rollout.conftest import load
+
+    model = load(qwen3_dense[1])
+    block = model.layers[0].attn
+    lengths_ctx, block_size = [6, 11], 4
+    positions = torch.tensor([c - 1 for c in lengths_ctx])
+    cos_sin = model._rope_tables(positions, torch.float32)[id(model.config.rope_of(0))]
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    results = []
+    for form in (block.forward, block.forward_fused):
+        cache = PagedKVCache(model.attention_layout(), num_blocks=8, block_size=block_size, dtype=torch.float32,
+                             device="cpu")
+        torch.manual_seed(0)
+        for k_NSHD, v_NSHD in zip(cache.k_NSHD, cache.v_NSHD):
+            k_NSHD.normal_()
+            v_NSHD.normal_()
+        tables = torch.tensor([[1, 2, 0], [3, 4, 5]], dtype=torch.int32)
+        slots = [int(tables[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                 for b, c in enumerate(lengths_ctx)]
+        meta = AttentionMetadata(
+            slot_mapping_T=torch.tensor(slots), cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+            context_lens_B=torch.tensor(lengths_ctx, dtype=torch.int32), block_tables_BM=tables, max_q_len=1,
+            max_context_len=max(lengths_ctx), is_decode=True, cu_seqlens_q_host=[0, 1, 2],
+            context_lens_host=lengths_ctx,
+        )
+        with torch.inference_mode():
+            out = form(x, cos_sin, PagedAttention(cache, meta, "torch"))
+        results.append((out, cache.k_NSHD[0].clone(), cache.v_NSHD[0].clone()))
+    for eager, fused in zip(*results):
+        assert torch.equal(eager, fused)
