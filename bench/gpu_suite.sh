@@ -12,7 +12,7 @@
 #        moe_train (GPU tests of the grouped-GEMM training experts, then bench/moe_train.py: MoE fwd+bwd vs the loop and transformers)
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
-#        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only)
+#        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -104,6 +104,8 @@ for step in "${steps[@]}"; do
       --repeats 1 --profile-batch 1 ;;  # INT4 MoE b1 decode: GPU kernel time per token by kernel
     moe_dsv3) run moe_dsv3 560 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
       --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
+    moe_dsv3_h100) run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
+      --batches 1,32,128 --prefill-seqs 4 --repeats 2 --json "$OUT/moe_dsv3_h100.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (~45 GB of bf16 experts) on an 80 GB GPU
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;
     moe_gemv) run moe_gemv_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/plugins/int4/test_moe_fused.py

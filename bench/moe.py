@@ -468,6 +468,8 @@ def parse_args(argv=None):
                         "the fused and the eager router instead of the engine benchmark")
     parser.add_argument("--router-tokens", default="1,8,32,64,128")
     parser.add_argument("--batches", default="1,32,128,256")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers of every --shapes shape (0: the "
+                        "shape's own; e.g. 2 to fit the DeepSeek-V3 shape's bf16 experts on an 80 GB GPU)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-seqs", type=int, default=16)
@@ -501,6 +503,10 @@ def parse_args(argv=None):
         args.shapes = ",".join(tiny.get(shape, shape) for shape in args.shapes.split(","))
         args.batches, args.prompt_len, args.new_tokens = [1, 4], 8, 4
         args.prefill_seqs, args.prefill_len, args.repeats = 2, 16, 1
+    if args.layers:
+        for shape in args.shapes.split(","):
+            SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": args.layers}
+            print(f"{shape}: {args.layers} decoder layers")
     return args
 
 
