@@ -14,6 +14,7 @@
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
+#        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
 #        sampling_tests (GPU tests of penalties, grammars and logprob extras against the CPU engine)
@@ -120,6 +121,11 @@ for step in "${steps[@]}"; do
         --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch pdl=$p --json "$OUT/moe_pdl_$p.json"; done
       run pdl_profile 150 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 1 --profile-batch 1 --profile-top 45 ;;  # programmatic dependent launch: GPU tests (bits equal on/off), bf16 MoE decode b1/b32 with --pdl off then on, the b1 kernel profile
+    small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
+      run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
+        --new-tokens 64 --repeats 3 --switch pdl=off
+      for p in off on; do run "small_m_table_pdl_$p" 120 python3 bench/moe.py --precisions bf16 --kernels fused \
+        --batches 1,32 --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch pdl=$p --small-m-table "$OUT/small_m_sweep.json"; done ;;  # the small-M GEMM's launches on the decode shapes, then bf16 MoE decode b1/b32 with the default launches and with the fastest swept ones (PDL off, on)
     moe_sweep_decode) for p in fp8 int4; do run "moe_sweep_decode_$p" 150 python3 bench/moe.py --sweep --sweep-precision $p \
       --sweep-tokens 1,32 --json "$OUT/moe_sweep_decode_$p.json"; done ;;  # the quantized experts' decode tiles (T = 1, 32)
     sampling_tests) run sampling_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

@@ -478,6 +478,8 @@ def parse_args(argv=None):
     parser.add_argument("--mem-fraction", type=float, default=0.85)
     parser.add_argument("--small-m-gemm", choices=["triton", "torch"], default="triton",
                         help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
+    parser.add_argument("--small-m-table", default=None, help="a bench/small_m_sweep.py --json file: every case "
+                        "uses its fastest launch of each swept shape")
     parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
                         help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=0)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
@@ -515,6 +517,11 @@ def main(argv=None) -> int:
     from miles_host.kernels import small_m_gemm, switches
 
     switches.setVALUES(**{small_m_gemm.SMALL_M.name: args.small_m_gemm})
+    if args.small_m_table:
+        from bench.small_m_sweep import fastest_launches
+
+        small_m_gemm.LAUNCHES.update(fastest_launches(args.small_m_table))
+        print(f"small-M launches: {small_m_gemm.LAUNCHES}")
     for setting in args.switch:  # plugins declare their switches on import
         name, _, raw = setting.partition("=")
         _import_switch_owner(name)

@@ -52,3 +52,36 @@ def _small_m_kernel(
     part_offs = offs_m[None, :] * N + offs_n[:, None]
     split_k_epilogue(acc, y_ptr, part_ptr, sem_ptr, y_offs, part_offs, mask_m[None, :], pid_n, pid_k, M * N,
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr,
+    N,
+    BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDE_WN: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """One token (``M = 1``) on the CUDA cores, program (n tile, K split): fp32 products of a
+    ``[BLOCK_N, BLOCK_K]`` weight tile and the activation chunk accumulated elementwise over the
+    program's K-blocks (loads unrolled, no shared memory), then one sum per output row. With
+    ``PDL`` the first weight block is loaded before the wait for the previous kernel."""
+    pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
+    # the activation read in the weight tile's layout (every row the same chunk, from L1): no
+    # layout conversion through shared memory, so nothing orders one block's loads after another's
+    x_ptrs = x_ptr + (offs_n * 0)[:, None] + offs_k[None, :]
+    first = pid_k * BLOCKS_PER_SPLIT
+    w = tl.load(w_ptrs + first * BLOCK_K)
+    pdl_wait(PDL)
+    acc = w.to(tl.float32) * tl.load(x_ptrs + first * BLOCK_K).to(tl.float32)
+    for step in tl.static_range(1, BLOCKS_PER_SPLIT):
+        kb = first + step
+        w = tl.load(w_ptrs + kb * BLOCK_K)
+        acc += w.to(tl.float32) * tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
+    total = tl.sum(acc, axis=1)
+    split_k_epilogue(total, y_ptr, part_ptr, sem_ptr, offs_n, offs_n, offs_n < N, pid_n, pid_k, N,
+                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)

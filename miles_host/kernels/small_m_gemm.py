@@ -25,6 +25,8 @@ Tensor legend: M tokens, N out features, K in features.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from miles_host.kernels import pdl, split_k, switches
@@ -43,6 +45,35 @@ SMALL_M = switches.declare("small_m_gemm", "triton", ("triton", "torch"),
                            "or torch (the module: cuBLAS)")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How one small-M GEMM launches: ``kernel`` ``"mma"`` (:func:`_small_m_kernel`, tensor cores,
+    any M up to :data:`MAX_M`) or ``"gemv"`` (:func:`_gemv_kernel`, CUDA cores, one token), its
+    tile and the K-split (None: :func:`~miles_host.kernels.split_k.plan_split_k`'s)."""
+
+    kernel: str = "mma"
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    split: int | None = None
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def tiles(self, n: int, k: int) -> bool:
+        """Whether an ``[n, k]`` weight is a whole number of this launch's tiles."""
+        return n % self.block_n == 0 and k % self.block_k == 0
+
+
+#: the launch of every shape the table does not name
+DEFAULT_LAUNCH = Launch()
+#: swept launches by ``(M, N, K)`` (``bench/small_m_sweep.py``)
+LAUNCHES: dict[tuple[int, int, int], Launch] = {}
+
+
+def launch_for(m: int, n: int, k: int) -> Launch:
+    """The table's launch for this shape, else :data:`DEFAULT_LAUNCH`."""
+    return LAUNCHES.get((m, n, k), DEFAULT_LAUNCH)
+
+
 def small_m_linear_reference(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
     """The plain-PyTorch reference: float64 products and sums, cast to ``x``'s dtype."""
     y_MN = x_MK.double() @ w_NK.double().T
@@ -59,13 +90,14 @@ def fits(x_MK: torch.Tensor, w_NK: torch.Tensor) -> bool:
             and x_MK.dtype == w_NK.dtype and x_MK.dtype in (torch.bfloat16, torch.float16))
 
 
-def small_m_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, split: int | None = None) -> torch.Tensor:
+def small_m_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, split: int | None = None,
+                   launch: Launch | None = None) -> torch.Tensor:
     """``x @ w^T`` for ``x [M, K]`` (M <= :data:`MAX_M`) in one Triton launch (see the module doc).
 
-    ``split`` overrides the planned split-K (tests, sweeps). CUDA tensors, or CPU ones under
-    ``TRITON_INTERPRET=1``.
+    ``launch``: the kernel and tiles (default :func:`launch_for` the shape); ``split`` overrides
+    its K-split (tests, sweeps). CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``.
     """
-    from miles_host.kernels._small_m_gemm_triton import _small_m_kernel
+    from miles_host.kernels._small_m_gemm_triton import _gemv_kernel, _small_m_kernel
     from miles_host.kernels.triton_common import emulate_rounding
 
     if not fits(x_MK, w_NK):
@@ -75,20 +107,29 @@ def small_m_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, split: int | None = N
     w_NK = w_NK if w_NK.stride(-1) == 1 else w_NK.contiguous()
     m, k = x_MK.shape
     n = w_NK.shape[0]
+    launch = launch or launch_for(m, n, k)
+    if not launch.tiles(n, k) or (launch.kernel == "gemv" and m != 1):
+        launch = DEFAULT_LAUNCH
     out = torch.empty((m, n), dtype=x_MK.dtype, device=x_MK.device)
-    n_tiles, k_blocks = n // BLOCK_N, k // BLOCK_K
+    n_tiles, k_blocks = n // launch.block_n, k // launch.block_k
+    split = split or launch.split
     if split is None:
         sms = split_k.num_sms(x_MK.device.index or 0) if x_MK.is_cuda else 132
         plan = split_k.plan_split_k(m, n_tiles, k_blocks, k * x_MK.element_size(), sms)
     else:
         plan = split_k.fixed_split(n_tiles, k_blocks, split)
     partials, counters, in_kernel = split_k.workspace(plan, m, n, x_MK.device, out)
-    _small_m_kernel[(plan.n_tiles, plan.split_k)](
-        x_MK, w_NK, out, partials, counters, m, n, x_MK.stride(0), w_NK.stride(0), out.stride(0),
-        BLOCKS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
-        EMULATE=emulate_rounding(), BLOCK_M=split_k.block_m_for(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=4, num_stages=4, **pdl.options(x_MK),
-    )
+    common = dict(BLOCKS_PER_SPLIT=plan.blocks_per_split, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=in_kernel,
+                  EMULATE=emulate_rounding(), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                  num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl.options(x_MK))
+    if launch.kernel == "gemv":
+        _gemv_kernel[(plan.n_tiles, plan.split_k)](x_MK, w_NK, out, partials, counters, n,
+                                                   STRIDE_WN=w_NK.stride(0), **common)
+    else:
+        _small_m_kernel[(plan.n_tiles, plan.split_k)](
+            x_MK, w_NK, out, partials, counters, m, n, x_MK.stride(0), w_NK.stride(0), out.stride(0),
+            BLOCK_M=split_k.block_m_for(m), **common,
+        )
     if not in_kernel:
         out.copy_(partials.sum(dim=0))
     return out

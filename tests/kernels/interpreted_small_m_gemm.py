@@ -35,3 +35,17 @@ def test_the_splits_are_summed_in_split_order_in_the_kernel_and_by_torch(kernels
 def test_the_planned_split(kernels):
     x, w = operands(1, 256, 1024)
     assert_within_rounding(kernels.small_m_linear(x, w), kernels.small_m_linear_reference(x, w))
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("block_n, block_k", [(16, 128), (32, 256)])
+def test_the_one_token_gemv_gives_the_float64_reference(kernels, split, block_n, block_k):
+    x, w = operands(1, 128, 1024)
+    launch = kernels.Launch("gemv", block_n, block_k, split, 4, 1)
+    assert_within_rounding(kernels.small_m_linear(x, w, launch=launch), kernels.small_m_linear_reference(x, w))
+
+
+def test_a_gemv_launch_falls_back_to_the_mma_kernel_for_several_tokens(kernels):
+    x, w = operands(3, 128, 512)
+    got = kernels.small_m_linear(x, w, launch=kernels.Launch("gemv", 16, 128, 2, 4, 1))
+    assert_within_rounding(got, kernels.small_m_linear_reference(x, w))
