@@ -57,6 +57,24 @@ def test_gpu_kernel_gives_the_float64_reference(name, n, k, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,n,k", SHAPES[:2] + [("router", 128, 2048)])
+def test_gpu_one_token_gemv_launches_give_the_float64_reference(name, n, k):
+    """Every GEMV launch the sweep tries (bench/small_m_sweep.py), at the decode shapes."""
+    from bench.small_m_sweep import candidates
+    from miles_host.kernels.small_m_gemm import small_m_linear
+
+    x, w = operands(1, n, k, device="cuda")
+    expected = small_m_linear_reference(x, w)
+    for label, launch in candidates(1, n, k):
+        if launch is not None and launch.tiles(n, k) and (k // launch.block_k) % (launch.split or 1) == 0:
+            try:
+                assert_within_rounding(small_m_linear(x, w, launch=launch), expected)
+            except AssertionError as error:
+                raise AssertionError(f"{name} {label}: {error}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernel_in_a_cuda_graph_and_through_decode_linear():
     from miles_host.kernels.small_m_gemm import small_m_linear
 
