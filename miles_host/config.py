@@ -218,7 +218,7 @@ class TrainArgs:
         "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
         "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
     pdl: str = flag(
-        "on", "kernel switch: programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
+        "off", "kernel switch: programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
         "kernel starts while the one before it finishes and prefetches its weights): on or off", type=str,
         choices=["on", "off"], group="kernels")
     moe_invariant_decode: str = flag(
