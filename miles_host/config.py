@@ -221,6 +221,9 @@ class TrainArgs:
         "off", "kernel switch: programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
         "kernel starts while the one before it finishes and prefetches its weights): on or off", type=str,
         choices=["on", "off"], group="kernels")
+    sampler_kernel: str = flag(
+        "torch", "kernel switch: the draw of graphed decode sampling without top-k/top-p/min-p: triton (two fused "
+        "launches) or torch (the PyTorch sampler)", type=str, choices=["triton", "torch"], group="kernels")
     moe_invariant_decode: str = flag(
         "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,

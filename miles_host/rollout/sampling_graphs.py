@@ -13,7 +13,9 @@ min-p and their uniform numbers. The per-row settings are copied in when the bat
 requests decode together); the uniforms every step.
 
 The graph runs the same kernels on the same inputs as the eager sampler, so the tokens and
-logprobs are the eager ones. Batches with logits processing (penalties, grammars, logit
+logprobs are the eager ones; with ``--sampler-kernel triton`` the modes without truncation
+draw by :func:`~miles_host.kernels.fused_sampler.fused_sample` instead (two launches; the same
+tokens up to float32 rounding at the CDF's steps). Batches with logits processing (penalties, grammars, logit
 bias), banned tokens (``min_new_tokens``), no uniform numbers given (the rows' generators
 draw them) or more than :data:`MAX_GRAPHED_BATCH` rows sample eagerly, as does
 batch-invariant mode.
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from miles_host.kernels import fused_sampler
 from miles_host.rollout.sampler import SamplingBatch, sample_with_distribution
 
 #: the largest padded batch whose sampling is graphed: beyond it a step is GPU-bound and the
@@ -134,8 +137,11 @@ class SamplingGraphs:
 
     def _body(self, size: int, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._static_batch(size, mode)
-        tokens_B, logprobs_BV = sample_with_distribution(self.logits(self.hidden_BH[:size]), batch,
-                                                         self.uniforms_B[:size])
+        logits_BV = self.logits(self.hidden_BH[:size])
+        if not (mode.top_k or mode.top_p or mode.min_p) and fused_sampler.enabled(logits_BV):
+            return fused_sampler.fused_sample(logits_BV, batch.temperature_B, batch.greedy_B, self.uniforms_B[:size],
+                                              unit_temperature=mode.all_unit_temperature)
+        tokens_B, logprobs_BV = sample_with_distribution(logits_BV, batch, self.uniforms_B[:size])
         return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
     @torch.no_grad()

@@ -1,13 +1,16 @@
-"""A greedy decode on the GPU for :mod:`tests.kernels.test_pdl`: the ``small`` Qwen3-MoE shape of
-``bench/moe.py`` (small-M projections, fused router and experts, split-KV attention) in CUDA graphs."""
+"""A decode on the GPU for the GPU tests of the decode kernels (:mod:`tests.kernels.test_pdl`,
+:mod:`tests.kernels.test_fused_sampler`): the ``small`` Qwen3-MoE shape of ``bench/moe.py``
+(small-M projections, fused router and experts, split-KV attention) in CUDA graphs."""
 
 from __future__ import annotations
 
 import torch
 
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
-def greedy_decode() -> dict:
-    """Tokens and log-probs of three prompts (batches 1 and 3), 24 greedy tokens each."""
+
+def decode(params: dict = GREEDY) -> dict:
+    """Tokens and log-probs of three prompts (batches 1 and 3), 24 tokens each, with ``params``."""
     from bench.moe import build_model
     from miles_host.rollout import Engine
 
@@ -16,7 +19,6 @@ def greedy_decode() -> dict:
     assert engine.runner.graphs is not None
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 500, (3, 40), generator=generator).tolist()
-    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     outputs = engine.generate(prompts[:1], params) + engine.generate(prompts, params)
     result = {"tokens": [o["output_ids"] for o in outputs],
               "logprobs": [[entry[0] for entry in o["meta_info"]["output_token_logprobs"]] for o in outputs]}
