@@ -3,8 +3,9 @@
 For each ``(M, N, K)`` every candidate :class:`~miles_host.kernels.small_m_gemm.Launch` (the
 tensor-core kernel at several tiles and K-splits, the one-token CUDA-core GEMV at several tiles
 and splits) and cuBLAS (``F.linear``) run inside one CUDA graph over ``--copies`` distinct
-weights (more bytes than the L2 holds, as the layers of a decode step), replayed; the figure is
-microseconds per GEMM and the weight bytes read per second. The planned default is marked.
+weights (more bytes than the L2 holds, as the layers of a decode step), replayed
+(:func:`bench.small_m.graph_seconds`, the median of ``--replays``); the figure is microseconds per
+GEMM and the weight bytes read per second. The planned default is marked.
 
     python bench/small_m_sweep.py --shapes 1x5120x2048,1x2048x4096,1x128x2048
 """
@@ -18,29 +19,7 @@ import json
 
 import torch
 
-
-def graph_time(fn, replays: int) -> float:
-    """Seconds per replay of a CUDA graph of ``fn`` (median of three timings)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / replays)
-    return sorted(times)[1]
+from bench.small_m import graph_seconds
 
 
 def candidates(m: int, n: int, k: int):
@@ -73,7 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1x5120x2048,1x2048x4096,1x128x2048", help="MxNxK, comma separated")
     parser.add_argument("--copies", type=int, default=8)
-    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--replays", type=int, default=30, help="timed replays (their median)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from miles_host.kernels.small_m_gemm import small_m_linear
@@ -87,7 +66,9 @@ def main() -> int:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=generator)
         bytes_per_gemm = n * k * 2
         results = []
-        cublas = graph_time(lambda: [torch.nn.functional.linear(x, w) for w in weights], args.replays) / args.copies
+        device = torch.device("cuda")
+        cublas = graph_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights], device,
+                               args.replays) / args.copies
         results.append(("cublas", cublas, None))
         reference = x.double() @ weights[0].double().T
         for name, launch in candidates(m, n, k):
@@ -101,8 +82,8 @@ def main() -> int:
                 if error > 1e-2:
                     print(f"{shape} {name}: WRONG (relative error {error:.3g})", flush=True)
                     continue
-                seconds = graph_time(lambda: [small_m_linear(x, w, launch=launch) for w in weights],
-                                     args.replays) / args.copies
+                seconds = graph_seconds(lambda: [small_m_linear(x, w, launch=launch) for w in weights], device,
+                                        args.replays) / args.copies
                 results.append((name, seconds, launch))
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
                 print(f"{shape} {name}: failed: {str(error).splitlines()[0][:160]}", flush=True)
