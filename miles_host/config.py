@@ -224,6 +224,9 @@ class TrainArgs:
     sampler_kernel: str = flag(
         "torch", "kernel switch: the draw of graphed decode sampling without top-k/top-p/min-p: triton (two fused "
         "launches) or torch (the PyTorch sampler)", type=str, choices=["triton", "torch"], group="kernels")
+    moe_combine: str = flag(
+        "separate", "kernel switch: the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in "
+        "the down projection's launch)", type=str, choices=["separate", "epilogue"], group="kernels")
     moe_invariant_decode: str = flag(
         "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,

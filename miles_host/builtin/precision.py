@@ -3,7 +3,7 @@ bf16 on GPU, float32 on CPU), which every other precision recipe replaces."""
 
 from __future__ import annotations
 
-from miles_host.kernels import fused_sampler, invariant_experts, pdl, small_m_gemm, split_k, switches
+from miles_host.kernels import fused_sampler, invariant_experts, moe_grouped, pdl, small_m_gemm, split_k, switches
 from miles_host.records import Precision
 
 
@@ -17,9 +17,9 @@ def _pass_through(named_tensors, config):
 
 def miles_process_start(config):
     """The host's kernel switches (``--split-k-reduce``, ``--small-m-gemm``, ``--pdl``, ``--sampler-kernel``,
-    ``--moe-invariant-decode``) from the config, in every process."""
+    ``--moe-combine``, ``--moe-invariant-decode``) from the config, in every process."""
     switches.apply_config(config, [split_k.REDUCE, small_m_gemm.SMALL_M, pdl.PDL, fused_sampler.SAMPLER,
-                                   invariant_experts.DECODE])
+                                   moe_grouped.COMBINE, invariant_experts.DECODE])
 
 
 def miles_register_precisions():

@@ -155,6 +155,35 @@ def _route_kernel(
 
 
 @triton.jit
+def _combine_epilogue(C, RowToken, PairRow, Weights, Y, Counters, out_rows, offs_n, N, pid_n, num_n_tiles,
+                      stride_cm, stride_cn, stride_wt, stride_yt, TOP_K: tl.constexpr, EMULATE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """After a down-GEMM program stored its rows: the last of a token's ``TOP_K`` rows to arrive for this
+    column tile (an int32 counter per (token, tile), acquire-release at GPU scope after a CTA barrier,
+    as :func:`~miles_host.kernels._split_k_triton.split_k_epilogue`) sums the token's rows times its gate
+    weights in slot order in fp32, rounds once to ``Y``'s dtype and resets the counter: what
+    :func:`_combine_kernel` computes, bit for bit. A token has at most one row in a block (its slots
+    go to distinct experts), so a program's rows never share a counter."""
+    tl.debug_barrier()
+    token = tl.load(RowToken + out_rows)
+    valid = token >= 0
+    counter = Counters + tl.where(valid, token, 0) * num_n_tiles + pid_n
+    arrived = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (arrived == TOP_K - 1)
+    cols_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        row = tl.load(PairRow + token * TOP_K + slot, mask=last, other=0)
+        weight = tl.load(Weights + token * stride_wt + slot, mask=last, other=0.0).to(tl.float32)
+        part = tl.load(C + row[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
+                       mask=last[:, None] & cols_ok[None, :], other=0.0, cache_modifier=".cg")
+        acc += part.to(tl.float32) * weight[:, None]
+    tl.store(Y + token[:, None] * stride_yt + offs_n[None, :], cast_rne(acc, Y.dtype.element_ty, EMULATE),
+             mask=last[:, None] & cols_ok[None, :])
+    tl.atomic_xchg(counter, 0, mask=last, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _moe_gemm_kernel(
     A, RowToken, BlockExpert, W, Bias, C,
     N,
@@ -162,6 +191,8 @@ def _moe_gemm_kernel(
     K: tl.constexpr, K_BLOCKS: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    PairRow=None, Weights=None, Y=None, Counters=None, stride_wt=0, stride_yt=0,
+    COMBINE: tl.constexpr = False, TOP_K: tl.constexpr = 1,
 ):
     pdl_start(PDL)
     pdl_wait(PDL)  # the layout and the input rows come from the kernels before
@@ -196,6 +227,10 @@ def _moe_gemm_kernel(
             out = cast_rne(acc, C.dtype.element_ty, EMULATE)
         c_ptrs = C + out_rows[:, None] * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
         tl.store(c_ptrs, out, mask=(offs_n < N)[None, :])
+        if COMBINE:
+            _combine_epilogue(C, RowToken, PairRow, Weights, Y, Counters, out_rows, offs_n, N, pid_n,
+                              tl.num_programs(1), stride_cm, stride_cn, stride_wt, stride_yt, TOP_K, EMULATE,
+                              BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -242,13 +277,16 @@ def route_layout(ids_TK, num_experts, block_m, row_token_R, pair_row_TK, block_e
 
 
 def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool, activation: str | None,
-             bias_EN: torch.Tensor | None = None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> None:
+             bias_EN: torch.Tensor | None = None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.0,
+             combine: tuple | None = None) -> None:
     """``out[r] = a[row r] @ w_ENK[expert of r's block]^T (+ bias_EN[expert])`` for every row of a used block.
 
     ``activation`` (gate_up): ``w_ENK`` is ``[E, 2N, K]`` (gate rows first), ``bias_EN``
     ``[E, 2N]`` likewise, and ``out[r] = act(gate) * up``, ``[R, N]`` (``clamped_swiglu``:
     with ``swiglu_limit`` and ``swiglu_alpha``). ``a``: ``[T, K]`` (``gather``: row r
     reads ``a[row_token_R[r]]``) or ``[R, K]``. Rows of unused blocks are not written.
+    ``combine``: ``(pair_row_TK, weights_TK, y_TH)`` (the down projection): the top-k weighted sum of
+    each token's rows into ``y_TH`` in the same launch (:func:`_combine_epilogue`).
     """
     n, k = out_RN.shape[1], w_ENK.shape[2]
     num_blocks = block_expert_B.shape[0]
@@ -256,6 +294,15 @@ def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool
         return
     bias = bias_EN if bias_EN is not None else w_ENK  # never read without HAS_BIAS
     grid = (num_blocks, triton.cdiv(n, config.block_n))
+    extra = {}
+    if combine is not None:
+        from miles_host.kernels import split_k
+
+        pair_row_TK, weights_TK, y_TH = combine
+        extra = dict(PairRow=pair_row_TK, Weights=weights_TK, Y=y_TH,
+                     Counters=split_k.semaphores(out_RN.device, pair_row_TK.shape[0] * grid[1]),
+                     stride_wt=weights_TK.stride(0), stride_yt=y_TH.stride(0), COMBINE=True,
+                     TOP_K=pair_row_TK.shape[1])
     _moe_gemm_kernel[grid](
         a, row_token_R, block_expert_B, w_ENK, bias, out_RN,
         n,
@@ -266,7 +313,7 @@ def moe_gemm(a, row_token_R, block_expert_B, w_ENK, out_RN, config, gather: bool
         LIMIT=float(swiglu_limit) if swiglu_limit is not None else 0.0, ALPHA=float(swiglu_alpha),
         IEEE=a.dtype == torch.float32, EMULATE=emulate_rounding(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(a),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(a), **extra,
     )
 
 

@@ -46,6 +46,7 @@ from typing import Protocol
 
 import torch
 
+from miles_host.kernels import switches
 from miles_host.kernels.eager_ops import activation as eager_activation
 from miles_host.kernels.eager_ops import gated_activation
 
@@ -58,6 +59,13 @@ __all__ = [
     "fuses", "gemm_config", "grouped_moe_forward", "grouped_moe_forward_reference", "max_row_blocks", "pick_block_m",
     "plan", "route",
 ]
+
+#: ``--moe-combine``: the top-k weighted sum as its own launch (``separate``, :func:`combine`) or in the
+#: epilogue of the down projection (``epilogue``: the last of a token's rows to finish sums them; the
+#: same bits, one launch fewer per MoE layer; the host's bf16/fp16/fp32 experts)
+COMBINE = switches.declare("moe_combine", "separate", ("separate", "epilogue"),
+                           "the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in the down "
+                           "projection's launch)")
 
 #: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
 ROUTE_KERNEL_MAX_PAIRS = 4096
@@ -141,11 +149,18 @@ class DenseExpertGemms:
                                      config, gather=True, activation=self.activation, bias_EN=self.gate_up_bias_E2I,
                                      swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
 
-    def down(self, act_RI, routing, out_RH, config) -> None:
+    def down(self, act_RI, routing, out_RH, config, y_TH: torch.Tensor | None = None) -> None:
+        """``y_TH``: also the top-k weighted sum of each token's rows into it, in the same launch
+        (:func:`fused_moe` under ``--moe-combine epilogue``; what :func:`combine` computes, bit for bit)."""
         from miles_host.kernels import _moe_grouped_triton
 
+        combine = (routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH) if y_TH is not None else None
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,
-                                     config, gather=False, activation=None, bias_EN=self.down_bias_EH)
+                                     config, gather=False, activation=None, bias_EN=self.down_bias_EH,
+                                     combine=combine)
+
+    #: :meth:`down` takes ``y_TH`` (the combine in its epilogue)
+    combines_in_down = True
 
 
 def fuses(activation: str, swiglu_limit: float | None = None) -> bool:
@@ -252,6 +267,10 @@ def fused_moe(
     act_RI = x_TH.new_empty(num_rows, gemms.inter)
     gemms.gate_up(x_TH, routing, act_RI, tiles.gate_up)
     out_RH = x_TH.new_empty(num_rows, gemms.hidden)
+    if switches.value(COMBINE) == "epilogue" and getattr(gemms, "combines_in_down", False) and uses_triton(x_TH):
+        y_TH = torch.empty(num_tokens, gemms.hidden, dtype=x_TH.dtype, device=x_TH.device)
+        gemms.down(act_RI, routing, out_RH, tiles.down, y_TH=y_TH)
+        return y_TH
     gemms.down(act_RI, routing, out_RH, tiles.down)
     return combine(out_RH, routing, x_TH.dtype)
 

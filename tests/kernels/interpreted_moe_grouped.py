@@ -96,3 +96,22 @@ def test_fp32_router_weights_with_bf16_activations(kernels):
     got = kernels.grouped_moe_forward(x, ids, weights.float(), gate_up, down)
     assert got.dtype == torch.bfloat16
     assert_close(got, kernels.grouped_moe_forward_reference(x, ids, weights.float(), gate_up, down), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, allowed", [(1, None), (5, None), (17, None), (17, [1, 6])])
+def test_the_combine_in_the_down_epilogue_gives_the_same_bits(kernels, monkeypatch, dtype, num_tokens, allowed):
+    """``--moe-combine epilogue``: the last of a token's rows to finish sums them in the down GEMM's
+    launch; the output equals the separate combine launch's bit for bit and the counters end at zero."""
+    from miles_host.kernels import split_k
+    from tests.kernel_switches import use_switches
+
+    _, args = _args(num_tokens, dtype, allowed=allowed)
+    separate = kernels.grouped_moe_forward(*args)
+    use_switches(monkeypatch, moe_combine="epilogue")
+    counters = torch.zeros(1 << 14, dtype=torch.int32)
+    monkeypatch.setattr(split_k, "semaphores", lambda device, count: counters)
+    monkeypatch.setattr(kernels, "combine", lambda *a: pytest.fail("the separate combine ran"))
+    fused = kernels.grouped_moe_forward(*args)
+    assert torch.equal(fused, separate)
+    assert not counters.any()

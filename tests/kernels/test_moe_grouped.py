@@ -206,6 +206,14 @@ def test_kernel_compiles_for_sm90(dtype):
                           BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
         ptx = compile_sm90(_moe_grouped_triton._moe_gemm_kernel, signature, constexprs, config.num_warps,
                            config.num_stages, unaligned=())
+        if not gated and dtype == torch.bfloat16:  # the down projection with the combine in its epilogue
+            combined = compile_sm90(
+                _moe_grouped_triton._moe_gemm_kernel,
+                {**signature, "PairRow": "*i64", "Weights": "*fp32", "Y": pointer, "Counters": "*i32",
+                 "stride_wt": "i32", "stride_yt": "i32"},
+                {**constexprs, "COMBINE": True, "TOP_K": top_k}, config.num_warps, config.num_stages,
+                unaligned=("stride_wt",))
+            assert re.search(r"atom\.global\.gpu\.acq_rel\.add", combined) and "ld.global.cg" in combined
         assert "tf32" not in ptx, config
         if dtype == torch.bfloat16:
             assert re.search(r"(wgmma|mma)\.\S*bf16", ptx), config
@@ -279,6 +287,40 @@ def test_gpu_other_dtypes_and_empty_experts(dtype):
     x, ids, weights = routing_inputs(300, hidden, num_experts, top_k, dtype, device="cuda", allowed=range(0, 64, 5))
     args = (x, ids, weights, experts.gate_up_proj, experts.down_proj)
     assert_close(grouped_moe_forward(*args), grouped_moe_forward_reference(*args), dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+def test_gpu_combine_in_the_down_epilogue_gives_the_same_bits(num_tokens):
+    """``--moe-combine epilogue`` at the Qwen3-MoE shape, eagerly and replayed in a CUDA graph with new
+    inputs: the separate combine's bits."""
+    from miles_host.kernels import switches
+
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    static = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda", seed=1)
+    weights_args = (experts.gate_up_proj, experts.down_proj)
+    with torch.no_grad(), switches.switched(moe_combine="epilogue"):
+        assert torch.equal(grouped_moe_forward(*static, *weights_args),
+                           _separate(grouped_moe_forward, static, weights_args))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = grouped_moe_forward(*static, *weights_args)
+        for seed in (2, 3):
+            fresh = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda", seed=seed)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, _separate(grouped_moe_forward, fresh, weights_args)), seed
+
+
+def _separate(forward, inputs, weights_args):
+    from miles_host.kernels import switches
+
+    with switches.switched(moe_combine="separate"):
+        return forward(*inputs, *weights_args)
 
 
 @pytest.mark.gpu
