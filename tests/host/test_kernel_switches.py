@@ -82,3 +82,17 @@ def test_no_production_code_reads_a_miles_environment_variable():
             for name in reads.findall(path.read_text()):
                 found.setdefault(name, []).append(str(path.relative_to(REPO)))
     assert set(found) <= {"MILES_PLUGINS"}, found
+
+
+def test_the_host_switch_flags_match_their_declarations():
+    """Each host kernel switch is a config field with the declaration's default and choices."""
+    import dataclasses
+
+    from miles_host.builtin import precision  # noqa: F401 - imports every host switch's module
+    from miles_host.config import TrainArgs
+
+    fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
+    for name in ("split_k_reduce", "small_m_gemm", "pdl", "sampler_kernel", "moe_combine", "moe_invariant_decode"):
+        switch = switches.declared(name)
+        assert fields[name].default == switch.default, name
+        assert tuple(fields[name].metadata["choices"]) == tuple(switch.choices), name
