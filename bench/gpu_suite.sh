@@ -14,7 +14,8 @@
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
-#        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --pdl on: their GPU tests, MoE decode with each)
+#        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
+#                         tests, MoE decode b1/b32 with each and with all)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -123,13 +124,13 @@ for step in "${steps[@]}"; do
       run pdl_profile 150 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 1 --profile-batch 1 --profile-top 45 ;;  # programmatic dependent launch: GPU tests (bits equal on/off), bf16 MoE decode b1/b32 with --pdl off then on, the b1 kernel profile
     decode_switches) run decode_switch_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/kernels/test_fused_sampler.py tests/kernels/test_moe_grouped.py -k "sampler or draw or epilogue"
-      for s in none sampler_kernel=triton moe_combine=epilogue pdl=on; do
+        tests/kernels/test_fused_sampler.py tests/kernels/test_moe_grouped.py -k "sampler or draw or epilogue or gemv"
+      for s in none sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on; do
         flags=(); [ "$s" != none ] && flags=(--switch "$s")
         run "decode_$s" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
           --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_all 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
-        --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
+        --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch moe_gemv_tokens=1 --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off

@@ -227,6 +227,9 @@ class TrainArgs:
     moe_combine: str = flag(
         "separate", "kernel switch: the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in "
         "the down projection's launch)", type=str, choices=["separate", "epilogue"], group="kernels")
+    moe_gemv_tokens: int = flag(
+        0, "kernel switch: batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core "
+        "GEMV per (token, slot) pair (0: never)", type=int, group="kernels")
     moe_invariant_decode: str = flag(
         "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
         "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,

@@ -17,9 +17,9 @@ def _pass_through(named_tensors, config):
 
 def miles_process_start(config):
     """The host's kernel switches (``--split-k-reduce``, ``--small-m-gemm``, ``--pdl``, ``--sampler-kernel``,
-    ``--moe-combine``, ``--moe-invariant-decode``) from the config, in every process."""
+    ``--moe-combine``, ``--moe-gemv-tokens``, ``--moe-invariant-decode``) from the config, in every process."""
     switches.apply_config(config, [split_k.REDUCE, small_m_gemm.SMALL_M, pdl.PDL, fused_sampler.SAMPLER,
-                                   moe_grouped.COMBINE, invariant_experts.DECODE])
+                                   moe_grouped.COMBINE, moe_grouped.GEMV_TOKENS, invariant_experts.DECODE])
 
 
 def miles_register_precisions():

@@ -336,3 +336,61 @@ def combine(out_RH, pair_row_TK, weights_TK, y_TH) -> torch.Tensor:
         **pdl.options(out_RH),
     )
     return y_TH
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    A, RowToken, PairRow, BlockExpert, W, C,
+    N, stride_am, stride_we, stride_wn, stride_cm,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program ``(n tile, pair)``: one (token, slot) pair's ``BLOCK_N`` output columns on the CUDA cores,
+    written to the pair's row of the padded layout (what :func:`_moe_gemm_kernel` writes there).
+    fp32 products accumulated elementwise over the unrolled K-blocks (every load of a program issued
+    together; the activation read in the weight tile's layout, no shared memory), one sum per column;
+    ``GATED``: gate and up columns and :func:`act_and_mul` as the grouped kernel's epilogue."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    row = tl.load(PairRow + tl.program_id(1))
+    expert = tl.load(BlockExpert + row // ROW_BLOCK).to(tl.int64)
+    if GATHER:
+        a_row = tl.load(RowToken + row)
+    else:
+        a_row = row
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    w_ptrs = W + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = A + a_row * stride_am + (offs_n * 0)[:, None] + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kb in tl.static_range(K // BLOCK_K):
+        x = tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
+        acc += tl.load(w_ptrs + kb * BLOCK_K).to(tl.float32) * x
+        if GATED:
+            acc_up += tl.load(w_ptrs + N * stride_wn + kb * BLOCK_K).to(tl.float32) * x
+    if GATED:
+        out = act_and_mul(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), ACT, C.dtype.element_ty, EMULATE)
+    else:
+        out = cast_rne(tl.sum(acc, axis=1), C.dtype.element_ty, EMULATE)
+    tl.store(C + row * stride_cm + offs_n, out, mask=mask_n)
+
+
+def moe_gemv(a, routing, w_ENK, out_RN, gather: bool, activation: str | None, block_n: int) -> None:
+    """:func:`moe_gemm`'s rows for a few tokens by :func:`_moe_gemv_kernel`, one program row per
+    (token, slot) pair (no biases, no clamped SwiGLU)."""
+    n, k = out_RN.shape[1], w_ENK.shape[2]
+    pairs = routing.pair_row_TK.numel()
+    if pairs == 0 or n == 0:
+        return
+    block_k = next(b for b in (512, 256, 128, 64, 32, 16) if k % b == 0)
+    _moe_gemv_kernel[(triton.cdiv(n, block_n), pairs)](
+        a, routing.row_token_R, routing.pair_row_TK.reshape(-1), routing.block_expert_B, w_ENK, out_RN,
+        n, a.stride(0), w_ENK.stride(0), w_ENK.stride(1), out_RN.stride(0),
+        K=k, BLOCK_K=block_k, ROW_BLOCK=routing.block_m, GATHER=gather, GATED=activation is not None,
+        ACT=ACTIVATIONS[activation] if activation is not None else 0, EMULATE=emulate_rounding(),
+        BLOCK_N=block_n, num_warps=4, **pdl.options(a),
+    )

@@ -67,6 +67,15 @@ COMBINE = switches.declare("moe_combine", "separate", ("separate", "epilogue"),
                            "the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in the down "
                            "projection's launch)")
 
+#: ``--moe-gemv-tokens``: batches of at most this many tokens run the host's 16-bit experts by a CUDA-core
+#: GEMV per (token, slot) pair (:func:`~miles_host.kernels._moe_grouped_triton.moe_gemv`) instead of the
+#: grouped GEMM; 0: never
+GEMV_TOKENS = switches.declare("moe_gemv_tokens", 0, None,
+                               "batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core "
+                               "GEMV per (token, slot) pair (0: never)")
+#: output columns per GEMV program: the gate_up program reads gate and up rows, so half the down's
+GEMV_BLOCK_N = {"gate_up": 8, "down": 16}
+
 #: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
 ROUTE_KERNEL_MAX_PAIRS = 4096
 
@@ -142,9 +151,22 @@ class DenseExpertGemms:
                              f"a swiglu_limit; got {self.activation!r} with swiglu_limit={self.swiglu_limit} "
                              "(use --moe-kernel loop)")
 
+    def takes_gemv(self, a: torch.Tensor, routing: Routing) -> bool:
+        """Whether a projection of this batch runs the one-pair CUDA-core GEMV (``--moe-gemv-tokens``):
+        at most that many tokens, no biases, an activation of :data:`FUSED_ACTIVATIONS`, 16-bit
+        weights with unit inner strides."""
+        return (0 < routing.pair_row_TK.shape[0] <= switches.value(GEMV_TOKENS)
+                and self.gate_up_bias_E2I is None and self.down_bias_EH is None
+                and self.activation in FUSED_ACTIVATIONS and a.dtype in (torch.bfloat16, torch.float16)
+                and a.stride(1) == 1 and self.gate_up_E2IH.stride(2) == 1 and self.down_EHI.stride(2) == 1)
+
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
         from miles_host.kernels import _moe_grouped_triton
 
+        if self.takes_gemv(x_TH, routing):
+            _moe_grouped_triton.moe_gemv(x_TH, routing, self.gate_up_E2IH, out_RI, gather=True,
+                                         activation=self.activation, block_n=GEMV_BLOCK_N["gate_up"])
+            return
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
                                      config, gather=True, activation=self.activation, bias_EN=self.gate_up_bias_E2I,
                                      swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
@@ -154,6 +176,12 @@ class DenseExpertGemms:
         (:func:`fused_moe` under ``--moe-combine epilogue``; what :func:`combine` computes, bit for bit)."""
         from miles_host.kernels import _moe_grouped_triton
 
+        if self.takes_gemv(act_RI, routing):
+            _moe_grouped_triton.moe_gemv(act_RI, routing, self.down_EHI, out_RH, gather=False, activation=None,
+                                         block_n=GEMV_BLOCK_N["down"])
+            if y_TH is not None:
+                _moe_grouped_triton.combine(out_RH, routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH)
+            return
         combine = (routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH) if y_TH is not None else None
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,
                                      config, gather=False, activation=None, bias_EN=self.down_bias_EH,

@@ -92,7 +92,9 @@ def test_the_host_switch_flags_match_their_declarations():
     from miles_host.config import TrainArgs
 
     fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
-    for name in ("split_k_reduce", "small_m_gemm", "pdl", "sampler_kernel", "moe_combine", "moe_invariant_decode"):
+    for name in ("split_k_reduce", "small_m_gemm", "pdl", "sampler_kernel", "moe_combine", "moe_gemv_tokens",
+                 "moe_invariant_decode"):
         switch = switches.declared(name)
         assert fields[name].default == switch.default, name
-        assert tuple(fields[name].metadata["choices"]) == tuple(switch.choices), name
+        choices = fields[name].metadata["choices"]
+        assert (tuple(choices) if choices is not None else None) == switch.choices, name

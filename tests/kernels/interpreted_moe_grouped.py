@@ -115,3 +115,19 @@ def test_the_combine_in_the_down_epilogue_gives_the_same_bits(kernels, monkeypat
     fused = kernels.grouped_moe_forward(*args)
     assert torch.equal(fused, separate)
     assert not counters.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens, allowed", [(1, None), (3, None), (3, [2, 5])])
+@pytest.mark.parametrize("combine", ["separate", "epilogue"])
+def test_the_one_pair_gemv_gives_the_float64_reference(kernels, monkeypatch, dtype, num_tokens, allowed, combine):
+    """``--moe-gemv-tokens``: the experts of a few tokens by the CUDA-core GEMV (the grouped GEMM never
+    runs) within the grouped path's tolerance of the float64 reference."""
+    from miles_host.kernels import _moe_grouped_triton
+    from tests.kernel_switches import use_switches
+
+    _, args = _args(num_tokens, dtype, allowed=allowed)
+    use_switches(monkeypatch, moe_gemv_tokens=4, moe_combine=combine)
+    monkeypatch.setattr(_moe_grouped_triton, "moe_gemm", lambda *a, **k: pytest.fail("the grouped GEMM ran"))
+    got = kernels.grouped_moe_forward(*args)
+    assert_close(got, kernels.grouped_moe_forward_reference(*args), dtype)

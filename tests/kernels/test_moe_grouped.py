@@ -219,6 +219,15 @@ def test_kernel_compiles_for_sm90(dtype):
             assert re.search(r"(wgmma|mma)\.\S*bf16", ptx), config
         else:
             assert "fma.rn.f32" in ptx, config
+    if dtype == torch.bfloat16:  # the one-pair GEMV (--moe-gemv-tokens): both projections, no spills
+        gemv_signature = {"A": pointer, "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": pointer,
+                          "C": pointer, "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                          "stride_cm": "i32"}
+        for k, gated, block_k, block_n in ((hidden, True, 512, 8), (inter, False, 128, 16)):
+            gemv_ptx = compile_sm90(_moe_grouped_triton._moe_gemv_kernel, gemv_signature,
+                                    dict(K=k, BLOCK_K=block_k, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0,
+                                         EMULATE=False, BLOCK_N=block_n), 4, 1, unaligned=("N",))
+            assert ".local" not in gemv_ptx and "ld.global.v4" in gemv_ptx
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -314,6 +323,29 @@ def test_gpu_combine_in_the_down_epilogue_gives_the_same_bits(num_tokens):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(static_y, _separate(grouped_moe_forward, fresh, weights_args)), seed
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_gpu_one_pair_gemv_matches_the_reference(num_tokens):
+    """``--moe-gemv-tokens`` at the Qwen3-MoE shape: within the grouped path's tolerance of float64, eagerly
+    and replayed in a CUDA graph."""
+    from miles_host.kernels import switches
+
+    hidden, inter, num_experts, top_k = QWEN3_MOE
+    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
+    inputs = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda", seed=1)
+    weights_args = (experts.gate_up_proj, experts.down_proj)
+    with torch.no_grad(), switches.switched(moe_gemv_tokens=4):
+        got = grouped_moe_forward(*inputs, *weights_args)
+        assert_close(got, grouped_moe_forward_reference(*inputs, *weights_args), torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = grouped_moe_forward(*inputs, *weights_args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got)
 
 
 def _separate(forward, inputs, weights_args):
