@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_host.config_fields import flag, flag_name, optional_int, size_in_bytes
+from miles_host.config_kernels import switch_flag
 from miles_host.config_ckpt import CheckpointFormatArgs
 from miles_host.config_dashboard import ObservabilityArgs, check_dashboard
 from miles_host.config_eval_rewards import EvalRewardArgs, check_eval_rewards
@@ -211,29 +212,13 @@ class TrainArgs:
     sequence_parallel: bool = flag(False, "sequence parallelism", group="parallel")
     weight_sync: str = flag("inprocess", "trainer -> rollout transport (registry: miles plugins); with engine processes the default becomes broadcast, or cuda_ipc when colocated on GPUs", type=str, group="train")
     update_weight_buffer_size: int = flag(512 << 20, "bucket size of weight sync", type=size_in_bytes, group="train")
-    split_k_reduce: str = flag(
-        "kernel", "kernel switch: where split-K partials of the small-M GEMMs are summed: kernel, or torch "
-        "(debugging)", type=str, choices=["kernel", "torch"], group="kernels")
-    small_m_gemm: str = flag(
-        "triton", "kernel switch: the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
-        "or torch (the module: cuBLAS)", type=str, choices=["triton", "torch"], group="kernels")
-    pdl: str = flag(
-        "off", "kernel switch: programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
-        "kernel starts while the one before it finishes and prefetches its weights): on or off", type=str,
-        choices=["on", "off"], group="kernels")
-    sampler_kernel: str = flag(
-        "torch", "kernel switch: the draw of graphed decode sampling without top-k/top-p/min-p: triton (two fused "
-        "launches) or torch (the PyTorch sampler)", type=str, choices=["triton", "torch"], group="kernels")
-    moe_combine: str = flag(
-        "separate", "kernel switch: the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in "
-        "the down projection's launch)", type=str, choices=["separate", "epilogue"], group="kernels")
-    moe_gemv_tokens: int = flag(
-        0, "kernel switch: batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core "
-        "GEMV per (token, slot) pair (0: never)", type=int, group="kernels")
-    moe_invariant_decode: str = flag(
-        "batched", "kernel switch: the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
-        "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)", type=str,
-        choices=["loop", "batched"], group="kernels")
+    split_k_reduce: str = switch_flag("split_k_reduce")
+    small_m_gemm: str = switch_flag("small_m_gemm")
+    pdl: str = switch_flag("pdl")
+    sampler_kernel: str = switch_flag("sampler_kernel")
+    moe_combine: str = switch_flag("moe_combine")
+    moe_gemv_tokens: int = switch_flag("moe_gemv_tokens")
+    moe_invariant_decode: str = switch_flag("moe_invariant_decode")
     max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")
 
 

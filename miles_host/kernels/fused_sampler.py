@@ -35,9 +35,7 @@ from miles_host.kernels import switches
 CHUNK = 1024
 
 #: ``--sampler-kernel``: ``triton`` (:func:`fused_sample` for the rows it takes) or ``torch``
-SAMPLER = switches.declare("sampler_kernel", "torch", ("triton", "torch"),
-                           "the draw of graphed decode sampling without truncation: triton (two fused launches) "
-                           "or torch (the PyTorch sampler)")
+SAMPLER = switches.declare_host("sampler_kernel")
 
 
 def enabled(logits_BV: torch.Tensor) -> bool:

@@ -27,9 +27,7 @@ from miles_host.kernels import switches
 from miles_host.kernels.invariant_matmul import invariant_bmm
 
 #: ``--moe-invariant-decode``: the batch-invariant decode step's experts per expert, or batched
-DECODE = switches.declare("moe_invariant_decode", "batched", ("loop", "batched"),
-                          "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA "
-                          "graphs: loop (per expert), or batched (one invariant GEMM per projection for all experts)")
+DECODE = switches.declare_host("moe_invariant_decode")
 
 
 def batched() -> bool:

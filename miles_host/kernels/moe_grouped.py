@@ -63,16 +63,12 @@ __all__ = [
 #: ``--moe-combine``: the top-k weighted sum as its own launch (``separate``, :func:`combine`) or in the
 #: epilogue of the down projection (``epilogue``: the last of a token's rows to finish sums them; the
 #: same bits, one launch fewer per MoE layer; the host's bf16/fp16/fp32 experts)
-COMBINE = switches.declare("moe_combine", "separate", ("separate", "epilogue"),
-                           "the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in the down "
-                           "projection's launch)")
+COMBINE = switches.declare_host("moe_combine")
 
 #: ``--moe-gemv-tokens``: batches of at most this many tokens run the host's 16-bit experts by a CUDA-core
 #: GEMV per (token, slot) pair (:func:`~miles_host.kernels._moe_grouped_triton.moe_gemv`) instead of the
 #: grouped GEMM; 0: never
-GEMV_TOKENS = switches.declare("moe_gemv_tokens", 0, None,
-                               "batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core "
-                               "GEMV per (token, slot) pair (0: never)")
+GEMV_TOKENS = switches.declare_host("moe_gemv_tokens")
 #: output columns per GEMV program: the gate_up program reads gate and up rows, so half the down's
 GEMV_BLOCK_N = {"gate_up": 8, "down": 16}
 

@@ -36,9 +36,7 @@ from miles_host.kernels import switches
 #: ``--pdl``: ``on`` (the decode kernels launch with programmatic dependent launch where the GPU
 #: supports it) or ``off``, the default: on an H100 the Qwen3-30B-A3B-shaped batch-1 decode ran within
 #: the noise of the plain launches (992 vs 976 tok/s in one pair of runs, 965 vs 1,007 in another)
-PDL = switches.declare("pdl", "off", ("on", "off"),
-                       "programmatic dependent launch of the decode kernels on Hopper and later GPUs (each "
-                       "kernel starts while the one before it finishes and prefetches its weights): on or off")
+PDL = switches.declare_host("pdl")
 
 #: the first compute capability with ``griddepcontrol``
 MIN_CAPABILITY = (9, 0)

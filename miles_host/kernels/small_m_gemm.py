@@ -40,9 +40,7 @@ BLOCK_K = 128
 BLOCK_N = 64
 
 #: ``--small-m-gemm``: ``triton`` (this kernel) or ``torch`` (the module, cuBLAS: baselines, debugging)
-SMALL_M = switches.declare("small_m_gemm", "triton", ("triton", "torch"),
-                           "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, "
-                           "or torch (the module: cuBLAS)")
+SMALL_M = switches.declare_host("small_m_gemm")
 
 
 @dataclass(frozen=True)

@@ -138,8 +138,7 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
 
 
 #: where split-K partials are summed: ``kernel`` (the last program of a tile) or ``torch`` (debugging)
-REDUCE = switches.declare("split_k_reduce", "kernel", ("kernel", "torch"),
-                          "where split-K partials of the small-M GEMMs are summed: kernel, or torch (debugging)")
+REDUCE = switches.declare_host("split_k_reduce")
 
 
 def reduce_in_kernel() -> bool:

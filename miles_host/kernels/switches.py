@@ -15,6 +15,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
+from miles_host.config_kernels import HOST_SWITCHES
+
 
 @dataclass(frozen=True)
 class Switch:
@@ -50,6 +52,13 @@ def declare(name: str, default: Any, choices: Sequence[Any] | None, help: str) -
     if existing != switch:
         raise ValueError(f"kernel switch {name!r} declared twice with different settings")
     return switch
+
+
+def declare_host(name: str) -> Switch:
+    """Declare host switch ``name`` from its record in :data:`miles_host.config_kernels.HOST_SWITCHES`
+    (the record the run config's flag is made from)."""
+    spec = HOST_SWITCHES[name]
+    return declare(spec.name, spec.default, spec.choices, spec.help)
 
 
 def declared(name: str) -> Switch:
@@ -97,4 +106,5 @@ def apply_config(config: Any, switches: Iterable[Switch]) -> None:
     setVALUES(**{switch.name: getattr(config, switch.name) for switch in switches})
 
 
-__all__ = ["VALUES", "Switch", "add_flags", "apply_config", "declare", "declared", "setVALUES", "switched", "value"]
+__all__ = ["VALUES", "Switch", "add_flags", "apply_config", "declare", "declare_host", "declared", "setVALUES",
+           "switched", "value"]

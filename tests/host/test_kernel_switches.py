@@ -84,17 +84,19 @@ def test_no_production_code_reads_a_miles_environment_variable():
     assert set(found) <= {"MILES_PLUGINS"}, found
 
 
-def test_the_host_switch_flags_match_their_declarations():
-    """Each host kernel switch is a config field with the declaration's default and choices."""
+def test_every_host_switch_is_declared_from_its_record_and_is_a_config_flag():
+    """Each record of ``HOST_SWITCHES`` is declared by its kernel module (imported by the built-in precision
+    plugin) and is a ``kernels``-group config field with the record's default and choices."""
     import dataclasses
 
     from miles_host.builtin import precision  # noqa: F401 - imports every host switch's module
     from miles_host.config import TrainArgs
+    from miles_host.config_kernels import HOST_SWITCHES
 
     fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
-    for name in ("split_k_reduce", "small_m_gemm", "pdl", "sampler_kernel", "moe_combine", "moe_gemv_tokens",
-                 "moe_invariant_decode"):
+    for name, spec in HOST_SWITCHES.items():
         switch = switches.declared(name)
-        assert fields[name].default == switch.default, name
+        assert (switch.default, switch.choices, switch.help) == (spec.default, spec.choices, spec.help), name
+        assert fields[name].default == spec.default and fields[name].metadata["group"] == "kernels", name
         choices = fields[name].metadata["choices"]
-        assert (tuple(choices) if choices is not None else None) == switch.choices, name
+        assert (tuple(choices) if choices is not None else None) == spec.choices, name
