@@ -16,6 +16,7 @@
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
 #                         tests, MoE decode b1/b32 with each and with all)
+#        switch_ablation (the decode switches all on, then each one off, then the defaults; the LM head's small-M sweep)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -131,6 +132,16 @@ for step in "${steps[@]}"; do
           --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_all 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch moe_gemv_tokens=1 --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
+    switch_ablation) run sampler_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_fused_sampler.py
+      all=(sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on)
+      for drop in none "${all[@]}"; do
+        flags=(); for s in "${all[@]}"; do [ "$s" != "$drop" ] && flags+=(--switch "$s"); done
+        run "decode_all_but_$drop" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+          --prefill-seqs 0 --new-tokens 64 --repeats 3 "${flags[@]}"; done
+      run decode_defaults 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
+        --new-tokens 64 --repeats 3
+      run small_m_sweep_head 200 python3 bench/small_m_sweep.py --shapes 1x151936x2048,1x2048x4096 --copies 4 \
+        --json "$OUT/small_m_sweep_head.json" ;;  # the decode switches all on, then with each one off, then the defaults (bf16 MoE decode b1/b32); the small-M launches on the LM head's shape
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off

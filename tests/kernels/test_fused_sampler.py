@@ -31,26 +31,36 @@ def _batch(rows: int, vocab: int, unit: bool, device: str, seed: int = 0):
 
 
 def check_against_torch_and_float64(fused_sample, vocab: int, unit: bool, rows: int, device: str) -> None:
-    """Tokens equal to the PyTorch sampler's, each inside its float64 CDF step at ``u``; log-probs
-    within float32 rounding of float64; greedy rows take the argmax."""
+    """Tokens equal to the PyTorch sampler's wherever ``u * total`` lies clear of float32 rounding
+    of a CDF step (elsewhere the two sums in different orders may round to either side); every
+    token inside its float64 CDF step at ``u``, or the heaviest token where the target reaches the
+    total (the documented fallback); log-probs within float32 rounding of float64; greedy rows take
+    the argmax."""
     from miles_host.rollout.sampler import sample_with_distribution
 
     logits, batch, uniforms = _batch(rows, vocab, unit, device)
     tokens, logprobs = fused_sample(logits, batch.temperature_B, batch.greedy_B, uniforms, unit_temperature=unit)
     expected_tokens, expected_logprobs = sample_with_distribution(logits, batch, uniforms)
-    assert tokens.tolist() == expected_tokens.tolist()
     logprobs64 = torch.log_softmax(logits.double() / batch.temperature_B.double()[:, None], dim=-1)
     chosen64 = logprobs64.gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs.double(), chosen64, atol=2e-5, rtol=0)
     torch.testing.assert_close(logprobs, expected_logprobs.gather(1, tokens[:, None]).squeeze(1), atol=2e-5, rtol=0)
-    cdf64 = logprobs64.exp().cumsum(dim=-1)
+    cdf64 = logprobs64.exp().cumsum(dim=-1).cpu()
+    rounding = 1e-5  # float32 sums of ~1e5 terms
+    clear_rows = 0
     for row, token in enumerate(tokens.tolist()):
         if batch.greedy_B[row]:
-            assert token == int(logits[row].float().argmax())
+            assert token == int(logits[row].float().argmax()) == int(expected_tokens[row])
             continue
-        u = float(uniforms[row])
+        target = float(uniforms[row]) * float(cdf64[row, -1])
+        if float((cdf64[row] - target).abs().min()) > rounding and target < float(cdf64[row, -1]) - rounding:
+            assert token == int(expected_tokens[row]), (row, token, int(expected_tokens[row]))
+            clear_rows += 1
+        if target >= float(cdf64[row, -1]) - rounding and token == int(logits[row].float().argmax()):
+            continue  # the target rounded up to the total: the heaviest token
         low = float(cdf64[row, token - 1]) if token > 0 else 0.0
-        assert low - 1e-5 <= u * float(cdf64[row, -1]) <= float(cdf64[row, token]) + 1e-5, (row, token, u)
+        assert low - rounding <= target <= float(cdf64[row, token]) + rounding, (row, token, target)
+    assert clear_rows >= rows // 2  # the equality was checked on most rows
 
 
 def test_cpu_kernels_under_the_triton_interpreter(request):
