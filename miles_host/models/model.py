@@ -71,15 +71,14 @@ class DecoderLayer(torch.nn.Module):
         same pair. The residual add is fused into each norm; numerics are the
         eager forward's up to the norms' reduction order.
         """
+        from miles_host.kernels.norm_gemv import PendingNorm
         from miles_host.kernels.rmsnorm import rmsnorm
 
-        norm = self.attn_norm
-        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
-        if residual_TH is None:
-            residual_TH = h_TH
-        if isinstance(self.attn, GQAAttention):
-            h_TH = self.attn.forward_fused(x_TH, rope_cos_sin, ctx.attention)
+        pending = PendingNorm.of(self.attn_norm, h_TH, residual_TH)
+        if isinstance(self.attn, GQAAttention):  # the norm inside the qkv projection where it fuses
+            h_TH, residual_TH = self.attn.forward_fused(pending, rope_cos_sin, ctx.attention)
         else:
+            x_TH, residual_TH = pending.apply()
             h_TH = self.attn(x_TH, rope_cos_sin, ctx.attention)
         if self.post_attn_norm is not None:
             h_TH = self.post_attn_norm(h_TH)
