@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
-def compute_logits(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
+def compute_logits(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, logit_softcap: float | None,
+                   matmul=F.linear) -> torch.Tensor:
     """``[T, V]`` logits in the hidden states' dtype, final soft-capping applied in that dtype
-    (what the engine samples from)."""
-    logits_TV = F.linear(hidden_TH, weight_VH)
+    (what the engine samples from); ``matmul(x, w)`` is ``x @ w^T`` (the engine's decode steps:
+    :func:`~miles_host.kernels.small_m_gemm.swept_matmul`)."""
+    logits_TV = matmul(hidden_TH, weight_VH)
     if logit_softcap is not None:
         logits_TV = torch.tanh(logits_TV / logit_softcap) * logit_softcap
     return logits_TV

@@ -218,9 +218,9 @@ class CausalLM(torch.nn.Module):
             return self.norm(h_TH)
         return rmsnorm(h_TH, self.norm.weight, self.norm.eps, self.norm.unit_offset, residual_TH)[0]
 
-    def compute_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
-        """``[T, V]`` logits in the model dtype (final soft-capping applied)."""
-        return compute_logits(hidden_TH, self.lm_head_weight, self.config.final_logit_softcap)
+    def compute_logits(self, hidden_TH: torch.Tensor, matmul=torch.nn.functional.linear) -> torch.Tensor:
+        """``[T, V]`` logits in the model dtype (final soft-capping applied); ``matmul(x, w)``: ``x @ w^T``."""
+        return compute_logits(hidden_TH, self.lm_head_weight, self.config.final_logit_softcap, matmul)
 
     def packed_log_probs(
         self,

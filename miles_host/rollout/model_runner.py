@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from miles_host.kernels.small_m_gemm import swept_matmul
 from miles_host.models.context import ForwardContext, RoutingContext
 from miles_host.rollout.attention import AttentionMetadata, PagedAttention
 from miles_host.rollout.cuda_graphs import DecodeGraphs, stack_routes
@@ -363,9 +364,10 @@ class ModelRunner:
         return self._logits(hidden_TH)
 
     def _logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
-        """The logits sampled from (on CUDA in batch-invariant mode: by the invariant kernels)."""
+        """The logits sampled from (on CUDA in batch-invariant mode: by the invariant kernels; else the
+        small-M GEMM where a sweep put the LM head's shape in its table)."""
         if not self.batch_invariant or self.token_by_token:
-            return self.model.compute_logits(hidden_BH)
+            return self.model.compute_logits(hidden_BH, swept_matmul)
         from miles_host.kernels.invariant_ops import batch_invariant_aten
 
         with batch_invariant_aten():
