@@ -132,8 +132,8 @@ for step in "${steps[@]}"; do
           --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_all 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch moe_gemv_tokens=1 --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
-    switch_ablation) run sampler_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_fused_sampler.py \
-        tests/kernels/test_norm_gemv.py
+    switch_ablation) run sampler_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_fused_sampler.py \
+        tests/kernels/test_norm_gemv.py tests/models/test_fused_kernels.py -k "not silu and not rope and not rmsnorm_kernel"
       all=(sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on decode_input_norm=fused)
       off=(sampler_kernel=torch moe_combine=separate moe_gemv_tokens=0 pdl=off decode_input_norm=separate)
       for drop in none 0 1 2 3 4; do

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from miles_host.kernels.norm_gemv import PendingNorm
 from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
 from miles_host.models.attention_variants import gqa_block, rotary_module
@@ -71,9 +72,6 @@ class DecoderLayer(torch.nn.Module):
         same pair. The residual add is fused into each norm; numerics are the
         eager forward's up to the norms' reduction order.
         """
-        from miles_host.kernels.norm_gemv import PendingNorm
-        from miles_host.kernels.rmsnorm import rmsnorm
-
         pending = PendingNorm.of(self.attn_norm, h_TH, residual_TH)
         if isinstance(self.attn, GQAAttention):  # the norm inside the qkv projection where it fuses
             h_TH, residual_TH = self.attn.forward_fused(pending, rope_cos_sin, ctx.attention)
@@ -82,14 +80,12 @@ class DecoderLayer(torch.nn.Module):
             h_TH = self.attn(x_TH, rope_cos_sin, ctx.attention)
         if self.post_attn_norm is not None:
             h_TH = self.post_attn_norm(h_TH)
-        norm = self.mlp_norm
-        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
-        if isinstance(self.mlp, MoE):
-            h_TH = self.mlp(x_TH, ctx.routing)
-        elif isinstance(self.mlp, GatedMLP):
-            h_TH = self.mlp.forward_fused(x_TH)
+        pending = PendingNorm.of(self.mlp_norm, h_TH, residual_TH)
+        if isinstance(self.mlp, MoE):  # the norm inside the router's GEMV where it fuses
+            h_TH, residual_TH = self.mlp.forward_pending(pending, ctx.routing)
         else:
-            h_TH = self.mlp(x_TH)
+            x_TH, residual_TH = pending.apply()
+            h_TH = self.mlp.forward_fused(x_TH) if isinstance(self.mlp, GatedMLP) else self.mlp(x_TH)
         if self.post_mlp_norm is not None:
             h_TH = self.post_mlp_norm(h_TH)
         return h_TH, residual_TH
