@@ -31,9 +31,10 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("small_m_gemm", "triton", ("triton", "torch"),
                "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, or torch (the "
                "module: cuBLAS)"),
-    SwitchSpec("decode_input_norm", "fused", ("fused", "separate"),
-               "a one-token decode layer's input RMSNorm: fused (inside the qkv projection's GEMV where the "
-               "small-M table gives it one) or separate (its own launch)"),
+    SwitchSpec("decode_norms", "fused", ("fused", "separate"),
+               "a one-token decode layer's RMSNorms: fused (the input norm inside the qkv projection's GEMV, the "
+               "post-attention norm inside the router's, where the small-M table gives them one) or separate (their "
+               "own launches)"),
     SwitchSpec("pdl", "off", ("on", "off"),
                "programmatic dependent launch of the decode kernels on Hopper and later GPUs (each kernel starts "
                "while the one before it finishes and prefetches its weights): on or off"),

@@ -1,19 +1,22 @@
 """A decode layer's residual add and RMSNorm inside the one-token GEMV that reads the norm's
-output: :func:`normed_linear`.
+output: :func:`norm_gemv`.
 
-At batch 1 a decoder layer's input norm is a launch of its own (~2 us on an H100 with the
-gap after it) whose only reader is the qkv projection, itself a one-token CUDA-core GEMV
-(:func:`~miles_host.kernels._small_m_gemm_triton._gemv_kernel`). Every program of that GEMV
-reads the whole activation row anyway, so it can as well read ``h`` and the residual, sum
-the row's squares (a few KB from L2) and normalize each chunk as it multiplies it
+At batch 1 each of a decoder layer's two norms is a launch of its own (~2 us on an H100 with
+the gap after it) whose reader is a one-token CUDA-core GEMV
+(:func:`~miles_host.kernels._small_m_gemm_triton._gemv_kernel`): the qkv projection reads the
+input norm, the router the post-attention norm. Every program of such a GEMV reads the whole
+activation row anyway, so it can as well read ``h`` and the residual, sum the row's squares
+(a few KB from L2) and normalize each chunk as it multiplies it
 (:func:`~miles_host.kernels._small_m_gemm_triton._norm_gemv_kernel`); program ``(0, 0)``
-stores the new residual. One launch per layer fewer; the products are the GEMV's, the
+stores the new residual, and the normalized row where another kernel reads it too (the
+experts after the router). Two launches per layer fewer; the products are the GEMV's, the
 normalized activations the RMSNorm kernel's up to the order of the sum of squares.
 
-:class:`PendingNorm` is the norm not yet computed; :func:`normed_linear` runs the fused kernel
-where the small-M table gives the shape a GEMV launch (one token, CUDA, 16-bit, no autograd,
-``--small-m-gemm triton``, ``--decode-input-norm fused``: the default), else the norm (:func:`~miles_host.kernels.rmsnorm.rmsnorm`) and
-:func:`~miles_host.kernels.small_m_gemm.decode_linear`. The reference is those two.
+:class:`PendingNorm` is the norm not yet computed. :func:`normed_linear` (the qkv projection)
+and :meth:`~miles_host.models.mlp.MoE.forward_pending` (the router) run the fused kernel
+where :func:`takes`: the small-M table gives the shape a GEMV launch (one token, CUDA, 16-bit,
+no autograd, ``--small-m-gemm triton``, ``--decode-norms fused``: the default); else the norm
+(:func:`~miles_host.kernels.rmsnorm.rmsnorm`) and the linear. The reference is those two.
 
 Tensor legend: T tokens, H hidden (K), N out features.
 """
@@ -27,8 +30,8 @@ import torch
 from miles_host.kernels import pdl, split_k, small_m_gemm, switches
 from miles_host.kernels.rmsnorm import rmsnorm
 
-#: ``--decode-input-norm``: ``fused`` (:func:`normed_linear` fuses where it :func:`takes`) or ``separate``
-INPUT_NORM = switches.declare_host("decode_input_norm")
+#: ``--decode-norms``: ``fused`` (the norms fuse where :func:`takes`) or ``separate``
+DECODE_NORMS = switches.declare_host("decode_norms")
 #: longest row the fused kernel normalizes (held in registers by every program)
 MAX_K = 8192
 
@@ -57,7 +60,7 @@ class PendingNorm:
 def takes(pending: PendingNorm, w_NK: torch.Tensor) -> bool:
     """Whether :func:`normed_linear` fuses the norm into this weight's GEMV."""
     h_TH = pending.h_TH
-    if switches.value(INPUT_NORM) != "fused" or h_TH.dim() != 2 or h_TH.shape[0] != 1 or not small_m_gemm.takes(h_TH, w_NK):
+    if switches.value(DECODE_NORMS) != "fused" or h_TH.dim() != 2 or h_TH.shape[0] != 1 or not small_m_gemm.takes(h_TH, w_NK):
         return False
     n, k = w_NK.shape
     launch = small_m_gemm.launch_for(1, n, k)
@@ -109,4 +112,4 @@ def normed_linear(module: torch.nn.Module, pending: PendingNorm) -> tuple[torch.
     return small_m_gemm.decode_linear(module, x_TH), residual_TH
 
 
-__all__ = ["INPUT_NORM", "MAX_K", "PendingNorm", "norm_gemv", "normed_linear", "takes"]
+__all__ = ["DECODE_NORMS", "MAX_K", "PendingNorm", "norm_gemv", "normed_linear", "takes"]
