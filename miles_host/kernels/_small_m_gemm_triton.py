@@ -56,6 +56,22 @@ def _small_m_kernel(
 
 
 @triton.jit
+def _gemv_program(w_ptr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STRIDE_WN: tl.constexpr):
+    """``(pid_n, pid_k, output rows, weight tile pointers, activation offsets, first K-block)`` of a
+    one-token GEMV program. The activation is read in the weight tile's layout (every row the same
+    chunk, from L1): no layout conversion through shared memory, so nothing orders one block's
+    loads after another's."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
+    x_offs = (offs_n * 0)[:, None] + offs_k[None, :]
+    return pid_n, pid_k, offs_n, w_ptrs, x_offs, pid_k * BLOCKS_PER_SPLIT
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr,
     N,
@@ -67,15 +83,8 @@ def _gemv_kernel(
     program's K-blocks (loads unrolled, no shared memory), then one sum per output row. With
     ``PDL`` the first weight block is loaded before the wait for the previous kernel."""
     pdl_start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
-    # the activation read in the weight tile's layout (every row the same chunk, from L1): no
-    # layout conversion through shared memory, so nothing orders one block's loads after another's
-    x_ptrs = x_ptr + (offs_n * 0)[:, None] + offs_k[None, :]
-    first = pid_k * BLOCKS_PER_SPLIT
+    pid_n, pid_k, offs_n, w_ptrs, x_offs, first = _gemv_program(w_ptr, BLOCKS_PER_SPLIT, BLOCK_N, BLOCK_K, STRIDE_WN)
+    x_ptrs = x_ptr + x_offs
     w = tl.load(w_ptrs + first * BLOCK_K)
     pdl_wait(PDL)
     acc = w.to(tl.float32) * tl.load(x_ptrs + first * BLOCK_K).to(tl.float32)
@@ -127,13 +136,7 @@ def _norm_gemv_kernel(
     (the row is a few KB, from L2) and normalizes each activation chunk as it reads it; program
     ``(0, 0)`` stores the new residual (and the normalized row with ``WRITE_X``)."""
     pdl_start(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
-    x_offs = (offs_n * 0)[:, None] + offs_k[None, :]  # the activation in the weight tile's layout
-    first = pid_k * BLOCKS_PER_SPLIT
+    pid_n, pid_k, offs_n, w_ptrs, x_offs, first = _gemv_program(w_ptr, BLOCKS_PER_SPLIT, BLOCK_N, BLOCK_K, STRIDE_WN)
     w = tl.load(w_ptrs + first * BLOCK_K)
     pdl_wait(PDL)
     cols = tl.arange(0, K_PAD)
@@ -146,8 +149,8 @@ def _norm_gemv_kernel(
         if HAS_RESIDUAL:
             tl.store(res_out_ptr + cols, cast_rne(row, DTYPE, EMULATE), mask=keep)
         if WRITE_X:
-            tl.store(x_out_ptr + cols, cast_rne(_normed(row, g_ptr, cols, rstd, UNIT_OFFSET, DTYPE, EMULATE), DTYPE, EMULATE),
-                     mask=keep)
+            normed = _normed(row, g_ptr, cols, rstd, UNIT_OFFSET, DTYPE, EMULATE)
+            tl.store(x_out_ptr + cols, cast_rne(normed, DTYPE, EMULATE), mask=keep)
     x = _normed(_residual_sum(h_ptr, r_ptr, x_offs + first * BLOCK_K, HAS_RESIDUAL, DTYPE, EMULATE), g_ptr,
                 x_offs + first * BLOCK_K, rstd, UNIT_OFFSET, DTYPE, EMULATE)
     acc = w.to(tl.float32) * x
