@@ -141,8 +141,8 @@ for step in "${steps[@]}"; do
           if [ "$drop" = "$i" ]; then flags+=(--switch "${off[$i]}"); else flags+=(--switch "${all[$i]}"); fi; done
         run "decode_all_but_$drop" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
           --prefill-seqs 0 --new-tokens 64 --repeats 3 "${flags[@]}"; done
-      run decode_defaults_separate_norm 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
-        --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch decode_norms=separate
+      run decode_defaults 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3
       run small_m_sweep_head 200 python3 bench/small_m_sweep.py --shapes 1x151936x2048,1x2048x4096 --copies 4 \
         --json "$OUT/small_m_sweep_head.json" ;;  # the decode switches all on, then with each one off, then the defaults (bf16 MoE decode b1/b32); the small-M launches on the LM head's shape
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"

@@ -31,7 +31,7 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("small_m_gemm", "triton", ("triton", "torch"),
                "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, or torch (the "
                "module: cuBLAS)"),
-    SwitchSpec("decode_norms", "fused", ("fused", "separate"),
+    SwitchSpec("decode_norms", "separate", ("fused", "separate"),
                "a one-token decode layer's RMSNorms: fused (the input norm inside the qkv projection's GEMV, the "
                "post-attention norm inside the router's, where the small-M table gives them one) or separate (their "
                "own launches)"),

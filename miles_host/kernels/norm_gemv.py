@@ -15,7 +15,7 @@ normalized activations the RMSNorm kernel's up to the order of the sum of square
 :class:`PendingNorm` is the norm not yet computed. :func:`normed_linear` (the qkv projection)
 and :meth:`~miles_host.models.mlp.MoE.forward_pending` (the router) run the fused kernel
 where :func:`takes`: the small-M table gives the shape a GEMV launch (one token, CUDA, 16-bit,
-no autograd, ``--small-m-gemm triton``, ``--decode-norms fused``: the default); else the norm
+no autograd, ``--small-m-gemm triton``, ``--decode-norms fused``); else the norm
 (:func:`~miles_host.kernels.rmsnorm.rmsnorm`) and the linear. The reference is those two.
 
 Tensor legend: T tokens, H hidden (K), N out features.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.kernel_switches import use_switches
 from tests.kernels.test_small_m_gemm import assert_within_rounding
 from tests.plugins.triton_interpret import run_interpreted
 
@@ -63,12 +64,15 @@ def test_without_the_kernel_the_norm_then_the_linear():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("unit_offset", [False, True])
-def test_gpu_qkv_shape_through_the_table_launch(residual, unit_offset):
+def test_gpu_qkv_shape_through_the_table_launch(residual, unit_offset, monkeypatch):
     from miles_host.kernels.norm_gemv import norm_gemv, takes
     from tests.kernels.test_small_m_gemm import operands
 
     _, w = operands(1, 5120, 2048, device="cuda")
     pending = pending_norm(2048, residual, unit_offset, device="cuda")
+    use_switches(monkeypatch, decode_norms="separate")
+    assert not takes(pending, w)
+    use_switches(monkeypatch, decode_norms="fused")
     assert takes(pending, w)
     check_norm_gemv(norm_gemv, pending, w)
 

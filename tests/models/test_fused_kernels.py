@@ -174,7 +174,9 @@ def test_one_token_with_the_norms_inside_the_gemvs_close_to_eager(tmp_path, monk
     import transformers
 
     from miles_host.kernels import norm_gemv, small_m_gemm
+    from tests.kernel_switches import use_switches
 
+    use_switches(monkeypatch, decode_norms="fused")
     config = transformers.AutoConfig.for_model(
         "qwen3_moe", vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_experts=64, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
