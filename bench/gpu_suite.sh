@@ -132,8 +132,7 @@ for step in "${steps[@]}"; do
           --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_all 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch moe_gemv_tokens=1 --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
-    switch_ablation) run sampler_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_fused_sampler.py \
-        tests/kernels/test_norm_gemv.py tests/models/test_fused_kernels.py -k "not silu and not rope and not rmsnorm_kernel"
+    switch_ablation) run norm_gemv_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_norm_gemv.py
       all=(sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on decode_norms=fused)
       off=(sampler_kernel=torch moe_combine=separate moe_gemv_tokens=0 pdl=off decode_norms=separate)
       for drop in none 0 1 2 3 4; do
@@ -143,7 +142,7 @@ for step in "${steps[@]}"; do
           --prefill-seqs 0 --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_defaults 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
-      run small_m_sweep_head 200 python3 bench/small_m_sweep.py --shapes 1x151936x2048,1x2048x4096 --copies 4 \
+      run small_m_sweep_head 200 python3 -m bench.small_m_sweep --shapes 1x151936x2048,1x2048x4096 --copies 4 \
         --json "$OUT/small_m_sweep_head.json" ;;  # the decode switches all on, then with each one off, then the defaults (bf16 MoE decode b1/b32); the small-M launches on the LM head's shape
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
