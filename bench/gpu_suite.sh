@@ -17,6 +17,7 @@
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
 #                         tests, MoE decode b1/b32 with each and with all)
 #        switch_ablation (the decode switches all on, then each one off, then the defaults; the LM head's small-M sweep)
+#        decode_defaults (GPU tests of the fused draw and the small-M launches; bf16 MoE decode b1/b32, PDL off and on)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -132,10 +133,11 @@ for step in "${steps[@]}"; do
           --new-tokens 64 --repeats 3 "${flags[@]}"; done
       run decode_all 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch sampler_kernel=triton --switch moe_combine=epilogue --switch moe_gemv_tokens=1 --switch pdl=on ;;  # the off-by-default decode switches: their GPU tests, then bf16 MoE decode b1/b32 with each and with all
-    switch_ablation) run norm_gemv_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_norm_gemv.py
-      all=(sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on decode_norms=fused)
-      off=(sampler_kernel=torch moe_combine=separate moe_gemv_tokens=0 pdl=off decode_norms=separate)
-      for drop in none 0 1 2 3 4; do
+    switch_ablation) run sampler_gemv_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/kernels/test_fused_sampler.py tests/kernels/test_small_m_gemm.py
+      all=(sampler_kernel=triton moe_combine=epilogue moe_gemv_tokens=1 pdl=on)
+      off=(sampler_kernel=torch moe_combine=separate moe_gemv_tokens=0 pdl=off)
+      for drop in none 0 1 2 3; do
         flags=(); for i in "${!all[@]}"; do
           if [ "$drop" = "$i" ]; then flags+=(--switch "${off[$i]}"); else flags+=(--switch "${all[$i]}"); fi; done
         run "decode_all_but_$drop" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
@@ -143,7 +145,12 @@ for step in "${steps[@]}"; do
       run decode_defaults 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
       run small_m_sweep_head 200 python3 -m bench.small_m_sweep --shapes 1x151936x2048,1x2048x4096 --copies 4 \
-        --json "$OUT/small_m_sweep_head.json" ;;  # the decode switches all on, then with each one off, then the defaults (bf16 MoE decode b1/b32); the small-M launches on the LM head's shape
+        --json "$OUT/small_m_sweep_head.json" ;;  # the decode switches all on, then with each one off, then the defaults (bf16 MoE decode b1/b32); the small-M launches on the LM head's and the o projection's shapes
+    decode_defaults) run decode_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
+        tests/kernels/test_fused_sampler.py tests/kernels/test_small_m_gemm.py tests/rollout/test_sampling_graphs.py \
+        tests/kernels/test_moe_grouped.py
+      for p in off on; do run "decode_defaults_pdl_$p" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
+        --batches 1,32 --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch pdl=$p; done ;;  # GPU tests of the fused draw and the small-M launches, then bf16 MoE decode b1/b32 with the defaults (PDL off, on)
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off

@@ -214,7 +214,6 @@ class TrainArgs:
     update_weight_buffer_size: int = flag(512 << 20, "bucket size of weight sync", type=size_in_bytes, group="train")
     split_k_reduce: str = switch_flag("split_k_reduce")
     small_m_gemm: str = switch_flag("small_m_gemm")
-    decode_norms: str = switch_flag("decode_norms")
     pdl: str = switch_flag("pdl")
     sampler_kernel: str = switch_flag("sampler_kernel")
     moe_combine: str = switch_flag("moe_combine")

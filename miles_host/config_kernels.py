@@ -31,20 +31,16 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("small_m_gemm", "triton", ("triton", "torch"),
                "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, or torch (the "
                "module: cuBLAS)"),
-    SwitchSpec("decode_norms", "separate", ("fused", "separate"),
-               "a one-token decode layer's RMSNorms: fused (the input norm inside the qkv projection's GEMV, the "
-               "post-attention norm inside the router's, where the small-M table gives them one) or separate (their "
-               "own launches)"),
     SwitchSpec("pdl", "off", ("on", "off"),
                "programmatic dependent launch of the decode kernels on Hopper and later GPUs (each kernel starts "
                "while the one before it finishes and prefetches its weights): on or off"),
-    SwitchSpec("sampler_kernel", "torch", ("triton", "torch"),
+    SwitchSpec("sampler_kernel", "triton", ("triton", "torch"),
                "the draw of graphed decode sampling without top-k/top-p/min-p: triton (two fused launches) or torch "
                "(the PyTorch sampler)"),
     SwitchSpec("moe_combine", "separate", ("separate", "epilogue"),
                "the fused MoE's top-k weighted sum: separate (its own launch) or epilogue (in the down projection's "
                "launch)"),
-    SwitchSpec("moe_gemv_tokens", 0, None,
+    SwitchSpec("moe_gemv_tokens", 1, None,
                "batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core GEMV per "
                "(token, slot) pair (0: never)"),
     SwitchSpec("moe_invariant_decode", "batched", ("loop", "batched"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from miles_host.kernels._split_k_triton import cast_rne
 from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels.triton_common import dot, split_k_epilogue
 
@@ -56,22 +55,6 @@ def _small_m_kernel(
 
 
 @triton.jit
-def _gemv_program(w_ptr, BLOCKS_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  STRIDE_WN: tl.constexpr):
-    """``(pid_n, pid_k, output rows, weight tile pointers, activation offsets, first K-block)`` of a
-    one-token GEMV program. The activation is read in the weight tile's layout (every row the same
-    chunk, from L1): no layout conversion through shared memory, so nothing orders one block's
-    loads after another's."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
-    x_offs = (offs_n * 0)[:, None] + offs_k[None, :]
-    return pid_n, pid_k, offs_n, w_ptrs, x_offs, pid_k * BLOCKS_PER_SPLIT
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr,
     N,
@@ -83,8 +66,15 @@ def _gemv_kernel(
     program's K-blocks (loads unrolled, no shared memory), then one sum per output row. With
     ``PDL`` the first weight block is loaded before the wait for the previous kernel."""
     pdl_start(PDL)
-    pid_n, pid_k, offs_n, w_ptrs, x_offs, first = _gemv_program(w_ptr, BLOCKS_PER_SPLIT, BLOCK_N, BLOCK_K, STRIDE_WN)
-    x_ptrs = x_ptr + x_offs
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * STRIDE_WN + offs_k[None, :]
+    # the activation read in the weight tile's layout (every row the same chunk, from L1): no
+    # layout conversion through shared memory, so nothing orders one block's loads after another's
+    x_ptrs = x_ptr + (offs_n * 0)[:, None] + offs_k[None, :]
+    first = pid_k * BLOCKS_PER_SPLIT
     w = tl.load(w_ptrs + first * BLOCK_K)
     pdl_wait(PDL)
     acc = w.to(tl.float32) * tl.load(x_ptrs + first * BLOCK_K).to(tl.float32)
@@ -92,74 +82,6 @@ def _gemv_kernel(
         kb = first + step
         w = tl.load(w_ptrs + kb * BLOCK_K)
         acc += w.to(tl.float32) * tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
-    total = tl.sum(acc, axis=1)
-    split_k_epilogue(total, y_ptr, part_ptr, sem_ptr, offs_n, offs_n, offs_n < N, pid_n, pid_k, N,
-                     SPLIT_K, REDUCE_IN_KERNEL, EMULATE)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """float32 ``x`` rounded to ``DTYPE`` (nearest even) and back."""
-    return cast_rne(x, DTYPE, EMULATE).to(tl.float32)
-
-
-@triton.jit
-def _residual_sum(h_ptr, r_ptr, offs, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """``residual + h`` in float32, rounded to ``DTYPE`` (the stored residual), at ``offs``."""
-    h = tl.load(h_ptr + offs).to(tl.float32)
-    if HAS_RESIDUAL:
-        return _round(tl.load(r_ptr + offs).to(tl.float32) + h, DTYPE, EMULATE)
-    else:
-        return h
-
-
-@triton.jit
-def _normed(x, g_ptr, offs, rstd, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """The RMSNorm of float32 ``x`` at ``offs``, rounded to ``DTYPE`` (as :func:`_rmsnorm_kernel`)."""
-    g = tl.load(g_ptr + offs).to(tl.float32)
-    if UNIT_OFFSET:
-        return _round(x * rstd * (1.0 + g), DTYPE, EMULATE)
-    else:
-        return _round(_round(x * rstd, DTYPE, EMULATE) * g, DTYPE, EMULATE)
-
-
-@triton.jit
-def _norm_gemv_kernel(
-    h_ptr, r_ptr, g_ptr, w_ptr, y_ptr, res_out_ptr, x_out_ptr, part_ptr, sem_ptr,
-    N, K, eps,
-    BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDE_WN: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, WRITE_X: tl.constexpr, DTYPE: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """:func:`_gemv_kernel` of ``rmsnorm(residual + h)``: every program sums the row's squares
-    (the row is a few KB, from L2) and normalizes each activation chunk as it reads it; program
-    ``(0, 0)`` stores the new residual (and the normalized row with ``WRITE_X``)."""
-    pdl_start(PDL)
-    pid_n, pid_k, offs_n, w_ptrs, x_offs, first = _gemv_program(w_ptr, BLOCKS_PER_SPLIT, BLOCK_N, BLOCK_K, STRIDE_WN)
-    w = tl.load(w_ptrs + first * BLOCK_K)
-    pdl_wait(PDL)
-    cols = tl.arange(0, K_PAD)
-    cols = tl.where(cols < K, cols, 0)  # K_PAD > K: padding lanes re-read column 0, dropped below
-    row = _residual_sum(h_ptr, r_ptr, cols, HAS_RESIDUAL, DTYPE, EMULATE)
-    row = tl.where(tl.arange(0, K_PAD) < K, row, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(row * row, axis=0) / K + eps)
-    if pid_n == 0 and pid_k == 0:
-        keep = tl.arange(0, K_PAD) < K
-        if HAS_RESIDUAL:
-            tl.store(res_out_ptr + cols, cast_rne(row, DTYPE, EMULATE), mask=keep)
-        if WRITE_X:
-            normed = _normed(row, g_ptr, cols, rstd, UNIT_OFFSET, DTYPE, EMULATE)
-            tl.store(x_out_ptr + cols, cast_rne(normed, DTYPE, EMULATE), mask=keep)
-    x = _normed(_residual_sum(h_ptr, r_ptr, x_offs + first * BLOCK_K, HAS_RESIDUAL, DTYPE, EMULATE), g_ptr,
-                x_offs + first * BLOCK_K, rstd, UNIT_OFFSET, DTYPE, EMULATE)
-    acc = w.to(tl.float32) * x
-    for step in tl.static_range(1, BLOCKS_PER_SPLIT):
-        kb = first + step
-        w = tl.load(w_ptrs + kb * BLOCK_K)
-        x = _normed(_residual_sum(h_ptr, r_ptr, x_offs + kb * BLOCK_K, HAS_RESIDUAL, DTYPE, EMULATE), g_ptr,
-                    x_offs + kb * BLOCK_K, rstd, UNIT_OFFSET, DTYPE, EMULATE)
-        acc += w.to(tl.float32) * x
     total = tl.sum(acc, axis=1)
     split_k_epilogue(total, y_ptr, part_ptr, sem_ptr, offs_n, offs_n, offs_n < N, pid_n, pid_k, N,
                      SPLIT_K, REDUCE_IN_KERNEL, EMULATE)

@@ -17,11 +17,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from miles_host.kernels import invariant_experts, invariant_ops, moe_grouped, moe_router, moe_train, norm_gemv
+from miles_host.kernels import invariant_experts, invariant_ops, moe_grouped, moe_router, moe_train
 from miles_host.kernels.eager_ops import activation, gated_activation
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
 from miles_host.kernels.moe_configs import moe_tiles
-from miles_host.kernels.norm_gemv import PendingNorm
 from miles_host.kernels.small_m_gemm import decode_linear, decode_matmul
 from miles_host.models.config import MoEConfig
 from miles_host.models.context import RoutingContext
@@ -409,23 +408,6 @@ class MoE(torch.nn.Module):
             y_TH = self._fused_routed(x_TH, routing_context)
         else:
             y_TH = self._routed(x_TH, routing_context)
-        return self._with_shared(x_TH, y_TH)
-
-    def forward_pending(self, pending: PendingNorm, routing_context: RoutingContext | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` of the layer's pending post-attention norm; returns ``(output, the new
-        residual)``. With the fused router on a one-token step the norm runs inside the router's
-        GEMV (:mod:`miles_host.kernels.norm_gemv`), which also stores the normalized row for the
-        experts: one launch fewer."""
-        if (not self.moe.router_fp32 and type(self.router) is Router and uses_fused_router(self, pending.h_TH)
-                and norm_gemv.takes(pending, self.router.weight)):
-            logits_TE, residual_TH, x_TH = norm_gemv.norm_gemv(pending, self.router.weight, write_x=True)
-            return self._with_shared(x_TH, self._fused_routed(x_TH, routing_context, logits_TE)), residual_TH
-        x_TH, residual_TH = pending.apply()
-        return self(x_TH, routing_context), residual_TH
-
-    def _with_shared(self, x_TH: torch.Tensor, y_TH: torch.Tensor) -> torch.Tensor:
-        """The routed output plus the shared experts' (sigmoid-gated where the config asks)."""
         if self.shared_experts is not None:
             shared_TH = self.shared_experts(x_TH)
             if self.shared_gate is not None:
@@ -433,10 +415,8 @@ class MoE(torch.nn.Module):
             y_TH = y_TH + shared_TH
         return y_TH
 
-    def _fused_routed(self, x_TH: torch.Tensor, routing_context: RoutingContext | None,
-                      logits_TE: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts with ids, weights and layout from one fused router launch
-        (``logits_TE``: the router's logits where the caller has them).
+    def _fused_routed(self, x_TH: torch.Tensor, routing_context: RoutingContext | None) -> torch.Tensor:
+        """The routed experts with ids, weights and layout from one fused router launch.
 
         The layout's row block is the experts' tile table's for this batch (a precision
         plugin whose experts name no ``weight_format`` gets the dense one's; if its
@@ -446,7 +426,7 @@ class MoE(torch.nn.Module):
         block_m = moe_tiles(x_TH.shape[0], moe.top_k, moe.num_experts, x_TH.shape[1], moe.intermediate_size,
                             x_TH.dtype, weight_format).block_m
         ids_TK, routing = moe_router.fused_route(
-            self.router.decode_logits(x_TH) if logits_TE is None else logits_TE, self.router_spec, self.router.expert_bias, block_m,
+            self.router.decode_logits(x_TH), self.router_spec, self.router.expert_bias, block_m,
             torch.float32 if moe.router_fp32 else x_TH.dtype,
         )
         self.routing_hooks.observe(self.layer_index, ids_TK, routing_context)

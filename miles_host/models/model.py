@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from miles_host.kernels.norm_gemv import PendingNorm
 from miles_host.models import batch_invariant, invariant_gpu
 from miles_host.models.attention import PackedAttention
 from miles_host.models.attention_variants import gqa_block, rotary_module
@@ -72,20 +71,26 @@ class DecoderLayer(torch.nn.Module):
         same pair. The residual add is fused into each norm; numerics are the
         eager forward's up to the norms' reduction order.
         """
-        pending = PendingNorm.of(self.attn_norm, h_TH, residual_TH)
-        if isinstance(self.attn, GQAAttention):  # the norm inside the qkv projection where it fuses
-            h_TH, residual_TH = self.attn.forward_fused(pending, rope_cos_sin, ctx.attention)
+        from miles_host.kernels.rmsnorm import rmsnorm
+
+        norm = self.attn_norm
+        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
+        if residual_TH is None:
+            residual_TH = h_TH
+        if isinstance(self.attn, GQAAttention):
+            h_TH = self.attn.forward_fused(x_TH, rope_cos_sin, ctx.attention)
         else:
-            x_TH, residual_TH = pending.apply()
             h_TH = self.attn(x_TH, rope_cos_sin, ctx.attention)
         if self.post_attn_norm is not None:
             h_TH = self.post_attn_norm(h_TH)
-        pending = PendingNorm.of(self.mlp_norm, h_TH, residual_TH)
-        if isinstance(self.mlp, MoE):  # the norm inside the router's GEMV where it fuses
-            h_TH, residual_TH = self.mlp.forward_pending(pending, ctx.routing)
+        norm = self.mlp_norm
+        x_TH, residual_TH = rmsnorm(h_TH, norm.weight, norm.eps, norm.unit_offset, residual_TH)
+        if isinstance(self.mlp, MoE):
+            h_TH = self.mlp(x_TH, ctx.routing)
+        elif isinstance(self.mlp, GatedMLP):
+            h_TH = self.mlp.forward_fused(x_TH)
         else:
-            x_TH, residual_TH = pending.apply()
-            h_TH = self.mlp.forward_fused(x_TH) if isinstance(self.mlp, GatedMLP) else self.mlp(x_TH)
+            h_TH = self.mlp(x_TH)
         if self.post_mlp_norm is not None:
             h_TH = self.post_mlp_norm(h_TH)
         return h_TH, residual_TH
@@ -214,7 +219,7 @@ class CausalLM(torch.nn.Module):
             return self.norm(h_TH)
         return rmsnorm(h_TH, self.norm.weight, self.norm.eps, self.norm.unit_offset, residual_TH)[0]
 
-    def compute_logits(self, hidden_TH: torch.Tensor, matmul=torch.nn.functional.linear) -> torch.Tensor:
+    def compute_logits(self, hidden_TH: torch.Tensor, matmul=F.linear) -> torch.Tensor:
         """``[T, V]`` logits in the model dtype (final soft-capping applied); ``matmul(x, w)``: ``x @ w^T``."""
         return compute_logits(hidden_TH, self.lm_head_weight, self.config.final_logit_softcap, matmul)
 

@@ -15,7 +15,6 @@ from miles_host.models.context import AttentionContext
 from miles_host.models.norm import RMSNorm
 from miles_host.kernels.eager_ops import apply_rotary
 from miles_host.kernels.small_m_gemm import decode_linear
-from miles_host.kernels.norm_gemv import PendingNorm, normed_linear
 from miles_host.models.rope import yarn_softmax_scale_factor
 
 
@@ -67,22 +66,16 @@ class GQAAttention(torch.nn.Module):
         )
         return self.o_proj(y_TND.reshape(num_tokens, -1))
 
-    def forward_fused(
-        self, pending: PendingNorm, rope_cos_sin, attention: AttentionContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference forward of the layer's pending input norm; returns ``(output, the new residual)``.
+    def forward_fused(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
+        """Inference forward with q/k norm and rotary in one kernel (:mod:`miles_host.kernels.rotary`),
+        the projections of a few tokens by the small-M GEMM (:mod:`miles_host.kernels.small_m_gemm`).
 
-        The input norm inside the qkv projection's one-token GEMV where it fuses
-        (:mod:`miles_host.kernels.norm_gemv`), the projections of a few tokens by the small-M GEMM
-        (:mod:`miles_host.kernels.small_m_gemm`), q/k norm and rotary in one kernel
-        (:mod:`miles_host.kernels.rotary`). Where the attention context keeps a paged cache
-        (``kv_cache_store``: the engine's), the same kernel stores the step's keys and values in
-        it, and ``attend`` only reads."""
+        Where the attention context keeps a paged cache (``kv_cache_store``: the engine's), the
+        same kernel stores the step's keys and values in it, and ``attend`` only reads."""
         from miles_host.kernels.rotary import qk_norm_rope, qk_norm_rope_into_cache
 
-        num_tokens = pending.h_TH.shape[0]
-        qkv, residual_TH = normed_linear(self.qkv_proj, pending)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        num_tokens = x_TH.shape[0]
+        q, k, v = decode_linear(self.qkv_proj, x_TH).split(self.split_sizes, dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         head_norm = self.qk_norm == "head"
@@ -103,7 +96,7 @@ class GQAAttention(torch.nn.Module):
         else:
             q_TND, k_TND = qk_norm_rope(q, k, *heads, cos, sin, **norm)
             y_TND = attention.attend(self.layer_index, q_TND, k_TND, v.view(num_tokens, *heads[1:]), **options)
-        return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1)), residual_TH
+        return decode_linear(self.o_proj, y_TND.reshape(num_tokens, -1))
 
     def layout(self) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing."""

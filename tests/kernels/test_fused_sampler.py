@@ -74,13 +74,14 @@ def test_the_chunks_are_the_torch_samplers():
     assert CHUNK == CDF_CHUNK
 
 
-def test_the_switch_keeps_the_torch_sampler_by_default():
+def test_the_fused_draw_runs_where_triton_does_by_default():
     from miles_host.kernels import fused_sampler, switches
 
     logits = torch.zeros(2, 10)
-    assert not fused_sampler.enabled(logits)
-    with switches.switched(sampler_kernel="triton"):
-        assert not fused_sampler.enabled(logits)  # CPU without the interpreter
+    assert switches.value(fused_sampler.SAMPLER) == "triton"
+    assert not fused_sampler.enabled(logits)  # CPU without the interpreter: the PyTorch sampler
+    with switches.switched(sampler_kernel="torch"):
+        assert not fused_sampler.enabled(logits)
 
 
 @pytest.mark.gpu

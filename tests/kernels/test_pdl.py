@@ -63,12 +63,6 @@ def _kernels():
                                                       "part_ptr": "*fp32", "sem_ptr": "*i32"},
                  dict(BLOCKS_PER_SPLIT=4, SPLIT_K=2, REDUCE_IN_KERNEL=True, EMULATE=False, BLOCK_N=16, BLOCK_K=256,
                       STRIDE_WN=2048), 4, 1, True),
-        "norm_gemv": (_small_m_gemm_triton._norm_gemv_kernel,
-                      {n: bf16 for n in ("h_ptr", "r_ptr", "g_ptr", "w_ptr", "y_ptr", "res_out_ptr", "x_out_ptr")}
-                      | {"part_ptr": "*fp32", "sem_ptr": "*i32", "eps": "fp32"},
-                      dict(BLOCKS_PER_SPLIT=4, SPLIT_K=1, REDUCE_IN_KERNEL=False, EMULATE=False, BLOCK_N=16,
-                           BLOCK_K=512, STRIDE_WN=2048, K_PAD=2048, HAS_RESIDUAL=True, UNIT_OFFSET=False,
-                           WRITE_X=False, DTYPE=tl.bfloat16), 4, 1, True),
         "qk_norm_rope": (_rotary_triton._qk_norm_rope_kernel,
                          {n: bf16 for n in ("Q", "K", "QW", "KW", "Cos", "Sin", "QOut", "KOut", "V", "KCache",
                                             "VCache")} | {"Slots": "*i64", "eps": "fp32"},
@@ -102,7 +96,7 @@ def _kernels():
     }
 
 
-@pytest.mark.parametrize("name", ["rmsnorm", "small_m", "gemv", "norm_gemv", "qk_norm_rope", "kv_write", "paged_attention", "router",
+@pytest.mark.parametrize("name", ["rmsnorm", "small_m", "gemv", "qk_norm_rope", "kv_write", "paged_attention", "router",
                                   "route", "moe_gemm", "combine"])
 def test_pdl_kernels_wait_before_they_write(name):
     """Built for sm_90 with PDL: the trigger, then the wait before any store or atomic; only the

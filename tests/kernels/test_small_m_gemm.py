@@ -57,7 +57,7 @@ def test_gpu_kernel_gives_the_float64_reference(name, n, k, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,n,k", SHAPES[:2] + [("router", 128, 2048)])
+@pytest.mark.parametrize("name,n,k", SHAPES[:2] + [("router", 128, 2048), ("lm_head", 151936, 2048)])
 def test_gpu_one_token_gemv_launches_give_the_float64_reference(name, n, k):
     """Every GEMV launch the sweep tries (bench/small_m_sweep.py), at the decode shapes."""
     from bench.small_m_sweep import candidates
