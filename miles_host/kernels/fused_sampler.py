@@ -19,8 +19,10 @@ The draw is the same inversion of the same CDF at the same uniform: tokens agree
 PyTorch path except where ``u * total`` lies within float32 rounding of a CDF step;
 log-probabilities agree to float32 rounding (sums in another order). The reference is the
 PyTorch path itself (``tests/kernels/test_fused_sampler.py`` also checks every token against the
-float64 CDF). ``--sampler-kernel triton`` turns it on; the default, ``torch``, keeps the PyTorch
-sampler everywhere.
+float64 CDF). ``--sampler-kernel triton`` (the default) runs it where Triton does; ``torch`` keeps
+the PyTorch sampler everywhere. Measured on an H100 (bf16 Qwen3-30B-A3B shape, 8 layers, batch-1
+decode in CUDA graphs): 1,033 against 950 tok/s alone, 1,154 against 1,052 with the other decode
+switches on (bench/history/2026-12-06-6.md).
 
 Tensor legend: B rows, V vocabulary, C chunks.
 """

@@ -67,7 +67,8 @@ COMBINE = switches.declare_host("moe_combine")
 
 #: ``--moe-gemv-tokens``: batches of at most this many tokens run the host's 16-bit experts by a CUDA-core
 #: GEMV per (token, slot) pair (:func:`~miles_host.kernels._moe_grouped_triton.moe_gemv`) instead of the
-#: grouped GEMM; 0: never
+#: grouped GEMM; 0: never. Default 1: batch-1 decode on an H100 (bf16 Qwen3-30B-A3B shape) ran 1,154 against
+#: 1,091 tok/s with the grouped GEMM, the other decode switches on (bench/history/2026-12-06-6.md)
 GEMV_TOKENS = switches.declare_host("moe_gemv_tokens")
 #: output columns per GEMV program: the gate_up program reads gate and up rows, so half the down's
 GEMV_BLOCK_N = {"gate_up": 8, "down": 16}

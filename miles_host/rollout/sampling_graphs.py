@@ -13,7 +13,7 @@ min-p and their uniform numbers. The per-row settings are copied in when the bat
 requests decode together); the uniforms every step.
 
 The graph runs the same kernels on the same inputs as the eager sampler, so the tokens and
-logprobs are the eager ones; with ``--sampler-kernel triton`` the modes without truncation
+logprobs are the eager ones; with ``--sampler-kernel triton`` (the default) the modes without truncation
 draw by :func:`~miles_host.kernels.fused_sampler.fused_sample` instead (two launches; the
 same tokens up to float32 rounding at the CDF's steps). Batches with logits processing
 (penalties, grammars, logit bias), banned tokens (``min_new_tokens``), no uniform numbers
