@@ -44,6 +44,19 @@ def test_what_the_kernel_takes_and_what_falls_back_to_the_module():
         assert torch.equal(decode_linear(linear, x), linear(x))
 
 
+
+def test_the_lm_head_takes_the_small_m_gemm_only_where_the_table_names_its_shape(monkeypatch):
+    from miles_host.kernels import small_m_gemm
+
+    calls = []
+    monkeypatch.setattr(small_m_gemm, "decode_matmul", lambda x, w: calls.append(tuple(w.shape)) or x @ w.T)
+    x, w = operands(1, 128, 256)
+    assert torch.equal(small_m_gemm.swept_matmul(x, w), torch.nn.functional.linear(x, w)) and not calls
+    monkeypatch.setitem(small_m_gemm.LAUNCHES, (1, 128, 256), small_m_gemm.Launch("gemv", 16, 128, 1, 4, 1))
+    small_m_gemm.swept_matmul(x, w)
+    small_m_gemm.swept_matmul(operands(2, 128, 256)[0], w)  # two rows: not the swept shape
+    assert calls == [(128, 256)]
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
