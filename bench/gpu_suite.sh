@@ -17,7 +17,8 @@
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
 #                         tests, MoE decode b1/b32 with each and with all)
 #        switch_ablation (the decode switches all on, then each one off, then the defaults; the LM head's small-M sweep)
-#        decode_defaults (GPU tests of the fused draw and the small-M launches; bf16 MoE decode b1/b32, PDL off and on)
+#        decode_defaults (GPU tests of the fused draw, the small-M launches, the sampling graphs, the MoE kernels; bf16 MoE
+#                         decode b1/b32 with the defaults and with the ones before them, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -149,8 +150,12 @@ for step in "${steps[@]}"; do
     decode_defaults) run decode_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
         tests/kernels/test_fused_sampler.py tests/kernels/test_small_m_gemm.py tests/rollout/test_sampling_graphs.py \
         tests/kernels/test_moe_grouped.py
-      for p in off on; do run "decode_defaults_pdl_$p" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
-        --batches 1,32 --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch pdl=$p; done ;;  # GPU tests of the fused draw and the small-M launches, then bf16 MoE decode b1/b32 with the defaults (PDL off, on)
+      for round in 1 2; do  # alternating: one configuration's runs spread by up to 13% within a call
+        run "decode_defaults_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+          --prefill-seqs 0 --new-tokens 64 --repeats 3
+        run "decode_before_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+          --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
+          --drop-launch 1x151936x2048; done ;;  # GPU tests of the fused draw, the small-M launches, the sampling graphs and the MoE kernels; then bf16 MoE decode b1/b32 with the defaults and with the ones before (PyTorch draw, grouped experts at b1, cuBLAS LM head), twice in turn
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off

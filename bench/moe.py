@@ -480,6 +480,9 @@ def parse_args(argv=None):
                         help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
     parser.add_argument("--small-m-table", default=None, help="a bench/small_m_sweep.py --json file: every case "
                         "uses its fastest launch of each swept shape")
+    parser.add_argument("--drop-launch", action="append", default=[], metavar="MxNxK",
+                        help="remove this shape from the small-M launch table (its default launch, or cuBLAS for the "
+                             "LM head: the baseline of a table entry)")
     parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
                         help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=0)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
@@ -522,6 +525,9 @@ def main(argv=None) -> int:
 
         small_m_gemm.LAUNCHES.update(fastest_launches(args.small_m_table))
         print(f"small-M launches: {small_m_gemm.LAUNCHES}")
+    for shape in args.drop_launch:
+        small_m_gemm.LAUNCHES.pop(tuple(int(v) for v in shape.split("x")))
+        print(f"small-M launch table without {shape}")
     for setting in args.switch:  # plugins declare their switches on import
         name, _, raw = setting.partition("=")
         _import_switch_owner(name)
