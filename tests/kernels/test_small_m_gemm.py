@@ -44,7 +44,6 @@ def test_what_the_kernel_takes_and_what_falls_back_to_the_module():
         assert torch.equal(decode_linear(linear, x), linear(x))
 
 
-
 def test_the_lm_head_takes_the_small_m_gemm_only_where_the_table_names_its_shape(monkeypatch):
     from miles_host.kernels import small_m_gemm
 
