@@ -108,7 +108,7 @@ for step in "${steps[@]}"; do
       --prefill-seqs 0 --repeats 2 --json "$OUT/moe_quantized_decode.json" ;;  # FP8 / INT4 vs bf16 MoE decode at b1 and b32 on today's decode path
     moe_int4_profile) run moe_int4_profile 300 python3 bench/moe.py --precisions int4 --kernels fused --batches 1 --prefill-seqs 0 \
       --repeats 1 --profile-batch 1 ;;  # INT4 MoE b1 decode: GPU kernel time per token by kernel
-    moe_dsv3) run moe_dsv3 560 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
+    moe_dsv3) run moe_dsv3 480 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
       --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
     moe_dsv3_h100) run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
       --batches 1,32,128 --prefill-seqs 4 --repeats 2 --json "$OUT/moe_dsv3_h100.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (~45 GB of bf16 experts) on an 80 GB GPU

@@ -115,7 +115,7 @@ def build_model(shape: str, dtype: torch.dtype, device: str):
     hf = dict(SHAPES[shape])
     config = native_config(hf, default_family_lookup(hf["model_type"]))
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config).to(dtype)  # allocated in ``dtype``: float32 first would not fit the DeepSeek-V3 shape
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -126,7 +126,6 @@ def build_model(shape: str, dtype: torch.dtype, device: str):
                 tensor.fill_(1.0)  # norms
             else:
                 tensor.normal_(0.0, 0.02, generator=generator)
-    model.to(dtype)
     for module in model.modules():  # fp32 router and bias where the family keeps them (DeepSeek)
         if getattr(module, "keep_fp32", False):
             module.weight.data = module.weight.data.float()
