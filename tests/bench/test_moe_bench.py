@@ -1,0 +1,34 @@
+"""``bench/moe.py`` on the CPU: the random model is allocated in its dtype, and the tiny run covers both shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import moe
+
+
+def test_build_model_allocates_in_the_requested_dtype():
+    model = moe.build_model("tiny_dsv3", torch.bfloat16, "cpu")
+    kept_fp32 = {id(m.weight) for m in model.modules() if getattr(m, "keep_fp32", False)}
+    kept_fp32 |= {id(m.expert_bias) for m in model.modules() if getattr(m, "expert_bias", None) is not None}
+    assert kept_fp32, "the DeepSeek shape keeps its router in float32"
+    for name, tensor in model.named_parameters():
+        expected = torch.float32 if id(tensor) in kept_fp32 else torch.bfloat16
+        assert tensor.dtype == expected, name
+    experts = [t for n, t in model.named_parameters() if "experts" in n and t.dim() == 3]
+    assert experts and all(0.015 < t.float().std().item() < 0.025 for t in experts)  # N(0, 0.02), not left empty
+
+
+def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path):
+    out = tmp_path / "rows.json"
+    assert moe.main(["--tiny", "--shapes", "qwen3_30b,dsv3", "--precisions", "bf16", "--kernels", "fused",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    cases = {(r["shape"], r["case"]) for r in rows}
+    for shape in ("tiny", "tiny_dsv3"):
+        assert {(shape, "decode b1"), (shape, "decode b4"), (shape, "prefill 2x16")} <= cases
+    assert all(r["tok_s"] > 0 for r in rows)
