@@ -18,7 +18,7 @@
 #                         tests, MoE decode b1/b32 with each and with all)
 #        switch_ablation (the decode switches all on, then each one off, then the defaults; the LM head's small-M sweep)
 #        decode_defaults (GPU tests of the fused draw, the small-M launches, the sampling graphs, the MoE kernels; bf16 MoE
-#                         decode b1/b32 with the defaults and with the ones before them, twice in turn)
+#                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -155,7 +155,9 @@ for step in "${steps[@]}"; do
           --prefill-seqs 0 --new-tokens 64 --repeats 3
         run "decode_before_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
           --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
-          --drop-launch 1x151936x2048; done ;;  # GPU tests of the fused draw, the small-M launches, the sampling graphs and the MoE kernels; then bf16 MoE decode b1/b32 with the defaults and with the ones before (PyTorch draw, grouped experts at b1, cuBLAS LM head), twice in turn
+          --drop-launch 1x151936x2048
+        run "decode_epilogue_pdl_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+          --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch moe_combine=epilogue --switch pdl=on; done ;;  # GPU tests of the fused draw, the small-M launches, the sampling graphs and the MoE kernels; then bf16 MoE decode b1/b32 with the defaults, with the ones before (PyTorch draw, grouped experts at b1, cuBLAS LM head) and with the combine epilogue and PDL added, in turn, twice
     small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off
