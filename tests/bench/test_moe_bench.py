@@ -32,3 +32,9 @@ def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path):
     for shape in ("tiny", "tiny_dsv3"):
         assert {(shape, "decode b1"), (shape, "decode b4"), (shape, "prefill 2x16")} <= cases
     assert all(r["tok_s"] > 0 for r in rows)
+    decode = [r for r in rows if r["case"].startswith("decode")]
+    for row in decode:  # MLA rows also carry the stricter bound of a latent cache (fewer KV bytes per token)
+        if row["shape"] == "tiny_dsv3":
+            assert row["bound_latent_kv_tok_s"] > row["bound_tok_s"]
+        else:
+            assert "bound_latent_kv_tok_s" not in row
