@@ -13,6 +13,7 @@
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
+#        h200_moe (one H200 call: the DeepSeek-V3 shape, then the Qwen3 shape's b1/b32 defaults vs the ones before)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
 #                         tests, MoE decode b1/b32 with each and with all)
@@ -110,6 +111,13 @@ for step in "${steps[@]}"; do
       --repeats 1 --profile-batch 1 ;;  # INT4 MoE b1 decode: GPU kernel time per token by kernel
     moe_dsv3) run moe_dsv3 480 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
       --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
+    h200_moe) run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
+        --prefill-seqs 8 --repeats 1 --json "$OUT/moe_dsv3.json"
+      run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3
+      run decode_before_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
+        --drop-launch 1x151936x2048 ;;  # one H200 call (needs_h200: the DeepSeek-V3 shape's ~95 GB): that shape's decode and prefill, then the Qwen3-30B-A3B shape's b1/b32 with the defaults and with the ones before them
     moe_dsv3_h100) run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
       --batches 1,32,128 --prefill-seqs 4 --repeats 2 --json "$OUT/moe_dsv3_h100.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (~45 GB of bf16 experts) on an 80 GB GPU
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
