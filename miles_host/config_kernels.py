@@ -31,7 +31,7 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("small_m_gemm", "triton", ("triton", "torch"),
                "the 16-bit linears of decode steps of at most 4 tokens: the split-K Triton GEMM, or torch (the "
                "module: cuBLAS)"),
-    SwitchSpec("pdl", "off", ("on", "off"),
+    SwitchSpec("pdl", "on", ("on", "off"),
                "programmatic dependent launch of the decode kernels on Hopper and later GPUs (each kernel starts "
                "while the one before it finishes and prefetches its weights): on or off"),
     SwitchSpec("sampler_kernel", "triton", ("triton", "torch"),

@@ -22,7 +22,7 @@ The contract of a kernel launched with PDL, which :func:`options` switches on:
 Kernels that are not launched with PDL (cuBLAS, PyTorch's own) are ordered as always: they
 start after the previous kernel completes. Numerics do not change: the same programs run
 the same instructions; only launch timing does (a GPU test checks the bits of a decode with and
-without). ``--pdl off``, the default, launches every kernel plainly.
+without). ``--pdl on`` is the default; ``--pdl off`` launches every kernel plainly.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 
 from miles_host.kernels import switches
 
-#: ``--pdl``: ``on`` (the decode kernels launch with programmatic dependent launch where the GPU
-#: supports it) or ``off``, the default: on an H100 the Qwen3-30B-A3B-shaped batch-1 decode ran within
-#: the noise of the plain launches (992 vs 976 tok/s in one pair of runs, 965 vs 1,007 in another)
+#: ``--pdl``: ``on``, the default (the decode kernels launch with programmatic dependent launch where the
+#: GPU supports it), or ``off``: on an H100 the Qwen3-30B-A3B-shaped batch-1 decode with the other defaults ran
+#: at a median 1,185 tok/s with it against 1,120 without, over five alternating pairs (bench/RESULTS.md)
 PDL = switches.declare_host("pdl")
 
 #: the first compute capability with ``griddepcontrol``
