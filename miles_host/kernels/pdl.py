@@ -44,7 +44,8 @@ MIN_CAPABILITY = (9, 0)
 
 @lru_cache(maxsize=None)
 def _supports(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
+    """An NVIDIA GPU with ``griddepcontrol`` (ROCm reports its own architecture numbers as capabilities)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
 
 
 def enabled(tensor: torch.Tensor) -> bool:

@@ -117,6 +117,17 @@ def test_pdl_options_are_off_on_the_cpu_and_with_the_switch_off():
         switches.setVALUES(pdl="maybe")
 
 
+def test_pdl_needs_an_nvidia_gpu_of_compute_capability_9(monkeypatch):
+    """On by default, so every GPU that lacks ``griddepcontrol`` must launch plainly: older NVIDIA
+    GPUs, and ROCm (whose architecture numbers come back as capabilities, gfx942 as 9.4)."""
+    supports = pdl._supports.__wrapped__
+    for hip, capability, expected in [(None, (9, 0), True), (None, (10, 0), True), (None, (8, 0), False),
+                                      ("6.2", (9, 4), False)]:
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert supports(0) is expected, (hip, capability)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
