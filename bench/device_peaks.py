@@ -31,3 +31,12 @@ def hbm_bytes_per_s() -> float:
 def bf16_flops() -> float:
     """bf16 matrix rate of this machine's GPU (the compute bound of prefill and training)."""
     return _peaks()[1]
+
+
+def decode_bound_tok_s(batch: int, prompt_len: int, new_tokens: int, step_bytes: float,
+                       kv_bytes_per_token: float) -> float:
+    """Decode tok/s at this GPU's copy bandwidth over steps 1..new_tokens-1 (step i reads the
+    weights once and batch x (prompt + i) tokens of KV)."""
+    steps = range(1, new_tokens)
+    seconds = sum((step_bytes + batch * (prompt_len + i) * kv_bytes_per_token) / hbm_bytes_per_s() for i in steps)
+    return batch * len(steps) / seconds

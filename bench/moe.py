@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.device_peaks import bf16_flops, hbm_bytes_per_s  # noqa: E402
+from bench.device_peaks import bf16_flops, decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = bf16_flops()
@@ -210,13 +210,6 @@ def step_bytes(model, batch: int) -> tuple[float, float]:
     return other + touched, active_params + dense_params
 
 
-def decode_bound(weight_bytes: float, kv_bytes_per_token: float, batch: int, args) -> float:
-    """Decode tok/s if every step read its weights once and each sequence's KV at HBM speed."""
-    seconds = sum((weight_bytes + batch * (args.prompt_len + i) * kv_bytes_per_token) / HBM_BYTES_PER_S
-                  for i in range(1, args.new_tokens))
-    return batch * (args.new_tokens - 1) / seconds
-
-
 def latent_kv_bytes_per_token(model, kv_bytes_per_token: int) -> float | None:
     """KV bytes per token of an MLA model whose cache held the compressed latent and the shared rotary
     key (SGLang's and FlashMLA's layout) instead of the per-head keys and values; None without MLA."""
@@ -290,13 +283,14 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
                 t_first = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
                 decode = batch * (args.new_tokens - 1) / (t_full - t_first) if t_full > t_first else float("nan")
                 weight_bytes, _ = step_bytes(model, batch)
-                bound = decode_bound(weight_bytes, engine.kv_bytes_per_token, batch, args)
+                lengths = (batch, args.prompt_len, args.new_tokens)
+                bound = decode_bound_tok_s(*lengths, weight_bytes, engine.kv_bytes_per_token)
                 row = dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
                            case=f"decode b{batch}{suffix}", tok_s=decode, bound_tok_s=bound,
                            fraction=decode / bound, weight_bytes=weight_bytes)
                 latent = latent_kv_bytes_per_token(model, engine.kv_bytes_per_token)
                 if latent is not None:  # MLA: the stricter bound of a cache holding the latent, not per-head K/V
-                    row["bound_latent_kv_tok_s"] = decode_bound(weight_bytes, latent, batch, args)
+                    row["bound_latent_kv_tok_s"] = decode_bound_tok_s(*lengths, weight_bytes, latent)
                 rows.append(row)
                 latent_note = (f", {decode / row['bound_latent_kv_tok_s']:.1%} of the latent-KV bound "
                                f"{row['bound_latent_kv_tok_s']:,.0f}" if latent is not None else "")

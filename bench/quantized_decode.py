@@ -77,7 +77,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_profile import generate, profile_decode  # noqa: E402
-from bench.device_peaks import hbm_bytes_per_s  # noqa: E402
+from bench.device_peaks import decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 #: INT4 goal: linear weights of the rollout model >= 3.5x smaller than bf16
@@ -354,13 +354,6 @@ def timed(fn, device: str, repeats: int) -> list[float]:
         sync(device)
         times.append(time.perf_counter() - start)
     return times
-
-
-def decode_bound_tok_s(batch: int, prompt_len: int, new_tokens: int, step_bytes: int, kv_bytes_per_token: int) -> float:
-    """Decode steps 1..new_tokens-1 (step i reads the weights and batch x (prompt + i) tokens of KV)."""
-    steps = range(1, new_tokens)
-    seconds = sum((step_bytes + batch * (prompt_len + i) * kv_bytes_per_token) / HBM_BYTES_PER_S for i in steps)
-    return batch * len(steps) / seconds
 
 
 def bench_precision(label, args, folder, dtype, device, prompts_by_batch, engine_kwargs) -> dict:
