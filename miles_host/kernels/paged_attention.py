@@ -156,6 +156,20 @@ def _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV:
 
 
 @triton.jit
+def _split_range(lo, hi, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys ``[start, end)`` of split ``split`` of the keys ``[lo, hi)``: whole ``BLOCK_N`` blocks per
+    split, sized from this step's context (a window's keys are split, not the context's); short
+    contexts leave the last splits empty (they store m = -inf, l = 0). ``SPLITS`` = 1: all of them."""
+    start = lo
+    end = hi
+    if SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, hi)
+    return start, end
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, Partial_acc, Partial_ml, Counters,
     block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
@@ -196,16 +210,8 @@ def _paged_attention_kernel(
         Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, attn_chunk, stride_qt, stride_qh,
         GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW, USE_CHUNK,
     )
-    if SPLITS == 1:
-        start = lo
-        end = hi
-    else:
-        # whole key blocks per split, from this step's context (a window's keys are split, not the
-        # context's): short contexts leave the last splits empty (they store m = -inf, l = 0)
-        split = tl.program_id(2)
-        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
-        start = lo + split * chunk
-        end = tl.minimum(start + chunk, hi)
+    split = tl.program_id(2)
+    start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DV_PAD], tl.float32)
@@ -218,39 +224,55 @@ def _paged_attention_kernel(
     if SPLITS == 1:
         _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD, m_i, Sinks, USE_SINKS)
     else:
-        # workspace: acc [tiles, kv_heads, SPLITS, ROWS, DV_PAD], (m, l) [tiles, kv_heads, SPLITS, 2, ROWS]
-        rows = tl.arange(0, ROWS)
-        dv = tl.arange(0, DV_PAD)
         pair = tile * tl.num_programs(1) + kv_head
-        acc_offs = rows[:, None] * DV_PAD + dv[None, :]
-        tl.store(Partial_acc + (pair * SPLITS + split) * (ROWS * DV_PAD) + acc_offs, acc, mask=row_valid[:, None])
-        ml = Partial_ml + (pair * SPLITS + split) * (2 * ROWS) + rows
-        tl.store(ml, m_i, mask=row_valid)
-        tl.store(ml + ROWS, l_i, mask=row_valid)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
-            m_max = tl.full([ROWS], float("-inf"), tl.float32)
-            for s in tl.static_range(SPLITS):
-                m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                m_max = tl.maximum(m_max, m_s)
-            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-            total_l = tl.zeros([ROWS], tl.float32)
-            total = tl.zeros([ROWS, DV_PAD], tl.float32)
-            for s in tl.static_range(SPLITS):
-                m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
-                weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
-                part = tl.load(
-                    Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
-                    mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
-                )
-                total_l += weight * l_s
-                total += weight[:, None] * part
-            _store_rows(Out, total, total_l, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD,
-                        m_max, Sinks, USE_SINKS)
-            tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
+        _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
+                      Out, token, head, stride_ot, stride_oh, ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
+
+
+@triton.jit
+def _merge_splits(
+    acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
+    Out, token, head, stride_ot, stride_oh,
+    ROWS: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    Sinks=None, USE_SINKS: tl.constexpr = False,
+):
+    """Split ``split`` of program group ``pair`` stores its partial softmax (row max ``m_i``, row
+    sum ``l_i``, unnormalized fp32 ``acc``) in the workspace; the last of the ``SPLITS`` to arrive
+    (an int32 counter, acquire-release at GPU scope after a CTA barrier) merges the partials in
+    split order, stores the rows and resets the counter.
+
+    Workspace: acc ``[pairs, SPLITS, ROWS, DV_PAD]``, (m, l) ``[pairs, SPLITS, 2, ROWS]``."""
+    rows = tl.arange(0, ROWS)
+    dv = tl.arange(0, DV_PAD)
+    acc_offs = rows[:, None] * DV_PAD + dv[None, :]
+    tl.store(Partial_acc + (pair * SPLITS + split) * (ROWS * DV_PAD) + acc_offs, acc, mask=row_valid[:, None])
+    ml = Partial_ml + (pair * SPLITS + split) * (2 * ROWS) + rows
+    tl.store(ml, m_i, mask=row_valid)
+    tl.store(ml + ROWS, l_i, mask=row_valid)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
+        m_max = tl.full([ROWS], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m_s)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total_l = tl.zeros([ROWS], tl.float32)
+        total = tl.zeros([ROWS, DV_PAD], tl.float32)
+        for s in tl.static_range(SPLITS):
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
+            weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
+            part = tl.load(
+                Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
+                mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
+            )
+            total_l += weight * l_s
+            total += weight[:, None] * part
+        _store_rows(Out, total, total_l, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD,
+                    m_max, Sinks, USE_SINKS)
+        tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
