@@ -111,14 +111,20 @@ for step in "${steps[@]}"; do
       --repeats 1 --profile-batch 1 ;;  # INT4 MoE b1 decode: GPU kernel time per token by kernel
     moe_dsv3) run moe_dsv3 480 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --repeats 1 \
       --json "$OUT/moe_dsv3.json" ;;  # needs an H200 (run with needs_h200): 4 layers of 256 experts are ~95 GB of bf16 weights
-    h200_moe) run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
+    h200_moe) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py
+      run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
         --prefill-seqs 8 --repeats 1 --json "$OUT/moe_dsv3.json"
       run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
       run decode_before_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
         --switch pdl=off --drop-launch 1x151936x2048 ;;  # one H200 call (needs_h200: the DeepSeek-V3 shape's ~95 GB): that shape's decode and prefill, then the Qwen3-30B-A3B shape's b1/b32 with the defaults and with the ones before them
-    moe_dsv3_h100) run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
+    mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
+    moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py
+      run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
       --batches 1,32,128 --prefill-seqs 4 --repeats 2 --json "$OUT/moe_dsv3_h100.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (~45 GB of bf16 experts) on an 80 GB GPU
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state
     moe_sweep) for p in bf16 fp8 int4; do run "moe_sweep_$p" 200 python3 bench/moe.py --sweep --sweep-precision $p --json "$OUT/moe_sweep_$p.json"; done ;;

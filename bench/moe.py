@@ -210,17 +210,6 @@ def step_bytes(model, batch: int) -> tuple[float, float]:
     return other + touched, active_params + dense_params
 
 
-def latent_kv_bytes_per_token(model, kv_bytes_per_token: int) -> float | None:
-    """KV bytes per token of an MLA model whose cache held the compressed latent and the shared rotary
-    key (SGLang's and FlashMLA's layout) instead of the per-head keys and values; None without MLA."""
-    mla = model.config.mla
-    if mla is None:
-        return None
-    per_head = model.config.num_heads * (mla.qk_head_dim + mla.v_head_dim)
-    element = kv_bytes_per_token / (model.config.num_layers * per_head)
-    return model.config.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * element
-
-
 def attention_flops(model, seqs: int, length: int) -> float:
     """Causal attention FLOPs of a prefill: 2 matmuls x 2 FLOPs x L^2/2 x heads x head dims, per layer."""
     c = model.config
@@ -287,15 +276,12 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
                 bound = decode_bound_tok_s(*lengths, weight_bytes, engine.kv_bytes_per_token)
                 row = dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
                            case=f"decode b{batch}{suffix}", tok_s=decode, bound_tok_s=bound,
-                           fraction=decode / bound, weight_bytes=weight_bytes)
-                latent = latent_kv_bytes_per_token(model, engine.kv_bytes_per_token)
-                if latent is not None:  # MLA: the stricter bound of a cache holding the latent, not per-head K/V
-                    row["bound_latent_kv_tok_s"] = decode_bound_tok_s(*lengths, weight_bytes, latent)
+                           fraction=decode / bound, weight_bytes=weight_bytes,
+                           kv_bytes_per_token=engine.kv_bytes_per_token)
                 rows.append(row)
-                latent_note = (f", {decode / row['bound_latent_kv_tok_s']:.1%} of the latent-KV bound "
-                               f"{row['bound_latent_kv_tok_s']:,.0f}" if latent is not None else "")
                 print(f"[{label}] decode batch {batch:>3}{suffix}: {decode:,.0f} tok/s, HBM bound {bound:,.0f} tok/s "
-                      f"({decode / bound:.1%}{latent_note}); step weights {weight_bytes / 1e9:.2f} GB", flush=True)
+                      f"({decode / bound:.1%}); step weights {weight_bytes / 1e9:.2f} GB, "
+                      f"KV {engine.kv_bytes_per_token:,} B/token", flush=True)
         engine.runner.sampling_graphs = graphed_sampling
         if args.profile_batch and device == "cuda":
             from bench.decode_profile import profile_decode

@@ -85,6 +85,10 @@ class DSAttention(MLAttention):
         y_TND = attend_in_context(self, attention, q_TND, k_TND, v_TND.contiguous(), index, self.layer_index)
         return decode_linear(self.o_proj, y_TND.reshape(x_TH.shape[0], -1))
 
+    def can_cache_latents(self) -> bool:
+        """Never: the sparse attention reads keys and values per head."""
+        return False
+
     def extra_cache_layouts(self) -> list[tuple[int, int, int, None]]:
         """The paged-cache entry of the indexer keys: one head of ``index_head_dim``, no values."""
         return [(1, self.indexer.head_dim, 0, None)]

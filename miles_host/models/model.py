@@ -169,10 +169,15 @@ class CausalLM(torch.nn.Module):
         config, shared by its layers); ``None`` when no layer uses it."""
         return self._ropes.get(id(rope))
 
-    def attention_layout(self) -> list[tuple[int, int, int, int | None]]:
+    def attention_layout(self, latent_mla: bool = False) -> list[tuple[int, int, int, int | None]]:
         """Per layer ``(num_kv_heads, k_head_dim, v_head_dim, sliding_window or None)``, then the
-        extra paged-cache entries of blocks that keep some (DSA's indexer keys), in layer order."""
-        layout = [layer.attn.layout() for layer in self.layers]
+        extra paged-cache entries of blocks that keep some (DSA's indexer keys), in layer order.
+        ``latent_mla``: MLA layers that can are cached as latents (:meth:`MLAttention.layout`)."""
+        layout = [
+            layer.attn.layout(latent=True) if latent_mla and getattr(layer.attn, "can_cache_latents", bool)()
+            else layer.attn.layout()
+            for layer in self.layers
+        ]
         return layout + [entry for layer in self.layers for entry in getattr(layer.attn, "extra_cache_layouts", list)()]
 
     # -- forward ---------------------------------------------------------------

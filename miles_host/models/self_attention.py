@@ -13,9 +13,21 @@ import torch
 from miles_host.models.config import ModelConfig
 from miles_host.models.context import AttentionContext
 from miles_host.models.norm import RMSNorm
+from miles_host.kernels import switches
 from miles_host.kernels.eager_ops import apply_rotary
 from miles_host.kernels.small_m_gemm import decode_linear
 from miles_host.models.rope import yarn_softmax_scale_factor
+
+#: ``--mla-kv-cache``: whether the engine caches MLA layers as latents (see :class:`MLAttention`)
+LATENT_CACHE = switches.declare_host("mla_kv_cache")
+#: weight dtypes the absorbed queries and outputs multiply by (quantized ``kv_b_proj``: expanded cache)
+ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def engine_caches_latents(batch_invariant: bool) -> bool:
+    """Whether an engine caches its MLA layers as latents: ``--mla-kv-cache latent`` outside
+    ``--true-on-policy`` (whose rollout must compute what training computes, per head)."""
+    return switches.value(LATENT_CACHE) == "latent" and not batch_invariant
 
 
 class GQAAttention(torch.nn.Module):
@@ -104,11 +116,20 @@ class GQAAttention(torch.nn.Module):
 
 
 class MLAttention(torch.nn.Module):
-    """DeepSeek multi-head latent attention (keys/values expanded per head).
+    """DeepSeek multi-head latent attention.
 
     Queries come from ``q_proj`` or the low-rank ``q_a_proj -> q_a_norm -> q_b_proj``;
     keys and values from the compressed ``kv_a_proj`` (latent + shared rotary key)
     expanded by ``kv_b_proj``.
+
+    In an attention context whose cache keeps this layer as latents (the engine's, see
+    :meth:`layout`), nothing is expanded: the cache row of a token is its normalized latent
+    and rotated rope key, each head's query is absorbed into the latent space
+    (``q_nope @ W_UK``, ``W_UK`` the head's key rows of ``kv_b_proj``), attention is
+    multi-query over the latents (``attend_latent``), and each head's output is mapped back by
+    its value rows ``W_UV``. The same attention in another order of the same products: the
+    scores ``(q_nope W_UK) . c`` are ``q_nope . (W_UK c)``, the outputs ``W_UV (sum p c)`` are
+    ``sum p (W_UV c)``.
     """
 
     def __init__(self, config: ModelConfig, layer_index: int):
@@ -138,6 +159,9 @@ class MLAttention(torch.nn.Module):
         self.logit_softcap = config.attn_logit_softcap
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
+        latent_layer = getattr(attention, "latent_layer", None)
+        if latent_layer is not None and latent_layer(self.layer_index):
+            return self.forward_latent(x_TH, rope_cos_sin, attention)
         q_TND, k_TND, v_TND = self.project_qkv(x_TH, rope_cos_sin)
         y_TND = attention.attend(
             self.layer_index, q_TND, k_TND, v_TND.contiguous(),
@@ -169,6 +193,44 @@ class MLAttention(torch.nn.Module):
         k_TND = torch.cat((k_nope, k_rot.expand(num_tokens, num_heads, mla.qk_rope_head_dim)), dim=-1)
         return q_TND, k_TND, v_TND
 
-    def layout(self) -> tuple[int, int, int, int | None]:
-        """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` (expanded per head)."""
+    def forward_latent(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
+        """The forward over a latent cache (see the class docstring)."""
+        mla, num_tokens, num_heads = self.mla, x_TH.shape[0], self.num_heads
+        if mla.q_lora_rank is None:
+            q = decode_linear(self.q_proj, x_TH)
+        else:
+            q = decode_linear(self.q_b_proj, self.q_a_norm(decode_linear(self.q_a_proj, x_TH)))
+        q_nope, q_rot = q.view(num_tokens, num_heads, mla.qk_head_dim).split(
+            (mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1
+        )
+        kv_latent, k_rot = decode_linear(self.kv_a_proj, x_TH).split((mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
+        cos, sin = rope_cos_sin
+        q_rot = apply_rotary(q_rot, cos, sin, self.rope_interleaved)
+        k_rot = apply_rotary(k_rot.reshape(num_tokens, 1, mla.qk_rope_head_dim), cos, sin, self.rope_interleaved)
+        w_uk_NDR, w_uv_NVR = self.absorbed_weights()
+        q_latent_TNR = torch.bmm(q_nope.transpose(0, 1), w_uk_NDR).transpose(0, 1)
+        y_TNR = attention.attend_latent(
+            self.layer_index, q_latent_TNR, q_rot, self.kv_a_norm(kv_latent), k_rot[:, 0], scale=self.scale,
+        )
+        y_TNV = torch.bmm(y_TNR.transpose(0, 1).to(w_uv_NVR.dtype), w_uv_NVR.transpose(1, 2)).transpose(0, 1)
+        return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1))
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_UK [N, Dnope, R], W_UV [N, Dv, R])``: views of ``kv_b_proj``'s rows per head."""
+        mla = self.mla
+        weight = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        return weight[:, : mla.qk_nope_head_dim], weight[:, mla.qk_nope_head_dim :]
+
+    def can_cache_latents(self) -> bool:
+        """Whether this layer can run over a latent cache: a plain float ``kv_b_proj`` (not adapted,
+        not quantized) and neither a sliding window nor soft-capping (the latent kernel has neither)."""
+        plain = type(self.kv_b_proj) is torch.nn.Linear and self.kv_b_proj.weight.dtype in ABSORBABLE_DTYPES
+        return plain and self.sliding_window is None and self.logit_softcap is None
+
+    def layout(self, latent: bool = False) -> tuple[int, int, int, int | None]:
+        """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing: keys and values
+        per head, or with ``latent`` (and :meth:`can_cache_latents`) one row of ``kv_lora_rank +
+        qk_rope_head_dim`` per token and no values."""
+        if latent and self.can_cache_latents():
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0, self.sliding_window
         return self.num_heads, self.mla.qk_head_dim, self.mla.v_head_dim, self.sliding_window

@@ -119,6 +119,38 @@ class PagedAttention:
         return (k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]),
                 self.metadata.slot_mapping_T)
 
+    def latent_layer(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` is cached as MLA latents (an entry without values)."""
+        return self.kv_cache.layout[layer_index][2] == 0
+
+    def attend_latent(
+        self,
+        layer_index: int,
+        q_latent_TNR: torch.Tensor,
+        q_rope_TNP: torch.Tensor,
+        latent_TR: torch.Tensor,
+        k_rope_TP: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA (:class:`~miles_host.models.self_attention.MLAttention`): store each token's
+        ``[latent, rope key]`` row in the layer's latent cache, return ``[T, N, R]``, each head's
+        softmax-weighted sum of its context's latents (multi-query over the cache rows)."""
+        meta = self.metadata
+        cache_XS1C = self.kv_cache.k_NSHD[layer_index]
+        rank = latent_TR.shape[-1]
+        rows_T1C = torch.cat((latent_TR, k_rope_TP), dim=-1).to(cache_XS1C.dtype)[:, None]
+        cache_XS1C.view(-1, *cache_XS1C.shape[2:]).index_copy_(0, meta.slot_mapping_T, rows_T1C)
+        q_latent_TNR, q_rope_TNP = q_latent_TNR.to(cache_XS1C.dtype), q_rope_TNP.to(cache_XS1C.dtype)
+        if cache_XS1C.is_cuda and self.backend != "torch":
+            from miles_host.kernels.mla_attention import mla_attention_triton
+
+            return mla_attention_triton(q_latent_TNR, q_rope_TNP, cache_XS1C[:, :, 0], meta, scale=scale)
+        return paged_attention_reference(
+            torch.cat((q_latent_TNR, q_rope_TNP), dim=-1), cache_XS1C, cache_XS1C[..., :rank], meta.block_tables_BM,
+            meta.cu_seqlens_q_host, meta.context_lens_host, scale=scale,
+        )
+
     def attend(
         self,
         layer_index: int,

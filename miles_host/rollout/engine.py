@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from miles_host.models.mlp import set_moe_kernel
+from miles_host.models.self_attention import engine_caches_latents
 from miles_host.rollout import overlap
 from miles_host.rollout.block_manager import BlockManager
 from miles_host.rollout.recurrent_state import HybridBlockManager, RecurrentStatePool
@@ -96,7 +97,7 @@ class Engine(MemoryOccupation):
         self.weight_version: Any = 0
         #: per-sequence states of linear-attention layers, allocated before the KV cache is sized
         self.recurrent_states = RecurrentStatePool.for_engine(model, cfg, decoding_strategy)
-        layout = model.attention_layout()
+        layout = model.attention_layout(latent_mla=engine_caches_latents(cfg.batch_invariant))
         self.kv_bytes_per_token = kv_bytes_per_token(layout, cfg.kv_cache_dtype)
         if self.device.type == "cuda":
             activation_peak = measure_activation_peak(self.model, cfg, self.device, layout)

@@ -1,0 +1,84 @@
+"""DeepSeek MLA over the engine's latent cache (``--mla-kv-cache latent``, the default): one row of
+``kv_lora_rank + qk_rope_head_dim`` per token and layer, queries absorbed into the latent space.
+Against transformers (greedy tokens, log-probs), the expanded cache, and through prefix sharing,
+preemption and chunked prefill; ``--true-on-policy`` keeps the expanded cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_host.kernels import switches
+from miles_host.models import load_pretrained
+from miles_host.rollout import Engine
+from tests.models.conftest import family_lookup
+from tests.models.family_acceptance import (
+    assert_engine_matches_transformers,
+    assert_gpu_engine_matches_transformers,
+    assert_small_cache_engine_matches,
+)
+
+pytest.importorskip("transformers")
+
+CASES = ("deepseek_v3", "deepseek_v3_no_q_lora")
+
+
+def _mla_widths(model) -> tuple[int, int, int, int]:
+    """``(heads, latent rank, rope dims, per-head k + v dims)`` of the model's MLA layers."""
+    mla = model.config.mla
+    return model.config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_head_dim + mla.v_head_dim
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_latent_cache_engine_matches_transformers(case, checkpoints):
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
+    model = load_pretrained(checkpoints[case], family=family_lookup)
+    engine = assert_engine_matches_transformers(hf_model, model)
+    heads, rank, rope, per_head = _mla_widths(model)
+    assert set(engine.kv_cache.layout) == {(1, rank + rope, 0, None)}
+    assert engine.kv_bytes_per_token == model.config.num_layers * (rank + rope) * 4  # float32
+    with switches.switched(mla_kv_cache="expanded"):
+        expanded = Engine(model, kv_cache_tokens=512, block_size=4)
+    assert set(expanded.kv_cache.layout) == {(heads, model.config.mla.qk_head_dim, model.config.mla.v_head_dim, None)}
+    assert expanded.kv_bytes_per_token == model.config.num_layers * heads * per_head * 4
+
+
+def test_latent_and_expanded_caches_give_the_same_tokens(checkpoints):
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
+    params = {"temperature": 0.8, "max_new_tokens": 12, "ignore_eos": True, "n": 2, "sampling_seed": 3}
+    prompts = [[5, 9, 3, 17, 4], [8, 2, 2, 11]]
+    latent = Engine(model, kv_cache_tokens=256, block_size=4).generate(prompts, params)
+    with switches.switched(mla_kv_cache="expanded"):
+        expanded = Engine(model, kv_cache_tokens=256, block_size=4).generate(prompts, params)
+    assert [o["output_ids"] for o in latent] == [o["output_ids"] for o in expanded]
+    for a, b in zip(latent, expanded):
+        pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) <= 1e-5
+
+
+def test_prefix_sharing_preemption_and_chunked_prefill_over_latents(checkpoints):
+    assert_small_cache_engine_matches(load_pretrained(checkpoints["deepseek_v3"], family=family_lookup))
+
+
+def test_true_on_policy_and_a_bf16_weight_keep_what_they_need(checkpoints):
+    """Batch-invariant rollouts compute per head, as training does: the expanded cache."""
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
+    heads = model.config.num_heads
+    engine = Engine(model, kv_cache_tokens=64, block_size=4, batch_invariant=True)
+    assert all(entry[0] == heads for entry in engine.kv_cache.layout)
+    attn = model.layers[0].attn
+    attn.logit_softcap = 30.0  # no soft-capping in the latent kernel: this layer expands
+    assert not attn.can_cache_latents() and attn.layout(latent=True)[0] == heads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_latent_cache_engine_matches_transformers(case, checkpoints):
+    """Float32 on CUDA: the Triton latent kernel, decode in CUDA graphs."""
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
+    assert_gpu_engine_matches_transformers(hf_model, load_pretrained(checkpoints[case], family=family_lookup))
