@@ -51,13 +51,17 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Program ``(tile, head block, split)``: the tile's query tokens x ``BLOCK_H`` heads over
-    split ``split`` of their keys (all of them when ``SPLITS`` = 1)."""
+    """Program ``(tile x head blocks + head block, split)``: the tile's query tokens x ``BLOCK_H``
+    heads over split ``split`` of their keys (all of them when ``SPLITS`` = 1). A tile's head
+    blocks are neighbours in the grid: the programs reading one sequence's latents run together
+    (L2 reuse)."""
     pdl_start(PDL)
     pdl_wait(PDL)
-    tile = tl.program_id(0)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
+    pair = tl.program_id(0)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    tile = pair // head_blocks
+    head_block = pair % head_blocks
+    split = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_M * BLOCK_H
     seq = tl.load(tile_seq + tile)
     q_first = tl.load(tile_q_start + tile)
@@ -112,7 +116,6 @@ def _mla_attention_kernel(
     if SPLITS == 1:
         _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, R, R_PAD)
     else:
-        pair = tile * tl.num_programs(1) + head_block
         _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
                       Out, token, head, stride_ot, stride_oh, ROWS, R, R_PAD, SPLITS)
 
@@ -163,7 +166,7 @@ def mla_attention_triton(
         q_latent_TNR = q_latent_TNR.contiguous()
     if q_rope_TNP.stride(-1) != 1:
         q_rope_TNP = q_rope_TNP.contiguous()
-    _mla_attention_kernel[(num_tiles, head_blocks, splits)](
+    _mla_attention_kernel[(num_tiles * head_blocks, splits)](
         q_latent_TNR, q_rope_TNP, cache_XSC, out, partial_acc, partial_ml, counters,
         meta.block_tables_BM, meta.context_lens_B, meta.cu_seqlens_q, meta.tile_seq, meta.tile_q_start,
         float(scale), num_heads,
