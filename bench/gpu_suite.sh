@@ -120,6 +120,14 @@ for step in "${steps[@]}"; do
       run decode_before_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
         --switch pdl=off --drop-launch 1x151936x2048 ;;  # one H200 call (needs_h200: the DeepSeek-V3 shape's ~95 GB): that shape's decode and prefill, then the Qwen3-30B-A3B shape's b1/b32 with the defaults and with the ones before them
+    h200_short) run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3
+      run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py
+      run decode_defaults_2 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 0 --new-tokens 64 --repeats 3
+      run moe_dsv3 240 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32 \
+        --prefill-seqs 2 --repeats 1 --json "$OUT/moe_dsv3.json" ;;  # a short H200 window (needs_h200 for the last step): the Qwen3-30B-A3B shape's b1/b32 with the defaults twice around the MLA GPU tests, then the 4-layer DeepSeek-V3 shape's b1/b32 over the latent cache
     mla_short) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py
       run moe_dsv3_short 240 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
