@@ -31,7 +31,8 @@ from miles_host.kernels import pdl, split_k
 from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels.attention_metadata import AttentionMetadata
 from miles_host.kernels.paged_attention import (
-    _merge_splits, _next_pow2, _split_range, _store_rows, build_tiles, decode_splits, tokens_per_tile,
+    _merge_splits, _next_pow2, _online_softmax_step, _split_range, _store_rows, build_tiles, decode_splits,
+    tokens_per_tile,
 )
 
 #: query rows (tokens x heads) of one program: a 512-wide latent accumulator of 16 rows is
@@ -102,12 +103,7 @@ def _mla_attention_kernel(
             s += tl.dot(q_rot, tl.trans(k_rot))
         s = s * scale
         allowed = key_valid[None, :] & (key_pos[None, :] <= position[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, 1)
+        prob, alpha, m_new, l_i = _online_softmax_step(tl.where(allowed, s, float("-inf")), m_i, l_i)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(prob.to(c.dtype), c, input_precision="ieee")
         else:

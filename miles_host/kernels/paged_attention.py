@@ -83,6 +83,18 @@ def _tile_queries(
 
 
 @triton.jit
+def _online_softmax_step(s, m_i, l_i):
+    """One key block of an online softmax: masked scores ``s`` (``-inf``), the running row max
+    ``m_i`` and sum ``l_i``; returns ``(p, alpha, m_new, l_new)``: the block's unnormalized
+    probabilities, the factor that rescales what was accumulated, the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_blocks(
     q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, lo, hi,
     scale, softcap, window,
@@ -118,12 +130,7 @@ def _attend_blocks(
             allowed = allowed & ((position[:, None] - key_pos[None, :]) < window)
         if USE_CHUNK:
             allowed = allowed & ((key_pos[None, :] // chunk) == (position[:, None] // chunk))
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _online_softmax_step(tl.where(allowed, s, float("-inf")), m_i, l_i)
         v = tl.load(
             V_cache + block[:, None] * stride_vn + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
             mask=key_valid[:, None] & (dv[None, :] < DV), other=0.0,
