@@ -114,7 +114,7 @@ for step in "${steps[@]}"; do
     h200_moe) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py
       run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
-        --prefill-seqs 8 --repeats 1 --json "$OUT/moe_dsv3.json"
+        --prefill-seqs 8 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3.json"
       run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
       run decode_before_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
@@ -127,17 +127,17 @@ for step in "${steps[@]}"; do
       run decode_defaults_2 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
       run moe_dsv3 240 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32 \
-        --prefill-seqs 2 --repeats 1 --json "$OUT/moe_dsv3.json" ;;  # a short H200 window (needs_h200 for the last step): the Qwen3-30B-A3B shape's b1/b32 with the defaults twice around the MLA GPU tests, then the 4-layer DeepSeek-V3 shape's b1/b32 over the latent cache
+        --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3.json" ;;  # a short H200 window (needs_h200 for the last step): the Qwen3-30B-A3B shape's b1/b32 with the defaults twice around the MLA GPU tests, then the 4-layer DeepSeek-V3 shape's b1/b32 over the latent cache
     mla_short) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py
       run moe_dsv3_short 240 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
-        --batches 1,32 --prefill-seqs 2 --repeats 1 --json "$OUT/moe_dsv3_short.json" ;;  # a short device window: the MLA GPU tests, then the 2-layer DeepSeek-V3 shape's b1/b32 decode over the latent cache
+        --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_short.json" ;;  # a short device window: the MLA GPU tests, then the 2-layer DeepSeek-V3 shape's b1/b32 decode over the latent cache
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py
       run moe_dsv3_h100 400 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
-      --batches 1,32,128 --prefill-seqs 4 --repeats 2 --json "$OUT/moe_dsv3_h100.json"
+      --batches 1,32,128 --prefill-seqs 4 --repeats 2 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_h100.json"
       run moe_dsv3_h100_expanded 150 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
       --batches 1,32 --prefill-seqs 0 --repeats 2 --switch mla_kv_cache=expanded ;;  # the MLA tests; the DeepSeek-V3 shape cut to 2 layers (~45 GB of bf16 experts) on an 80 GB GPU, over the latent cache, then decode over the per-head cache
     qwen_next) run qwen_next 400 bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_gated_delta_rule.py tests/rollout/test_qwen_next_gpu.py; python3 bench/qwen_next_decode.py" ;;  # Gated DeltaNet GPU tests (fla if importable) vs the CPU reference and graph vs eager hybrid decode, then decode tok/s of a Qwen3-Next-shaped model (4 layers, real widths) vs its HBM bound incl. the recurrent state

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import moe
+from miles_host.kernels import switches
 
 
 def test_build_model_allocates_in_the_requested_dtype():
@@ -23,10 +24,11 @@ def test_build_model_allocates_in_the_requested_dtype():
     assert experts and all(0.015 < t.float().std().item() < 0.025 for t in experts)  # N(0, 0.02), not left empty
 
 
-def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path):
+def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path, monkeypatch):
     out = tmp_path / "rows.json"
+    monkeypatch.setattr(switches, "VALUES", dict(switches.VALUES))  # the bench sets switches for the process
     assert moe.main(["--tiny", "--shapes", "qwen3_30b,dsv3", "--precisions", "bf16", "--kernels", "fused",
-                     "--json", str(out)]) == 0
+                     "--switch", "mla_kv_cache=latent", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     cases = {(r["shape"], r["case"]) for r in rows}

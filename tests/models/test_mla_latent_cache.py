@@ -1,4 +1,4 @@
-"""DeepSeek MLA over the engine's latent cache (``--mla-kv-cache latent``, the default): one row of
+"""DeepSeek MLA over the engine's latent cache (``--mla-kv-cache latent``): one row of
 ``kv_lora_rank + qk_rope_head_dim`` per token and layer, queries absorbed into the latent space.
 Against transformers (greedy tokens, log-probs), the expanded cache, and through prefix sharing,
 preemption and chunked prefill; ``--true-on-policy`` keeps the expanded cache."""
@@ -21,6 +21,13 @@ from tests.models.family_acceptance import (
 pytest.importorskip("transformers")
 
 CASES = ("deepseek_v3", "deepseek_v3_no_q_lora")
+
+
+@pytest.fixture(autouse=True)
+def latent_cache():
+    """Every engine of these tests caches its MLA layers as latents unless a test switches back."""
+    with switches.switched(mla_kv_cache="latent"):
+        yield
 
 
 def _mla_widths(model) -> tuple[int, int, int, int]:
