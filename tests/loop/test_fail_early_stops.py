@@ -80,7 +80,7 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> 
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])  # one handler
 def test_a_stop_signal_checkpoints_the_last_completed_rollout_and_resume_is_exact(
         tiny_task, tmp_path, stop_rewards, one_thread, signum):
     model, data = tiny_task

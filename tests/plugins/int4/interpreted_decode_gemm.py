@@ -36,7 +36,8 @@ def test_kernel_dequantizes_bit_for_bit_like_qat(kernels, group_size, dtype):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("m", [1, pytest.param(7, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow), 40, 64])  # (slow: CI time)
+@pytest.mark.parametrize("m", [1, pytest.param(7, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow),
+                               pytest.param(40, marks=pytest.mark.slow), 64])  # (slow: CI time)
 def test_kernel_matches_the_reference(kernels, m, group_size, out_dtype):
     q, scale, packed = _weights(192, 512, group_size)
     x = _x(m, 512)
