@@ -131,9 +131,9 @@ _LAYOUT_IDS = ["tp2", "tp2_sp", "ep2", "pp2", "pp2_moe_r3_recompute", "tp2_pp2_s
                "ep2_dp2_dynamic", "dp2_tp2_dynamic", "ep2_dp2_r2_two_steps", "dp2_tp2_overlap", "ep2_dp2_overlap"]
 #: layouts whose parts the other cases cover (CI time on two cores): run with --run-slow. Plain TP is
 #: also ``test_miles_run_with_model_parallel_trainers[tp2]``; plain PP, ``pp2_1f1b_4mb``; R2 on EP ranks,
-#: ``ep2_dp2_r2_two_steps``
+#: ``ep2_dp2_r2_two_steps``; TP x EP, ``tp2_ep2_sp_r3``
 _SLOW_LAYOUTS = {"tp2_pp2_sp", "ep2_pp2", "tp2_ep4_sp", "tp2_ep2_pp2_sp", "dp2_pp2", "dp2_tp2_dynamic",
-                 "dp2_tp2_overlap", "tp2", "pp2", "ep2_r2"}
+                 "dp2_tp2_overlap", "tp2", "pp2", "ep2_r2", "tp2_ep2"}
 _LAYOUT_CASES = [pytest.param(*layout, id=name, marks=[pytest.mark.slow] if name in _SLOW_LAYOUTS else [])
                  for layout, name in zip(_LAYOUTS, _LAYOUT_IDS, strict=True)]
 
