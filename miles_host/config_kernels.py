@@ -46,7 +46,8 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("mla_kv_cache", "expanded", ("expanded", "latent"),
                "the engine's cache of DeepSeek MLA layers: expanded (keys and values per head) or latent (one "
                "normalized latent + rope key per token and layer, queries absorbed, as SGLang: 71x less KV memory "
-               "for DeepSeek-V3); --true-on-policy and adapted or quantized kv_b_proj always expand"),
+               "for DeepSeek-V3; a quantized kv_b_proj is read dequantized); --true-on-policy and an adapted kv_b_proj "
+               "always expand"),
     SwitchSpec("moe_invariant_decode", "batched", ("loop", "batched"),
                "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA graphs: loop "
                "(per expert), or batched (one invariant GEMM per projection for all experts)"),

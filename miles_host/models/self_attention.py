@@ -8,6 +8,8 @@ packing and caching. Tensor legend: T tokens, H hidden, N heads, D head dim.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from miles_host.models.config import ModelConfig
@@ -20,8 +22,23 @@ from miles_host.models.rope import yarn_softmax_scale_factor
 
 #: ``--mla-kv-cache``: whether the engine caches MLA layers as latents (see :class:`MLAttention`)
 LATENT_CACHE = switches.declare_host("mla_kv_cache")
-#: weight dtypes the absorbed queries and outputs multiply by (quantized ``kv_b_proj``: expanded cache)
+#: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@runtime_checkable
+class DequantizableLinear(Protocol):
+    """A quantized linear whose weight the latent path can read in float.
+
+    A quantized ``kv_b_proj`` (FP8 blocks, INT4 groups) is dequantized once per weight
+    version into the layer's absorbed copy (SGLang dequantizes ``W_UK`` / ``W_UV`` at load);
+    ``can_dequantize`` is False where the module holds only a kernel layout."""
+
+    can_dequantize: bool
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[out, in]`` as ``dtype``: what the module's own GEMM multiplies by."""
+        ...
 
 
 def engine_caches_latents(batch_invariant: bool) -> bool:
@@ -130,7 +147,15 @@ class MLAttention(torch.nn.Module):
     its value rows ``W_UV``. The same attention in another order of the same products: the
     scores ``(q_nope W_UK) . c`` are ``q_nope . (W_UK c)``, the outputs ``W_UV (sum p c)`` are
     ``sum p (W_UV c)``.
+
+    A quantized ``kv_b_proj`` (:class:`DequantizableLinear`) is read through ``absorbed_kv_b``,
+    its float copy, made at the first latent forward and refreshed in place after each weight
+    update (:meth:`miles_weights_updated`; captured CUDA graphs keep reading its address).
     """
+
+    #: children whose weights the latent path reads in float: quantization plugins keep them
+    #: in a dequantizable form (see :class:`DequantizableLinear`)
+    absorbed_weight_names = ("kv_b_proj",)
 
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
@@ -157,6 +182,7 @@ class MLAttention(torch.nn.Module):
         self.scale = mla.qk_head_dim**-0.5 * yarn_softmax_scale_factor(rope)
         self.sliding_window = config.sliding_window_of(layer_index)
         self.logit_softcap = config.attn_logit_softcap
+        self.register_buffer("absorbed_kv_b", None, persistent=False)
 
     def forward(self, x_TH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor], attention: AttentionContext):
         latent_layer = getattr(attention, "latent_layer", None)
@@ -207,7 +233,7 @@ class MLAttention(torch.nn.Module):
         cos, sin = rope_cos_sin
         q_rot = apply_rotary(q_rot, cos, sin, self.rope_interleaved)
         k_rot = apply_rotary(k_rot.reshape(num_tokens, 1, mla.qk_rope_head_dim), cos, sin, self.rope_interleaved)
-        w_uk_NDR, w_uv_NVR = self.absorbed_weights()
+        w_uk_NDR, w_uv_NVR = self.absorbed_weights(q_nope.dtype)
         q_latent_TNR = torch.bmm(q_nope.transpose(0, 1), w_uk_NDR).transpose(0, 1)
         y_TNR = attention.attend_latent(
             self.layer_index, q_latent_TNR, q_rot, self.kv_a_norm(kv_latent), k_rot[:, 0], scale=self.scale,
@@ -215,17 +241,40 @@ class MLAttention(torch.nn.Module):
         y_TNV = torch.bmm(y_TNR.transpose(0, 1).to(w_uv_NVR.dtype), w_uv_NVR.transpose(1, 2)).transpose(0, 1)
         return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1))
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W_UK [N, Dnope, R], W_UV [N, Dv, R])``: views of ``kv_b_proj``'s rows per head."""
+    def absorbed_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_UK [N, Dnope, R], W_UV [N, Dv, R])``: views of ``kv_b_proj``'s rows per head (of its
+        dequantized copy, as ``dtype``, when it is quantized)."""
         mla = self.mla
-        weight = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        weight = self._kv_b_weight(dtype)
+        weight = weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return weight[:, : mla.qk_nope_head_dim], weight[:, mla.qk_nope_head_dim :]
 
+    def _kv_b_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        if not isinstance(self.kv_b_proj, DequantizableLinear):
+            return self.kv_b_proj.weight
+        if self.absorbed_kv_b is None or (dtype is not None and self.absorbed_kv_b.dtype != dtype):
+            if dtype is None:
+                raise ValueError("absorbed_weights of a quantized kv_b_proj needs the dtype of the queries")
+            with torch.no_grad():
+                self.absorbed_kv_b = self.kv_b_proj.dequantized_weight(dtype).contiguous()
+        return self.absorbed_kv_b
+
+    @torch.no_grad()
+    def miles_weights_updated(self) -> None:
+        """After a weight update: the absorbed copy of a quantized ``kv_b_proj`` follows, in place."""
+        if self.absorbed_kv_b is not None:
+            self.absorbed_kv_b.copy_(self.kv_b_proj.dequantized_weight(self.absorbed_kv_b.dtype))
+
     def can_cache_latents(self) -> bool:
-        """Whether this layer can run over a latent cache: a plain float ``kv_b_proj`` (not adapted,
-        not quantized) and neither a sliding window nor soft-capping (the latent kernel has neither)."""
-        plain = type(self.kv_b_proj) is torch.nn.Linear and self.kv_b_proj.weight.dtype in ABSORBABLE_DTYPES
-        return plain and self.sliding_window is None and self.logit_softcap is None
+        """Whether this layer can run over a latent cache: a float ``kv_b_proj`` (plain, not adapted)
+        or a dequantizable quantized one, and neither a sliding window nor soft-capping (the latent
+        kernel has neither)."""
+        kv_b = self.kv_b_proj
+        if isinstance(kv_b, DequantizableLinear):
+            absorbable = kv_b.can_dequantize
+        else:
+            absorbable = type(kv_b) is torch.nn.Linear and kv_b.weight.dtype in ABSORBABLE_DTYPES
+        return absorbable and self.sliding_window is None and self.logit_softcap is None
 
     def layout(self, latent: bool = False) -> tuple[int, int, int, int | None]:
         """``(num_kv_heads, k_head_dim, v_head_dim, sliding_window)`` for cache sizing: keys and values

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_fp8.gemm import block_scaled_mm, quantized_linear_mm
-from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, quantize_act, quantize_weight
+from miles_fp8.quant import BLOCK, FP8_DTYPE, check_block_divisible, dequantize, quantize_act, quantize_weight
 
 
 def _pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
@@ -152,9 +152,13 @@ class _Fp8Buffers(torch.nn.Module):
 
 
 class Fp8InferenceLinear(_Fp8Buffers):
-    """Rollout linear: ``weight`` (float8_e4m3fn ``[N, K]``) + ``weight_scale_inv`` (float32 ``[N/128, K/128]``)."""
+    """Rollout linear: ``weight`` (float8_e4m3fn ``[N, K]``) + ``weight_scale_inv`` (float32 ``[N/128, K/128]``).
+
+    A :class:`~miles_host.models.self_attention.DequantizableLinear`: MLA's latent path reads
+    ``kv_b_proj`` as ``weight * scale`` in the activations' dtype."""
 
     _keep_dtype = ("weight", "weight_scale_inv")
+    can_dequantize = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  bias_dtype: torch.dtype = torch.bfloat16, power_of_two: bool = False, name: str = "linear"):
@@ -179,6 +183,10 @@ class Fp8InferenceLinear(_Fp8Buffers):
         if linear.bias is not None:
             module.bias = linear.bias.detach().clone()
         return module
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` times its block scales, as ``dtype``."""
+        return dequantize(self.weight, self.weight_scale_inv, torch.float32).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_inference_linear(x, self.weight, self.weight_scale_inv, self.bias, self.power_of_two)

@@ -144,6 +144,18 @@ class Int4Linear(_Int4Weights):
         self._register_int4("weight", linear.weight.detach(), group_size)
         self.bias = linear.bias
 
+    @property
+    def can_dequantize(self) -> bool:
+        """Whether :meth:`dequantized_weight` can answer: the compressed-tensors buffers are held
+        (the packed path keeps only the kernel's layout)."""
+        return not self.use_kernel
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as ``dtype`` (MLA's latent path reads ``kv_b_proj`` so)."""
+        if self.use_kernel:
+            raise ValueError("Int4Linear: the packed path holds only the kernel's layout; build it with use_kernel=False")
+        return self._dequantized("weight", dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
             y = int4_mm(x, self._kernels(x.dtype)["weight"][0])
@@ -250,7 +262,10 @@ def _use_kernel(config: Any, device: torch.device) -> bool:
 
 
 def quantize_rollout_model(model: torch.nn.Module, group_size: int, target: str, use_kernel: bool) -> int:
-    """Swap the ``target`` linears/experts of ``model`` for INT4 modules; return how many modules."""
+    """Swap the ``target`` linears/experts of ``model`` for INT4 modules; return how many modules.
+
+    Linears a parent reads in float (its ``absorbed_weight_names``: MLA's ``kv_b_proj`` over a
+    latent cache) keep the compressed-tensors buffers, which dequantize, instead of a kernel layout."""
     selected: dict[str, torch.nn.Module] = {}
     for module_name, module, param_name in target_parameters(model, target):
         check_groupable(f"{module_name}.{param_name}", module._parameters[param_name].shape, group_size)
@@ -260,7 +275,8 @@ def quantize_rollout_model(model: torch.nn.Module, group_size: int, target: str,
         parent = model.get_submodule(parent_name) if parent_name else model
         kind = Int4Experts if isinstance(module, Experts) else Int4Linear
         dtype = next(module.parameters()).dtype
-        replacement = kind(module, group_size, use_kernel)
+        absorbed = child in getattr(parent, "absorbed_weight_names", ())
+        replacement = kind(module, group_size, use_kernel and not absorbed)
         replacement.refresh(dtype)  # kernel copies exist before any CUDA graph is captured
         setattr(parent, child, replacement)
     return len(selected)
