@@ -13,6 +13,7 @@
 #        moe (bench/moe.py: fused MoE vs the per-expert loop, bf16/fp8/int4) moe_sweep (its tile sweep) moe_tests
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
+#        moe_dsv3_quantized (the 2-layer DeepSeek-V3 shape, bf16 vs FP8 and INT4, over the latent cache)
 #        h200_moe (one H200 call: the DeepSeek-V3 shape, then the Qwen3 shape's b1/b32 defaults vs the ones before)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
@@ -132,6 +133,8 @@ for step in "${steps[@]}"; do
         tests/models/test_mla_latent_cache.py
       run moe_dsv3_short 240 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
         --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_short.json" ;;  # a short device window: the MLA GPU tests, then the 2-layer DeepSeek-V3 shape's b1/b32 decode over the latent cache
+    moe_dsv3_quantized) run moe_dsv3_quantized 450 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16,fp8,int4 --kernels fused \
+        --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_quantized.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100) in bf16, FP8 and INT4 over the latent cache (FP8 kv_b_proj read dequantized)
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
