@@ -17,6 +17,8 @@ from miles_host.models.context import AttentionContext
 from miles_host.models.norm import RMSNorm
 from miles_host.kernels import switches
 from miles_host.kernels.eager_ops import apply_rotary
+from miles_host.kernels.rmsnorm import rmsnorm
+from miles_host.kernels.rotary import qk_norm_rope
 from miles_host.kernels.small_m_gemm import decode_linear
 from miles_host.models.rope import yarn_softmax_scale_factor
 
@@ -24,6 +26,11 @@ from miles_host.models.rope import yarn_softmax_scale_factor
 LATENT_CACHE = switches.declare_host("mla_kv_cache")
 #: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _norm(norm: RMSNorm, x_TC: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in one launch on CUDA (:func:`~miles_host.kernels.rmsnorm.rmsnorm`), the eager math elsewhere."""
+    return rmsnorm(x_TC, norm.weight, norm.eps, norm.unit_offset)[0]
 
 
 @runtime_checkable
@@ -220,23 +227,26 @@ class MLAttention(torch.nn.Module):
         return q_TND, k_TND, v_TND
 
     def forward_latent(self, x_TH: torch.Tensor, rope_cos_sin, attention: AttentionContext) -> torch.Tensor:
-        """The forward over a latent cache (see the class docstring)."""
+        """The forward over a latent cache (see the class docstring). Its norms and rotary are one
+        launch each on CUDA (the fused RMSNorm, the fused q/k rotary), the eager math elsewhere."""
         mla, num_tokens, num_heads = self.mla, x_TH.shape[0], self.num_heads
         if mla.q_lora_rank is None:
             q = decode_linear(self.q_proj, x_TH)
         else:
-            q = decode_linear(self.q_b_proj, self.q_a_norm(decode_linear(self.q_a_proj, x_TH)))
+            q = decode_linear(self.q_b_proj, _norm(self.q_a_norm, decode_linear(self.q_a_proj, x_TH)))
         q_nope, q_rot = q.view(num_tokens, num_heads, mla.qk_head_dim).split(
             (mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1
         )
         kv_latent, k_rot = decode_linear(self.kv_a_proj, x_TH).split((mla.kv_lora_rank, mla.qk_rope_head_dim), dim=-1)
         cos, sin = rope_cos_sin
-        q_rot = apply_rotary(q_rot, cos, sin, self.rope_interleaved)
-        k_rot = apply_rotary(k_rot.reshape(num_tokens, 1, mla.qk_rope_head_dim), cos, sin, self.rope_interleaved)
+        q_rot, k_rot = qk_norm_rope(  # one launch on CUDA for the queries' and the shared key's rotary
+            q_rot.reshape(num_tokens, -1), k_rot, num_heads, 1, mla.qk_rope_head_dim, cos, sin,
+            interleaved=self.rope_interleaved,
+        )
         w_uk_NDR, w_uv_NVR = self.absorbed_weights(q_nope.dtype)
         q_latent_TNR = torch.bmm(q_nope.transpose(0, 1), w_uk_NDR).transpose(0, 1)
         y_TNR = attention.attend_latent(
-            self.layer_index, q_latent_TNR, q_rot, self.kv_a_norm(kv_latent), k_rot[:, 0], scale=self.scale,
+            self.layer_index, q_latent_TNR, q_rot, _norm(self.kv_a_norm, kv_latent), k_rot[:, 0], scale=self.scale,
         )
         y_TNV = torch.bmm(y_TNR.transpose(0, 1).to(w_uv_NVR.dtype), w_uv_NVR.transpose(1, 2)).transpose(0, 1)
         return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1))
