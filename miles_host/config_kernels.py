@@ -43,10 +43,10 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
     SwitchSpec("moe_gemv_tokens", 1, None,
                "batches of at most this many tokens run the fused MoE's 16-bit experts by a CUDA-core GEMV per "
                "(token, slot) pair (0: never)"),
-    SwitchSpec("mla_kv_cache", "expanded", ("expanded", "latent"),
-               "the engine's cache of DeepSeek MLA layers: expanded (keys and values per head) or latent (one "
-               "normalized latent + rope key per token and layer, queries absorbed, as SGLang: 71x less KV memory "
-               "for DeepSeek-V3; a quantized kv_b_proj is read dequantized); --true-on-policy and an adapted kv_b_proj "
+    SwitchSpec("mla_kv_cache", "latent", ("latent", "expanded"),
+               "the engine's cache of DeepSeek MLA layers: latent (one normalized latent + rope key per token and "
+               "layer, queries absorbed, as SGLang: 71x less KV memory for DeepSeek-V3; a quantized kv_b_proj is "
+               "read dequantized) or expanded (keys and values per head); --true-on-policy and an adapted kv_b_proj "
                "always expand"),
     SwitchSpec("moe_invariant_decode", "batched", ("loop", "batched"),
                "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA graphs: loop "
