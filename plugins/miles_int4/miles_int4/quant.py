@@ -13,6 +13,11 @@ checkpoints and inference engines store; ``q * scale`` is then exact in float32
 (4-bit times 8-bit mantissas), so the dequantized weight is the same number in
 training (float32 master weights, bf16 autocast) and in rollout (bf16 weights).
 
+Quantizing, packing and unpacking run over stacked weights (MoE experts ``[E, N, K]``) a few
+matrices at a time, so their float32 / int64 temporaries stay near ``CHUNK_ELEMENTS`` elements
+whatever the stack (DeepSeek-V3's ``gate_up_proj`` is 7.5 G elements: 60 GB of int64 nibbles
+at once); the numbers are those of one call over the whole tensor.
+
 Packing follows compressed-tensors' ``pack-quantized`` format: ``q + 8`` as an
 unsigned nibble, 8 consecutive input columns per int32, column ``8g + i`` in bits
 ``4i .. 4i + 3`` of word ``g``.
@@ -27,6 +32,27 @@ QMIN, QMAX = -8, 7
 SCALE_DTYPE = torch.bfloat16
 GROUP_SIZES = (32, 64, 128)
 PACK_FACTOR = 8  # nibbles per int32
+#: elements of a stacked weight converted per step (whole matrices, at least one)
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunked(fn, x: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """``fn(x, *others)`` over the leading dims of ``x [..., R, C]`` a few matrices at a time (the
+    ``others`` share those leading dims), concatenated; None when ``x`` is one chunk anyway."""
+    matrices = x.shape[:-2].numel() if x.dim() > 2 else 1
+    per_chunk = max(1, CHUNK_ELEMENTS // max(1, x.shape[-2] * x.shape[-1]))
+    if matrices <= per_chunk:
+        return None
+    flat = [t.flatten(0, -3) for t in (x, *others)]
+    outputs: list[torch.Tensor] | None = None
+    for start in range(0, matrices, per_chunk):
+        parts = fn(*(t[start : start + per_chunk] for t in flat))
+        parts = parts if isinstance(parts, tuple) else (parts,)
+        if outputs is None:
+            outputs = [torch.empty((matrices, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
+        for out, part in zip(outputs, parts):
+            out[start : start + per_chunk] = part
+    return tuple(out.unflatten(0, x.shape[:-2]) for out in outputs)
 
 
 def check_groupable(name: str, shape: tuple[int, ...] | torch.Size, group_size: int) -> None:
@@ -44,6 +70,9 @@ def check_groupable(name: str, shape: tuple[int, ...] | torch.Size, group_size: 
 
 def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., N, K]`` -> ``(q int8 [..., N, K], scale bf16 [..., N, K // group_size])``."""
+    chunked = _chunked(lambda part: quantize(part, group_size), w)
+    if chunked is not None:
+        return chunked
     groups = w.shape[-1] // group_size
     w_grouped = w.detach().float().unflatten(-1, (groups, group_size))
     scale = (w_grouped.abs().amax(dim=-1) / QMAX).to(SCALE_DTYPE)
@@ -81,6 +110,9 @@ def pack_int32(q: torch.Tensor) -> torch.Tensor:
     """int8 ``q [..., N, K]`` in [-8, 7] -> int32 ``[..., N, K // 8]`` (compressed-tensors layout)."""
     if q.shape[-1] % PACK_FACTOR:
         raise ValueError(f"int4 packing needs the input dim to be a multiple of 8, got shape {tuple(q.shape)}")
+    chunked = _chunked(pack_int32, q)
+    if chunked is not None:
+        return chunked[0]
     nibbles = (q.to(torch.int64) - QMIN).unflatten(-1, (q.shape[-1] // PACK_FACTOR, PACK_FACTOR))
     shifts = torch.arange(PACK_FACTOR, device=q.device, dtype=torch.int64) * 4
     words = (nibbles << shifts).sum(dim=-1)  # disjoint bits: sum == bitwise or, < 2**32
@@ -90,6 +122,9 @@ def pack_int32(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: int32 ``[..., N, K // 8]`` -> int8 ``[..., N, K]``."""
+    chunked = _chunked(unpack_int32, packed)
+    if chunked is not None:
+        return chunked[0]
     shifts = torch.arange(PACK_FACTOR, device=packed.device, dtype=torch.int32) * 4
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, masked: sign bits drop out
     return (nibbles.flatten(-2) + QMIN).to(torch.int8)

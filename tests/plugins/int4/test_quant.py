@@ -50,6 +50,30 @@ def test_quantize_matches_float64_formula(group_size, shape):
     assert int(q.min()) >= -8 and int(q.max()) <= 7
 
 
+def test_stacked_weights_convert_a_few_matrices_at_a_time(monkeypatch):
+    """Experts ``[E, N, K]`` (and deeper stacks) in chunks of whole matrices: the float64 formula's
+    numbers, and the packing round trip, as in one call."""
+    from miles_int4 import quant
+
+    torch.manual_seed(7)
+    w = torch.randn(7, 24, 256) * 0.1
+    whole = quantize(w, 32)
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 24 * 256 * 3)  # 3 matrices a step, a ragged last step
+    q, scale = quantize(w, 32)
+    assert torch.equal(q, whole[0]) and torch.equal(scale, whole[1])
+    ref_q, ref_scale, _, ratio = reference(w.numpy(), 32)
+    np.testing.assert_array_equal(scale.float().numpy(), ref_scale)
+    near_tie = np.abs(np.abs(ratio) % 1 - 0.5) < 1e-5
+    assert not ((q.numpy() != ref_q) & ~near_tie).any()
+    packed = pack_int32(q)
+    assert packed.shape == (7, 24, 32) and torch.equal(unpack_int32(packed), q)
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 1 << 26)
+    assert torch.equal(pack_int32(q), packed)
+    deeper = torch.randn(2, 3, 8, 64)
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 8 * 64)
+    assert [t.shape for t in quantize(deeper, 32)] == [deeper.shape, (2, 3, 8, 2)]
+
+
 def test_rounding_is_half_to_even_and_scale_is_amax_over_7():
     group = torch.zeros(1, 32)
     group[0, :4] = torch.tensor([7.0, 3.5, -2.5, 0.5])  # amax 7 -> scale exactly 1
