@@ -133,8 +133,9 @@ for step in "${steps[@]}"; do
         tests/models/test_mla_latent_cache.py
       run moe_dsv3_short 240 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused \
         --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_short.json" ;;  # a short device window: the MLA GPU tests, then the 2-layer DeepSeek-V3 shape's b1/b32 decode over the latent cache
-    moe_dsv3_quantized) run moe_dsv3_quantized 450 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16,fp8,int4 --kernels fused \
-        --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_quantized.json" ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100) in bf16, FP8 and INT4 over the latent cache (FP8 kv_b_proj read dequantized)
+    moe_dsv3_quantized) for p in bf16 fp8 int4; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "moe_dsv3_$p" 200 \
+        python3 bench/moe.py --shapes dsv3 --layers 2 --precisions $p --kernels fused --batches 1,32 --prefill-seqs 2 \
+        --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
