@@ -36,17 +36,17 @@ PACK_FACTOR = 8  # nibbles per int32
 CHUNK_ELEMENTS = 1 << 26
 
 
-def _chunked(fn, x: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """``fn(x, *others)`` over the leading dims of ``x [..., R, C]`` a few matrices at a time (the
-    ``others`` share those leading dims), concatenated; None when ``x`` is one chunk anyway."""
+def _chunked(fn, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """``fn(x)`` over the leading dims of ``x [..., R, C]`` a few matrices at a time, its outputs
+    concatenated; None when ``x`` is one chunk anyway."""
     matrices = x.shape[:-2].numel() if x.dim() > 2 else 1
     per_chunk = max(1, CHUNK_ELEMENTS // max(1, x.shape[-2] * x.shape[-1]))
     if matrices <= per_chunk:
         return None
-    flat = [t.flatten(0, -3) for t in (x, *others)]
+    flat = x.flatten(0, -3)
     outputs: list[torch.Tensor] | None = None
     for start in range(0, matrices, per_chunk):
-        parts = fn(*(t[start : start + per_chunk] for t in flat))
+        parts = fn(flat[start : start + per_chunk])
         parts = parts if isinstance(parts, tuple) else (parts,)
         if outputs is None:
             outputs = [torch.empty((matrices, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
