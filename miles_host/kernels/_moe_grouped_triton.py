@@ -379,18 +379,22 @@ def _moe_gemv_kernel(
     tl.store(C + row * stride_cm + offs_n, out, mask=mask_n)
 
 
-def moe_gemv(a, routing, w_ENK, out_RN, gather: bool, activation: str | None, block_n: int) -> None:
+def moe_gemv(a, routing, w_ENK, out_RN, gather: bool, activation: str | None, launch) -> None:
     """:func:`moe_gemm`'s rows for a few tokens by :func:`_moe_gemv_kernel`, one program row per
-    (token, slot) pair (no biases, no clamped SwiGLU)."""
+    (token, slot) pair (no biases, no clamped SwiGLU); ``launch``: a
+    :class:`~miles_host.kernels.moe_configs.GemvLaunch` (its ``block_k`` 0: the largest of 512, 256, ...
+    that divides K)."""
     n, k = out_RN.shape[1], w_ENK.shape[2]
     pairs = routing.pair_row_TK.numel()
     if pairs == 0 or n == 0:
         return
-    block_k = next(b for b in (512, 256, 128, 64, 32, 16) if k % b == 0)
-    _moe_gemv_kernel[(triton.cdiv(n, block_n), pairs)](
+    block_k = launch.block_k or next(b for b in (512, 256, 128, 64, 32, 16) if k % b == 0)
+    if k % block_k:
+        raise ValueError(f"the MoE GEMV's block_k {block_k} does not divide K = {k}")
+    _moe_gemv_kernel[(triton.cdiv(n, launch.block_n), pairs)](
         a, routing.row_token_R, routing.pair_row_TK.reshape(-1), routing.block_expert_B, w_ENK, out_RN,
         n, a.stride(0), w_ENK.stride(0), w_ENK.stride(1), out_RN.stride(0),
         K=k, BLOCK_K=block_k, ROW_BLOCK=routing.block_m, GATHER=gather, GATED=activation is not None,
         ACT=ACTIVATIONS[activation] if activation is not None else 0, EMULATE=emulate_rounding(),
-        BLOCK_N=block_n, num_warps=4, **pdl.options(a),
+        BLOCK_N=launch.block_n, num_warps=launch.num_warps, **pdl.options(a),
     )

@@ -39,6 +39,23 @@ class MoETiles:
     down: GemmConfig
 
 
+@dataclass(frozen=True)
+class GemvLaunch:
+    """Launch of the one-pair CUDA-core expert GEMV (``--moe-gemv-tokens``): output columns per
+    program, K elements per unrolled block (0: the largest of 512, 256, ... dividing K) and warps."""
+
+    block_n: int
+    block_k: int = 0
+    num_warps: int = 4
+
+
+#: the expert GEMV's launch per projection (the gate_up program reads gate and up rows, so half the
+#: down's columns); ``bench/moe_gemv_sweep.py`` times the candidates of :data:`SWEEP_GEMV`
+GEMV_LAUNCHES = {"gate_up": GemvLaunch(8), "down": GemvLaunch(16)}
+#: (block_n, block_k, num_warps) candidates of the GEMV sweep
+SWEEP_GEMV = tuple((n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8))
+
+
 #: largest token bucket of the table (more tokens use this bucket's entry)
 MAX_BUCKET = 8192
 

@@ -52,7 +52,9 @@ from miles_host.kernels.eager_ops import gated_activation
 
 # DTYPES: the activation / weight dtypes of the Triton path (float32 runs ``input_precision="ieee"``)
 from miles_host.kernels.invariant_matmul import DTYPES, uses_triton
-from miles_host.kernels.moe_configs import GemmConfig, MoETiles, gemm_config, max_row_blocks, moe_tiles, pick_block_m
+from miles_host.kernels.moe_configs import (
+    GEMV_LAUNCHES, GemmConfig, MoETiles, gemm_config, max_row_blocks, moe_tiles, pick_block_m,
+)
 
 __all__ = [
     "CLAMPED_SWIGLU", "DenseExpertGemms", "ExpertGemms", "GemmConfig", "MoETiles", "Routing", "combine", "fused_moe",
@@ -70,8 +72,6 @@ COMBINE = switches.declare_host("moe_combine")
 #: grouped GEMM; 0: never. Default 1: batch-1 decode on an H100 (bf16 Qwen3-30B-A3B shape) ran 1,154 against
 #: 1,091 tok/s with the grouped GEMM, the other decode switches on (bench/history/2026-12-06-6.md)
 GEMV_TOKENS = switches.declare_host("moe_gemv_tokens")
-#: output columns per GEMV program: the gate_up program reads gate and up rows, so half the down's
-GEMV_BLOCK_N = {"gate_up": 8, "down": 16}
 
 #: (token, slot) pairs up to which :func:`plan` routes in one Triton program (above: torch ops)
 ROUTE_KERNEL_MAX_PAIRS = 4096
@@ -162,7 +162,7 @@ class DenseExpertGemms:
 
         if self.takes_gemv(x_TH, routing):
             _moe_grouped_triton.moe_gemv(x_TH, routing, self.gate_up_E2IH, out_RI, gather=True,
-                                         activation=self.activation, block_n=GEMV_BLOCK_N["gate_up"])
+                                         activation=self.activation, launch=GEMV_LAUNCHES["gate_up"])
             return
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
                                      config, gather=True, activation=self.activation, bias_EN=self.gate_up_bias_E2I,
@@ -175,7 +175,7 @@ class DenseExpertGemms:
 
         if self.takes_gemv(act_RI, routing):
             _moe_grouped_triton.moe_gemv(act_RI, routing, self.down_EHI, out_RH, gather=False, activation=None,
-                                         block_n=GEMV_BLOCK_N["down"])
+                                         launch=GEMV_LAUNCHES["down"])
             if y_TH is not None:
                 _moe_grouped_triton.combine(out_RH, routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH)
             return
