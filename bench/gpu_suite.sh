@@ -140,7 +140,7 @@ for step in "${steps[@]}"; do
         --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
     b1_profile) run b1_profile 200 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 2 --profile-batch 1 --profile-top 45 ;;  # the Qwen3-30B-A3B shape's b1 decode with the defaults: GPU kernel time per token by kernel
-    moe_gemv_sweep) run moe_gemv_sweep 300 python3 bench/moe_gemv_sweep.py --shapes qwen3,dsv3 --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
+    moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes qwen3,dsv3 --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
@@ -195,7 +195,7 @@ for step in "${steps[@]}"; do
           --drop-launch 1x151936x2048
         run "decode_epilogue_pdl_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
           --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch moe_combine=epilogue --switch pdl=on; done ;;  # GPU tests of the fused draw, the small-M launches, the sampling graphs and the MoE kernels; then bf16 MoE decode b1/b32 with the defaults, with the ones before (PyTorch draw, grouped experts at b1, cuBLAS LM head) and with the combine epilogue and PDL added, in turn, twice
-    small_m_sweep) run small_m_sweep 240 python3 bench/small_m_sweep.py --json "$OUT/small_m_sweep.json"
+    small_m_sweep) run small_m_sweep 240 python3 -m bench.small_m_sweep --json "$OUT/small_m_sweep.json"
       run small_m_default 120 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 --prefill-seqs 0 \
         --new-tokens 64 --repeats 3 --switch pdl=off
       for p in off on; do run "small_m_table_pdl_$p" 120 python3 bench/moe.py --precisions bf16 --kernels fused \

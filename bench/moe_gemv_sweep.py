@@ -9,7 +9,7 @@ microseconds per launch and expert bytes read per second; the default launch
 (:data:`~miles_host.kernels.moe_configs.GEMV_LAUNCHES`) is marked. Every candidate's output is checked
 against a float64 GEMV first.
 
-    python bench/moe_gemv_sweep.py --shapes qwen3,dsv3
+    python -m bench.moe_gemv_sweep --shapes qwen3,dsv3
 """
 
 from __future__ import annotations
