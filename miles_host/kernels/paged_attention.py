@@ -271,9 +271,9 @@ def _merge_splits(
             m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
             weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
-            part = tl.load(
+            part = tl.load(  # every split stored its rows (zeros where it saw no key): no wait on m_s
                 Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
-                mask=(row_valid & (m_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg",
+                mask=row_valid[:, None], other=0.0, cache_modifier=".cg",
             )
             total_l += weight * l_s
             total += weight[:, None] * part

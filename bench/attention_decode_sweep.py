@@ -1,0 +1,127 @@
+"""Sweep the split-KV launches of the Triton paged-attention decode kernel on a decode step's shapes.
+
+A decode step of ``--batches`` sequences of ``--contexts`` cached tokens (Qwen3-30B-A3B's heads by
+default: 32 query / 4 KV heads of 128, 16-token pages), at every split count of ``--splits`` and
+keys per iteration of ``--split-keys``
+(:data:`~miles_host.kernels.paged_attention.DECODE_SPLIT_KEYS`), inside one CUDA graph of launches
+that read distinct sequences' pages (at least ``--cold-bytes`` of KV per graph: no launch finds its
+keys in the L2, as the layers of a decode step), replayed (:func:`bench.small_m.graph_seconds`, the
+median of ``--replays``). The default launch (:func:`~miles_host.kernels.paged_attention.decode_splits`)
+is marked. Every candidate's output is checked against the PyTorch reference first.
+
+    python -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from bench.small_m import graph_seconds
+
+
+def decode_case(batch: int, context: int, calls: int, heads_q: int, heads_kv: int, dim: int, page: int, device):
+    """``calls`` decode steps of ``batch`` sequences over one paged cache, each step its own sequences:
+    ``(q, k_cache, v_cache, [metadata per call], block tables per call)``."""
+    from miles_host.kernels.attention_metadata import AttentionMetadata
+    from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
+
+    blocks_per_seq = math.ceil(context / page)
+    num_seqs = batch * calls
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's dtypes
+    shape = (num_seqs * blocks_per_seq, page, heads_kv, dim)
+    k_cache = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    v_cache = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    q = torch.randn(batch, heads_q, dim, device=device, dtype=dtype, generator=generator)
+    cu = list(range(batch + 1))
+    metas = []
+    for call in range(calls):
+        first = call * batch * blocks_per_seq
+        tables = (first + torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32)).view(batch, -1)
+        meta = AttentionMetadata(
+            slot_mapping_T=torch.zeros(batch, dtype=torch.long, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens_B=torch.full((batch,), context, dtype=torch.int32, device=device),
+            block_tables_BM=tables, max_q_len=1, max_context_len=context, is_decode=True,
+        )
+        meta.tile_seq, meta.tile_q_start = build_tiles(cu, tokens_per_tile(heads_q, heads_kv, True), device)
+        metas.append(meta)
+    return q, k_cache, v_cache, metas
+
+
+def sweep(batch: int, context: int, args, device) -> list[dict]:
+    from miles_host.kernels import paged_attention
+    from miles_host.rollout.attention import paged_attention_reference
+
+    kv_bytes = batch * context * args.heads_kv * args.dim * 2 * 2
+    calls = max(args.min_calls, math.ceil(args.cold_bytes / kv_bytes))
+    q, k_cache, v_cache, metas = decode_case(batch, context, calls, args.heads_q, args.heads_kv, args.dim,
+                                             args.page, device)
+    scale = args.dim ** -0.5
+    first = metas[0]
+    expected = paged_attention_reference(q, k_cache, v_cache, first.block_tables_BM, list(range(batch + 1)),
+                                         [context] * batch, scale=scale).float()
+    default_splits = paged_attention.decode_splits(first.tile_seq.shape[0], args.heads_kv, device)
+    default_keys = paged_attention.DECODE_SPLIT_KEYS
+    results = []
+    for split_keys in (int(v) for v in args.split_keys.split(",")):
+        for splits in (int(v) for v in args.splits.split(",")):
+            if splits == 1 and split_keys != default_keys:
+                continue  # one split does not read DECODE_SPLIT_KEYS
+            label = f"splits {splits} keys {split_keys}"
+            if splits == default_splits and (splits == 1 or split_keys == default_keys):
+                label += " (default)"
+            paged_attention.DECODE_SPLIT_KEYS = split_keys
+            try:
+                out = paged_attention.paged_attention_triton(q, k_cache, v_cache, first, scale=scale, splits=splits)
+                error = (out.float() - expected).abs().max().item()
+                if error > 2e-2:
+                    print(f"b{batch} ctx {context} {label}: WRONG (max abs error {error:.3g})", flush=True)
+                    continue
+                seconds = graph_seconds(
+                    lambda: [paged_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale=scale,
+                                                                    splits=splits) for meta in metas],
+                    device, args.replays) / calls
+                results.append(dict(batch=batch, context=context, splits=splits, split_keys=split_keys, label=label,
+                                    us=seconds * 1e6, tb_s=kv_bytes / seconds / 1e12))
+            except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
+                print(f"b{batch} ctx {context} {label}: failed: {str(error).splitlines()[0][:160]}", flush=True)
+            finally:
+                paged_attention.DECODE_SPLIT_KEYS = default_keys
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--contexts", default="320,4096")
+    parser.add_argument("--splits", default="1,2,4,8,16,32")
+    parser.add_argument("--split-keys", default="16,32,64")
+    parser.add_argument("--heads-q", type=int, default=32)
+    parser.add_argument("--heads-kv", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--cold-bytes", type=float, default=128e6, help="KV bytes read per graph at least")
+    parser.add_argument("--min-calls", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for batch in (int(v) for v in args.batches.split(",")):
+        for context in (int(v) for v in args.contexts.split(",")):
+            found = sorted(sweep(batch, context, args, torch.device("cuda")), key=lambda r: r["us"])
+            for r in found:
+                print(f"b{batch} ctx {context} {r['label']:<30} {r['us']:7.2f} us  {r['tb_s']:5.2f} TB/s", flush=True)
+            rows += found
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
