@@ -141,7 +141,7 @@ for step in "${steps[@]}"; do
         --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
     b1_profile) run b1_profile 200 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 2 --profile-batch 1 --profile-top 45 ;;  # the Qwen3-30B-A3B shape's b1 decode with the defaults: GPU kernel time per token by kernel
-    moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes qwen3,dsv3 --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
+    moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes ${GEMV_SHAPES:-qwen3,dsv3} --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
