@@ -22,6 +22,7 @@
 #        decode_defaults (GPU tests of the fused draw, the small-M launches, the sampling graphs, the MoE kernels; bf16 MoE
 #                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
+#        b1_combine (GPU tests of the GEMV + combine and the split merge; b1 decode with --moe-combine separate / epilogue)
 #        attention_sweep (the decode attention's split-KV launches)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1)
 #        b1_profile (bf16 MoE b1 decode with the defaults, kernel time per token)
@@ -144,6 +145,11 @@ for step in "${steps[@]}"; do
     moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes ${GEMV_SHAPES:-qwen3,dsv3} --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
+    b1_combine) run b1_combine_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/kernels/test_moe_grouped.py tests/rollout/test_gpu_attention.py -k "gemv or split"
+      for round in 1 2; do for c in separate epilogue; do run "b1_combine_${c}_$round" 100 python3 bench/moe.py \
+        --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 \
+        --switch moe_combine=$c; done; done ;;  # the down GEMV with the top-k sum (--moe-combine epilogue) against the separate combine at b1, alternating, twice
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \

@@ -1,7 +1,7 @@
 """Sweep the launches of the one-pair expert GEMV (``--moe-gemv-tokens``) on a decode step's shapes.
 
-One token routed to its top-k experts: the gate_up GEMV (gate and up rows, SiLU-and-mul) and the down
-GEMV, each with every :class:`~miles_host.kernels.moe_configs.GemvLaunch` of
+One token routed to its top-k experts: the gate_up GEMV (gate and up rows, SiLU-and-mul), the down
+GEMV and the down GEMV with the top-k sum (``down_combine``, :func:`moe_gemv_combine`), each with every :class:`~miles_host.kernels.moe_configs.GemvLaunch` of
 :data:`~miles_host.kernels.moe_configs.SWEEP_GEMV`, inside one CUDA graph of ``--calls`` launches whose
 routings choose disjoint experts (no call reads weights an earlier one left in the L2, as the layers of a
 decode step), replayed (:func:`bench.small_m.graph_seconds`, the median of ``--replays``). The figure is
@@ -69,30 +69,40 @@ def sweep(name: str, calls: int, replays: int, device: torch.device) -> list[dic
     projections = {  # name -> (input, weights, output columns, gather, activation, bytes per launch)
         "gate_up": (x, gate_up, inter, True, "silu", top_k * 2 * inter * hidden * 2),
         "down": (act, down, hidden, False, None, top_k * hidden * inter * 2),
+        "down_combine": (act, down, hidden, False, None, top_k * hidden * inter * 2),
     }
     results = []
     for projection, (a, w, n, gather, activation, nbytes) in projections.items():
-        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+        combined = projection == "down_combine"
+        out = torch.empty(1 if combined else rows, n, device=device, dtype=torch.bfloat16)
         ids = plans[0].block_expert_B  # the expert of each padded row's block
         pair_rows = plans[0].pair_row_TK[0].tolist()
         experts = [int(ids[row // plans[0].block_m]) for row in pair_rows]
         inputs = a if gather else a[pair_rows]
         expected = reference(inputs, w, experts, activation is not None)
+        if combined:  # the gate-weighted sum of the rows
+            expected = (plans[0].weights_TK[0].double()[:, None] * expected).sum(0, keepdim=True)
+
+        def launch_once(plan, launch):
+            if combined:
+                _moe_grouped_triton.moe_gemv_combine(a, plan, w, out, launch)
+            else:
+                _moe_grouped_triton.moe_gemv(a, plan, w, out, gather, activation, launch)
+
         default = GEMV_LAUNCHES[projection]
         candidates = [("default", default)] + [
             (f"n{n_} k{k_} w{w_}", GemvLaunch(n_, k_, w_)) for n_, k_, w_ in SWEEP_GEMV
             if (w.shape[2] % k_ == 0) and GemvLaunch(n_, k_, w_) != default]
         for label, launch in candidates:
             try:
-                _moe_grouped_triton.moe_gemv(a, plans[0], w, out, gather, activation, launch)
-                got = out[pair_rows].double()
+                launch_once(plans[0], launch)
+                got = out.double() if combined else out[pair_rows].double()
                 error = (got - expected).abs().max().item() / expected.abs().max().item()
                 if error > 2e-2:
                     print(f"{name} {projection} {label}: WRONG (relative error {error:.3g})", flush=True)
                     continue
-                seconds = graph_seconds(
-                    lambda: [_moe_grouped_triton.moe_gemv(a, plan, w, out, gather, activation, launch)
-                             for plan in plans], device, replays) / calls
+                seconds = graph_seconds(lambda: [launch_once(plan, launch) for plan in plans], device,
+                                        replays) / calls
                 results.append(dict(shape=name, projection=projection, launch=label, us=seconds * 1e6,
                                     tb_s=nbytes / seconds / 1e12, fields=dataclasses.asdict(launch)))
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
@@ -112,7 +122,7 @@ def main() -> int:
     rows = []
     for name in args.shapes.split(","):
         found = sweep(name, args.calls, args.replays, torch.device(args.device))
-        for projection in ("gate_up", "down"):
+        for projection in ("gate_up", "down", "down_combine"):
             ranked = sorted((r for r in found if r["projection"] == projection), key=lambda r: r["us"])
             shown = ranked[:args.top] + [r for r in ranked[args.top:] if r["launch"] == "default"]
             for r in shown:

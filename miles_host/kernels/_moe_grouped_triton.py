@@ -379,6 +379,64 @@ def _moe_gemv_kernel(
     tl.store(C + row * stride_cm + offs_n, out, mask=mask_n)
 
 
+@triton.jit
+def _moe_gemv_combine_kernel(
+    A, PairRow, BlockExpert, Weights, W, Y,
+    N, stride_am, stride_we, stride_wn, stride_wt, stride_yt,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+    EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program ``(n tile, token)``: the token's ``TOP_K`` down-projection rows at ``BLOCK_N`` columns,
+    each summed and rounded to Y's dtype as :func:`_moe_gemv_kernel` stores it, times its gate weight,
+    summed in fp32 in slot order and rounded once, as :func:`_combine_kernel` sums the stored rows:
+    the two launches in one, the same bits, no padded rows written or read back. Every slot's loads
+    are unrolled (issued together)."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    token = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        row = tl.load(PairRow + token * TOP_K + slot)
+        expert = tl.load(BlockExpert + row // ROW_BLOCK).to(tl.int64)
+        weight = tl.load(Weights + token * stride_wt + slot).to(tl.float32)
+        w_ptrs = W + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = A + row * stride_am + (offs_n * 0)[:, None] + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for kb in tl.static_range(K // BLOCK_K):
+            acc += tl.load(w_ptrs + kb * BLOCK_K).to(tl.float32) * tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
+        y += cast_rne(tl.sum(acc, axis=1), Y.dtype.element_ty, EMULATE).to(tl.float32) * weight
+    tl.store(Y + token * stride_yt + offs_n, cast_rne(y, Y.dtype.element_ty, EMULATE), mask=mask_n)
+
+
+def _gemv_block_k(launch, k: int) -> int:
+    block_k = launch.block_k or next(b for b in (512, 256, 128, 64, 32, 16) if k % b == 0)
+    if k % block_k:
+        raise ValueError(f"the MoE GEMV's block_k {block_k} does not divide K = {k}")
+    return block_k
+
+
+def moe_gemv_combine(act_RI, routing, w_EHI, y_TH, launch) -> None:
+    """``y[t] = sum_k w[t, k] * (act[row of (t, k)] @ w_EHI[expert]^T)`` by :func:`_moe_gemv_combine_kernel`:
+    :func:`moe_gemv` of the down projection and :func:`combine` in one launch (``launch``: a
+    :class:`~miles_host.kernels.moe_configs.GemvLaunch`)."""
+    num_tokens, top_k = routing.pair_row_TK.shape
+    n, k = y_TH.shape[1], w_EHI.shape[2]
+    if num_tokens == 0 or n == 0:
+        return
+    weights_TK = routing.weights_TK.contiguous()
+    _moe_gemv_combine_kernel[(triton.cdiv(n, launch.block_n), num_tokens)](
+        act_RI, routing.pair_row_TK.contiguous(), routing.block_expert_B, weights_TK, w_EHI, y_TH,
+        n, act_RI.stride(0), w_EHI.stride(0), w_EHI.stride(1), weights_TK.stride(0), y_TH.stride(0),
+        K=k, BLOCK_K=_gemv_block_k(launch, k), ROW_BLOCK=routing.block_m, TOP_K=top_k, EMULATE=emulate_rounding(),
+        BLOCK_N=launch.block_n, num_warps=launch.num_warps, **pdl.options(act_RI),
+    )
+
+
 def moe_gemv(a, routing, w_ENK, out_RN, gather: bool, activation: str | None, launch) -> None:
     """:func:`moe_gemm`'s rows for a few tokens by :func:`_moe_gemv_kernel`, one program row per
     (token, slot) pair (no biases, no clamped SwiGLU); ``launch``: a
@@ -388,9 +446,7 @@ def moe_gemv(a, routing, w_ENK, out_RN, gather: bool, activation: str | None, la
     pairs = routing.pair_row_TK.numel()
     if pairs == 0 or n == 0:
         return
-    block_k = launch.block_k or next(b for b in (512, 256, 128, 64, 32, 16) if k % b == 0)
-    if k % block_k:
-        raise ValueError(f"the MoE GEMV's block_k {block_k} does not divide K = {k}")
+    block_k = _gemv_block_k(launch, k)
     _moe_gemv_kernel[(triton.cdiv(n, launch.block_n), pairs)](
         a, routing.row_token_R, routing.pair_row_TK.reshape(-1), routing.block_expert_B, w_ENK, out_RN,
         n, a.stride(0), w_ENK.stride(0), w_ENK.stride(1), out_RN.stride(0),

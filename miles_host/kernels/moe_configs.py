@@ -50,8 +50,9 @@ class GemvLaunch:
 
 
 #: the expert GEMV's launch per projection (the gate_up program reads gate and up rows, so half the
-#: down's columns); ``bench/moe_gemv_sweep.py`` times the candidates of :data:`SWEEP_GEMV`
-GEMV_LAUNCHES = {"gate_up": GemvLaunch(8), "down": GemvLaunch(16)}
+#: down's columns; ``down_combine``: the down projection with the top-k sum, a program per token's
+#: columns over all its slots); ``bench/moe_gemv_sweep.py`` times the candidates of :data:`SWEEP_GEMV`
+GEMV_LAUNCHES = {"gate_up": GemvLaunch(8), "down": GemvLaunch(16), "down_combine": GemvLaunch(4)}
 #: (block_n, block_k, num_warps) candidates of the GEMV sweep
 SWEEP_GEMV = tuple((n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8))
 

@@ -174,10 +174,12 @@ class DenseExpertGemms:
         from miles_host.kernels import _moe_grouped_triton
 
         if self.takes_gemv(act_RI, routing):
-            _moe_grouped_triton.moe_gemv(act_RI, routing, self.down_EHI, out_RH, gather=False, activation=None,
-                                         launch=GEMV_LAUNCHES["down"])
             if y_TH is not None:
-                _moe_grouped_triton.combine(out_RH, routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH)
+                _moe_grouped_triton.moe_gemv_combine(act_RI, routing, self.down_EHI, y_TH,
+                                                     GEMV_LAUNCHES["down_combine"])
+            else:
+                _moe_grouped_triton.moe_gemv(act_RI, routing, self.down_EHI, out_RH, gather=False, activation=None,
+                                             launch=GEMV_LAUNCHES["down"])
             return
         combine = (routing.pair_row_TK, routing.weights_TK.contiguous(), y_TH) if y_TH is not None else None
         _moe_grouped_triton.moe_gemm(act_RI, routing.row_token_R, routing.block_expert_B, self.down_EHI, out_RH,

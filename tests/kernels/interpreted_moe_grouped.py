@@ -131,3 +131,23 @@ def test_the_one_pair_gemv_gives_the_float64_reference(kernels, monkeypatch, dty
     monkeypatch.setattr(_moe_grouped_triton, "moe_gemm", lambda *a, **k: pytest.fail("the grouped GEMM ran"))
     got = kernels.grouped_moe_forward(*args)
     assert_close(got, kernels.grouped_moe_forward_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens, allowed", [(1, None), (3, None), (3, [2, 5])])
+@pytest.mark.parametrize("block_n", [4, 16])
+def test_the_gemv_with_the_combine_gives_the_separate_launches_bits(kernels, monkeypatch, dtype, num_tokens,
+                                                                     allowed, block_n):
+    """``--moe-combine epilogue`` on the GEMV path: the down GEMV and the top-k sum in one launch
+    (:func:`moe_gemv_combine`) equal the GEMV then the combine launch bit for bit, at any column tile."""
+    from miles_host.kernels import _moe_grouped_triton, moe_configs
+    from tests.kernel_switches import use_switches
+
+    _, args = _args(num_tokens, dtype, allowed=allowed)
+    use_switches(monkeypatch, moe_gemv_tokens=4, moe_combine="separate")
+    separate = kernels.grouped_moe_forward(*args)
+    use_switches(monkeypatch, moe_gemv_tokens=4, moe_combine="epilogue")
+    launches = {**moe_configs.GEMV_LAUNCHES, "down_combine": moe_configs.GemvLaunch(block_n)}
+    monkeypatch.setattr(kernels, "GEMV_LAUNCHES", launches)
+    monkeypatch.setattr(_moe_grouped_triton, "combine", lambda *a: pytest.fail("the separate combine ran"))
+    assert torch.equal(kernels.grouped_moe_forward(*args), separate)

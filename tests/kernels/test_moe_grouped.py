@@ -228,6 +228,14 @@ def test_kernel_compiles_for_sm90(dtype):
                                     dict(K=k, BLOCK_K=block_k, ROW_BLOCK=16, GATHER=gated, GATED=gated, ACT=0,
                                          EMULATE=False, BLOCK_N=block_n), 4, 1, unaligned=("N",))
             assert ".local" not in gemv_ptx and "ld.global.v4" in gemv_ptx
+        combine_signature = {"A": pointer, "PairRow": "*i64", "BlockExpert": "*i32", "Weights": "*fp32", "W": pointer,
+                             "Y": pointer, "N": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                             "stride_wt": "i32", "stride_yt": "i32"}
+        for block_n in (4, 8, 16):  # the down GEMV with the top-k sum: every slot unrolled, still no spills
+            combine_ptx = compile_sm90(_moe_grouped_triton._moe_gemv_combine_kernel, combine_signature,
+                                       dict(K=inter, BLOCK_K=256, ROW_BLOCK=16, TOP_K=top_k, EMULATE=False,
+                                            BLOCK_N=block_n), 4, 1, unaligned=("N", "stride_wt"))
+            assert ".local" not in combine_ptx and "ld.global.v4" in combine_ptx
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -346,6 +354,8 @@ def test_gpu_one_pair_gemv_matches_the_reference(num_tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, got)
+        with switches.switched(moe_combine="epilogue"):  # the down GEMV with the top-k sum: the same bits
+            assert torch.equal(grouped_moe_forward(*inputs, *weights_args), got)
 
 
 def _separate(forward, inputs, weights_args):
