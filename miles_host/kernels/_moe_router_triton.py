@@ -9,7 +9,8 @@ writes their ids in ascending order with their gate weights (the scores at those
 ids, optionally renormalised, times the routed scaling factor, rounded once to the
 weights' dtype). After a barrier it reads the ids back and builds the padded,
 expert-sorted row layout with :func:`~miles_host.kernels._moe_grouped_triton.fill_layout`,
-the code of the routing kernel of the fused MoE.
+the code of the routing kernel of the fused MoE; one token's layout (batch-1 decode) is
+written from the ids in registers (:func:`_one_token_layout`: the same tensors).
 
 Every "best of" is one integer max: each candidate's float32 value is mapped to
 an int32 of the same order and packed with ``65535 - expert`` into an int64, so
@@ -61,7 +62,7 @@ def _router_kernel(
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr,
     E: tl.constexpr, NB: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
     MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ONE_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
     pdl_wait(PDL)
@@ -136,13 +137,36 @@ def _router_kernel(
     out_ok = (tok[:, None] < num_tokens) & (slot < TOP_K)
     tl.store(Ids + out, ids_sorted.to(tl.int64), mask=out_ok)
     tl.store(Weights + out, cast_rne(weights_sorted, Weights.dtype.element_ty, EMULATE), mask=out_ok)
-    tl.debug_barrier()
 
     # the expert-sorted row layout of those ids
-    pairs = tl.arange(0, NP)
-    ids = tl.load(Ids + pairs, mask=pairs < num_tokens * TOP_K, other=E).to(tl.int32)
-    fill_layout(ids, RowToken, PairRow, BlockExpert, Scratch, num_rows, num_blocks,
-                TOP_K, E, NB, NP, BLOCK_M, MAX_ROWS, MAX_BLOCKS, CHUNK, BLOCK_CHUNK)
+    if ONE_TOKEN:
+        _one_token_layout(tl.sum(tl.where(tok[:, None] == 0, ids_sorted, 0), axis=0), RowToken, PairRow, BlockExpert,
+                          num_rows, num_blocks, TOP_K, K_P, BLOCK_M, MAX_ROWS, MAX_BLOCKS, CHUNK, BLOCK_CHUNK)
+    else:
+        tl.debug_barrier()
+        pairs = tl.arange(0, NP)
+        ids = tl.load(Ids + pairs, mask=pairs < num_tokens * TOP_K, other=E).to(tl.int32)
+        fill_layout(ids, RowToken, PairRow, BlockExpert, Scratch, num_rows, num_blocks,
+                    TOP_K, E, NB, NP, BLOCK_M, MAX_ROWS, MAX_BLOCKS, CHUNK, BLOCK_CHUNK)
+
+
+@triton.jit
+def _one_token_layout(ids, RowToken, PairRow, BlockExpert, num_rows, num_blocks,
+                      TOP_K: tl.constexpr, K_P: tl.constexpr, BLOCK_M: tl.constexpr, MAX_ROWS: tl.constexpr,
+                      MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+    """:func:`fill_layout` of one token's ``ids`` (``[K_P]``, distinct, ascending, in registers): slot
+    ``k``'s expert has the ``k``-th row block to itself, the token in its first row; no histogram,
+    sort or read-back."""
+    slot = tl.arange(0, K_P)
+    tl.store(PairRow + slot, (slot * BLOCK_M).to(tl.int64), mask=slot < TOP_K)
+    for start in range(0, MAX_BLOCKS, BLOCK_CHUNK):
+        blocks = start + tl.arange(0, BLOCK_CHUNK)
+        expert = tl.sum(tl.where(blocks[:, None] == slot[None, :], ids[None, :], 0), axis=1)
+        tl.store(BlockExpert + blocks, tl.where(blocks < TOP_K, expert, -1), mask=blocks < num_blocks)
+    for start in range(0, MAX_ROWS, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        first = (rows % BLOCK_M == 0) & (rows // BLOCK_M < TOP_K)
+        tl.store(RowToken + rows, tl.where(first, 0, -1).to(tl.int64), mask=rows < num_rows)
 
 
 def default_warps(tile: int, num_pairs: int) -> int:
@@ -171,6 +195,6 @@ def route_logits(logits_TE, bias_E, spec, block_m, ids_TK, weights_TK, row_token
         TOP_K=spec.top_k, K_P=max(2, triton.next_power_of_2(spec.top_k)), T_P=t_p,
         G=spec.n_group, G_P=g_p, S=group, S_P=s_p, TOPK_GROUP=spec.topk_group,
         SOFTMAX=spec.score_func == "softmax", HAS_BIAS=bias_E is not None, NORM=spec.norm_topk_prob,
-        EMULATE=emulate_rounding(), **constants,
+        EMULATE=emulate_rounding(), ONE_TOKEN=num_tokens == 1, **constants,
         num_warps=num_warps or default_warps(t_p * g_p * s_p, num_tokens * spec.top_k), **pdl.options(logits_TE),
     )
