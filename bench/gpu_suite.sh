@@ -22,7 +22,7 @@
 #        decode_defaults (GPU tests of the fused draw, the small-M launches, the sampling graphs, the MoE kernels; bf16 MoE
 #                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
-#        b1_combine (GPU tests of the GEMV + combine and the split merge; b1 decode with --moe-combine separate / epilogue)
+#        b1_combine (GPU tests of the GEMV + combine, the split merge and the router; b1 decode with --moe-combine separate / epilogue)
 #        attention_sweep (the decode attention's split-KV launches)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1)
 #        b1_profile (bf16 MoE b1 decode with the defaults, kernel time per token)
@@ -146,7 +146,7 @@ for step in "${steps[@]}"; do
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
     b1_combine) run b1_combine_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/kernels/test_moe_grouped.py tests/rollout/test_gpu_attention.py -k "gemv or split"
+        tests/kernels/test_moe_grouped.py tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py -k "gemv or split or router"
       for round in 1 2; do for c in separate epilogue; do run "b1_combine_${c}_$round" 100 python3 bench/moe.py \
         --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 \
         --switch moe_combine=$c; done; done ;;  # the down GEMV with the top-k sum (--moe-combine epilogue) against the separate combine at b1, alternating, twice
