@@ -47,15 +47,21 @@ def _tile_queries(
     Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, chunk, stride_qt, stride_qh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """The query rows of ``tile`` for ``kv_head`` (tokens x padded group) and the keys they see:
     ``(seq, token, head, row_valid, position, q, lo, hi)``; keys ``[lo, hi)``, ``lo`` a
     multiple of ``BLOCK_N`` (0 without a window or chunks: else below the first query's
-    window / the start of its chunk)."""
+    window / the start of its chunk).
+
+    ``PDL``: the step's metadata (tiles, query offsets, context lengths: inputs of the step,
+    written before its first kernel, never by one) is read before the wait for the previous
+    kernel, the queries after it."""
     seq = tl.load(tile_seq + tile)
     q_first = tl.load(tile_q_start + tile)
     q_end = tl.load(cu_seqlens_q + seq + 1)
     context = tl.load(context_lens + seq)
+    pdl_wait(PDL)
 
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     token = q_first + rows // GROUP_PAD
@@ -209,13 +215,12 @@ def _paged_attention_kernel(
     output and resets the counter. ``SPLITS`` = 1 leaves the workspace and counters unused.
     """
     pdl_start(PDL)
-    pdl_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
-    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(
+    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(  # waits for the previous kernel (PDL)
         Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, attn_chunk, stride_qt, stride_qh,
-        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW, USE_CHUNK,
+        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW, USE_CHUNK, PDL,
     )
     split = tl.program_id(2)
     start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)

@@ -17,7 +17,10 @@ The contract of a kernel launched with PDL, which :func:`options` switches on:
   :func:`~miles_host.kernels._triton_common.pdl_wait` before its first read of a tensor an
   earlier kernel of the step writes and before its first store or atomic (the wait orders it
   after the whole chain: a predecessor cannot complete before its own wait returned);
-- before the wait it reads only weights (parameters no kernel of the step writes).
+- before the wait it reads only weights (parameters no kernel of the step writes) and the
+  step's inputs written before its first kernel (the attention's tiles, query offsets and
+  context lengths: the decode graph's first kernel, a plain launch, copies the lengths, so
+  every PDL kernel of the step starts after it).
 
 Kernels that are not launched with PDL (cuBLAS, PyTorch's own) are ordered as always: they
 start after the previous kernel completes. Numerics do not change: the same programs run

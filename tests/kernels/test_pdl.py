@@ -77,7 +77,8 @@ def _kernels():
                              "context_lens": "*i32", "cu_seqlens_q": "*i32", "tile_seq": "*i32",
                              "tile_q_start": "*i32", "scale": "fp32", "softcap": "fp32"},
                             dict(GROUP=8, GROUP_PAD=8, BLOCK_M=2, PAGE=16, BLOCK_N=32, D=128, D_PAD=128, DV=128,
-                                 DV_PAD=128, SPLITS=16, USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False), 4, 2, False),
+                                 DV_PAD=128, SPLITS=16, USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False), 4, 2,
+                            True),  # the step's tiles and context lengths before the wait
         "router": (_moe_router_triton._router_kernel,
                    {"Logits": bf16, "Bias": "*fp32", "Ids": "*i64", "Weights": bf16, "RowToken": "*i64",
                     "PairRow": "*i64", "BlockExpert": "*i32", "Scratch": "*i32", "norm_eps": "fp32",
@@ -100,7 +101,7 @@ def _kernels():
                                   "route", "moe_gemm", "combine"])
 def test_pdl_kernels_wait_before_they_write(name):
     """Built for sm_90 with PDL: the trigger, then the wait before any store or atomic; only the
-    kernels with weights to prefetch load before the wait. Without PDL: no griddepcontrol at all."""
+    kernels with weights to prefetch (or the attention, the step's metadata) load before the wait. Without PDL: no griddepcontrol at all."""
     fn, types, constexprs, warps, stages, prefetches = _kernels()[name]
     signature = _signature(fn, types)
     unaligned = tuple(n for n, t in signature.items() if not t.startswith("*"))
