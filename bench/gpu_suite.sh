@@ -22,6 +22,7 @@
 #        decode_defaults (GPU tests of the fused draw, the small-M launches, the sampling graphs, the MoE kernels; bf16 MoE
 #                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
+#        b1_ab (b1 decode of this tree against _baseline/, an older tree's miles_host and bench)
 #        b1_combine (GPU tests of the GEMV + combine, the split merge and the router; b1 decode with --moe-combine separate / epilogue)
 #        attention_sweep (the decode attention's split-KV launches)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1)
@@ -150,6 +151,8 @@ for step in "${steps[@]}"; do
       for round in 1 2; do for c in separate epilogue; do run "b1_combine_${c}_$round" 100 python3 bench/moe.py \
         --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 \
         --switch moe_combine=$c; done; done ;;  # the down GEMV with the top-k sum (--moe-combine epilogue) against the separate combine at b1, alternating, twice
+    b1_ab) for round in 1 2; do for tree in . _baseline; do run "b1_ab_${tree#_}_$round" 100 python3 $tree/bench/moe.py \
+        --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 ${B1_FLAGS:-}; done; done ;;  # this tree's b1 decode against an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), alternating, twice
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
