@@ -146,11 +146,6 @@ for step in "${steps[@]}"; do
     moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes ${GEMV_SHAPES:-qwen3,dsv3} --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
-    b1_combine) run b1_combine_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/kernels/test_moe_grouped.py tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py -k "gemv or split or router"
-      for round in 1 2; do for c in separate epilogue; do run "b1_combine_${c}_$round" 100 python3 bench/moe.py \
-        --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 \
-        --switch moe_combine=$c; done; done ;;  # the down GEMV with the top-k sum (--moe-combine epilogue) against the separate combine at b1, alternating, twice
     b1_ab) python3 -c "import sys; sys.path.insert(0, '_baseline'); import miles_host; print('baseline:', miles_host.__file__)" | tee -a "$LOG"
       for round in $(seq "${B1_ROUNDS:-2}"); do
         run "b1_baseline_$round" 100 python3 _baseline/bench/moe.py --precisions bf16 --kernels fused --batches 1 \
@@ -159,15 +154,6 @@ for step in "${steps[@]}"; do
           --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     b1_tests) run b1_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py -k "gemv or split or router or pdl" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits
-    attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
-        --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
-    b1_combine) run b1_combine_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/kernels/test_moe_grouped.py tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py -k "gemv or split or router"
-      for round in 1 2; do for c in separate epilogue; do run "b1_combine_${c}_$round" 100 python3 bench/moe.py \
-        --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 \
-        --switch moe_combine=$c; done; done ;;  # the down GEMV with the top-k sum (--moe-combine epilogue) against the separate combine at b1, alternating, twice
-    b1_ab) for round in 1 2; do for tree in . _baseline; do run "b1_ab_${tree#_}_$round" 100 python3 $tree/bench/moe.py \
-        --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 ${B1_FLAGS:-}; done; done ;;  # this tree's b1 decode against an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), alternating, twice
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
