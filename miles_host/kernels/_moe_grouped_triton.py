@@ -349,9 +349,17 @@ def _moe_gemv_kernel(
     written to the pair's row of the padded layout (what :func:`_moe_gemm_kernel` writes there).
     fp32 products accumulated elementwise over the unrolled K-blocks (every load of a program issued
     together; the activation read in the weight tile's layout, no shared memory), one sum per column;
-    ``GATED``: gate and up columns and :func:`act_and_mul` as the grouped kernel's epilogue."""
-    pdl_start(PDL)
-    pdl_wait(PDL)
+    ``GATED``: gate and up columns and :func:`act_and_mul` as the grouped kernel's epilogue.
+
+    Under PDL the gate_up launch (``GATED``) lets its successor launch only after its own wait
+    (the router it waited for has completed), so the down launch after it reads the routing and
+    its first weight block before its wait: the down projection's weight stream starts while
+    gate_up finishes. The products are the same either way."""
+    if GATED:
+        pdl_wait(PDL)
+        pdl_start(PDL)
+    else:
+        pdl_start(PDL)
     pid_n = tl.program_id(0)
     row = tl.load(PairRow + tl.program_id(1))
     expert = tl.load(BlockExpert + row // ROW_BLOCK).to(tl.int64)
@@ -365,11 +373,17 @@ def _moe_gemv_kernel(
     cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
     w_ptrs = W + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = A + a_row * stride_am + (offs_n * 0)[:, None] + offs_k[None, :]
+    w_first = tl.load(w_ptrs)
+    if not GATED:
+        pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kb in tl.static_range(K // BLOCK_K):
         x = tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
-        acc += tl.load(w_ptrs + kb * BLOCK_K).to(tl.float32) * x
+        if kb == 0:
+            acc += w_first.to(tl.float32) * x
+        else:
+            acc += tl.load(w_ptrs + kb * BLOCK_K).to(tl.float32) * x
         if GATED:
             acc_up += tl.load(w_ptrs + N * stride_wn + kb * BLOCK_K).to(tl.float32) * x
     if GATED:
@@ -390,9 +404,10 @@ def _moe_gemv_combine_kernel(
     each summed and rounded to Y's dtype as :func:`_moe_gemv_kernel` stores it, times its gate weight,
     summed in fp32 in slot order and rounded once, as :func:`_combine_kernel` sums the stored rows:
     the two launches in one, the same bits, no padded rows written or read back. Every slot's loads
-    are unrolled (issued together)."""
+    are unrolled (issued together). Under PDL the routing and the first slot's first weight block
+    are read before the wait (see :func:`_moe_gemv_kernel`: the gate_up launch before it triggers
+    after its own wait)."""
     pdl_start(PDL)
-    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -407,7 +422,11 @@ def _moe_gemv_combine_kernel(
         w_ptrs = W + expert * stride_we + cols[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = A + row * stride_am + (offs_n * 0)[:, None] + offs_k[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for kb in tl.static_range(K // BLOCK_K):
+        if slot == 0:
+            w_first = tl.load(w_ptrs)
+            pdl_wait(PDL)
+            acc += w_first.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)
+        for kb in tl.static_range(1 if slot == 0 else 0, K // BLOCK_K):
             acc += tl.load(w_ptrs + kb * BLOCK_K).to(tl.float32) * tl.load(x_ptrs + kb * BLOCK_K).to(tl.float32)
         y += cast_rne(tl.sum(acc, axis=1), Y.dtype.element_ty, EMULATE).to(tl.float32) * weight
     tl.store(Y + token * stride_yt + offs_n, cast_rne(y, Y.dtype.element_ty, EMULATE), mask=mask_n)

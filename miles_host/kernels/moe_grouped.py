@@ -148,20 +148,21 @@ class DenseExpertGemms:
                              f"a swiglu_limit; got {self.activation!r} with swiglu_limit={self.swiglu_limit} "
                              "(use --moe-kernel loop)")
 
-    def takes_gemv(self, a: torch.Tensor, routing: Routing) -> bool:
-        """Whether a projection of this batch runs the one-pair CUDA-core GEMV (``--moe-gemv-tokens``):
+    def takes_gemv(self, routing: Routing, dtype: torch.dtype) -> bool:
+        """Whether both projections of this batch run the one-pair CUDA-core GEMV (``--moe-gemv-tokens``):
         at most that many tokens, no biases, an activation of :data:`FUSED_ACTIVATIONS`, 16-bit
-        weights with unit inner strides."""
+        activations and weights with unit inner strides. One answer for both: under PDL the down GEMV
+        reads the routing before its wait, which only the gate_up GEMV before it allows."""
         return (0 < routing.pair_row_TK.shape[0] <= switches.value(GEMV_TOKENS)
                 and self.gate_up_bias_E2I is None and self.down_bias_EH is None
-                and self.activation in FUSED_ACTIVATIONS and a.dtype in (torch.bfloat16, torch.float16)
-                and a.stride(1) == 1 and self.gate_up_E2IH.stride(2) == 1 and self.down_EHI.stride(2) == 1)
+                and self.activation in FUSED_ACTIVATIONS and dtype in (torch.bfloat16, torch.float16)
+                and self.gate_up_E2IH.stride(2) == 1 and self.down_EHI.stride(2) == 1)
 
     def gate_up(self, x_TH, routing, out_RI, config) -> None:
         from miles_host.kernels import _moe_grouped_triton
 
-        if self.takes_gemv(x_TH, routing):
-            _moe_grouped_triton.moe_gemv(x_TH, routing, self.gate_up_E2IH, out_RI, gather=True,
+        if self.takes_gemv(routing, x_TH.dtype):
+            _moe_grouped_triton.moe_gemv(x_TH.contiguous(), routing, self.gate_up_E2IH, out_RI, gather=True,
                                          activation=self.activation, launch=GEMV_LAUNCHES["gate_up"])
             return
         _moe_grouped_triton.moe_gemm(x_TH, routing.row_token_R, routing.block_expert_B, self.gate_up_E2IH, out_RI,
@@ -173,7 +174,7 @@ class DenseExpertGemms:
         (:func:`fused_moe` under ``--moe-combine epilogue``; what :func:`combine` computes, bit for bit)."""
         from miles_host.kernels import _moe_grouped_triton
 
-        if self.takes_gemv(act_RI, routing):
+        if self.takes_gemv(routing, act_RI.dtype):
             if y_TH is not None:
                 _moe_grouped_triton.moe_gemv_combine(act_RI, routing, self.down_EHI, y_TH,
                                                      GEMV_LAUNCHES["down_combine"])

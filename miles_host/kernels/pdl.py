@@ -20,7 +20,10 @@ The contract of a kernel launched with PDL, which :func:`options` switches on:
 - before the wait it reads only weights (parameters no kernel of the step writes) and the
   step's inputs written before its first kernel (the attention's tiles, query offsets and
   context lengths: the decode graph's first kernel, a plain launch, copies the lengths, so
-  every PDL kernel of the step starts after it).
+  every PDL kernel of the step starts after it);
+- a kernel may read before its wait what the kernel two before it wrote when the one between
+  lets it launch only after its own wait (the expert GEMVs: gate_up triggers after waiting
+  for the router, so the down GEMV reads the routing and prefetches its weights early).
 
 Kernels that are not launched with PDL (cuBLAS, PyTorch's own) are ordered as always: they
 start after the previous kernel completes. Numerics do not change: the same programs run

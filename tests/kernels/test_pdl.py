@@ -29,15 +29,19 @@ def _signature(fn, types: dict[str, str]) -> dict[str, str]:
     return {name: types.get(name, "i32") for name in names}
 
 
-def _check_contract(ptx: str, prefetches: bool = False) -> None:
+#: a kernel that lets its successor launch only after its own wait, loading nothing before it
+LATE_TRIGGER = "late trigger"
+
+
+def _check_contract(ptx: str, prefetches: bool | str = False) -> None:
     assert TRIGGER in ptx and WAIT in ptx
     wait_at = ptx.index(WAIT)
-    assert ptx.index(TRIGGER) < wait_at
+    assert (ptx.index(TRIGGER) > wait_at) == (prefetches == LATE_TRIGGER)
     first_write = WRITES.search(ptx)
     assert first_write is not None and first_write.start() > wait_at, "a store before the wait"
     first_load = LOADS.search(ptx)
     assert first_load is not None
-    assert (first_load.start() < wait_at) == prefetches
+    assert (first_load.start() < wait_at) == (prefetches is True)
 
 
 def _kernels():
@@ -51,6 +55,8 @@ def _kernels():
 
     bf16 = "*bf16"
     layout = layout_constants(8, 128, 16)
+    moe_gemv = {"A": bf16, "RowToken": "*i64", "PairRow": "*i64", "BlockExpert": "*i32", "W": bf16, "C": bf16}
+    moe_gemv_constants = dict(ROW_BLOCK=16, ACT=0, EMULATE=False)
     return {
         "rmsnorm": (_rmsnorm_triton._rmsnorm_kernel, {"X": bf16, "R": bf16, "W": bf16, "Out": bf16, "ResOut": bf16,
                                                        "eps": "fp32"},
@@ -94,14 +100,26 @@ def _kernels():
                           ALPHA=1.0, IEEE=False, EMULATE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128), 4, 3, False),
         "combine": (_moe_grouped_triton._combine_kernel, {"Out": bf16, "PairRow": "*i64", "Weights": bf16, "Y": bf16},
                     dict(TOP_K=8, BLOCK_H=1024, EMULATE=False), 4, 1, False),
+        # the expert GEMVs: gate_up triggers after its wait, so the down launch reads the routing and its
+        # first weight block before its own
+        "moe_gemv_gate_up": (_moe_grouped_triton._moe_gemv_kernel, moe_gemv, dict(moe_gemv_constants, K=2048,
+                             BLOCK_K=512, GATHER=True, GATED=True, BLOCK_N=8), 4, 1, LATE_TRIGGER),
+        "moe_gemv_down": (_moe_grouped_triton._moe_gemv_kernel, moe_gemv, dict(moe_gemv_constants, K=768,
+                          BLOCK_K=256, GATHER=False, GATED=False, BLOCK_N=16), 4, 1, True),
+        "moe_gemv_combine": (_moe_grouped_triton._moe_gemv_combine_kernel,
+                             {"A": bf16, "PairRow": "*i64", "BlockExpert": "*i32", "Weights": bf16, "W": bf16,
+                              "Y": bf16},
+                             dict(K=768, BLOCK_K=256, ROW_BLOCK=16, TOP_K=8, EMULATE=False, BLOCK_N=4), 4, 1, True),
     }
 
 
 @pytest.mark.parametrize("name", ["rmsnorm", "small_m", "gemv", "qk_norm_rope", "kv_write", "paged_attention", "router",
-                                  "route", "moe_gemm", "combine"])
+                                  "route", "moe_gemm", "combine", "moe_gemv_gate_up", "moe_gemv_down",
+                                  "moe_gemv_combine"])
 def test_pdl_kernels_wait_before_they_write(name):
     """Built for sm_90 with PDL: the trigger, then the wait before any store or atomic; only the
-    kernels with weights to prefetch (or the attention, the step's metadata) load before the wait. Without PDL: no griddepcontrol at all."""
+    kernels with weights to prefetch (or the attention, the step's metadata) load before the wait; the
+    gate_up expert GEMV triggers its successor only after its wait. Without PDL: no griddepcontrol at all."""
     fn, types, constexprs, warps, stages, prefetches = _kernels()[name]
     signature = _signature(fn, types)
     unaligned = tuple(n for n, t in signature.items() if not t.startswith("*"))
