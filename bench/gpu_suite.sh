@@ -149,9 +149,9 @@ for step in "${steps[@]}"; do
     b1_ab) python3 -c "import sys; sys.path.insert(0, '_baseline'); import miles_host; print('baseline:', miles_host.__file__)" | tee -a "$LOG"
       for round in $(seq "${B1_ROUNDS:-2}"); do
         run "b1_baseline_$round" 100 python3 _baseline/bench/moe.py --precisions bf16 --kernels fused --batches 1 \
-          --prefill-seqs 0 --new-tokens 64 --repeats 3
+          --prefill-seqs 0 --new-tokens 256 --repeats 3
         for c in separate epilogue; do run "b1_tree_${c}_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
-          --batches 1 --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
+          --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     b1_tests) run b1_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py -k "gemv or split or router or pdl" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
