@@ -182,6 +182,14 @@ class CausalLM(torch.nn.Module):
 
     # -- forward ---------------------------------------------------------------
 
+    def cache_rotary_tables(self, max_positions: int, device: torch.device) -> None:
+        """Keep every rotary module's rows of positions below ``max_positions`` on ``device`` in the
+        model's dtype (:meth:`RotaryEmbedding.cache_table`: what CUDA-graph captures look up)."""
+        dtype = self.embed_tokens.weight.dtype
+        for rope in self._ropes.values():
+            if isinstance(rope, RotaryEmbedding):
+                rope.cache_table(max_positions, device, dtype)
+
     def _rope_tables(self, positions_T: torch.Tensor, dtype: torch.dtype) -> dict[int, tuple]:
         return {key: rope(positions_T, dtype) for key, rope in self._ropes.items()}
 

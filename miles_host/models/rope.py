@@ -80,7 +80,13 @@ def yarn_softmax_scale_factor(rope: RopeConfig) -> float:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Computes ``(cos_TR, sin_TR)`` for token positions; holds no state dict entries."""
+    """Computes ``(cos_TR, sin_TR)`` for token positions; holds no state dict entries.
+
+    :meth:`cache_table` keeps the rows of every position below a bound on one device: a forward
+    captured in a CUDA graph (the engine's decode graphs, whose positions all have a KV-cache slot
+    below that bound) then gathers its tokens' rows, one launch each for cos and sin, instead of
+    computing them (a cast, a product, cos, sin and two casts: plain launches between the graph's
+    dependent ones). The rows are the same bits: each is the same elementwise computation."""
 
     def __init__(self, rope: RopeConfig):
         super().__init__()
@@ -89,9 +95,26 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq, self.attention_factor = inverse_frequencies(rope)
         self._inv_freq_cpu = inv_freq
         self._inv_freq: torch.Tensor | None = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cache_table(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Keep ``cos, sin`` of positions ``[0, max_positions)`` on ``device`` in ``dtype``."""
+        self._table = self._compute(torch.arange(max_positions, device=device), dtype)
 
     def forward(self, positions_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``cos, sin`` of shape ``[T, R]`` in ``dtype`` (attention factor applied)."""
+        table = self._table
+        if (table is not None and positions_T.is_cuda and torch.cuda.is_current_stream_capturing()
+                and table[0].device == positions_T.device and table[0].dtype == dtype):
+            return self.lookup(positions_T)
+        return self._compute(positions_T, dtype)
+
+    def lookup(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached rows of ``positions_T`` (all below the table's bound)."""
+        cos, sin = self._table
+        return cos.index_select(0, positions_T), sin.index_select(0, positions_T)
+
+    def _compute(self, positions_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions_T.device:
             self._inv_freq = self._inv_freq_cpu.to(positions_T.device)
         freqs_TR = positions_T[:, None].float() * self._inv_freq[None, :]

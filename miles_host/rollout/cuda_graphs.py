@@ -91,6 +91,9 @@ class DecodeGraphs:
         self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         self.num_replays = 0
+        cache_rotary_tables = getattr(model, "cache_rotary_tables", None)
+        if cache_rotary_tables is not None:  # a step's positions have cache slots: below max_blocks * block_size
+            cache_rotary_tables(self.max_blocks * self.block_size, device)
         self._capture_ladder()
 
     def _capture_ladder(self) -> None:

@@ -80,6 +80,25 @@ def test_rope_scalings_match_transformers():
         assert factor == pytest.approx(expected_factor)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("rope", [RopeConfig(rotary_dim=64, theta=1e6), RopeConfig(
+    rotary_dim=64, theta=1e4, rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+    mscale_all_dim=1.0)])
+def test_rotary_table_rows_are_the_computed_rows(rope, device):
+    """The cached table's rows (what decode-graph captures gather) are the directly computed cos and
+    sin bit for bit, at any positions below its bound, in bf16 and fp32."""
+    from miles_host.models.rope import RotaryEmbedding
+
+    module = RotaryEmbedding(rope)
+    positions = torch.tensor([0, 1, 7, 255, 4095, 4096, 9999, 32767], device=device)
+    for dtype in (torch.bfloat16, torch.float32):
+        module.cache_table(32768, torch.device(device), dtype)
+        assert module(positions, dtype)[0].dtype == dtype  # outside a capture: computed
+        for got, want in zip(module.lookup(positions), module(positions, dtype)):
+            assert torch.equal(got, want)
+
+
 def _config(**overrides):
     fields = dict(model_type="t", vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                   intermediate_size=8, rope=RopeConfig(rotary_dim=4))
