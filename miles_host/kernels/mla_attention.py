@@ -31,8 +31,8 @@ from miles_host.kernels import pdl, split_k
 from miles_host.kernels._triton_common import pdl_start, pdl_wait
 from miles_host.kernels.attention_metadata import AttentionMetadata
 from miles_host.kernels.paged_attention import (
-    _merge_splits, _next_pow2, _online_softmax_step, _split_range, _store_rows, build_tiles, decode_splits,
-    tokens_per_tile,
+    _active_splits, _merge_splits, _next_pow2, _online_softmax_step, _split_range, _store_rows, build_tiles,
+    decode_splits, tokens_per_tile,
 )
 
 #: query rows (tokens x heads) of one program: a 512-wide latent accumulator of 16 rows is
@@ -113,7 +113,8 @@ def _mla_attention_kernel(
         _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, R, R_PAD)
     else:
         _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-                      Out, token, head, stride_ot, stride_oh, ROWS, R, R_PAD, SPLITS)
+                      Out, token, head, stride_ot, stride_oh, _active_splits(0, hi, SPLITS, BLOCK_N),
+                      ROWS, R, R_PAD, SPLITS)
 
 
 def heads_per_program(num_heads: int, tokens_in_tile: int) -> int:

@@ -183,6 +183,13 @@ def _split_range(lo, hi, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _active_splits(lo, hi, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many of the ``SPLITS`` splits of :func:`_split_range` hold keys of ``[lo, hi)``."""
+    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+    return tl.cdiv(hi - lo, tl.maximum(chunk, 1))
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, Out, Partial_acc, Partial_ml, Counters,
     block_tables, context_lens, cu_seqlens_q, tile_seq, tile_q_start,
@@ -238,20 +245,22 @@ def _paged_attention_kernel(
     else:
         pair = tile * tl.num_programs(1) + kv_head
         _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-                      Out, token, head, stride_ot, stride_oh, ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
+                      Out, token, head, stride_ot, stride_oh, _active_splits(lo, hi, SPLITS, BLOCK_N),
+                      ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
 
 
 @triton.jit
 def _merge_splits(
     acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-    Out, token, head, stride_ot, stride_oh,
+    Out, token, head, stride_ot, stride_oh, active,
     ROWS: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr,
     Sinks=None, USE_SINKS: tl.constexpr = False,
 ):
     """Split ``split`` of program group ``pair`` stores its partial softmax (row max ``m_i``, row
     sum ``l_i``, unnormalized fp32 ``acc``) in the workspace; the last of the ``SPLITS`` to arrive
     (an int32 counter, acquire-release at GPU scope after a CTA barrier) merges the partials in
-    split order, stores the rows and resets the counter.
+    split order, stores the rows and resets the counter. Only the first ``active`` splits hold
+    keys (:func:`_active_splits`): the merge reads nothing of the others (they add exact zeros).
 
     Workspace: acc ``[pairs, SPLITS, ROWS, DV_PAD]``, (m, l) ``[pairs, SPLITS, 2, ROWS]``."""
     rows = tl.arange(0, ROWS)
@@ -267,18 +276,20 @@ def _merge_splits(
         ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
         m_max = tl.full([ROWS], float("-inf"), tl.float32)
         for s in tl.static_range(SPLITS):
-            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid & (s < active), other=float("-inf"),
+                          cache_modifier=".cg")
             m_max = tl.maximum(m_max, m_s)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         total_l = tl.zeros([ROWS], tl.float32)
         total = tl.zeros([ROWS, DV_PAD], tl.float32)
         for s in tl.static_range(SPLITS):
-            m_s = tl.load(ml_base + s * (2 * ROWS), mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=row_valid, other=0.0, cache_modifier=".cg")
+            rows_s = row_valid & (s < active)
+            m_s = tl.load(ml_base + s * (2 * ROWS), mask=rows_s, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_base + s * (2 * ROWS) + ROWS, mask=rows_s, other=0.0, cache_modifier=".cg")
             weight = tl.exp(m_s - m_max)                   # 0 for an empty split (m_s = -inf)
-            part = tl.load(  # every split stored its rows (zeros where it saw no key): no wait on m_s
+            part = tl.load(  # an active split stored its rows (zeros where it saw no key): no wait on m_s
                 Partial_acc + (pair * SPLITS + s) * (ROWS * DV_PAD) + acc_offs,
-                mask=row_valid[:, None], other=0.0, cache_modifier=".cg",
+                mask=rows_s[:, None], other=0.0, cache_modifier=".cg",
             )
             total_l += weight * l_s
             total += weight[:, None] * part
