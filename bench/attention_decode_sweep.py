@@ -88,6 +88,7 @@ def sweep(batch: int, context: int, args, device) -> list[dict]:
                     device, args.replays) / calls
                 results.append(dict(batch=batch, context=context, splits=splits, split_keys=split_keys, label=label,
                                     us=seconds * 1e6, tb_s=kv_bytes / seconds / 1e12))
+                print(f"  b{batch} ctx {context} {label}: {seconds * 1e6:.2f} us", flush=True)  # as measured
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
                 print(f"b{batch} ctx {context} {label}: failed: {str(error).splitlines()[0][:160]}", flush=True)
             finally:

@@ -105,6 +105,7 @@ def sweep(name: str, calls: int, replays: int, device: torch.device) -> list[dic
                                         replays) / calls
                 results.append(dict(shape=name, projection=projection, launch=label, us=seconds * 1e6,
                                     tb_s=nbytes / seconds / 1e12, fields=dataclasses.asdict(launch)))
+                print(f"  {name} {projection} {label}: {seconds * 1e6:.2f} us", flush=True)  # as measured
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
                 print(f"{name} {projection} {label}: failed: {str(error).splitlines()[0][:160]}", flush=True)
     return results
