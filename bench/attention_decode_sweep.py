@@ -15,12 +15,11 @@ is marked. Every candidate's output is checked against the PyTorch reference fir
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 
-from bench.small_m import graph_seconds
+from bench.small_m import graph_seconds, write_rows
 
 
 def decode_case(batch: int, context: int, calls: int, heads_q: int, heads_kv: int, dim: int, page: int, device):
@@ -118,9 +117,7 @@ def main() -> int:
             for r in found:
                 print(f"b{batch} ctx {context} {r['label']:<30} {r['us']:7.2f} us  {r['tb_s']:5.2f} TB/s", flush=True)
             rows += found
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

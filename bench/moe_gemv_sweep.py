@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 
-from bench.small_m import graph_seconds
+from bench.small_m import graph_seconds, write_rows
 
 #: name -> (experts, hidden, moe intermediate, top-k)
 SHAPES = {"qwen3": (128, 2048, 768, 8), "dsv3": (256, 7168, 2048, 8), "tiny": (8, 256, 128, 2)}
@@ -129,9 +128,7 @@ def main() -> int:
             for r in shown:
                 print(f"{name} {projection:<8} {r['launch']:<14} {r['us']:7.2f} us  {r['tb_s']:5.2f} TB/s", flush=True)
         rows += found
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

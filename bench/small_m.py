@@ -10,6 +10,7 @@ picture, as in the engine's captured decode steps); the replay time divided by
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Callable
@@ -95,3 +96,10 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """max |got - expected| / max |expected| (float64)."""
     got, expected = got.double(), expected.double()
     return float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """A sweep's measured rows as JSON at ``path`` (``--json``; nothing when None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from bench.small_m import graph_seconds
+from bench.small_m import graph_seconds, write_rows
 
 
 def candidates(m: int, n: int, k: int):
@@ -92,9 +92,7 @@ def main() -> int:
             print(f"{shape} {name:<22} {seconds * 1e6:7.2f} us  {bytes_per_gemm / seconds / 1e12:5.2f} TB/s", flush=True)
             rows.append(dict(shape=shape, launch=name, us=seconds * 1e6, tb_s=bytes_per_gemm / seconds / 1e12,
                              fields=dataclasses.asdict(launch) if launch is not None else None))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 
