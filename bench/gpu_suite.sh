@@ -146,12 +146,12 @@ for step in "${steps[@]}"; do
     moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes ${GEMV_SHAPES:-qwen3,dsv3} --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
-    b1_ab) python3 -c "import sys; sys.path.insert(0, '_baseline'); import miles_host; print('baseline:', miles_host.__file__)" | tee -a "$LOG"
+    b1_ab) python3 -c "import sys; sys.path.insert(0, '_baseline'); import miles_host; print('baseline:', miles_host.__file__, open('_baseline/COMMIT').read().strip())" | tee -a "$LOG"
       for round in $(seq "${B1_ROUNDS:-2}"); do
         run "b1_baseline_$round" 100 python3 _baseline/bench/moe.py --precisions bf16 --kernels fused --batches 1 \
           --prefill-seqs 0 --new-tokens 256 --repeats 3
         for c in separate epilogue; do run "b1_tree_${c}_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
-          --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: git archive <commit> miles_host bench | tar -x -C _baseline, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
+          --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     b1_tests) run b1_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py tests/models/test_blocks.py \
         tests/kernels/test_mla_attention.py -k "gemv or split or router or pdl or rotary or engine or latent or mla" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers
