@@ -152,7 +152,7 @@ for step in "${steps[@]}"; do
           --prefill-seqs 0 --new-tokens 256 --repeats 3
         for c in separate epilogue; do run "b1_tree_${c}_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
           --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
-    b1_tests) run b1_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
+    b1_tests) run b1_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py tests/models/test_blocks.py \
         tests/kernels/test_mla_attention.py -k "gemv or split or router or pdl or rotary or engine or latent or mla" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
