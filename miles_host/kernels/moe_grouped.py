@@ -65,8 +65,9 @@ __all__ = [
 #: ``--moe-combine``: the top-k weighted sum as its own launch (``separate``, :func:`combine`) or in the
 #: down projection's launch (``epilogue``: in the grouped GEMM the last of a token's rows to finish sums
 #: them; in the one-pair GEMV a program sums a token's slots,
-#: :func:`~miles_host.kernels._moe_grouped_triton.moe_gemv_combine`; the same bits, one launch fewer per MoE layer; the host's bf16/fp16/fp32 experts). ``separate`` stays the
-#: default: on an H100 batch-1 decode ran 1,280 tok/s with the epilogue against 1,296 (bench/history/2026-12-07-2.md)
+#: :func:`~miles_host.kernels._moe_grouped_triton.moe_gemv_combine`; the same bits, one launch fewer per MoE
+#: layer; the host's bf16/fp16/fp32 experts). ``separate`` stays the default: on an H100 batch-1 decode ran
+#: 1,280 tok/s with the epilogue against 1,296 (bench/history/2026-12-07-2.md)
 COMBINE = switches.declare_host("moe_combine")
 
 #: ``--moe-gemv-tokens``: batches of at most this many tokens run the host's 16-bit experts by a CUDA-core
