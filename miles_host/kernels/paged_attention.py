@@ -30,12 +30,14 @@ from miles_host.kernels.attention_metadata import AttentionMetadata
 PREFILL_ROWS = 64   # query rows (tokens x heads of a group) per program in prefill
 DECODE_ROWS = 16    # tl.dot needs at least 16 rows
 KEYS_PER_ITERATION = 64
-#: split-KV decode (:func:`decode_splits`): programs per SM aimed at, most splits of a tile's keys
-DECODE_PROGRAMS_PER_SM = 2
+#: split-KV decode (:func:`decode_splits`): programs per SM aimed at, most splits of a tile's keys.
+#: ``bench/attention_decode_sweep.py`` on an H100 (Qwen3-30B-A3B heads, 32 q / 4 kv, cold pages, us per
+#: launch): batch 1 at 320 / 4096 keys, 16 splits of 64 keys 7.9 / 16.4 against 16 of 32 8.4 / 19.8 (8 splits
+#: of 64: 6.2 / 19.6; 32: 8.6 / 13.6); batch 32, 4 splits of 64 keys 14.7 / 95.9 against 2 of 32 16.7 / 136.3
+DECODE_PROGRAMS_PER_SM = 4
 MAX_DECODE_SPLITS = 16
-#: keys per iteration of the split decode kernel: a short context (a few hundred keys) still spreads over
-#: many splits; a long one takes a few more iterations per split than with 64
-DECODE_SPLIT_KEYS = 32
+#: keys per iteration of the split decode kernel (see above)
+DECODE_SPLIT_KEYS = 64
 #: SMs assumed off CUDA (the interpreter): an H200's
 DEFAULT_SMS = 132
 #: elements of K (or V) one program of the KV write stores at most (heads x padded head dim)

@@ -11,7 +11,6 @@ block in a graph, and a timing print of one MoE block with the fused and the eag
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -163,15 +162,16 @@ def test_gpu_router_matches_the_reference(shape, num_tokens):
 @requires_cuda
 @pytest.mark.parametrize("shape", sorted(GPU_ROUTERS))
 def test_gpu_every_warp_count_gives_the_same_bits(shape):
-    """The one program with 1, 2, 4 or 8 warps (the default picks by the tile): same ids and layout;
+    """The one program with 1, 2, 4 or 8 warps (the default picks by the tile; at 64 tokens only 4 or 8:
+    Triton takes minutes to compile the DeepSeek-V3 tile of 64 x 256 scores for one or two warps): same ids and layout;
     the weights within a few float32 ulps (the warps sum the top-k weights in a different order,
     measured on the H200 for the DeepSeek-V3 router: sigmoid scores renormalised over 8 experts)."""
     from miles_host.kernels.moe_router import fused_route
 
-    for num_tokens in (1, 8, 64):
+    for num_tokens, warp_counts in ((1, (1, 2, 4, 8)), (8, (1, 2, 4, 8)), (64, (4, 8))):
         spec, logits, bias, dtype = _gpu_inputs(shape, num_tokens, seed=5)
         ids, routing = fused_route(logits, spec, bias, 16, dtype)
-        for warps in (1, 2, 4, 8):
+        for warps in warp_counts:
             other_ids, other = fused_route(logits, spec, bias, 16, dtype, num_warps=warps)
             assert torch.equal(ids, other_ids), (num_tokens, warps)
             for name in ("row_token_R", "block_expert_B", "pair_row_TK"):
@@ -248,46 +248,6 @@ def test_gpu_moe_block_in_a_graph_with_the_fused_router(num_tokens):
         block.router_kernel = "torch"
         eager = block(x)
     torch.testing.assert_close(out.double(), eager.double(), rtol=3e-2, atol=3e-2 * eager.abs().max().item())
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_speed_report():
-    """Graph-timed MoE block (gate linear, router, experts) at the 30B-A3B shape, fused vs eager router
-    (printed with ``-s``)."""
-    block = _qwen3_block()
-    with torch.no_grad():
-        for num_tokens in (1, 8, 64):
-            x = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
-            times = {}
-            for router in ("fused", "torch"):
-                block.router_kernel = router
-                graph, _ = _graphed(lambda: block(x))
-                graph.replay()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(20):
-                    graph.replay()
-                torch.cuda.synchronize()
-                times[router] = (time.perf_counter() - start) / 200 * 1e6
-            print(f"MoE block T={num_tokens}: fused router {times['fused']:.1f} us, eager router + plan "
-                  f"{times['torch']:.1f} us")
-    from miles_host.kernels.moe_router import fused_route
-
-    for shape in sorted(GPU_ROUTERS):  # the router launch alone, by warps (the default's choice first)
-        for num_tokens in (1, 8, 64):
-            spec, logits, bias, dtype = _gpu_inputs(shape, num_tokens, seed=1)
-            cells = []
-            for warps in (None, 1, 2, 4, 8):
-                graph, _ = _graphed(lambda: fused_route(logits, spec, bias, 16, dtype, num_warps=warps))
-                graph.replay()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(20):
-                    graph.replay()
-                torch.cuda.synchronize()
-                cells.append(f"{warps or 'default'} {(time.perf_counter() - start) / 200 * 1e6:.1f} us")
-            print(f"fused_route {shape} T={num_tokens} by warps: " + ", ".join(cells))
 
 
 @pytest.mark.gpu

@@ -28,8 +28,8 @@ def test_decode_splits_depend_on_the_grid_only():
     from miles_host.kernels.paged_attention import decode_splits
 
     cpu = torch.device("cpu")  # an H200's 132 SMs
-    # Qwen3-8B (8 KV heads): batch 1 -> 16 splits (128 programs), 8 -> 4, 16 -> 2, 17 fills the SMs
-    assert [decode_splits(b, 8, cpu) for b in (1, 2, 4, 8, 12, 16, 17, 64)] == [16, 16, 8, 4, 2, 2, 1, 1]
+    # Qwen3-8B (8 KV heads): batch 1 -> 16 splits (128 programs), 8 -> 8, 16 -> 4 (512 of 528), 17 fills the SMs
+    assert [decode_splits(b, 8, cpu) for b in (1, 2, 4, 8, 12, 16, 17, 64)] == [16, 16, 16, 8, 4, 4, 1, 1]
     assert decode_splits(1, 1, cpu) == 16 and decode_splits(1, 132, cpu) == 1
 
 
