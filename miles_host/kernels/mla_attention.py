@@ -57,18 +57,36 @@ def _mla_attention_kernel(
     blocks are neighbours in the grid: the programs reading one sequence's latents run together
     (L2 reuse)."""
     pdl_start(PDL)
-    pdl_wait(PDL)
     pair = tl.program_id(0)
     head_blocks = tl.cdiv(num_heads, BLOCK_H)
     tile = pair // head_blocks
-    head_block = pair % head_blocks
     split = tl.program_id(1)
-    ROWS: tl.constexpr = BLOCK_M * BLOCK_H
-    seq = tl.load(tile_seq + tile)
+    seq = tl.load(tile_seq + tile)  # the step's metadata: inputs of the step, read before the PDL wait
     q_first = tl.load(tile_q_start + tile)
     q_end = tl.load(cu_seqlens_q + seq + 1)
     context = tl.load(context_lens + seq)
+    last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
+    hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
+    if split < _active_splits(0, hi, SPLITS, BLOCK_N):  # a split past the keys does nothing (no wait, store, count)
+        pdl_wait(PDL)
+        _mla_split(Q_latent, Q_rope, Cache, Out, Partial_acc, Partial_ml, Counters, block_tables, scale, num_heads,
+                   stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cn, stride_cs, stride_ot, stride_oh,
+                   stride_bt, pair, pair % head_blocks, split, seq, q_first, q_end, context, hi,
+                   R, R_PAD, P, P_PAD, BLOCK_M, BLOCK_H, PAGE, BLOCK_N, SPLITS, IEEE)
 
+
+@triton.jit
+def _mla_split(
+    Q_latent, Q_rope, Cache, Out, Partial_acc, Partial_ml, Counters, block_tables, scale, num_heads,
+    stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cn, stride_cs, stride_ot, stride_oh, stride_bt,
+    pair, head_block, split, seq, q_first, q_end, context, hi,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One split of :func:`_mla_attention_kernel` that holds keys: its queries' online softmax over
+    the split's keys, stored (one split) or merged (:func:`_merge_splits`)."""
+    ROWS: tl.constexpr = BLOCK_M * BLOCK_H
     rows = tl.arange(0, ROWS)
     token = q_first + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
@@ -80,8 +98,6 @@ def _mla_attention_kernel(
                     mask=row_valid[:, None] & (r[None, :] < R), other=0.0)
     q_rot = tl.load(Q_rope + token[:, None] * stride_qrt + head[:, None] * stride_qrh + p[None, :],
                     mask=row_valid[:, None] & (p[None, :] < P), other=0.0)
-    last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
-    hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
     start, end = _split_range(0, hi, split, SPLITS, BLOCK_N)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)

@@ -45,26 +45,39 @@ KV_WRITE_ELEMENTS = 4096
 
 
 @triton.jit
-def _tile_queries(
-    Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, chunk, stride_qt, stride_qh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+def _tile_keys(
+    cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, window, chunk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr = False,
 ):
-    """The query rows of ``tile`` for ``kv_head`` (tokens x padded group) and the keys they see:
-    ``(seq, token, head, row_valid, position, q, lo, hi)``; keys ``[lo, hi)``, ``lo`` a
-    multiple of ``BLOCK_N`` (0 without a window or chunks: else below the first query's
-    window / the start of its chunk).
-
-    ``PDL``: the step's metadata (tiles, query offsets, context lengths: inputs of the step,
-    written before its first kernel, never by one) is read before the wait for the previous
-    kernel, the queries after it."""
+    """The step's metadata of ``tile`` and the keys its queries see: ``(seq, q_first, q_end, context,
+    lo, hi)``; keys ``[lo, hi)``, ``lo`` a multiple of ``BLOCK_N`` (0 without a window or chunks: else
+    below the first query's window / the start of its chunk). Reads only inputs of the step (tiles,
+    query offsets, context lengths: written before its first kernel, never by one), so a PDL
+    program calls it before its wait for the previous kernel."""
     seq = tl.load(tile_seq + tile)
     q_first = tl.load(tile_q_start + tile)
     q_end = tl.load(cu_seqlens_q + seq + 1)
     context = tl.load(context_lens + seq)
-    pdl_wait(PDL)
+    last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
+    hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
+    lo = 0
+    if USE_WINDOW:
+        first_position = context - (q_end - q_first)
+        lo = tl.maximum(first_position - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:
+        first_position = context - (q_end - q_first)
+        lo = tl.maximum(lo, ((first_position // chunk) * chunk // BLOCK_N) * BLOCK_N)
+    return seq, q_first, q_end, context, lo, hi
 
+
+@triton.jit
+def _tile_queries(
+    Q, q_first, q_end, context, kv_head, stride_qt, stride_qh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """The query rows of a tile (:func:`_tile_keys`) for ``kv_head`` (tokens x padded group):
+    ``(token, head, row_valid, position, q)``. Reads the queries: after a PDL program's wait."""
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     token = q_first + rows // GROUP_PAD
     g = rows % GROUP_PAD
@@ -77,17 +90,7 @@ def _tile_queries(
         Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_valid[:, None] & (d[None, :] < D), other=0.0,
     )
-    last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
-    hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
-    lo = 0
-    if USE_WINDOW:
-        first_position = context - (q_end - q_first)
-        lo = tl.maximum(first_position - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    if USE_CHUNK:
-        first_position = context - (q_end - q_first)
-        lo = tl.maximum(lo, ((first_position // chunk) * chunk // BLOCK_N) * BLOCK_N)
-    return seq, token, head, row_valid, position, q, lo, hi
+    return token, head, row_valid, position, q
 
 
 @triton.jit
@@ -186,9 +189,13 @@ def _split_range(lo, hi, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _active_splits(lo, hi, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How many of the ``SPLITS`` splits of :func:`_split_range` hold keys of ``[lo, hi)``."""
-    chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
-    return tl.cdiv(hi - lo, tl.maximum(chunk, 1))
+    """How many of the ``SPLITS`` splits of :func:`_split_range` hold keys of ``[lo, hi)``; at least
+    one (split 0 stores the rows of a tile that sees no key)."""
+    if SPLITS == 1:
+        return 1
+    else:
+        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        return tl.maximum(tl.cdiv(hi - lo, tl.maximum(chunk, 1)), 1)
 
 
 @triton.jit
@@ -216,39 +223,46 @@ def _paged_attention_kernel(
 
     ``SPLITS`` > 1 (split-KV, "flash-decoding"; program ``(tile, kv_head, split)``): split
     ``split`` of the keys, in ``SPLITS`` chunks of whole ``BLOCK_N`` blocks sized at run time
-    from the context (empty when the context is short). Each program stores its partial softmax
-    (row max ``m``, row sum ``l``, unnormalized fp32 ``acc``) in the workspace; the last of the
-    ``SPLITS`` programs of a (tile, kv_head) to arrive (an int32 counter, acquire-release at GPU
-    scope after a CTA barrier, as in :func:`miles_host.kernels._split_k_triton.split_k_epilogue`)
-    merges the partials in split order (deterministic whatever the arrival order), stores the
-    output and resets the counter. ``SPLITS`` = 1 leaves the workspace and counters unused.
+    from the context (the last ones empty when the context is short: those programs return at once,
+    before the PDL wait). Each split that holds keys stores its partial softmax (row max ``m``, row
+    sum ``l``, unnormalized fp32 ``acc``) in the workspace; the last of them to arrive (an int32
+    counter, acquire-release at GPU scope after a CTA barrier, as in
+    :func:`miles_host.kernels._split_k_triton.split_k_epilogue`) merges the partials in split order
+    (deterministic whatever the arrival order), stores the output and resets the counter.
+    ``SPLITS`` = 1 leaves the workspace and counters unused.
     """
     pdl_start(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
-    seq, token, head, row_valid, position, q, lo, hi = _tile_queries(  # waits for the previous kernel (PDL)
-        Q, cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, kv_head, window, attn_chunk, stride_qt, stride_qh,
-        GROUP, GROUP_PAD, BLOCK_M, BLOCK_N, D, D_PAD, USE_WINDOW, USE_CHUNK, PDL,
-    )
     split = tl.program_id(2)
-    start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DV_PAD], tl.float32)
-    m_i, l_i, acc = _attend_blocks(
-        q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, start, end,
-        scale, softcap, window,
-        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
-        PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE, attn_chunk, USE_CHUNK,
+    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
+    seq, q_first, q_end, context, lo, hi = _tile_keys(
+        cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, window, attn_chunk, BLOCK_M, BLOCK_N,
+        USE_WINDOW, USE_CHUNK,
     )
-    if SPLITS == 1:
-        _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD, m_i, Sinks, USE_SINKS)
-    else:
-        pair = tile * tl.num_programs(1) + kv_head
-        _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-                      Out, token, head, stride_ot, stride_oh, _active_splits(lo, hi, SPLITS, BLOCK_N),
-                      ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
+    start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)
+    if split < _active_splits(lo, hi, SPLITS, BLOCK_N):  # a split past the keys does nothing (no wait, store, count)
+        pdl_wait(PDL)
+        token, head, row_valid, position, q = _tile_queries(
+            Q, q_first, q_end, context, kv_head, stride_qt, stride_qh, GROUP, GROUP_PAD, BLOCK_M, D, D_PAD,
+        )
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+        m_i, l_i, acc = _attend_blocks(
+            q, m_i, l_i, acc, K_cache, V_cache, block_tables, seq, kv_head, position, start, end,
+            scale, softcap, window,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_bt,
+            PAGE, BLOCK_N, D, D_PAD, DV, DV_PAD, USE_SOFTCAP, USE_WINDOW, IEEE, attn_chunk, USE_CHUNK,
+        )
+        if SPLITS == 1:
+            _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD, m_i, Sinks,
+                        USE_SINKS)
+        else:
+            pair = tile * tl.num_programs(1) + kv_head
+            _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
+                          Out, token, head, stride_ot, stride_oh, _active_splits(lo, hi, SPLITS, BLOCK_N),
+                          ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
 
 
 @triton.jit
@@ -259,10 +273,10 @@ def _merge_splits(
     Sinks=None, USE_SINKS: tl.constexpr = False,
 ):
     """Split ``split`` of program group ``pair`` stores its partial softmax (row max ``m_i``, row
-    sum ``l_i``, unnormalized fp32 ``acc``) in the workspace; the last of the ``SPLITS`` to arrive
-    (an int32 counter, acquire-release at GPU scope after a CTA barrier) merges the partials in
-    split order, stores the rows and resets the counter. Only the first ``active`` splits hold
-    keys (:func:`_active_splits`): the merge reads nothing of the others (they add exact zeros).
+    sum ``l_i``, unnormalized fp32 ``acc``) in the workspace; the last of the ``active`` splits that
+    hold keys (:func:`_active_splits`: the only ones that come here) to arrive (an int32 counter,
+    acquire-release at GPU scope after a CTA barrier) merges their partials in split order, stores
+    the rows and resets the counter.
 
     Workspace: acc ``[pairs, SPLITS, ROWS, DV_PAD]``, (m, l) ``[pairs, SPLITS, 2, ROWS]``."""
     rows = tl.arange(0, ROWS)
@@ -274,7 +288,7 @@ def _merge_splits(
     tl.store(ml + ROWS, l_i, mask=row_valid)
     tl.debug_barrier()
     arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:
+    if arrived == active - 1:
         ml_base = Partial_ml + pair * SPLITS * (2 * ROWS) + rows
         m_max = tl.full([ROWS], float("-inf"), tl.float32)
         for s in tl.static_range(SPLITS):

@@ -21,6 +21,8 @@ The contract of a kernel launched with PDL, which :func:`options` switches on:
   step's inputs written before its first kernel (the attention's tiles, query offsets and
   context lengths: the decode graph's first kernel, a plain launch, copies the lengths, so
   every PDL kernel of the step starts after it);
+- a program with nothing to read or write may return without waiting (the attention's splits
+  past a short context: decided from those inputs alone);
 - a kernel may read before its wait what the kernel two before it wrote when the one between
   lets it launch only after its own wait (the expert GEMVs: gate_up triggers after waiting
   for the router, so the down GEMV reads the routing and prefetches its weights early).

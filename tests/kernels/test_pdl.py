@@ -48,7 +48,7 @@ def _kernels():
     """(kernel, runtime argument types, constexprs, num_warps, num_stages, whether it prefetches weights)."""
     pytest.importorskip("triton", reason="the Triton kernels need triton (the test extra installs it)")
     from miles_host.kernels import _moe_grouped_triton, _moe_router_triton, _rmsnorm_triton, _rotary_triton
-    from miles_host.kernels import _small_m_gemm_triton, paged_attention
+    from miles_host.kernels import _small_m_gemm_triton, mla_attention, paged_attention
     from miles_host.kernels._moe_grouped_triton import layout_constants
 
     import triton.language as tl
@@ -85,6 +85,12 @@ def _kernels():
                             dict(GROUP=8, GROUP_PAD=8, BLOCK_M=2, PAGE=16, BLOCK_N=32, D=128, D_PAD=128, DV=128,
                                  DV_PAD=128, SPLITS=16, USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False), 4, 2,
                             True),  # the step's tiles and context lengths before the wait
+        "mla_attention": (mla_attention._mla_attention_kernel,
+                          {"Q_latent": bf16, "Q_rope": bf16, "Cache": bf16, "Out": bf16, "Partial_acc": "*fp32",
+                           "Partial_ml": "*fp32", "Counters": "*i32", "block_tables": "*i32", "context_lens": "*i32",
+                           "cu_seqlens_q": "*i32", "tile_seq": "*i32", "tile_q_start": "*i32", "scale": "fp32"},
+                          dict(R=512, R_PAD=512, P=64, P_PAD=64, BLOCK_M=1, BLOCK_H=16, PAGE=16, BLOCK_N=32,
+                               SPLITS=16, IEEE=False), 4, 2, True),  # the same metadata before its wait
         "router": (_moe_router_triton._router_kernel,
                    {"Logits": bf16, "Bias": "*fp32", "Ids": "*i64", "Weights": bf16, "RowToken": "*i64",
                     "PairRow": "*i64", "BlockExpert": "*i32", "Scratch": "*i32", "norm_eps": "fp32",
@@ -113,8 +119,8 @@ def _kernels():
     }
 
 
-@pytest.mark.parametrize("name", ["rmsnorm", "small_m", "gemv", "qk_norm_rope", "kv_write", "paged_attention", "router",
-                                  "route", "moe_gemm", "combine", "moe_gemv_gate_up", "moe_gemv_down",
+@pytest.mark.parametrize("name", ["rmsnorm", "small_m", "gemv", "qk_norm_rope", "kv_write", "paged_attention",
+                                  "mla_attention", "router", "route", "moe_gemm", "combine", "moe_gemv_gate_up", "moe_gemv_down",
                                   "moe_gemv_combine"])
 def test_pdl_kernels_wait_before_they_write(name):
     """Built for sm_90 with PDL: the trigger, then the wait before any store or atomic; only the
