@@ -154,7 +154,8 @@ for step in "${steps[@]}"; do
           --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     b1_tests) run b1_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py tests/models/test_blocks.py \
-        tests/kernels/test_mla_attention.py -k "gemv or split or router or pdl or rotary or engine or latent or mla" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers
+        tests/kernels/test_mla_attention.py tests/models/test_mla_latent_cache.py \
+        -k "gemv or split or router or pdl or rotary or engine or latent or mla or decode_graphs" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers, the latent MLA kernel and engine
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \

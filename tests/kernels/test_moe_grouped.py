@@ -449,5 +449,6 @@ def test_gpu_decode_graphs_capture_the_fused_path(monkeypatch):
     calls = []
     original = moe_grouped.fused_moe
     monkeypatch.setattr(moe_grouped, "fused_moe", lambda *a, **k: calls.append(torch.is_grad_enabled()) or original(*a, **k))
-    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64)
+    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64,
+                    max_kv_cache_tokens=4096)
     assert engine.runner.graphs is not None and calls and not any(calls)

@@ -263,7 +263,8 @@ def test_gpu_decode_graphs_capture_the_fused_router(monkeypatch):
     original = moe_router.fused_route
     monkeypatch.setattr(moe_router, "fused_route", lambda logits, *a, **k: calls.append(
         (logits.shape[0], torch.cuda.is_current_stream_capturing())) or original(logits, *a, **k))
-    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64)
+    engine = Engine(build_model("tiny", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=64,
+                    max_kv_cache_tokens=4096)
     assert engine.runner.graphs is not None and any(capturing for _, capturing in calls)
     results = engine.generate([[1, 2, 3], [4, 5]], [{"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}] * 2,
                               return_logprob=False)
