@@ -23,6 +23,7 @@
 #                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        b1_ab (b1 decode: _baseline/ (an older tree's miles_host and bench), this tree, this tree with --moe-combine epilogue)
+#        h200_b1 (on an H200: the expert GEMV and small-M sweeps, then b1 decode with the defaults and with the fastest launches)
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1)
@@ -152,6 +153,13 @@ for step in "${steps[@]}"; do
           --prefill-seqs 0 --new-tokens 256 --repeats 3
         for c in separate epilogue; do run "b1_tree_${c}_$round" 100 python3 bench/moe.py --precisions bf16 --kernels fused \
           --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
+    h200_b1) run b1_gemv_sweep 120 python3 -m bench.moe_gemv_sweep --shapes qwen3 --json "$OUT/moe_gemv_sweep.json"
+      run b1_small_m_sweep 120 python3 -m bench.small_m_sweep --json "$OUT/small_m_sweep.json"
+      b1="python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3"
+      run b1_defaults 90 $b1
+      run b1_swept 90 $b1 --gemv-table "$OUT/moe_gemv_sweep.json" --small-m-table "$OUT/small_m_sweep.json"
+      run b1_swept_32_splits 90 $b1 --gemv-table "$OUT/moe_gemv_sweep.json" --small-m-table "$OUT/small_m_sweep.json" \
+        --max-decode-splits 32 ;;  # one call where the machine is an H200: the expert GEMV's and the small-M GEMM's launches swept there, then b1 decode (the >= 60% goal's case) with the defaults, with the fastest swept launches, and with those and 32 KV splits
     b1_tests) run b1_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_grouped.py \
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py tests/models/test_blocks.py \
         tests/kernels/test_mla_attention.py tests/models/test_mla_latent_cache.py \

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import torch
 
@@ -108,6 +109,20 @@ def sweep(name: str, calls: int, replays: int, device: torch.device) -> list[dic
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
                 print(f"{name} {projection} {label}: failed: {str(error).splitlines()[0][:160]}", flush=True)
     return results
+
+
+def fastest_launches(path: str, shape: str = "qwen3") -> dict:
+    """``{projection: GemvLaunch}``: the fastest launch of each projection of ``shape`` in a ``--json``
+    file (for :data:`~miles_host.kernels.moe_configs.GEMV_LAUNCHES`, as ``bench/moe.py --gemv-table``)."""
+    from miles_host.kernels.moe_configs import GemvLaunch
+
+    with open(path) as f:
+        rows = [row for row in json.load(f) if row["shape"] == shape]
+    table = {}
+    for projection in dict.fromkeys(row["projection"] for row in rows):
+        best = min((row for row in rows if row["projection"] == projection), key=lambda row: row["us"])
+        table[projection] = GemvLaunch(**best["fields"])
+    return table
 
 
 def main() -> int:

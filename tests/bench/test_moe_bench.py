@@ -40,3 +40,18 @@ def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path, monkeypatch):
     mla = model.config.mla  # the bound counts the engine's latent cache: one row per token and layer
     row_values = model.config.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)
     assert decode["tiny_dsv3"]["kv_bytes_per_token"] in (2 * row_values, 4 * row_values)  # bf16, or float32 on CPU
+
+
+def test_gemv_table_takes_the_fastest_launch_of_each_projection(tmp_path):
+    from bench.moe_gemv_sweep import fastest_launches
+    from miles_host.kernels.moe_configs import GemvLaunch
+
+    def row(shape, projection, us, block_n):
+        return dict(shape=shape, projection=projection, launch=f"n{block_n}", us=us, tb_s=1.0,
+                    fields=dict(block_n=block_n, block_k=256, num_warps=4))
+
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps([row("qwen3", "gate_up", 19.0, 8), row("qwen3", "gate_up", 18.0, 4),
+                                row("qwen3", "down", 9.0, 16), row("dsv3", "down", 1.0, 32)]))
+    assert fastest_launches(str(path)) == {"gate_up": GemvLaunch(4, 256, 4), "down": GemvLaunch(16, 256, 4)}
+    assert fastest_launches(str(path), "dsv3") == {"down": GemvLaunch(32, 256, 4)}
