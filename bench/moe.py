@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import decode_launches  # noqa: E402
 from bench.device_peaks import bf16_flops, decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
@@ -477,20 +478,7 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mem-fraction", type=float, default=0.85)
-    parser.add_argument("--small-m-gemm", choices=["triton", "torch"], default="triton",
-                        help="the decode linears of <= 4 tokens: the split-K Triton GEMM or cuBLAS (a baseline)")
-    parser.add_argument("--small-m-table", default=None, help="a bench/small_m_sweep.py --json file: every case "
-                        "uses its fastest launch of each swept shape")
-    parser.add_argument("--gemv-table", default=None, help="a bench/moe_gemv_sweep.py --json file: the expert "
-                        "GEMV's fastest launch of each projection (its shape --gemv-shape) for every case")
-    parser.add_argument("--gemv-shape", default="qwen3", help="the swept shape --gemv-table takes")
-    parser.add_argument("--decode-split-keys", type=int, default=None,
-                        help="keys per iteration of the split-KV decode attention (paged_attention.DECODE_SPLIT_KEYS)")
-    parser.add_argument("--max-decode-splits", type=int, default=None,
-                        help="most KV splits of a decode launch (paged_attention.MAX_DECODE_SPLITS)")
-    parser.add_argument("--drop-launch", action="append", default=[], metavar="MxNxK",
-                        help="remove this shape from the small-M launch table (its default launch, or cuBLAS for the "
-                             "LM head: the baseline of a table entry)")
+    decode_launches.add_arguments(parser)
     parser.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
                         help="set a kernel switch for every case (repeatable; e.g. int4_moe_gemv_tokens=0)")
     parser.add_argument("--compare-eager-sampling", action="store_true",
@@ -525,30 +513,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from miles_host.kernels import small_m_gemm, switches
+    from miles_host.kernels import switches
 
-    switches.setVALUES(**{small_m_gemm.SMALL_M.name: args.small_m_gemm})
-    if args.small_m_table:
-        from bench.small_m_sweep import fastest_launches
-
-        small_m_gemm.LAUNCHES.update(fastest_launches(args.small_m_table))
-        print(f"small-M launches: {small_m_gemm.LAUNCHES}")
-    if args.gemv_table:
-        from bench.moe_gemv_sweep import fastest_launches as fastest_gemv
-        from miles_host.kernels import moe_configs
-
-        moe_configs.GEMV_LAUNCHES.update(fastest_gemv(args.gemv_table, args.gemv_shape))
-        print(f"expert GEMV launches: {moe_configs.GEMV_LAUNCHES}")
-    if args.decode_split_keys or args.max_decode_splits:
-        from miles_host.kernels import paged_attention
-
-        paged_attention.DECODE_SPLIT_KEYS = args.decode_split_keys or paged_attention.DECODE_SPLIT_KEYS
-        paged_attention.MAX_DECODE_SPLITS = args.max_decode_splits or paged_attention.MAX_DECODE_SPLITS
-        print(f"split-KV decode: {paged_attention.DECODE_SPLIT_KEYS} keys per iteration, at most "
-              f"{paged_attention.MAX_DECODE_SPLITS} splits")
-    for shape in args.drop_launch:
-        small_m_gemm.LAUNCHES.pop(tuple(int(v) for v in shape.split("x")))
-        print(f"small-M launch table without {shape}")
+    decode_launches.apply(args)
     for setting in args.switch:  # plugins declare their switches on import
         name, _, raw = setting.partition("=")
         _import_switch_owner(name)
