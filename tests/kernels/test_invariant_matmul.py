@@ -11,7 +11,6 @@ alternative config of :data:`~miles_host.kernels.invariant_matmul.M_TIERS`.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -201,24 +200,3 @@ def test_gpu_lm_head_weight_gradient_strides():
     hidden = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
     a = grad_logits.t()[-300:]  # the last vocabulary rows: [300, 16384], strides (1, 151936)
     assert_close_to_reference(invariant_mm(a, hidden), a, hidden)
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_speed_report():
-    """Times against cuBLAS (printed with ``-s``; asserts nothing about speed)."""
-    for n, k in QWEN3_0_6B_SHAPES:
-        for m in (1, 64, 4096):
-            a, b, _ = operands(m, n, k, torch.bfloat16, device="cuda")
-            times = {}
-            for name, fn in (("invariant", lambda: invariant_mm(a, b)), ("cublas", lambda: a @ b)):
-                fn()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-                times[name] = (time.perf_counter() - start) / 20
-            tflops = 2 * m * n * k / times["invariant"] / 1e12
-            print(f"M={m} N={n} K={k}: invariant {times['invariant'] * 1e6:.0f} us ({tflops:.0f} TFLOP/s), "
-                  f"cuBLAS {times['cublas'] * 1e6:.0f} us")

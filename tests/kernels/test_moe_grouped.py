@@ -6,14 +6,13 @@ CPU: ``interpreted_moe_grouped.py``, ``interpreted_moe_fused.py`` and ``interpre
 (tiny shapes: H=32, I=16, E=8, K=2); the routing layout, the tile table, the CPU
 fallback and the ``--moe-kernel`` switch are checked here.
 GPU (marked ``gpu``): ``python -m pytest tests/kernels/test_moe_grouped.py -m gpu -v -s``
-on Qwen3-MoE shapes (H=1024, I=384, E=64, K=8): accuracy, CUDA-graph capture and
-a timing print against ``routed_forward`` and ``_dense_over_experts``.
+on Qwen3-MoE shapes (H=1024, I=384, E=64, K=8): accuracy and CUDA-graph capture (the timings
+against the per-expert loop are ``bench/moe.py``'s).
 """
 
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from miles_host.kernels.moe_grouped import (
     gemm_config, grouped_moe_forward, grouped_moe_forward_reference, pick_block_m, route,
 )
 from miles_host.models.config import MoEConfig
-from miles_host.models.mlp import Experts, _dense_over_experts, routed_forward
+from miles_host.models.mlp import Experts, routed_forward
 from tests.plugins.triton_interpret import run_interpreted
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -241,16 +240,6 @@ def test_kernel_compiles_for_sm90(dtype):
 # ----------------------------------------------------------------------------- GPU
 
 
-def _timed(fn, repeats=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 4096])
@@ -417,25 +406,6 @@ def test_gpu_route_kernel_is_the_torch_layout(num_tokens):
         assert torch.equal(got.block_expert_B, expected.block_expert_B)
         assert torch.equal(got.row_token_R[got.pair_row_TK],
                            torch.arange(num_tokens, device="cuda")[:, None].expand(-1, 8))
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_gpu_speed_report():
-    """Times against ``routed_forward`` (eager) and ``_dense_over_experts`` (printed with ``-s``)."""
-    hidden, inter, num_experts, top_k = QWEN3_MOE
-    experts = make_experts(hidden, inter, num_experts, top_k, torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        for num_tokens in (1, 64, 256, 4096):
-            x, ids, weights = routing_inputs(num_tokens, hidden, num_experts, top_k, torch.bfloat16, device="cuda")
-            fns = {
-                "grouped": lambda: grouped_moe_forward(x, ids, weights, experts.gate_up_proj, experts.down_proj),
-                "routed": lambda: routed_forward(x, ids, weights, num_experts, experts.expert_mlp),
-            }
-            if num_tokens <= 256:
-                fns["dense"] = lambda: _dense_over_experts(x, ids, weights, num_experts, experts.expert_mlp)
-            times = {name: _timed(fn) * 1e6 for name, fn in fns.items()}
-            print(f"T={num_tokens}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
 
 
 @pytest.mark.gpu
