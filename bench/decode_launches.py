@@ -34,6 +34,13 @@ def apply(args: argparse.Namespace) -> None:
     """Set the launch tables and constants that ``args`` name (printing each)."""
     from miles_host.kernels import moe_configs, paged_attention, small_m_gemm, switches
 
+    keys, splits = args.decode_split_keys, args.max_decode_splits
+    if keys is not None and (keys < 16 or keys & (keys - 1)):
+        raise SystemExit(f"--decode-split-keys {keys}: the kernel's key block is a power of two of at least 16 "
+                         "(tl.dot's smallest tile); e.g. 32 or 64")
+    if splits is not None and splits < 1:
+        raise SystemExit(f"--max-decode-splits {splits}: at least 1 (1: the unsplit kernel)")
+
     switches.setVALUES(**{small_m_gemm.SMALL_M.name: args.small_m_gemm})
     if args.small_m_table:
         from bench.small_m_sweep import fastest_launches

@@ -40,6 +40,9 @@ from miles_host.kernels.paged_attention import (
 LATENT_ROWS = 16
 #: keys per iteration: 32 latent rows of 512 bf16 values are 32 KB of shared memory per stage
 LATENT_KEYS = 32
+#: split-KV decode programs per SM aimed at (:func:`decode_splits`): what the DeepSeek-V3 shape was
+#: measured with (the GQA kernel's own choice was swept apart from it)
+LATENT_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -166,7 +169,8 @@ def mla_attention_triton(
     num_tiles = meta.tile_seq.shape[0]
     out = torch.empty(num_tokens, num_heads, rank, dtype=q_latent_TNR.dtype, device=q_latent_TNR.device)
     if splits is None:
-        splits = decode_splits(num_tiles, head_blocks, q_latent_TNR.device) if meta.is_decode else 1
+        splits = (decode_splits(num_tiles, head_blocks, q_latent_TNR.device, LATENT_PROGRAMS_PER_SM)
+                  if meta.is_decode else 1)
     r_pad = max(16, _next_pow2(rank))
     if splits == 1:  # no workspace: placeholders the kernel never reads
         partial_acc = partial_ml = counters = out

@@ -375,14 +375,17 @@ def build_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
     )
 
 
-def decode_splits(num_tiles: int, num_kv_heads: int, device: torch.device) -> int:
+def decode_splits(num_tiles: int, num_kv_heads: int, device: torch.device,
+                  programs_per_sm: int | None = None) -> int:
     """KV splits of a decode launch of ``num_tiles`` x ``num_kv_heads`` programs.
 
     From the grid alone, never from context lengths (a CUDA graph replays the launch as
     the contexts grow): the largest power of two up to :data:`MAX_DECODE_SPLITS` that keeps
-    the grid within :data:`DECODE_PROGRAMS_PER_SM` programs per SM; 1 (the unsplit kernel)
-    once the grid fills the SMs. Batch 1 of 8 KV heads on an H200 (132 SMs): 16 splits.
+    the grid within ``programs_per_sm`` (default :data:`DECODE_PROGRAMS_PER_SM`) programs per
+    SM; 1 (the unsplit kernel) once the grid fills the SMs. Batch 1 of 8 KV heads on an H200
+    (132 SMs): 16 splits.
     """
+    programs_per_sm = programs_per_sm or DECODE_PROGRAMS_PER_SM
     programs = num_tiles * num_kv_heads
     if device.type == "cuda":
         sms = split_k.num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -390,7 +393,7 @@ def decode_splits(num_tiles: int, num_kv_heads: int, device: torch.device) -> in
         sms = DEFAULT_SMS
     splits = 1
     if programs < sms:
-        while splits * 2 <= MAX_DECODE_SPLITS and programs * splits * 2 <= DECODE_PROGRAMS_PER_SM * sms:
+        while splits * 2 <= MAX_DECODE_SPLITS and programs * splits * 2 <= programs_per_sm * sms:
             splits *= 2
     return splits
 
