@@ -10,12 +10,15 @@ median of ``--replays``). The default launch (:func:`~miles_host.kernels.paged_a
 is marked. Every candidate's output is checked against the PyTorch reference first.
 
     python -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096
+    python -m bench.attention_decode_sweep --mla --heads-q 128 --split-keys 16,32,64 (DeepSeek-V3's latent MLA)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -52,7 +55,23 @@ def decode_case(batch: int, context: int, calls: int, heads_q: int, heads_kv: in
     return q, k_cache, v_cache, metas
 
 
-def sweep(batch: int, context: int, args, device) -> list[dict]:
+@dataclasses.dataclass
+class DecodeKernel:
+    """One decode attention kernel under the sweep: ``launch(meta, splits)``, the reference output of
+    the first call, the split count its launcher picks, the module constant of its keys per
+    iteration and the KV bytes one call reads."""
+
+    launch: Callable
+    expected: torch.Tensor
+    default_splits: int
+    keys_module: object
+    keys_name: str
+    kv_bytes: int
+    metas: list
+
+
+def gqa_kernel(batch: int, context: int, args, device) -> DecodeKernel:
+    """The paged GQA kernel (``--heads-q`` / ``--heads-kv`` heads of ``--dim``)."""
     from miles_host.kernels import paged_attention
     from miles_host.rollout.attention import paged_attention_reference
 
@@ -64,34 +83,66 @@ def sweep(batch: int, context: int, args, device) -> list[dict]:
     first = metas[0]
     expected = paged_attention_reference(q, k_cache, v_cache, first.block_tables_BM, list(range(batch + 1)),
                                          [context] * batch, scale=scale).float()
-    default_splits = paged_attention.decode_splits(first.tile_seq.shape[0], args.heads_kv, device)
-    default_keys = paged_attention.DECODE_SPLIT_KEYS
+    return DecodeKernel(
+        lambda meta, splits: paged_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale=scale,
+                                                                    splits=splits),
+        expected, paged_attention.decode_splits(first.tile_seq.shape[0], args.heads_kv, device),
+        paged_attention, "DECODE_SPLIT_KEYS", kv_bytes, metas)
+
+
+def mla_kernel(batch: int, context: int, args, device) -> DecodeKernel:
+    """The latent MLA kernel (``--mla``: ``--heads-q`` heads over one latent row of ``--rank`` +
+    ``--rope`` per token, DeepSeek-V3's 128 x (512 + 64) by default)."""
+    from miles_host.kernels import mla_attention
+    from miles_host.kernels.paged_attention import decode_splits, tokens_per_tile
+    from miles_host.rollout.attention import paged_attention_reference
+
+    rank, width = args.rank, args.rank + args.rope
+    kv_bytes = batch * context * width * 2
+    calls = max(args.min_calls, math.ceil(args.cold_bytes / kv_bytes))
+    q, cache, _, metas = decode_case(batch, context, calls, args.heads_q, 1, width, args.page, device)
+    scale = width ** -0.5
+    first = metas[0]
+    expected = paged_attention_reference(q, cache, cache[..., :rank], first.block_tables_BM, list(range(batch + 1)),
+                                         [context] * batch, scale=scale).float()
+    head_blocks = math.ceil(args.heads_q / mla_attention.heads_per_program(args.heads_q,
+                                                                           tokens_per_tile(args.heads_q, 1, True)))
+    return DecodeKernel(
+        lambda meta, splits: mla_attention.mla_attention_triton(q[..., :rank], q[..., rank:], cache[:, :, 0], meta,
+                                                                scale=scale, splits=splits),
+        expected, decode_splits(first.tile_seq.shape[0], head_blocks, device, mla_attention.LATENT_PROGRAMS_PER_SM),
+        mla_attention, "LATENT_KEYS", kv_bytes, metas)
+
+
+def sweep(batch: int, context: int, args, device) -> list[dict]:
+    kernel = (mla_kernel if args.mla else gqa_kernel)(batch, context, args, device)
+    default_keys = getattr(kernel.keys_module, kernel.keys_name)
+    first, calls = kernel.metas[0], len(kernel.metas)
     results = []
-    for split_keys in (int(v) for v in args.split_keys.split(",")):
+    key_counts = [int(v) for v in args.split_keys.split(",")]
+    for split_keys in key_counts:
         for splits in (int(v) for v in args.splits.split(",")):
-            if splits == 1 and split_keys != default_keys:
-                continue  # one split does not read DECODE_SPLIT_KEYS
+            if splits == 1 and split_keys != key_counts[0] and not args.mla:
+                continue  # the GQA kernel's one split does not read DECODE_SPLIT_KEYS: timed once
             label = f"splits {splits} keys {split_keys}"
-            if splits == default_splits and (splits == 1 or split_keys == default_keys):
+            if splits == kernel.default_splits and (splits == 1 or split_keys == default_keys):
                 label += " (default)"
-            paged_attention.DECODE_SPLIT_KEYS = split_keys
+            setattr(kernel.keys_module, kernel.keys_name, split_keys)
             try:
-                out = paged_attention.paged_attention_triton(q, k_cache, v_cache, first, scale=scale, splits=splits)
-                error = (out.float() - expected).abs().max().item()
+                out = kernel.launch(first, splits)
+                error = (out.float() - kernel.expected).abs().max().item()
                 if error > 2e-2:
                     print(f"b{batch} ctx {context} {label}: WRONG (max abs error {error:.3g})", flush=True)
                     continue
-                seconds = graph_seconds(
-                    lambda: [paged_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale=scale,
-                                                                    splits=splits) for meta in metas],
-                    device, args.replays) / calls
+                seconds = graph_seconds(lambda: [kernel.launch(meta, splits) for meta in kernel.metas],
+                                        device, args.replays) / calls
                 results.append(dict(batch=batch, context=context, splits=splits, split_keys=split_keys, label=label,
-                                    us=seconds * 1e6, tb_s=kv_bytes / seconds / 1e12))
+                                    us=seconds * 1e6, tb_s=kernel.kv_bytes / seconds / 1e12))
                 print(f"  b{batch} ctx {context} {label}: {seconds * 1e6:.2f} us", flush=True)  # as measured
             except Exception as error:  # noqa: BLE001 - a candidate that does not build is reported, skipped
                 print(f"b{batch} ctx {context} {label}: failed: {str(error).splitlines()[0][:160]}", flush=True)
             finally:
-                paged_attention.DECODE_SPLIT_KEYS = default_keys
+                setattr(kernel.keys_module, kernel.keys_name, default_keys)
     return results
 
 
@@ -105,6 +156,9 @@ def main() -> int:
     parser.add_argument("--heads-kv", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--mla", action="store_true", help="the latent MLA kernel (keys per iteration: LATENT_KEYS)")
+    parser.add_argument("--rank", type=int, default=512, help="--mla: the latent width")
+    parser.add_argument("--rope", type=int, default=64, help="--mla: the rope key width")
     parser.add_argument("--cold-bytes", type=float, default=128e6, help="KV bytes read per graph at least")
     parser.add_argument("--min-calls", type=int, default=8)
     parser.add_argument("--replays", type=int, default=30)

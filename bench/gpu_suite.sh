@@ -27,7 +27,7 @@
 #        h200_b1 (on an H200: the expert GEMV and small-M sweeps, then b1 decode with the defaults and with the fastest launches)
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
-#        moe_gemv_sweep (the expert GEMV's launches at batch 1)
+#        moe_gemv_sweep (the expert GEMV's launches at batch 1) mla_attention_sweep (the latent MLA decode kernel's launches)
 #        b1_profile (bf16 MoE b1 decode with the defaults, kernel time per token)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
 #        moe_router (one MoE block graph-timed with the fused and the eager router, then bf16 decode b1/b8/b32 with each)
@@ -145,6 +145,8 @@ for step in "${steps[@]}"; do
         --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
     b1_profile) run b1_profile 200 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 2 --profile-batch 1 --profile-top 45 ;;  # the Qwen3-30B-A3B shape's b1 decode with the defaults: GPU kernel time per token by kernel
+    mla_attention_sweep) run mla_attention_sweep 240 python3 -m bench.attention_decode_sweep --mla --heads-q 128 \
+        --batches 1,32 --contexts 320,4096 --split-keys 16,32,64 --json "$OUT/mla_attention_sweep.json" ;;  # the latent MLA decode kernel's split counts and keys per iteration (DeepSeek-V3: 128 heads over 512 + 64 latents)
     moe_gemv_sweep) run moe_gemv_sweep 300 python3 -m bench.moe_gemv_sweep --shapes ${GEMV_SHAPES:-qwen3,dsv3} --json "$OUT/moe_gemv_sweep.json" ;;  # the one-pair expert GEMV's launches at batch 1 (Qwen3-30B-A3B and DeepSeek-V3 experts)
     attention_sweep) run attention_sweep 240 python3 -m bench.attention_decode_sweep --batches 1,32 --contexts 320,4096 \
         --json "$OUT/attention_sweep.json" ;;  # the paged-attention decode kernel's split counts and keys per iteration (Qwen3-30B-A3B heads)
