@@ -27,6 +27,7 @@
 #        h200_b1 (on an H200: the expert GEMV and small-M sweeps, then b1 decode with the defaults and with the fastest launches)
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
+#        mla_prefill (--mla-prefill expanded vs absorbed: GPU tests, DeepSeek-V3 prefill at 1k / 8k prompts)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1) mla_attention_sweep (the latent MLA decode kernel's launches)
 #        b1_profile (bf16 MoE b1 decode with the defaults, kernel time per token)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
@@ -167,6 +168,10 @@ for step in "${steps[@]}"; do
         tests/rollout/test_gpu_attention.py tests/kernels/test_moe_router.py tests/kernels/test_pdl.py tests/models/test_blocks.py \
         tests/kernels/test_mla_attention.py tests/models/test_mla_latent_cache.py \
         -k "gemv or split or router or pdl or rotary or engine or latent or mla or decode_graphs" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers, the latent MLA kernel and engine
+    mla_prefill) run mla_prefill_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/models/test_mla_latent_cache.py
+      for len in 1024 8192; do for p in absorbed expanded; do run "mla_prefill_${p}_$len" 150 python3 bench/moe.py --shapes dsv3 \
+        --layers 2 --precisions bf16 --kernels fused --batches 1 --new-tokens 8 --prefill-seqs 2 --prefill-len $len \
+        --repeats 1 --switch mla_prefill=$p; done; done ;;  # --mla-prefill expanded: its GPU tests (the engine vs transformers both ways), then the 2-layer DeepSeek-V3 shape's prefill tok/s absorbed vs expanded at 1k and 8k prompts
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \

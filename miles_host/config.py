@@ -220,6 +220,7 @@ class TrainArgs:
     moe_gemv_tokens: int = switch_flag("moe_gemv_tokens")
     moe_invariant_decode: str = switch_flag("moe_invariant_decode")
     mla_kv_cache: str = switch_flag("mla_kv_cache")
+    mla_prefill: str = switch_flag("mla_prefill")
     max_consecutive_nan_steps: int = flag(3, "stop (with a checkpoint) after this many NaN steps in a row", type=int, group="train")
 
 

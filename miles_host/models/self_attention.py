@@ -24,6 +24,8 @@ from miles_host.models.rope import yarn_softmax_scale_factor
 
 #: ``--mla-kv-cache``: whether the engine caches MLA layers as latents (see :class:`MLAttention`)
 LATENT_CACHE = switches.declare_host("mla_kv_cache")
+#: ``--mla-prefill``: a prefill step over latents ``absorbed`` (the latent kernel) or ``expanded`` (per head)
+LATENT_PREFILL = switches.declare_host("mla_prefill")
 #: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -243,6 +245,13 @@ class MLAttention(torch.nn.Module):
             q_rot.reshape(num_tokens, -1), k_rot, num_heads, 1, mla.qk_rope_head_dim, cos, sin,
             interleaved=self.rope_interleaved,
         )
+        if self._prefills_expanded(attention):
+            q_TND = torch.cat((q_nope, q_rot.to(q_nope.dtype)), dim=-1)
+            y_TNV = attention.attend_latent_expanded(
+                self.layer_index, q_TND, _norm(self.kv_a_norm, kv_latent), k_rot[:, 0],
+                lambda latent_CR: self._expand_latents(latent_CR.to(q_nope.dtype)), scale=self.scale,
+            )
+            return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1).to(x_TH.dtype))
         w_uk_NDR, w_uv_NVR = self.absorbed_weights(q_nope.dtype)
         q_latent_TNR = torch.bmm(q_nope.transpose(0, 1), w_uk_NDR).transpose(0, 1)
         y_TNR = attention.attend_latent(
@@ -250,6 +259,20 @@ class MLAttention(torch.nn.Module):
         )
         y_TNV = torch.bmm(y_TNR.transpose(0, 1).to(w_uv_NVR.dtype), w_uv_NVR.transpose(1, 2)).transpose(0, 1)
         return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1))
+
+    @staticmethod
+    def _prefills_expanded(attention: AttentionContext) -> bool:
+        """Whether this step runs as multi-head attention over expanded latents (``--mla-prefill
+        expanded``, a prefill step, a context that can)."""
+        meta = getattr(attention, "metadata", None)
+        return (switches.value(LATENT_PREFILL) == "expanded" and meta is not None and not meta.is_decode
+                and hasattr(attention, "attend_latent_expanded"))
+
+    def _expand_latents(self, latent_CR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_nope [C, N, Dn], v [C, N, Dv])`` of normalized latents: ``kv_b_proj``, as :meth:`project_qkv`."""
+        mla = self.mla
+        kv = self.kv_b_proj(latent_CR).view(latent_CR.shape[0], self.num_heads, -1)
+        return kv.split((mla.qk_nope_head_dim, mla.v_head_dim), dim=-1)
 
     def absorbed_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_UK [N, Dnope, R], W_UV [N, Dv, R])``: views of ``kv_b_proj``'s rows per head (of its

@@ -69,6 +69,48 @@ def test_prefix_sharing_preemption_and_chunked_prefill_over_latents(checkpoints)
     assert_small_cache_engine_matches(load_pretrained(checkpoints["deepseek_v3"], family=family_lookup))
 
 
+@pytest.mark.parametrize("case", CASES[:1])
+def test_expanded_prefill_over_latents_matches_transformers(case, checkpoints):
+    """``--mla-prefill expanded``: prefill steps expand each context's cached latents to per-head keys
+    and values (decode stays absorbed); greedy tokens and log-probs as transformers'."""
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
+    model = load_pretrained(checkpoints[case], family=family_lookup)
+    with switches.switched(mla_prefill="expanded"):
+        assert_engine_matches_transformers(hf_model, model)
+
+
+def test_expanded_prefill_through_prefix_sharing_preemption_and_chunked_prefill(checkpoints):
+    """Chunks after the first and requests sharing a cached prefix gather earlier pages' latents."""
+    with switches.switched(mla_prefill="expanded"):
+        assert_small_cache_engine_matches(load_pretrained(checkpoints["deepseek_v3"], family=family_lookup))
+
+
+def test_expanded_prefill_gives_the_absorbed_rows(checkpoints, monkeypatch):
+    """One prefill step over a cached prefix, the layer's output both ways: the same attention in
+    another order of the same products (float32: within rounding)."""
+    from miles_host.rollout.attention import PagedAttention
+
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
+    calls = []
+    original = PagedAttention.attend_latent_expanded
+    monkeypatch.setattr(PagedAttention, "attend_latent_expanded",
+                        lambda self, *a, **k: calls.append(self.metadata.context_lens_host) or original(self, *a, **k))
+    prompts = [[5, 9, 3, 17, 4, 8, 2, 2, 11, 6], [5, 9, 3, 17, 4, 8, 7]]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outputs = {}
+    for prefill in ("absorbed", "expanded"):
+        with switches.switched(mla_prefill=prefill):
+            engine = Engine(model, kv_cache_tokens=256, block_size=4, max_num_batched_tokens=6)
+            outputs[prefill] = engine.generate(prompts, params)
+    assert calls and any(max(lengths) > 6 for lengths in calls), "no chunk attended a cached prefix"
+    assert [o["output_ids"] for o in outputs["absorbed"]] == [o["output_ids"] for o in outputs["expanded"]]
+    for a, b in zip(outputs["absorbed"], outputs["expanded"]):
+        pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) <= 1e-5
+
+
 def test_true_on_policy_and_a_bf16_weight_keep_what_they_need(checkpoints):
     """Batch-invariant rollouts compute per head, as training does: the expanded cache."""
     model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
@@ -83,9 +125,12 @@ def test_true_on_policy_and_a_bf16_weight_keep_what_they_need(checkpoints):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", CASES)
-def test_gpu_latent_cache_engine_matches_transformers(case, checkpoints):
-    """Float32 on CUDA: the Triton latent kernel, decode in CUDA graphs."""
+@pytest.mark.parametrize("prefill", ["absorbed", "expanded"])
+def test_gpu_latent_cache_engine_matches_transformers(case, prefill, checkpoints):
+    """Float32 on CUDA: the Triton latent kernel (prefill too, or the paged kernel over expanded
+    latents with ``--mla-prefill expanded``), decode in CUDA graphs."""
     import transformers
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
-    assert_gpu_engine_matches_transformers(hf_model, load_pretrained(checkpoints[case], family=family_lookup))
+    with switches.switched(mla_prefill=prefill):
+        assert_gpu_engine_matches_transformers(hf_model, load_pretrained(checkpoints[case], family=family_lookup))
