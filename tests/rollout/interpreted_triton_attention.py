@@ -178,3 +178,19 @@ def test_kv_write_is_index_copy_bit_for_bit(kernels, monkeypatch, src, cache, he
     kernels.write_kv_cache(k_cache, v_cache, k, v, slots)
     assert torch.equal(_bits(k_cache), _bits(k_expected))
     assert torch.equal(_bits(v_cache), _bits(v_expected))
+
+
+def test_multi_head_prefill_over_a_cached_prefix_at_the_expanded_mla_widths(kernels):
+    """``--mla-prefill expanded``'s launch: one KV head per query head, a key width off a power of two
+    (DeepSeek-V3: 192, padded to 256) and a narrower value (128), new tokens after a cached prefix."""
+    heads, dim, dim_v, lengths_new, lengths_ctx = 4, 24, 16, [5, 3], [21, 3]
+    q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, heads, heads, dim, dim_v, block_size=PAGE)
+    meta = AttentionMetadata(
+        slot_mapping_T=torch.zeros(cu[-1], dtype=torch.long), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        context_lens_B=torch.tensor(lengths_ctx, dtype=torch.int32), block_tables_BM=tables,
+        max_q_len=max(lengths_new), max_context_len=max(lengths_ctx), is_decode=False,
+    )
+    meta.tile_seq, meta.tile_q_start = kernels.build_tiles(cu, kernels.tokens_per_tile(heads, heads, False), "cpu")
+    out = kernels.paged_attention_triton(q, k_cache, v_cache, meta, scale=dim ** -0.5)
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
