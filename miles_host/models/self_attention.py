@@ -26,6 +26,10 @@ from miles_host.models.rope import yarn_softmax_scale_factor
 LATENT_CACHE = switches.declare_host("mla_kv_cache")
 #: ``--mla-prefill``: a prefill step over latents ``absorbed`` (the latent kernel) or ``expanded`` (per head)
 LATENT_PREFILL = switches.declare_host("mla_prefill")
+#: most context tokens (summed over a step's sequences) an expanded prefill step expands: its per-head keys and
+#: values are a transient of ``heads x (k + v widths)`` values per token (DeepSeek-V3: 80 KB in bf16, 1.3 GB at
+#: this bound); a step over longer contexts runs absorbed
+EXPANDED_PREFILL_MAX_CONTEXT = 16384
 #: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -263,10 +267,12 @@ class MLAttention(torch.nn.Module):
     @staticmethod
     def _prefills_expanded(attention: AttentionContext) -> bool:
         """Whether this step runs as multi-head attention over expanded latents (``--mla-prefill
-        expanded``, a prefill step, a context that can)."""
+        expanded``, a prefill step of at most :data:`EXPANDED_PREFILL_MAX_CONTEXT` context tokens, a
+        context that can)."""
         meta = getattr(attention, "metadata", None)
         return (switches.value(LATENT_PREFILL) == "expanded" and meta is not None and not meta.is_decode
-                and hasattr(attention, "attend_latent_expanded"))
+                and hasattr(attention, "attend_latent_expanded") and meta.context_lens_host is not None
+                and sum(meta.context_lens_host) <= EXPANDED_PREFILL_MAX_CONTEXT)
 
     def _expand_latents(self, latent_CR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_nope [C, N, Dn], v [C, N, Dv])`` of normalized latents: ``kv_b_proj``, as :meth:`project_qkv`."""

@@ -134,3 +134,24 @@ def test_gpu_latent_cache_engine_matches_transformers(case, prefill, checkpoints
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
     with switches.switched(mla_prefill=prefill):
         assert_gpu_engine_matches_transformers(hf_model, load_pretrained(checkpoints[case], family=family_lookup))
+
+
+def test_expanded_prefill_falls_back_to_absorbed_over_long_contexts(checkpoints, monkeypatch):
+    """A step whose contexts sum past EXPANDED_PREFILL_MAX_CONTEXT tokens runs absorbed (the expanded
+    keys and values would be a transient of ~80 KB per context token at DeepSeek-V3's widths)."""
+    from miles_host.models import self_attention
+    from miles_host.rollout.attention import PagedAttention
+
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
+    expanded, absorbed = [], []
+    for name, seen in (("attend_latent_expanded", expanded), ("attend_latent", absorbed)):
+        original = getattr(PagedAttention, name)
+        monkeypatch.setattr(PagedAttention, name, lambda self, *a, _o=original, _s=seen, **k: _s.append(
+            (self.metadata.is_decode, sum(self.metadata.context_lens_host))) or _o(self, *a, **k))
+    monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", 8)
+    with switches.switched(mla_prefill="expanded"):
+        engine = Engine(model, kv_cache_tokens=256, block_size=4)
+        for prompt in ([5, 9, 3], [8, 2, 2, 11, 6, 7, 1, 4, 9, 3]):  # one step of 3 context tokens, one of 10
+            engine.generate([prompt], {"temperature": 0, "max_new_tokens": 2})
+    assert expanded and all(not decode and total <= 8 for decode, total in expanded)
+    assert any(not decode and total > 8 for decode, total in absorbed)
