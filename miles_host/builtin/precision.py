@@ -3,8 +3,7 @@ bf16 on GPU, float32 on CPU), which every other precision recipe replaces."""
 
 from __future__ import annotations
 
-from miles_host.kernels import fused_sampler, invariant_experts, moe_grouped, pdl, small_m_gemm, split_k, switches
-from miles_host.models import self_attention
+from miles_host.kernels import switches
 from miles_host.records import Precision
 
 
@@ -17,12 +16,9 @@ def _pass_through(named_tensors, config):
 
 
 def miles_process_start(config):
-    """The host's kernel switches (``--split-k-reduce``, ``--small-m-gemm``, ``--pdl``, ``--sampler-kernel``,
-    ``--moe-combine``, ``--moe-gemv-tokens``, ``--moe-invariant-decode``, ``--mla-kv-cache``) from the config,
-    in every process."""
-    switches.apply_config(config, [split_k.REDUCE, small_m_gemm.SMALL_M, pdl.PDL, fused_sampler.SAMPLER,
-                                   moe_grouped.COMBINE, moe_grouped.GEMV_TOKENS, invariant_experts.DECODE,
-                                   self_attention.LATENT_CACHE])
+    """The host's kernel switches (every record of :data:`miles_host.config_kernels.HOST_SWITCHES`:
+    ``--pdl``, ``--moe-combine``, ``--mla-prefill``, ...) from the config, in every process."""
+    switches.apply_config(config, switches.host_switches())
 
 
 def miles_register_precisions():

@@ -70,11 +70,12 @@ def _mla_attention_kernel(
     context = tl.load(context_lens + seq)
     last_token = tl.minimum(q_first + BLOCK_M, q_end) - 1
     hi = context - (q_end - last_token) + 1          # keys past the tile's last query are masked
-    if split < _active_splits(0, hi, SPLITS, BLOCK_N):  # a split past the keys does nothing (no wait, store, count)
+    active = _active_splits(0, hi, SPLITS, BLOCK_N)
+    if split < active:  # a split past the keys does nothing (no wait, store, count)
         pdl_wait(PDL)
         _mla_split(Q_latent, Q_rope, Cache, Out, Partial_acc, Partial_ml, Counters, block_tables, scale, num_heads,
                    stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cn, stride_cs, stride_ot, stride_oh,
-                   stride_bt, pair, pair % head_blocks, split, seq, q_first, q_end, context, hi,
+                   stride_bt, pair, pair % head_blocks, split, seq, q_first, q_end, context, hi, active,
                    R, R_PAD, P, P_PAD, BLOCK_M, BLOCK_H, PAGE, BLOCK_N, SPLITS, IEEE)
 
 
@@ -82,7 +83,7 @@ def _mla_attention_kernel(
 def _mla_split(
     Q_latent, Q_rope, Cache, Out, Partial_acc, Partial_ml, Counters, block_tables, scale, num_heads,
     stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cn, stride_cs, stride_ot, stride_oh, stride_bt,
-    pair, head_block, split, seq, q_first, q_end, context, hi,
+    pair, head_block, split, seq, q_first, q_end, context, hi, active,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -132,8 +133,7 @@ def _mla_split(
         _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, R, R_PAD)
     else:
         _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-                      Out, token, head, stride_ot, stride_oh, _active_splits(0, hi, SPLITS, BLOCK_N),
-                      ROWS, R, R_PAD, SPLITS)
+                      Out, token, head, stride_ot, stride_oh, active, ROWS, R, R_PAD, SPLITS)
 
 
 def heads_per_program(num_heads: int, tokens_in_tile: int) -> int:

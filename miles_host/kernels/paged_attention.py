@@ -241,7 +241,8 @@ def _paged_attention_kernel(
         USE_WINDOW, USE_CHUNK,
     )
     start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)
-    if split < _active_splits(lo, hi, SPLITS, BLOCK_N):  # a split past the keys does nothing (no wait, store, count)
+    active = _active_splits(lo, hi, SPLITS, BLOCK_N)
+    if split < active:  # a split past the keys does nothing (no wait, store, count)
         pdl_wait(PDL)
         token, head, row_valid, position, q = _tile_queries(
             Q, q_first, q_end, context, kv_head, stride_qt, stride_qh, GROUP, GROUP_PAD, BLOCK_M, D, D_PAD,
@@ -261,8 +262,7 @@ def _paged_attention_kernel(
         else:
             pair = tile * tl.num_programs(1) + kv_head
             _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
-                          Out, token, head, stride_ot, stride_oh, _active_splits(lo, hi, SPLITS, BLOCK_N),
-                          ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
+                          Out, token, head, stride_ot, stride_oh, active, ROWS, DV, DV_PAD, SPLITS, Sinks, USE_SINKS)
 
 
 @triton.jit

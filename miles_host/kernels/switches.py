@@ -61,6 +61,12 @@ def declare_host(name: str) -> Switch:
     return declare(spec.name, spec.default, spec.choices, spec.help)
 
 
+def host_switches() -> list[Switch]:
+    """Every switch of :data:`miles_host.config_kernels.HOST_SWITCHES` (the records the run config's
+    flags are made from), declared from its record if its kernel module has not been imported."""
+    return [declare_host(name) for name in HOST_SWITCHES]
+
+
 def declared(name: str) -> Switch:
     """The switch called ``name`` (ValueError listing the declared ones)."""
     if name not in _DECLARED:
@@ -106,5 +112,6 @@ def apply_config(config: Any, switches: Iterable[Switch]) -> None:
     setVALUES(**{switch.name: getattr(config, switch.name) for switch in switches})
 
 
-__all__ = ["VALUES", "Switch", "add_flags", "apply_config", "declare", "declare_host", "declared", "setVALUES",
+__all__ = ["VALUES", "Switch", "add_flags", "apply_config", "declare", "declare_host", "declared", "host_switches",
+           "setVALUES",
            "switched", "value"]

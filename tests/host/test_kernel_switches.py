@@ -85,18 +85,33 @@ def test_no_production_code_reads_a_miles_environment_variable():
 
 
 def test_every_host_switch_is_declared_from_its_record_and_is_a_config_flag():
-    """Each record of ``HOST_SWITCHES`` is declared by its kernel module (imported by the built-in precision
-    plugin) and is a ``kernels``-group config field with the record's default and choices."""
+    """Each record of ``HOST_SWITCHES`` is declared from that record and is a ``kernels``-group config
+    field with the record's default and choices."""
     import dataclasses
 
-    from miles_host.builtin import precision  # noqa: F401 - imports every host switch's module
     from miles_host.config import TrainArgs
     from miles_host.config_kernels import HOST_SWITCHES
 
     fields = {f.name: f for f in dataclasses.fields(TrainArgs)}
+    switches.host_switches()
     for name, spec in HOST_SWITCHES.items():
         switch = switches.declared(name)
         assert (switch.default, switch.choices, switch.help) == (spec.default, spec.choices, spec.help), name
         assert fields[name].default == spec.default and fields[name].metadata["group"] == "kernels", name
         choices = fields[name].metadata["choices"]
         assert (tuple(choices) if choices is not None else None) == spec.choices, name
+
+
+def test_process_start_sets_every_host_switch_from_the_config():
+    """The built-in plugin's process start applies every record of ``HOST_SWITCHES`` (a switch added
+    there cannot be a flag the run accepts and never sets)."""
+    import dataclasses
+
+    from miles_host.builtin.precision import miles_process_start
+    from miles_host.config import TrainArgs
+    from miles_host.config_kernels import HOST_SWITCHES
+
+    chosen = {name: (spec.choices[-1] if spec.choices is not None else spec.default + 1)
+              for name, spec in HOST_SWITCHES.items()}
+    miles_process_start(dataclasses.replace(TrainArgs(), **chosen))
+    assert {name: switches.value(switches.declared(name)) for name in HOST_SWITCHES} == chosen
