@@ -14,6 +14,7 @@
 #        true_on_policy_moe_batched (--moe-invariant-decode batched: its GPU test, then the MoE true on-policy bench)
 #        moe_quantized_decode moe_int4_profile (FP8/INT4 vs bf16 MoE decode at b1/b32; INT4 b1 kernels) moe_dsv3 (H200 only) moe_dsv3_h100 (2 layers)
 #        moe_dsv3_quantized (the 2-layer DeepSeek-V3 shape, bf16 vs FP8 and INT4, over the latent cache)
+#        h200_dsv3 (one H200 call: Qwen3 b1 defaults, MLA GPU tests, the 4-layer DeepSeek-V3 shape)
 #        h200_moe (one H200 call: the DeepSeek-V3 shape, then the Qwen3 shape's b1/b32 defaults vs the ones before)
 #        moe_sweep_decode (the FP8 / INT4 experts' tile sweep at T = 1 and 32) moe_gemv (the INT4 experts' batch-1 GEMV: tests, decode)
 #        decode_switches (--sampler-kernel triton, --moe-combine epilogue, --moe-gemv-tokens 1, --pdl on: their GPU
@@ -129,6 +130,12 @@ for step in "${steps[@]}"; do
       run decode_before_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3 --switch sampler_kernel=torch --switch moe_gemv_tokens=0 \
         --switch pdl=off --drop-launch 1x151936x2048 ;;  # one H200 call (needs_h200: the DeepSeek-V3 shape's ~95 GB): that shape's decode and prefill, then the Qwen3-30B-A3B shape's b1/b32 with the defaults and with the ones before them
+    h200_dsv3) run b1_defaults 90 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
+        --new-tokens 256 --repeats 3
+      run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py
+      run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
+        --prefill-seqs 8 --repeats 1 --json "$OUT/moe_dsv3.json" ;;  # one H200 call (needs_h200: the 4-layer DeepSeek-V3 shape's ~95 GB): the Qwen3-30B-A3B shape's b1 decode with the defaults, the MLA GPU tests, then the DeepSeek-V3 shape's decode b1-b256 and prefill over the latent cache
     h200_short) run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
         --prefill-seqs 0 --new-tokens 64 --repeats 3
       run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
