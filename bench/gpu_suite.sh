@@ -176,9 +176,9 @@ for step in "${steps[@]}"; do
         tests/kernels/test_mla_attention.py tests/models/test_mla_latent_cache.py \
         -k "gemv or split or router or pdl or rotary or engine or latent or mla or decode_graphs" ;;  # GPU tests of the batch-1 decode kernels changed: the expert GEMV (+ combine), the split merge, the router, PDL bits, the rotary table, the engine vs transformers, the latent MLA kernel and engine
     mla_prefill) run mla_prefill_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/models/test_mla_latent_cache.py
-      for len in 1024 8192; do for p in absorbed expanded; do run "mla_prefill_${p}_$len" 150 python3 bench/moe.py --shapes dsv3 \
-        --layers 2 --precisions bf16 --kernels fused --batches 1 --new-tokens 8 --prefill-seqs 2 --prefill-len $len \
-        --repeats 1 --switch mla_prefill=$p; done; done ;;  # --mla-prefill expanded: its GPU tests (the engine vs transformers both ways), then the 2-layer DeepSeek-V3 shape's prefill tok/s absorbed vs expanded at 1k and 8k prompts
+      run mla_prefill 300 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused --batches 1 \
+        --new-tokens 8 --prefill-seqs 2 --prefill-len 1024,8192 --repeats 2 --prefill-switch mla_prefill=absorbed,expanded \
+        --json "$OUT/mla_prefill.json" ;;  # --mla-prefill expanded: its GPU tests (the engine vs transformers both ways), then the 2-layer DeepSeek-V3 shape's prefill tok/s absorbed vs expanded at 1k and 8k prompts
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \

@@ -253,7 +253,7 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
     model = prepare(build_model(shape, dtype, device), precision)
     set_moe_router(model, router)
     free_memory(device)
-    max_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1) + 16
+    max_len = max(args.prompt_len + args.new_tokens, max(args.prefill_len) + 1) + 16
     engine = Engine(model, tokenizer=None, max_num_seqs=max(args.batches), max_model_len=max_len,
                     enable_prefix_caching=False, moe_kernel=kernel,
                     mem_fraction_static=args.mem_fraction)
@@ -295,20 +295,36 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
             prompts = torch.randint(1, vocab - 1, (args.host_profile_batch, args.prompt_len), generator=generator).tolist()
             host_profile_decode(engine, prompts, args.new_tokens, label)
         if args.prefill_seqs:
-            prompts = torch.randint(1, vocab - 1, (args.prefill_seqs, args.prefill_len), generator=generator).tolist()
-            t_prefill = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
-            tokens = args.prefill_seqs * args.prefill_len
-            _, active = step_bytes(model, 1)
-            flops = 2 * active * tokens + attention_flops(model, args.prefill_seqs, args.prefill_len)
-            bound = tokens / (flops / BF16_FLOPS)
-            rows.append(dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router),
-                             case=f"prefill {args.prefill_seqs}x{args.prefill_len}", tok_s=tokens / t_prefill,
-                             bound_tok_s=bound, fraction=tokens / t_prefill / bound))
-            print(f"[{label}] prefill {args.prefill_seqs}x{args.prefill_len}: {tokens / t_prefill:,.0f} tok/s, "
-                  f"compute bound {bound:,.0f} tok/s ({tokens / t_prefill / bound:.1%})", flush=True)
+            rows += bench_prefill(engine, model, args, label, device, generator,
+                                  dict(shape=shape, precision=precision, kernel=kernel_label(kernel, router)))
     finally:
         engine = model = None
         free_memory(device)
+    return rows
+
+
+def bench_prefill(engine, model, args, label, device, generator, keys: dict) -> list[dict]:
+    """Prefill tok/s of ``--prefill-seqs`` prompts at each ``--prefill-len``, once per value of
+    ``--prefill-switch`` (the switch set before each timing, the same engine and weights), against the
+    compute bound."""
+    from miles_host.kernels import switches
+
+    name, values = args.prefill_switch or (None, [None])
+    vocab, rows = model.config.vocab_size, []
+    _, active = step_bytes(model, 1)
+    for length in args.prefill_len:
+        prompts = torch.randint(1, vocab - 1, (args.prefill_seqs, length), generator=generator).tolist()
+        for value in values:
+            variant = "" if name is None else f" {name}={value}"
+            with switches.switched(**({} if name is None else {name: value})):
+                t_prefill = timed(lambda: generate(engine, prompts, 1), device, args.repeats)
+            tokens = args.prefill_seqs * length
+            flops = 2 * active * tokens + attention_flops(model, args.prefill_seqs, length)
+            bound = tokens / (flops / BF16_FLOPS)
+            rows.append(dict(keys, case=f"prefill {args.prefill_seqs}x{length}{variant}", tok_s=tokens / t_prefill,
+                             bound_tok_s=bound, fraction=tokens / t_prefill / bound))
+            print(f"[{label}] prefill {args.prefill_seqs}x{length}{variant}: {tokens / t_prefill:,.0f} tok/s, "
+                  f"compute bound {bound:,.0f} tok/s ({tokens / t_prefill / bound:.1%})", flush=True)
     return rows
 
 
@@ -450,11 +466,21 @@ def _gemms_of(module):
 
 
 def _import_switch_owner(name: str) -> None:
-    """Import the module that declares kernel switch ``name``: a plugin's by its prefix, else the host's (every
-    host switch is imported by the built-in precision plugin)."""
+    """Declare kernel switch ``name``: import its plugin's switches by its prefix, else declare every host
+    switch from its record (as a run's process start does)."""
+    from miles_host.kernels import switches
+
     owners = {"fp8_": "miles_fp8.kernel_switches", "int4_": "miles_int4.kernel_switches"}
-    importlib.import_module(next((module for prefix, module in owners.items() if name.startswith(prefix)),
-                                 "miles_host.builtin.precision"))
+    owner = next((module for prefix, module in owners.items() if name.startswith(prefix)), None)
+    if owner is None:
+        switches.host_switches()
+    else:
+        importlib.import_module(owner)
+
+
+def _switch_value(raw: str):
+    """A switch value as given on the command line: a count or a choice."""
+    return int(raw) if raw.lstrip("-").isdigit() else raw
 
 
 def parse_args(argv=None):
@@ -475,7 +501,10 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-seqs", type=int, default=16)
-    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--prefill-len", default="1024", help="prompt length of the prefill cases, comma list")
+    parser.add_argument("--prefill-switch", default=None, metavar="NAME=V1,V2",
+                        help="time each prefill case once per value of this kernel switch, in the same engine "
+                        "(e.g. mla_prefill=absorbed,expanded)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--mem-fraction", type=float, default=0.85)
     decode_launches.add_arguments(parser)
@@ -499,11 +528,17 @@ def parse_args(argv=None):
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
     args.router_tokens = [int(t) for t in args.router_tokens.split(",")]
+    args.prefill_len = [int(n) for n in str(args.prefill_len).split(",")]
+    if args.prefill_switch:
+        name, _, values = args.prefill_switch.partition("=")
+        if not values:
+            parser.error(f"--prefill-switch {args.prefill_switch!r}: expected NAME=V1,V2 (e.g. mla_prefill=absorbed,expanded)")
+        args.prefill_switch = (name, values.split(","))
     if args.tiny:
         tiny = {"qwen3_30b": "tiny", "dsv3": "tiny_dsv3"}
         args.shapes = ",".join(tiny.get(shape, shape) for shape in args.shapes.split(","))
         args.batches, args.prompt_len, args.new_tokens = [1, 4], 8, 12  # decode time well above the first token's
-        args.prefill_seqs, args.prefill_len, args.repeats = 2, 16, 1
+        args.prefill_seqs, args.prefill_len, args.repeats = 2, [16], 1
     if args.layers:
         for shape in args.shapes.split(","):
             SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": args.layers}
@@ -519,8 +554,12 @@ def main(argv=None) -> int:
     for setting in args.switch:  # plugins declare their switches on import
         name, _, raw = setting.partition("=")
         _import_switch_owner(name)
-        switches.setVALUES(**{name: int(raw) if raw.lstrip("-").isdigit() else raw})
+        switches.setVALUES(**{name: _switch_value(raw)})
         print(f"kernel switch {name} = {switches.value(switches.declared(name))}")
+    if args.prefill_switch:
+        name, values = args.prefill_switch
+        _import_switch_owner(name)
+        args.prefill_switch = (name, [switches.declared(name).check(_switch_value(raw)) for raw in values])
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.sweep:

@@ -55,3 +55,24 @@ def test_gemv_table_takes_the_fastest_launch_of_each_projection(tmp_path):
                                 row("qwen3", "down", 9.0, 16), row("dsv3", "down", 1.0, 32)]))
     assert fastest_launches(str(path)) == {"gate_up": GemvLaunch(4, 256, 4), "down": GemvLaunch(16, 256, 4)}
     assert fastest_launches(str(path), "dsv3") == {"down": GemvLaunch(32, 256, 4)}
+
+
+def test_prefill_switch_times_each_value_in_one_engine(tmp_path, monkeypatch):
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(switches, "VALUES", dict(switches.VALUES))
+    assert moe.main(["--tiny", "--shapes", "dsv3", "--precisions", "bf16", "--kernels", "fused", "--batches", "1",
+                     "--prefill-switch", "mla_prefill=absorbed,expanded", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    prefill = [r["case"] for r in rows if r["case"].startswith("prefill")]
+    assert prefill == ["prefill 2x16 mla_prefill=absorbed", "prefill 2x16 mla_prefill=expanded"]
+    assert switches.value(switches.declared("mla_prefill")) == "absorbed"  # restored after each case
+
+
+def test_bench_switches_are_checked_and_host_switches_declared_from_their_records(monkeypatch):
+    monkeypatch.setattr(switches, "_DECLARED", {})  # a fresh process: no kernel module imported yet
+    monkeypatch.setattr(switches, "VALUES", {})
+    moe._import_switch_owner("mla_prefill")
+    assert switches.declared("mla_prefill").choices == ("absorbed", "expanded")
+    with pytest.raises(ValueError, match="--mla-prefill 'bogus': choose from absorbed, expanded"):
+        moe.main(["--tiny", "--prefill-switch", "mla_prefill=bogus"])
