@@ -48,10 +48,10 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
                "layer, queries absorbed, as SGLang: 71x less KV memory for DeepSeek-V3; a quantized kv_b_proj is "
                "read dequantized) or expanded (keys and values per head); --true-on-policy and an adapted kv_b_proj "
                "always expand"),
-    SwitchSpec("mla_prefill", "absorbed", ("absorbed", "expanded"),
-               "prefill steps of MLA layers cached as latents: absorbed (the latent kernel, as decode) or expanded "
-               "(each context's latents expanded by kv_b_proj to per-head keys and values, multi-head attention: "
-               "SGLang's MHA prefill, fewer FLOPs for long prompts)"),
+    SwitchSpec("mla_prefill", "expanded", ("absorbed", "expanded"),
+               "prefill steps of MLA layers cached as latents: expanded (each context's latents expanded by kv_b_proj "
+               "to per-head keys and values, multi-head attention: SGLang's MHA prefill, fewer FLOPs; steps over more "
+               "than 16,384 context tokens run absorbed) or absorbed (the latent kernel, as decode)"),
     SwitchSpec("moe_invariant_decode", "batched", ("loop", "batched"),
                "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA graphs: loop "
                "(per expert), or batched (one invariant GEMM per projection for all experts)"),

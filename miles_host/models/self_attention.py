@@ -24,7 +24,9 @@ from miles_host.models.rope import yarn_softmax_scale_factor
 
 #: ``--mla-kv-cache``: whether the engine caches MLA layers as latents (see :class:`MLAttention`)
 LATENT_CACHE = switches.declare_host("mla_kv_cache")
-#: ``--mla-prefill``: a prefill step over latents ``absorbed`` (the latent kernel) or ``expanded`` (per head)
+#: ``--mla-prefill``: a prefill step over latents ``expanded`` (per head, the default) or ``absorbed`` (the latent
+#: kernel). On an H100, DeepSeek-V3's shape cut to 2 layers, 2 prompts: expanded 1.13x absorbed at 1,024 tokens,
+#: 1.97x at 8,192 (``bench/moe.py --prefill-switch mla_prefill=absorbed,expanded``, bench/RESULTS.md)
 LATENT_PREFILL = switches.declare_host("mla_prefill")
 #: most context tokens (summed over a step's sequences) an expanded prefill step expands: its per-head keys and
 #: values are a transient of ``heads x (k + v widths)`` values per token (DeepSeek-V3: 80 KB in bf16, 1.3 GB at

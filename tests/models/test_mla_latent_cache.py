@@ -66,24 +66,27 @@ def test_latent_and_expanded_caches_give_the_same_tokens(checkpoints):
 
 
 def test_prefix_sharing_preemption_and_chunked_prefill_over_latents(checkpoints):
+    """The default expanded prefill: chunks after the first and requests sharing a cached prefix gather
+    earlier pages' latents."""
     assert_small_cache_engine_matches(load_pretrained(checkpoints["deepseek_v3"], family=family_lookup))
 
 
 @pytest.mark.parametrize("case", CASES[:1])
-def test_expanded_prefill_over_latents_matches_transformers(case, checkpoints):
-    """``--mla-prefill expanded``: prefill steps expand each context's cached latents to per-head keys
-    and values (decode stays absorbed); greedy tokens and log-probs as transformers'."""
+def test_absorbed_prefill_over_latents_matches_transformers(case, checkpoints):
+    """``--mla-prefill absorbed``: prefill steps run the latent kernel as decode does (the default
+    expands each context's cached latents to per-head keys and values); greedy tokens and log-probs
+    as transformers'."""
     import transformers
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[case]).float().eval()
     model = load_pretrained(checkpoints[case], family=family_lookup)
-    with switches.switched(mla_prefill="expanded"):
+    with switches.switched(mla_prefill="absorbed"):
         assert_engine_matches_transformers(hf_model, model)
 
 
-def test_expanded_prefill_through_prefix_sharing_preemption_and_chunked_prefill(checkpoints):
-    """Chunks after the first and requests sharing a cached prefix gather earlier pages' latents."""
-    with switches.switched(mla_prefill="expanded"):
+def test_absorbed_prefill_through_prefix_sharing_preemption_and_chunked_prefill(checkpoints):
+    """Chunks after the first and requests sharing a cached prefix attend earlier pages' latents."""
+    with switches.switched(mla_prefill="absorbed"):
         assert_small_cache_engine_matches(load_pretrained(checkpoints["deepseek_v3"], family=family_lookup))
 
 

@@ -25,7 +25,9 @@ def deepseek_path(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def latent_cache():
-    with switches.switched(mla_kv_cache="latent"):
+    """The latent cache, prefill absorbed too: every attention step reads the dequantized copy (the default
+    expanded prefill runs ``kv_b_proj``'s FP8 GEMM on the latents, as the per-head cache does)."""
+    with switches.switched(mla_kv_cache="latent", mla_prefill="absorbed"):
         yield
 
 
