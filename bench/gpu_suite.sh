@@ -24,7 +24,7 @@
 #                         decode b1/b32 with the defaults, the ones before them and the defaults + epilogue + PDL, twice in turn)
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        b1_ab (b1 decode: _baseline/ (an older tree's miles_host and bench), this tree, this tree with --moe-combine epilogue)
-#        invariant_matmul (the batch-invariant GEMM vs cuBLAS, us and TFLOP/s per shape)
+#        invariant_matmul (the batch-invariant GEMM vs cuBLAS, us and TFLOP/s per shape) invariant_sweep (its small-M launches)
 #        h200_b1 (on an H200: the expert GEMV and small-M sweeps, then b1 decode with the defaults and with the fastest launches)
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
@@ -285,6 +285,7 @@ for step in "${steps[@]}"; do
       --steps 2 --model moe --moe-invariant-decode batched ;;  # the batched invariant decode experts: bit-equal on the GPU, then diff 0.0 and cost (flip the switch's default if both hold)
     moe_train) run moe_train_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_moe_train.py
       run moe_train 420 python3 bench/moe_train.py --json "$OUT/moe_train.json" ;;  # grouped vs loop vs transformers
+    invariant_sweep) run invariant_sweep 240 python3 -m bench.invariant_matmul --sweep --rows 1,16 --json "$OUT/invariant_sweep.json" ;;  # the batch-invariant GEMM's small-M launches, each checked bit for bit against the tier
     invariant_matmul) run invariant_matmul 200 python3 -m bench.invariant_matmul --json "$OUT/invariant_matmul.json" ;;  # the batch-invariant GEMM vs cuBLAS on the Qwen3-0.6B linears at 1 / 64 / 4096 rows
     true_on_policy_tests) run true_on_policy_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -x \
       tests/kernels tests/true_on_policy/test_gpu_exact.py ;;
