@@ -33,7 +33,6 @@ plus the KV cache of every sequence, at 4.24 TB/s. Prefill: ``--prefill-seqs`` x
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import math
@@ -49,175 +48,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import decode_launches  # noqa: E402
 from bench.device_peaks import bf16_flops, decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
+from bench.moe_models import (  # noqa: E402
+    SHAPES, attention_flops, build_model, expert_stacks, free_memory, prepare, step_bytes, sync,
+)
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = bf16_flops()
-
-#: HF config dicts of the benchmarked shapes (the adapters map them to native configs)
-SHAPES = {
-    "qwen3_30b": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
-    ),
-    "dsv3": dict(
-        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=4,
-        first_k_dense_replace=0, num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
-        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
-        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False, num_nextn_predict_layers=0,
-    ),
-    "tiny_dsv3": dict(
-        model_type="deepseek_v3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        first_k_dense_replace=0, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4,
-        moe_intermediate_size=128, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
-        tie_word_embeddings=False, num_nextn_predict_layers=0,
-    ),
-    "small": dict(  # every decode kernel of the big shape (small-M linears, fused router), tiny weights
-        model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=64, num_experts_per_tok=4,
-        moe_intermediate_size=128, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
-    ),
-    "tiny": dict(
-        model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=128, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
-    ),
-}
-
-
-def free_memory(device: str) -> None:
-    gc.unfreeze()  # the engine gc.freeze()s the heap on CUDA
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-# ---------------------------------------------------------------------- models
-
-
-def build_model(shape: str, dtype: torch.dtype, device: str):
-    """A random-init miles model of ``shape`` (weights ~ N(0, 0.02), router biases small)."""
-    from miles_host.models.loading import default_family_lookup, native_config
-    from miles_host.models.model import CausalLM
-
-    hf = dict(SHAPES[shape])
-    config = native_config(hf, default_family_lookup(hf["model_type"]))
-    with torch.device("meta"):
-        model = CausalLM(config).to(dtype)  # allocated in ``dtype``: float32 first would not fit the DeepSeek-V3 shape
-    model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("expert_bias"):
-                tensor.normal_(0.0, 1e-3, generator=generator)
-            elif tensor.dim() == 1:
-                tensor.fill_(1.0)  # norms
-            else:
-                tensor.normal_(0.0, 0.02, generator=generator)
-    for module in model.modules():  # fp32 router and bias where the family keeps them (DeepSeek)
-        if getattr(module, "keep_fp32", False):
-            module.weight.data = module.weight.data.float()
-        if getattr(module, "expert_bias", None) is not None:
-            module.expert_bias = module.expert_bias.float()
-    return model.eval()
-
-
-def precision_flags(name: str) -> dict:
-    if name == "int4":
-        return dict(int4_group_size=128, int4_target="experts", int4_rollout_gemm="auto", true_on_policy=False)
-    if name == "fp8":
-        return dict(fp8_format="e4m3", fp8_recipe="blockwise", fp8_power_of_two_scales=False)
-    return {}
-
-
-def prepare(model, precision: str):
-    """The rollout model as the embedded backend prepares it for ``--precision``."""
-    from types import SimpleNamespace
-
-    from miles_host.plugin_manager import create_plugin_manager
-
-    manager = create_plugin_manager(plugins=[] if precision == "bf16" else [precision])
-    record = manager.registries.precisions.get(precision)
-    config = SimpleNamespace(precision=precision, **precision_flags(precision))
-    if record.prepare_rollout_model is not None:
-        model = record.prepare_rollout_model(model, config) or model
-    manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
-    return model
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def expert_stacks(model):
-    """``(experts modules, bytes of one expert as the fused path reads it)`` per MoE layer."""
-    rows = []
-    for module in model.modules():
-        if not hasattr(module, "moe_kernel"):
-            continue
-        if hasattr(module, "_fused_operands"):  # miles-int4
-            read = _nbytes([*module._fused_operands("gate_up_proj"), *module._fused_operands("down_proj")])
-        else:
-            read = _nbytes([*module.parameters(recurse=False), *module.buffers(recurse=False)])
-        rows.append((module, read / module.num_experts))
-    return rows
-
-
-def step_bytes(model, batch: int) -> tuple[float, float]:
-    """(bytes a decode step of ``batch`` tokens reads from weights, active params per token)."""
-    stacks = expert_stacks(model)
-    expert_ids = set()
-    expert_total = 0
-    for module, _ in stacks:
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            expert_ids.add(id(t))
-            expert_total += t.numel() * t.element_size()
-        if hasattr(module, "_compressed"):
-            for pair in module._compressed.values():
-                expert_ids.update(id(t) for t in pair)
-        for copies in getattr(module, "_kernel_copies", {}).values():
-            for pack in copies:
-                expert_ids.update((id(pack.weight), id(pack.scales)))
-    other = 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in expert_ids or name.startswith("embed_tokens"):
-            continue
-        other += t.numel() * t.element_size()
-    if model.lm_head is None:
-        other += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    touched = 0.0
-    active_params = 0.0
-    config = model.config
-    for module, per_expert in stacks:
-        e, k = module.num_experts, config.moe.top_k
-        touched += e * (1 - (1 - k / e) ** batch) * per_expert
-        active_params += k * 3 * config.hidden_size * config.moe.intermediate_size
-    dense_params = sum(t.numel() for n, t in [*model.named_parameters(), *model.named_buffers()]
-                       if t.dim() >= 2 and id(t) not in expert_ids and not n.startswith("embed_tokens")
-                       and "scale" not in n)
-    return other + touched, active_params + dense_params
-
-
-def attention_flops(model, seqs: int, length: int) -> float:
-    """Causal attention FLOPs of a prefill: 2 matmuls x 2 FLOPs x L^2/2 x heads x head dims, per layer."""
-    c = model.config
-    heads = c.num_heads
-    qk = c.mla.qk_head_dim if c.mla else c.head_dim
-    v = c.mla.v_head_dim if c.mla else c.head_dim
-    return seqs * c.num_layers * heads * 2 * (length * length / 2) * (qk + v)
 
 
 # ---------------------------------------------------------------------- timing

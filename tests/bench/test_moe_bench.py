@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from bench import moe
+from bench import moe, moe_models
 from miles_host.kernels import switches
 
 
 def test_build_model_allocates_in_the_requested_dtype():
-    model = moe.build_model("tiny_dsv3", torch.bfloat16, "cpu")
+    model = moe_models.build_model("tiny_dsv3", torch.bfloat16, "cpu")
     kept_fp32 = {id(m.weight) for m in model.modules() if getattr(m, "keep_fp32", False)}
     kept_fp32 |= {id(m.expert_bias) for m in model.modules() if getattr(m, "expert_bias", None) is not None}
     assert kept_fp32, "the DeepSeek shape keeps its router in float32"
@@ -36,7 +36,7 @@ def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path, monkeypatch):
         assert {(shape, "decode b1"), (shape, "decode b4"), (shape, "prefill 2x16")} <= cases
     assert all(r["tok_s"] > 0 for r in rows)
     decode = {r["shape"]: r for r in rows if r["case"].startswith("decode")}
-    model = moe.build_model("tiny_dsv3", torch.bfloat16, "cpu")
+    model = moe_models.build_model("tiny_dsv3", torch.bfloat16, "cpu")
     mla = model.config.mla  # the bound counts the engine's latent cache: one row per token and layer
     row_values = model.config.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)
     assert decode["tiny_dsv3"]["kv_bytes_per_token"] in (2 * row_values, 4 * row_values)  # bf16, or float32 on CPU

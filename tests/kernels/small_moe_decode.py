@@ -11,7 +11,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
 def decode(params: dict = GREEDY) -> dict:
     """Tokens and log-probs of three prompts (batches 1 and 3), 24 tokens each, with ``params``."""
-    from bench.moe import build_model
+    from bench.moe_models import build_model
     from miles_host.rollout import Engine
 
     engine = Engine(build_model("small", torch.bfloat16, "cuda"), tokenizer=None, max_num_seqs=4, max_model_len=256,

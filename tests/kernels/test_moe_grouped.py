@@ -412,7 +412,7 @@ def test_gpu_route_kernel_is_the_torch_layout(num_tokens):
 @requires_cuda
 def test_gpu_decode_graphs_capture_the_fused_path(monkeypatch):
     """The engine captures its decode graphs without autograd, so the fused MoE (an inference path) is in them."""
-    from bench.moe import build_model
+    from bench.moe_models import build_model
     from miles_host.kernels import moe_grouped
     from miles_host.rollout import Engine
 

@@ -255,7 +255,7 @@ def test_gpu_moe_block_in_a_graph_with_the_fused_router(num_tokens):
 def test_gpu_decode_graphs_capture_the_fused_router(monkeypatch):
     """The engine's decode graphs (batch sizes within the fused router's limit) hold the fused router,
     and a generation through them runs to the end."""
-    from bench.moe import build_model
+    from bench.moe_models import build_model
     from miles_host.kernels import moe_router
     from miles_host.rollout import Engine
 
