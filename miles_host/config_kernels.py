@@ -50,8 +50,9 @@ HOST_SWITCHES: dict[str, SwitchSpec] = {spec.name: spec for spec in (
                "always expand"),
     SwitchSpec("mla_prefill", "expanded", ("absorbed", "expanded"),
                "prefill steps of MLA layers cached as latents: expanded (each context's latents expanded by kv_b_proj "
-               "to per-head keys and values, multi-head attention: SGLang's MHA prefill, fewer FLOPs; steps over more "
-               "than 16,384 context tokens run absorbed) or absorbed (the latent kernel, as decode)"),
+               "to per-head keys and values, multi-head attention: SGLang's MHA prefill, fewer FLOPs; sequences in "
+               "groups of at most 16,384 context tokens, a step with a longer context absorbed) or absorbed (the "
+               "latent kernel, as decode)"),
     SwitchSpec("moe_invariant_decode", "batched", ("loop", "batched"),
                "the routed experts of a batch-invariant (--true-on-policy) decode step inside CUDA graphs: loop "
                "(per expert), or batched (one invariant GEMM per projection for all experts)"),

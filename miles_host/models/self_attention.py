@@ -28,9 +28,9 @@ LATENT_CACHE = switches.declare_host("mla_kv_cache")
 #: kernel). On an H100, DeepSeek-V3's shape cut to 2 layers, 2 prompts: expanded 1.13x absorbed at 1,024 tokens,
 #: 1.97x at 8,192 (``bench/moe.py --prefill-switch mla_prefill=absorbed,expanded``, bench/RESULTS.md)
 LATENT_PREFILL = switches.declare_host("mla_prefill")
-#: most context tokens (summed over a step's sequences) an expanded prefill step expands: its per-head keys and
-#: values are a transient of ``heads x (k + v widths)`` values per token (DeepSeek-V3: 80 KB in bf16, 1.3 GB at
-#: this bound); a step over longer contexts runs absorbed
+#: most context tokens an expanded prefill expands at once: its per-head keys and values are a transient of
+#: ``heads x (k + v widths)`` values per token (DeepSeek-V3: 80 KB in bf16, 1.3 GB at this bound). A step's
+#: sequences are attended in groups of at most this many context tokens; a step with a longer context runs absorbed
 EXPANDED_PREFILL_MAX_CONTEXT = 16384
 #: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -256,6 +256,7 @@ class MLAttention(torch.nn.Module):
             y_TNV = attention.attend_latent_expanded(
                 self.layer_index, q_TND, _norm(self.kv_a_norm, kv_latent), k_rot[:, 0],
                 lambda latent_CR: self._expand_latents(latent_CR.to(q_nope.dtype)), scale=self.scale,
+                max_group_context=EXPANDED_PREFILL_MAX_CONTEXT,
             )
             return decode_linear(self.o_proj, y_TNV.reshape(num_tokens, -1).to(x_TH.dtype))
         w_uk_NDR, w_uv_NVR = self.absorbed_weights(q_nope.dtype)
@@ -269,12 +270,12 @@ class MLAttention(torch.nn.Module):
     @staticmethod
     def _prefills_expanded(attention: AttentionContext) -> bool:
         """Whether this step runs as multi-head attention over expanded latents (``--mla-prefill
-        expanded``, a prefill step of at most :data:`EXPANDED_PREFILL_MAX_CONTEXT` context tokens, a
-        context that can)."""
+        expanded``, a prefill step whose every context is at most :data:`EXPANDED_PREFILL_MAX_CONTEXT`
+        tokens, a context that can)."""
         meta = getattr(attention, "metadata", None)
         return (switches.value(LATENT_PREFILL) == "expanded" and meta is not None and not meta.is_decode
-                and hasattr(attention, "attend_latent_expanded") and meta.context_lens_host is not None
-                and sum(meta.context_lens_host) <= EXPANDED_PREFILL_MAX_CONTEXT)
+                and hasattr(attention, "attend_latent_expanded") and bool(meta.context_lens_host)
+                and max(meta.context_lens_host) <= EXPANDED_PREFILL_MAX_CONTEXT)
 
     def _expand_latents(self, latent_CR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_nope [C, N, Dn], v [C, N, Dv])`` of normalized latents: ``kv_b_proj``, as :meth:`project_qkv`."""

@@ -81,6 +81,19 @@ def paged_attention_reference(
     return out
 
 
+def context_groups(context_lens: list[int], max_context: int | None) -> list[tuple[int, int]]:
+    """``(first, end)`` ranges of consecutive sequences whose contexts sum to at most ``max_context``
+    tokens each (a longer context is a group alone; ``None``: one group)."""
+    groups, first, total = [], 0, 0
+    for b, context in enumerate(context_lens):
+        if max_context is not None and b > first and total + context > max_context:
+            groups.append((first, b))
+            first, total = b, 0
+        total += context
+    groups.append((first, len(context_lens)))
+    return groups
+
+
 def _flash_attn_varlen():
     try:
         from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
@@ -167,6 +180,7 @@ class PagedAttention:
         expand,
         *,
         scale: float,
+        max_group_context: int | None = None,
     ) -> torch.Tensor:
         """A prefill step of an MLA layer cached as latents, as multi-head attention (SGLang's MHA
         prefill of MLA): store each token's row as :meth:`attend_latent` does, gather the pages of
@@ -174,10 +188,41 @@ class PagedAttention:
         ``c [C, R]`` -> ``(k_nope [C, N, Dn], v [C, N, Dv])``: the layer's ``kv_b_proj``) and attend with
         the per-head queries ``q_TND`` (``[T, N, Dn + P]``). The absorbed path's products in the other
         order, at ``Dn + P`` and ``Dv`` per head instead of ``R + P`` and ``R`` (DeepSeek-V3: 192 + 128
-        against 576 + 512): the fewer FLOPs where the step is compute-bound. Returns ``[T, N, Dv]``."""
+        against 576 + 512): the fewer FLOPs where the step is compute-bound. ``max_group_context``: the
+        step's sequences are expanded and attended in consecutive groups of at most this many context
+        tokens (the expanded keys and values are a transient per group; a longer context is a group
+        alone). Returns ``[T, N, Dv]``."""
         meta = self.metadata
         cache_XS1C = self._store_latent_rows(layer_index, latent_TR, k_rope_TP)
-        rank, page = latent_TR.shape[-1], cache_XS1C.shape[1]
+        rank = latent_TR.shape[-1]
+        groups = context_groups(meta.context_lens_host, max_group_context)
+        if len(groups) == 1:
+            return self._attend_expanded_group(cache_XS1C, rank, q_TND, expand, meta, scale)
+        cu = meta.cu_seqlens_q_host
+        parts = [self._attend_expanded_group(cache_XS1C, rank, q_TND[cu[b0]:cu[b1]], expand,
+                                             self._group_metadata(b0, b1), scale) for b0, b1 in groups]
+        return torch.cat(parts)
+
+    def _group_metadata(self, first: int, end: int) -> AttentionMetadata:
+        """The step's metadata restricted to sequences ``first .. end - 1`` (query offsets from 0)."""
+        meta = self.metadata
+        cu = meta.cu_seqlens_q_host
+        cu_group = [offset - cu[first] for offset in cu[first : end + 1]]
+        contexts = meta.context_lens_host[first:end]
+        return dataclasses.replace(
+            meta, slot_mapping_T=meta.slot_mapping_T[cu[first] : cu[end]],
+            cu_seqlens_q=torch.tensor(cu_group, dtype=meta.cu_seqlens_q.dtype, device=meta.cu_seqlens_q.device),
+            context_lens_B=meta.context_lens_B[first:end], block_tables_BM=meta.block_tables_BM[first:end],
+            max_q_len=max(b - a for a, b in zip(cu_group, cu_group[1:])), max_context_len=max(contexts),
+            tile_seq=None, tile_q_start=None, cu_seqlens_q_host=cu_group, context_lens_host=contexts,
+            slot_mapping_host=None,
+        )
+
+    def _attend_expanded_group(self, cache_XS1C, rank: int, q_TND, expand, meta: AttentionMetadata,
+                               scale: float) -> torch.Tensor:
+        """:meth:`attend_latent_expanded` of the sequences ``meta`` describes (their queries ``q_TND``;
+        ``rank``: the latent width of the cache rows, the rope key after it)."""
+        page = cache_XS1C.shape[1]
         pages_B = [-(-context // page) for context in meta.context_lens_host]
         page_ids = torch.cat([meta.block_tables_BM[b, :n] for b, n in enumerate(pages_B)]).long()
         rows_PSC = cache_XS1C.index_select(0, page_ids)[:, :, 0]  # every sequence's pages, in order

@@ -139,9 +139,52 @@ def test_gpu_latent_cache_engine_matches_transformers(case, prefill, checkpoints
         assert_gpu_engine_matches_transformers(hf_model, load_pretrained(checkpoints[case], family=family_lookup))
 
 
+def test_context_groups_bound_each_group_but_keep_a_long_context_whole():
+    from miles_host.rollout.attention import context_groups
+
+    assert context_groups([5, 4, 3, 9, 2], 9) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert context_groups([5, 20, 1], 9) == [(0, 1), (1, 2), (2, 3)]  # 20 alone
+    assert context_groups([5, 4, 3], None) == [(0, 3)]
+    assert context_groups([7], 4) == [(0, 1)]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs a CUDA GPU")]),
+])
+def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device, checkpoints, monkeypatch):
+    """A prefill step whose contexts sum past EXPANDED_PREFILL_MAX_CONTEXT expands and attends its
+    sequences a group at a time (each group's own metadata; on CUDA the paged Triton kernel per
+    group): the same tokens and log-probs as the absorbed prefill, within rounding."""
+    from miles_host.models import self_attention
+    from miles_host.rollout.attention import PagedAttention
+
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup).to(device)
+    engine_args = dict(kv_cache_tokens=256, block_size=4) if device == "cpu" else dict(
+        kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
+    groups = []
+    original = PagedAttention._attend_expanded_group
+    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, scale: (
+        groups.append((q.shape[0], meta.context_lens_host)) or original(self, cache, rank, q, expand, meta, scale)))
+    monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", 12)
+    prompts = [[5, 9, 3, 17, 4, 8, 2], [8, 2, 2, 11, 6], [7, 1, 4, 9, 3, 3, 12, 30]]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outputs = {}
+    for prefill in ("absorbed", "expanded"):
+        with switches.switched(mla_prefill=prefill):
+            outputs[prefill] = Engine(model, **engine_args).generate(prompts, params)
+    assert (12, [7, 5]) in groups, groups  # the one prefill step, split by the bound
+    assert all(sum(contexts) <= 12 for _, contexts in groups)
+    assert [o["output_ids"] for o in outputs["absorbed"]] == [o["output_ids"] for o in outputs["expanded"]]
+    for a, b in zip(outputs["absorbed"], outputs["expanded"]):
+        pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) <= (1e-5 if device == "cpu" else 1e-4)
+
+
 def test_expanded_prefill_falls_back_to_absorbed_over_long_contexts(checkpoints, monkeypatch):
-    """A step whose contexts sum past EXPANDED_PREFILL_MAX_CONTEXT tokens runs absorbed (the expanded
-    keys and values would be a transient of ~80 KB per context token at DeepSeek-V3's widths)."""
+    """A step with a context past EXPANDED_PREFILL_MAX_CONTEXT tokens runs absorbed (its expanded keys
+    and values would be a transient of ~80 KB per context token at DeepSeek-V3's widths)."""
     from miles_host.models import self_attention
     from miles_host.rollout.attention import PagedAttention
 
