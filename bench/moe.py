@@ -48,9 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import decode_launches  # noqa: E402
 from bench.device_peaks import bf16_flops, decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
-from bench.moe_models import (  # noqa: E402
-    SHAPES, attention_flops, build_model, expert_stacks, free_memory, prepare, step_bytes, sync,
-)
+from bench.device_sync import free_memory, sync  # noqa: E402
+from bench.moe_models import SHAPES, attention_flops, build_model, expert_stacks, prepare, step_bytes  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = bf16_flops()

@@ -4,8 +4,6 @@ them for a precision, and the weight bytes and FLOPs their bounds are computed f
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 #: HF config dicts of the benchmarked shapes (the adapters map them to native configs)
@@ -47,17 +45,8 @@ SHAPES = {
 }
 
 
-def free_memory(device: str) -> None:
-    gc.unfreeze()  # the engine gc.freeze()s the heap on CUDA
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------- models

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import gc
 import json
 import os
 import random
@@ -78,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_profile import generate, profile_decode  # noqa: E402
 from bench.device_peaks import decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
+from bench.device_sync import free_memory, sync  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 #: INT4 goal: linear weights of the rollout model >= 3.5x smaller than bf16
@@ -146,18 +146,8 @@ def build_checkpoint(shape: dict, dtype: torch.dtype, device: str, folder: str) 
     return params
 
 
-def free_memory(device: str) -> None:
-    # the engine gc.freeze()s the heap on CUDA; unfreeze so a freed engine's cycles are collectable
-    gc.unfreeze()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------- precisions

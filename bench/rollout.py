@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.device_peaks import hbm_bytes_per_s  # noqa: E402
+from bench.device_sync import sync  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = 808e12
@@ -55,9 +56,6 @@ def build_checkpoint(shape: dict, dtype: torch.dtype, device: str, folder: str):
     return model
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str, repeats: int) -> tuple[list[float], object]:
