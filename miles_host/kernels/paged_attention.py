@@ -115,8 +115,8 @@ def _attend_blocks(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     chunk=0, USE_CHUNK: tl.constexpr = False,
 ):
-    """Online softmax of the rows of ``q`` over the keys ``[lo, hi)`` (``lo`` a multiple of
-    ``BLOCK_N``), read through the block table; returns the updated ``(m_i, l_i, acc)``."""
+    """Online softmax of the rows of ``q`` over the keys ``[lo, hi)`` in blocks of ``BLOCK_N`` from ``lo``
+    (any key, each through the block table); returns the updated ``(m_i, l_i, acc)``."""
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
     keys = tl.arange(0, BLOCK_N)
@@ -215,11 +215,15 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     Sinks=None, attn_chunk=0, USE_SINKS: tl.constexpr = False, USE_CHUNK: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    Lse=None, key_lo=0, key_hi=0, USE_KEY_RANGE: tl.constexpr = False, STORE_LSE: tl.constexpr = False,
 ):
     """Program ``(tile, kv_head)`` attends the tile's query rows over their keys ``[lo, hi)``.
 
     ``USE_SINKS``: per-query-head sink logits ``Sinks`` join each softmax (gpt-oss);
     ``USE_CHUNK``: a query sees the keys of its own ``attn_chunk``-sized block only (Llama-4).
+    ``USE_KEY_RANGE``: only the keys at positions ``[key_lo, key_hi)`` (key blocks from ``key_lo``);
+    ``STORE_LSE``: each row's log-sum-exp (``m + log l``, ``-inf`` where it saw no key) to
+    ``Lse`` ``[T, Hq]`` float32 (both unsplit only: a prefill over a context in parts, merged after).
 
     ``SPLITS`` > 1 (split-KV, "flash-decoding"; program ``(tile, kv_head, split)``): split
     ``split`` of the keys, in ``SPLITS`` chunks of whole ``BLOCK_N`` blocks sized at run time
@@ -240,6 +244,9 @@ def _paged_attention_kernel(
         cu_seqlens_q, context_lens, tile_seq, tile_q_start, tile, window, attn_chunk, BLOCK_M, BLOCK_N,
         USE_WINDOW, USE_CHUNK,
     )
+    if USE_KEY_RANGE:
+        lo = tl.maximum(lo, key_lo)
+        hi = tl.minimum(hi, key_hi)
     start, end = _split_range(lo, hi, split, SPLITS, BLOCK_N)
     active = _active_splits(lo, hi, SPLITS, BLOCK_N)
     if split < active:  # a split past the keys does nothing (no wait, store, count)
@@ -259,6 +266,9 @@ def _paged_attention_kernel(
         if SPLITS == 1:
             _store_rows(Out, acc, l_i, token, head, row_valid, stride_ot, stride_oh, DV, DV_PAD, m_i, Sinks,
                         USE_SINKS)
+            if STORE_LSE:
+                lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+                tl.store(Lse + token * tl.num_programs(1) * GROUP + head, lse, mask=row_valid)
         else:
             pair = tile * tl.num_programs(1) + kv_head
             _merge_splits(acc, m_i, l_i, Partial_acc, Partial_ml, Counters, pair, split, row_valid,
@@ -411,7 +421,9 @@ def paged_attention_triton(
     splits: int | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    key_range: tuple[int, int] | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~miles_host.rollout.attention.paged_attention_reference`.
 
     ``meta.tile_seq``/``meta.tile_q_start`` must come from :func:`build_tiles` with
@@ -428,6 +440,12 @@ def paged_attention_triton(
 
     ``sinks``: ``[Hq]`` sink logits (an extra softmax column, dropped); ``chunk_size``:
     chunked local attention (a query sees the keys of its own chunk).
+
+    ``key_range`` ``(lo, hi)``: only the keys at positions ``[lo, hi)`` (block-table entries outside
+    the range are never read);
+    ``return_lse``: also each row's log-sum-exp ``[T, Hq]`` (float32): a prefill step attended over its
+    context in parts, merged by :func:`~miles_host.rollout.attention.merge_attention_states`. Neither
+    splits keys, nor takes sinks.
     """
     num_tokens, num_q_heads, head_dim = q_THD.shape
     _, page, num_kv_heads, _ = k_cache_NSHD.shape
@@ -457,7 +475,12 @@ def paged_attention_triton(
         IEEE=q_THD.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
-    if meta.is_decode and not invariant:
+    in_parts = key_range is not None or return_lse
+    if in_parts and (sinks is not None or invariant or splits not in (None, 1)):
+        raise ValueError("a key range or the log-sum-exp output: unsplit, without sinks, not in invariant mode")
+    if in_parts:
+        splits = 1
+    elif meta.is_decode and not invariant:
         if splits is None:
             splits = decode_splits(num_tiles, num_kv_heads, q_THD.device)
     else:
@@ -474,11 +497,17 @@ def paged_attention_triton(
         constexprs.update(USE_SINKS=sinks is not None, USE_CHUNK=chunk_size is not None)
         sinks = sinks.float().contiguous() if sinks is not None else out
         constexprs.update(Sinks=sinks, attn_chunk=int(chunk_size or 0))
+    lse = None
+    if in_parts:
+        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_THD.device)
+        key_lo, key_hi = key_range if key_range is not None else (0, 2**31 - 1)
+        constexprs.update(Lse=lse, key_lo=int(key_lo), key_hi=int(key_hi), USE_KEY_RANGE=key_range is not None,
+                          STORE_LSE=True)
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         q_THD, k_cache_NSHD, v_cache_NSHD, out, partial_acc, partial_ml, counters, *args,
         SPLITS=splits, **constexprs, **pdl.options(q_THD),
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 #: cache and k/v dtypes the fused KV write handles (others: ``index_copy_``)

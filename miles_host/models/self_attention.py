@@ -30,7 +30,8 @@ LATENT_CACHE = switches.declare_host("mla_kv_cache")
 LATENT_PREFILL = switches.declare_host("mla_prefill")
 #: most context tokens an expanded prefill expands at once: its per-head keys and values are a transient of
 #: ``heads x (k + v widths)`` values per token (DeepSeek-V3: 80 KB in bf16, 1.3 GB at this bound). A step's
-#: sequences are attended in groups of at most this many context tokens; a step with a longer context runs absorbed
+#: sequences are attended in groups of at most this many context tokens, a longer context in parts of at most
+#: this many keys merged by their log-sum-exps
 EXPANDED_PREFILL_MAX_CONTEXT = 16384
 #: weight dtypes the absorbed queries and outputs multiply by
 ABSORBABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -270,12 +271,10 @@ class MLAttention(torch.nn.Module):
     @staticmethod
     def _prefills_expanded(attention: AttentionContext) -> bool:
         """Whether this step runs as multi-head attention over expanded latents (``--mla-prefill
-        expanded``, a prefill step whose every context is at most :data:`EXPANDED_PREFILL_MAX_CONTEXT`
-        tokens, a context that can)."""
+        expanded``, a prefill step, a context that can)."""
         meta = getattr(attention, "metadata", None)
         return (switches.value(LATENT_PREFILL) == "expanded" and meta is not None and not meta.is_decode
-                and hasattr(attention, "attend_latent_expanded") and bool(meta.context_lens_host)
-                and max(meta.context_lens_host) <= EXPANDED_PREFILL_MAX_CONTEXT)
+                and hasattr(attention, "attend_latent_expanded") and bool(meta.context_lens_host))
 
     def _expand_latents(self, latent_CR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_nope [C, N, Dn], v [C, N, Dv])`` of normalized latents: ``kv_b_proj``, as :meth:`project_qkv`."""

@@ -35,37 +35,46 @@ def paged_attention_reference(
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    key_range: tuple[int, int] | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each sequence's new queries over its paged context, in plain PyTorch.
 
     The new tokens of sequence ``b`` are the last ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
-    of its ``context_lens[b]`` tokens. Scores and softmax in float32. ``sinks``: ``[Hq]``
+    of its ``context_lens[b]`` tokens. Scores and softmax in float32 (float64 operands: float64). ``sinks``: ``[Hq]``
     sink logits (an extra softmax column, dropped); ``chunk_size``: each query sees the
-    keys of its own chunk only.
+    keys of its own chunk only. ``key_range`` ``(lo, hi)``: only the keys at positions
+    ``[lo, hi)`` take part (the others are never read). ``return_lse``: also each row's
+    log-sum-exp of its scores, ``[T, Hq]`` float32 (``-inf`` where no key is seen, the
+    row then zero; in the scores' dtype), for :func:`merge_attention_states`.
     """
     num_q_heads = q_THD.shape[1]
     block_size = k_cache_NSHD.shape[1]
     num_kv_heads = k_cache_NSHD.shape[2]
     group = num_q_heads // num_kv_heads
-    out = q_THD.new_empty(q_THD.shape[0], num_q_heads, v_cache_NSHD.shape[-1])
+    out = q_THD.new_zeros(q_THD.shape[0], num_q_heads, v_cache_NSHD.shape[-1])
+    work = torch.float64 if q_THD.dtype == torch.float64 else torch.float32
+    lse_TH = torch.full(q_THD.shape[:2], float("-inf"), dtype=work, device=q_THD.device)
     for b in range(len(context_lens)):
         start, end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        if end == start:
-            continue
         context = context_lens[b]
-        num_blocks = (context + block_size - 1) // block_size
-        blocks = block_tables_BM[b, :num_blocks].long()
-        k_LHD = k_cache_NSHD[blocks].flatten(0, 1)[:context]
-        v_LHD = v_cache_NSHD[blocks].flatten(0, 1)[:context]
+        key_lo, key_hi = (0, context) if key_range is None else (key_range[0], min(key_range[1], context))
+        if end == start or key_hi <= key_lo:
+            continue
+        first_block = key_lo // block_size
+        blocks = block_tables_BM[b, first_block : -(-key_hi // block_size)].long()
+        skip = key_lo - first_block * block_size
+        k_LHD = k_cache_NSHD[blocks].flatten(0, 1)[skip : skip + key_hi - key_lo]
+        v_LHD = v_cache_NSHD[blocks].flatten(0, 1)[skip : skip + key_hi - key_lo]
         if group > 1:
             k_LHD = k_LHD.repeat_interleave(group, dim=1)
             v_LHD = v_LHD.repeat_interleave(group, dim=1)
-        q_HQD = q_THD[start:end].transpose(0, 1).float()
-        scores_HQL = torch.matmul(q_HQD, k_LHD.transpose(0, 1).float().transpose(1, 2)) * scale
+        q_HQD = q_THD[start:end].transpose(0, 1).to(work)
+        scores_HQL = torch.matmul(q_HQD, k_LHD.transpose(0, 1).to(work).transpose(1, 2)) * scale
         if logit_softcap is not None:
             scores_HQL = logit_softcap * torch.tanh(scores_HQL / logit_softcap)
         q_pos = torch.arange(context - (end - start), context, device=q_THD.device)
-        k_pos = torch.arange(context, device=q_THD.device)
+        k_pos = torch.arange(key_lo, key_hi, device=q_THD.device)
         allowed_QL = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             allowed_QL &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
@@ -73,12 +82,26 @@ def paged_attention_reference(
             allowed_QL &= (q_pos[:, None] // chunk_size) == (k_pos[None, :] // chunk_size)
         scores_HQL = scores_HQL.masked_fill(~allowed_QL, float("-inf"))
         if sinks is not None:
-            sink_HQ1 = sinks.float()[:, None, None].expand(-1, scores_HQL.shape[1], 1)
+            sink_HQ1 = sinks.to(work)[:, None, None].expand(-1, scores_HQL.shape[1], 1)
             probs_HQL = torch.softmax(torch.cat((scores_HQL, sink_HQ1), dim=-1), dim=-1)[..., :-1]
         else:
-            probs_HQL = torch.softmax(scores_HQL, dim=-1)
-        out[start:end] = torch.matmul(probs_HQL, v_LHD.transpose(0, 1).float()).transpose(0, 1).to(out.dtype)
-    return out
+            probs_HQL = torch.softmax(scores_HQL, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
+        out[start:end] = torch.matmul(probs_HQL, v_LHD.transpose(0, 1).to(work)).transpose(0, 1).to(out.dtype)
+        lse_TH[start:end] = torch.logsumexp(scores_HQL, dim=-1).transpose(0, 1)
+    return (out, lse_TH) if return_lse else out
+
+
+def merge_attention_states(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """One attention output from the outputs ``[T, H, Dv]`` of the same queries over disjoint key sets and
+    their rows' log-sum-exps ``[T, H]``: each part weighted by its share of the softmax's denominator
+    (a row no part saw anything of: zeros). In float32 (float64 parts: float64), in the parts' order."""
+    work = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    lse_PTH = torch.stack(lses).to(work)
+    top_TH = lse_PTH.amax(0)
+    weights_PTH = torch.exp(lse_PTH - top_TH.nan_to_num(0.0, neginf=0.0))  # 0 for a part that saw no key
+    total_TH = weights_PTH.sum(0)
+    merged = sum(w[..., None] * out.to(work) for w, out in zip(weights_PTH, outs))
+    return (merged / torch.where(total_TH == 0, 1.0, total_TH)[..., None]).to(outs[0].dtype)
 
 
 def context_groups(context_lens: list[int], max_context: int | None) -> list[tuple[int, int]]:
@@ -92,6 +115,11 @@ def context_groups(context_lens: list[int], max_context: int | None) -> list[tup
         total += context
     groups.append((first, len(context_lens)))
     return groups
+
+
+def _key_parts(context: int, most: int) -> list[tuple[int, int]]:
+    """Consecutive key ranges ``(lo, hi)`` of at most ``most`` keys covering a context of ``context``."""
+    return [(lo, min(lo + most, context)) for lo in range(0, context, most)]
 
 
 def _flash_attn_varlen():
@@ -188,20 +216,28 @@ class PagedAttention:
         ``c [C, R]`` -> ``(k_nope [C, N, Dn], v [C, N, Dv])``: the layer's ``kv_b_proj``) and attend with
         the per-head queries ``q_TND`` (``[T, N, Dn + P]``). The absorbed path's products in the other
         order, at ``Dn + P`` and ``Dv`` per head instead of ``R + P`` and ``R`` (DeepSeek-V3: 192 + 128
-        against 576 + 512): the fewer FLOPs where the step is compute-bound. ``max_group_context``: the
-        step's sequences are expanded and attended in consecutive groups of at most this many context
-        tokens (the expanded keys and values are a transient per group; a longer context is a group
-        alone). Returns ``[T, N, Dv]``."""
+        against 576 + 512): the fewer FLOPs where the step is compute-bound.
+
+        ``max_group_context`` bounds the expanded keys and values, a transient: the step's sequences are
+        expanded and attended in consecutive groups of at most this many context tokens, and a longer
+        context in parts of at most this many keys whose attention states are merged by their
+        log-sum-exps (SGLang's chunked prefix of MLA). Returns ``[T, N, Dv]``."""
         meta = self.metadata
         cache_XS1C = self._store_latent_rows(layer_index, latent_TR, k_rope_TP)
         rank = latent_TR.shape[-1]
         groups = context_groups(meta.context_lens_host, max_group_context)
-        if len(groups) == 1:
-            return self._attend_expanded_group(cache_XS1C, rank, q_TND, expand, meta, scale)
         cu = meta.cu_seqlens_q_host
-        parts = [self._attend_expanded_group(cache_XS1C, rank, q_TND[cu[b0]:cu[b1]], expand,
-                                             self._group_metadata(b0, b1), scale) for b0, b1 in groups]
-        return torch.cat(parts)
+        parts = []
+        for b0, b1 in groups:
+            group_meta = meta if len(groups) == 1 else self._group_metadata(b0, b1)
+            q_group = q_TND[cu[b0]:cu[b1]]
+            if max_group_context is not None and sum(group_meta.context_lens_host) > max_group_context:
+                states = [self._attend_expanded_group(cache_XS1C, rank, q_group, expand, group_meta, scale, keys)
+                          for keys in _key_parts(group_meta.context_lens_host[0], max_group_context)]
+                parts.append(merge_attention_states(*zip(*states)))
+            else:
+                parts.append(self._attend_expanded_group(cache_XS1C, rank, q_group, expand, group_meta, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _group_metadata(self, first: int, end: int) -> AttentionMetadata:
         """The step's metadata restricted to sequences ``first .. end - 1`` (query offsets from 0)."""
@@ -219,24 +255,28 @@ class PagedAttention:
         )
 
     def _attend_expanded_group(self, cache_XS1C, rank: int, q_TND, expand, meta: AttentionMetadata,
-                               scale: float) -> torch.Tensor:
+                               scale: float, keys: tuple[int, int] | None = None):
         """:meth:`attend_latent_expanded` of the sequences ``meta`` describes (their queries ``q_TND``;
-        ``rank``: the latent width of the cache rows, the rope key after it)."""
+        ``rank``: the latent width of the cache rows, the rope key after it). ``keys`` ``(lo, hi)``: one
+        sequence's keys at those positions only (its other pages are not expanded); then returns
+        ``(out, log-sum-exp)`` for :func:`merge_attention_states`."""
         page = cache_XS1C.shape[1]
-        pages_B = [-(-context // page) for context in meta.context_lens_host]
-        page_ids = torch.cat([meta.block_tables_BM[b, :n] for b, n in enumerate(pages_B)]).long()
-        rows_PSC = cache_XS1C.index_select(0, page_ids)[:, :, 0]  # every sequence's pages, in order
+        first_pages = [0] * len(meta.context_lens_host) if keys is None else [keys[0] // page]
+        end_pages = [-(-context // page) for context in meta.context_lens_host] if keys is None else [-(-keys[1] // page)]
+        page_ids = torch.cat([meta.block_tables_BM[b, p0:p1] for b, (p0, p1) in enumerate(zip(first_pages, end_pages))])
+        rows_PSC = cache_XS1C.index_select(0, page_ids.long())[:, :, 0]  # the pages attended, in order
         k_nope_CND, v_CND = expand(rows_PSC[..., :rank].reshape(-1, rank))
         num_pages, heads = rows_PSC.shape[0], k_nope_CND.shape[1]
         k_rope_C1P = rows_PSC[..., rank:].reshape(-1, 1, rows_PSC.shape[-1] - rank).to(k_nope_CND.dtype)
         k_PSND = torch.cat((k_nope_CND, k_rope_C1P.expand(-1, heads, -1)), dim=-1).view(num_pages, page, heads, -1)
         v_PSND = v_CND.contiguous().view(num_pages, page, heads, -1)
-        tables_BM = torch.zeros(len(pages_B), max(pages_B), dtype=torch.int32)
-        first = 0
-        for b, n in enumerate(pages_B):  # sequence b's pages are rows first .. first + n of the gathered cache
-            tables_BM[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
-            first += n
+        tables_BM = torch.zeros(len(end_pages), max(end_pages), dtype=torch.int32)
+        row = 0
+        for b, (p0, p1) in enumerate(zip(first_pages, end_pages)):  # its pages: gathered rows row .. row + p1 - p0
+            tables_BM[b, p0:p1] = torch.arange(row, row + p1 - p0, dtype=torch.int32)
+            row += p1 - p0
         q_TND, tables_BM = q_TND.to(k_PSND.dtype), tables_BM.to(q_TND.device)
+        in_parts = dict(key_range=keys, return_lse=True) if keys is not None else {}
         if cache_XS1C.is_cuda and self.backend != "torch":
             from miles_host.kernels.paged_attention import build_tiles, paged_attention_triton, tokens_per_tile
 
@@ -244,9 +284,9 @@ class PagedAttention:
                                                  q_TND.device)
             expanded = dataclasses.replace(meta, block_tables_BM=tables_BM, is_decode=False,
                                            tile_seq=tile_seq, tile_q_start=tile_q_start)
-            return paged_attention_triton(q_TND, k_PSND, v_PSND, expanded, scale=scale)
+            return paged_attention_triton(q_TND, k_PSND, v_PSND, expanded, scale=scale, **in_parts)
         return paged_attention_reference(q_TND, k_PSND, v_PSND, tables_BM, meta.cu_seqlens_q_host,
-                                         meta.context_lens_host, scale=scale)
+                                         meta.context_lens_host, scale=scale, **in_parts)
 
     def attend(
         self,

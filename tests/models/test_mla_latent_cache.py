@@ -165,8 +165,8 @@ def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device,
         kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
     groups = []
     original = PagedAttention._attend_expanded_group
-    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, scale: (
-        groups.append((q.shape[0], meta.context_lens_host)) or original(self, cache, rank, q, expand, meta, scale)))
+    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, *a: (
+        groups.append((q.shape[0], meta.context_lens_host)) or original(self, cache, rank, q, expand, meta, *a)))
     monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", 12)
     prompts = [[5, 9, 3, 17, 4, 8, 2], [8, 2, 2, 11, 6], [7, 1, 4, 9, 3, 3, 12, 30]]
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -182,22 +182,44 @@ def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device,
         assert max(abs(x[0] - y[0]) for x, y in pairs) <= (1e-5 if device == "cpu" else 1e-4)
 
 
-def test_expanded_prefill_falls_back_to_absorbed_over_long_contexts(checkpoints, monkeypatch):
-    """A step with a context past EXPANDED_PREFILL_MAX_CONTEXT tokens runs absorbed (its expanded keys
-    and values would be a transient of ~80 KB per context token at DeepSeek-V3's widths)."""
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs a CUDA GPU")]),
+])
+def test_expanded_prefill_over_a_long_context_in_key_parts_gives_the_absorbed_rows(device, checkpoints, monkeypatch):
+    """A context past EXPANDED_PREFILL_MAX_CONTEXT tokens is expanded and attended in parts of at most that
+    many keys (the last chunk of a chunked prefill over its cached prefix too), merged by their log-sum-exps
+    (on CUDA the paged Triton kernel over a key range): the absorbed prefill's tokens and log-probs."""
     from miles_host.models import self_attention
     from miles_host.rollout.attention import PagedAttention
 
-    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup)
-    expanded, absorbed = [], []
-    for name, seen in (("attend_latent_expanded", expanded), ("attend_latent", absorbed)):
-        original = getattr(PagedAttention, name)
-        monkeypatch.setattr(PagedAttention, name, lambda self, *a, _o=original, _s=seen, **k: _s.append(
-            (self.metadata.is_decode, sum(self.metadata.context_lens_host))) or _o(self, *a, **k))
-    monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", 8)
-    with switches.switched(mla_prefill="expanded"):
-        engine = Engine(model, kv_cache_tokens=256, block_size=4)
-        for prompt in ([5, 9, 3], [8, 2, 2, 11, 6, 7, 1, 4, 9, 3]):  # one step of 3 context tokens, one of 10
-            engine.generate([prompt], {"temperature": 0, "max_new_tokens": 2})
-    assert expanded and all(not decode and total <= 8 for decode, total in expanded)
-    assert any(not decode and total > 8 for decode, total in absorbed)
+    model = load_pretrained(checkpoints["deepseek_v3"], family=family_lookup).to(device)
+    bound, chunk = (8, 6) if device == "cpu" else (96, 128)  # CUDA: parts past the kernel's key block
+    engine_args = dict(kv_cache_tokens=256, block_size=4) if device == "cpu" else dict(
+        kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
+    parts, absorbed = [], []
+    original = PagedAttention._attend_expanded_group
+    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, scale,
+                        keys=None: parts.append((meta.context_lens_host, keys))
+                        or original(self, cache, rank, q, expand, meta, scale, keys))
+    original_absorbed = PagedAttention.attend_latent
+    monkeypatch.setattr(PagedAttention, "attend_latent", lambda self, *a, **k: absorbed.append(
+        self.metadata.is_decode) or original_absorbed(self, *a, **k))
+    monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", bound)
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(length)] for length in ((21, 3) if device == "cpu" else (300, 40))]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outputs = {}
+    for prefill in ("absorbed", "expanded"):
+        parts.clear(), absorbed.clear()
+        with switches.switched(mla_prefill=prefill):
+            outputs[prefill] = Engine(model, max_num_batched_tokens=chunk, **engine_args).generate(prompts, params)
+    assert absorbed and all(absorbed), "a prefill step ran absorbed"  # the expanded run's: decode steps only
+    long_context = [(contexts, keys) for contexts, keys in parts if keys is not None]
+    assert any(contexts[0] == len(prompts[0]) for contexts, _ in long_context), parts  # its last chunk, in parts
+    assert all(keys[1] - keys[0] <= bound for _, keys in long_context)
+    assert [o["output_ids"] for o in outputs["absorbed"]] == [o["output_ids"] for o in outputs["expanded"]]
+    for a, b in zip(outputs["absorbed"], outputs["expanded"]):
+        pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) <= (1e-5 if device == "cpu" else 1e-4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_host.kernels import split_k
-from miles_host.rollout.attention import AttentionMetadata, paged_attention_reference
+from miles_host.rollout.attention import AttentionMetadata, merge_attention_states, paged_attention_reference
 from tests.plugins.triton_interpret import interpreted_module
 from tests.rollout.test_attention import paged_case
 
@@ -194,3 +194,28 @@ def test_multi_head_prefill_over_a_cached_prefix_at_the_expanded_mla_widths(kern
     out = kernels.paged_attention_triton(q, k_cache, v_cache, meta, scale=dim ** -0.5)
     ref = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=dim ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_over_key_parts_stores_each_rows_log_sum_exp(kernels):
+    """The kernel over a key range with its rows' log-sum-exps against the reference's, ranges that start
+    mid-page and mid-block, a range a query does not reach (zeros, -inf); merged, the whole context."""
+    heads, dim, lengths_new, lengths_ctx = 4, 24, [7, 70], [90, 70]
+    q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, heads, heads, dim, dim, block_size=PAGE)
+    meta = AttentionMetadata(
+        slot_mapping_T=torch.zeros(cu[-1], dtype=torch.long), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        context_lens_B=torch.tensor(lengths_ctx, dtype=torch.int32), block_tables_BM=tables,
+        max_q_len=max(lengths_new), max_context_len=max(lengths_ctx), is_decode=False,
+    )
+    meta.tile_seq, meta.tile_q_start = kernels.build_tiles(cu, kernels.tokens_per_tile(heads, heads, False), "cpu")
+    parts = []
+    for keys in ((0, 37), (37, 90)):
+        out, lse = kernels.paged_attention_triton(q, k_cache, v_cache, meta, scale=dim ** -0.5, key_range=keys,
+                                                  return_lse=True)
+        ref, ref_lse = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=dim ** -0.5,
+                                                 key_range=keys, return_lse=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        parts.append((out, lse))
+    assert parts[1][1][cu[1]].isneginf().all()  # sequence 1's first query (position 0) sees no key from 37
+    whole = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=dim ** -0.5)
+    torch.testing.assert_close(merge_attention_states(*zip(*parts)), whole, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles_host.models.attention import attend_dense
-from miles_host.rollout.attention import paged_attention_reference
+from miles_host.rollout.attention import merge_attention_states, paged_attention_reference
 
 
 def paged_case(lengths_new, lengths_ctx, heads_q=4, heads_kv=2, dim=16, dim_v=16, block_size=4, seed=0,
@@ -82,3 +82,19 @@ def test_fused_attention_block_stores_kv_itself_and_matches_the_eager_block(qwen
         results.append((out, cache.k_NSHD[0].clone(), cache.v_NSHD[0].clone()))
     for eager, fused in zip(*results):
         assert torch.equal(eager, fused)
+
+
+def test_attention_over_key_parts_merged_by_log_sum_exp_is_attention_over_the_whole_context():
+    """Each part of the keys with its rows' log-sum-exps, merged, against the whole context in float64
+    (parts that start mid-page, a part a query's position does not reach: zeros and -inf)."""
+    lengths_new, lengths_ctx = [5, 1, 11], [13, 9, 11]
+    q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, dtype=torch.float64)
+    whole, whole_lse = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=0.25,
+                                                 return_lse=True)
+    parts = [paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=0.25, key_range=keys,
+                                       return_lse=True) for keys in ((0, 3), (3, 10), (10, 13))]
+    torch.testing.assert_close(merge_attention_states(*zip(*parts)), whole, atol=1e-12, rtol=1e-12)
+    early_query = cu[2]  # sequence 2's first query (position 0) sees no key past position 0
+    assert parts[2][1][early_query].isneginf().all() and (parts[2][0][early_query] == 0).all()
+    scores = torch.einsum("hd,lhd->hl", q[0], k_cache[tables[0, :3].long()].flatten(0, 1)[:9].repeat_interleave(2, 1))
+    torch.testing.assert_close(whole_lse[0], torch.logsumexp(scores * 0.25, dim=-1), atol=1e-12, rtol=1e-12)
