@@ -29,6 +29,7 @@
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
 #        mla_prefill (--mla-prefill expanded vs absorbed: GPU tests, DeepSeek-V3 prefill at 1k / 8k prompts)
+#        mla_prefill_long (the same at one 32k prompt: the expanded prefill in key parts)
 #        moe_gemv_sweep (the expert GEMV's launches at batch 1) mla_attention_sweep (the latent MLA decode kernel's launches)
 #        b1_profile (bf16 MoE b1 decode with the defaults, kernel time per token)
 #        pdl (programmatic dependent launch: its GPU tests, bf16 MoE decode b1/b32 with it off and on, the b1 profile)
@@ -132,8 +133,8 @@ for step in "${steps[@]}"; do
         --switch pdl=off --drop-launch 1x151936x2048 ;;  # one H200 call (needs_h200: the DeepSeek-V3 shape's ~95 GB): that shape's decode and prefill, then the Qwen3-30B-A3B shape's b1/b32 with the defaults and with the ones before them
     h200_dsv3) run b1_defaults 90 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 256 --repeats 3
-      run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
-        tests/models/test_mla_latent_cache.py
+      run mla_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
+        tests/models/test_mla_latent_cache.py tests/rollout/test_gpu_attention.py
       run moe_dsv3 330 python3 bench/moe.py --shapes dsv3 --precisions bf16 --kernels fused --batches 1,32,128,256 \
         --prefill-seqs 8 --repeats 1 --json "$OUT/moe_dsv3.json" ;;  # one H200 call (needs_h200: the 4-layer DeepSeek-V3 shape's ~95 GB): the Qwen3-30B-A3B shape's b1 decode with the defaults, the MLA GPU tests, then the DeepSeek-V3 shape's decode b1-b256 and prefill over the latent cache
     h200_short) run decode_defaults_1 100 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1,32 \
@@ -179,6 +180,11 @@ for step in "${steps[@]}"; do
       run mla_prefill 300 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused --batches 1 \
         --new-tokens 8 --prefill-seqs 2 --prefill-len 1024,8192 --repeats 2 --prefill-switch mla_prefill=absorbed,expanded \
         --json "$OUT/mla_prefill.json" ;;  # --mla-prefill expanded: its GPU tests (the engine vs transformers both ways), then the 2-layer DeepSeek-V3 shape's prefill tok/s absorbed vs expanded at 1k and 8k prompts
+    mla_prefill_long) run mla_prefill_long_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/models/test_mla_latent_cache.py tests/rollout/test_gpu_attention.py
+      run mla_prefill_long 300 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused --batches 1 \
+        --new-tokens 8 --prefill-seqs 1 --prefill-len 32768 --repeats 1 --prefill-switch mla_prefill=absorbed,expanded \
+        --json "$OUT/mla_prefill_long.json" ;;  # a context past the expanded prefill's 16,384-token bound (in key parts merged by their log-sum-exps): the GPU tests of the paged kernel and the latent engine, then one 32,768-token prompt's prefill absorbed vs expanded (the 2-layer DeepSeek-V3 shape)
     mla_tests) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \
         tests/models/test_mla_latent_cache.py ;;  # the latent MLA kernel against the reference; the engine over latents against transformers
     moe_dsv3_h100) run mla_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_mla_attention.py \

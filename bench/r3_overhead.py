@@ -93,7 +93,7 @@ def main() -> None:
                 for capture in (False, True)]
     for capture, seconds in zip((False, True), interleaved(rollouts, args.repeats)):
         rows.append((f"rollout, capture {'on' if capture else 'off'}", seconds, prompts_n * new / seconds))
-    del engine
+    engine = None  # frees the engine (the rollouts above read it only before)
     model = load_pretrained(directory, dtype=dtype, device=device, routing_hooks=hooks)
     seqs, seq_len = (2, 32) if args.tiny else (8, 1024)
     ids = torch.randint(2, shape["vocab_size"], (seqs * seq_len,), device=device)

@@ -196,7 +196,7 @@ def main() -> None:
             hf_rate = hf_tokens / statistics.median(hf_times)
             rows.append(("(a) transformers.generate", f"{n_prompts}x{prompt_len} -> {new_tokens}", hf_tokens,
                          statistics.median(hf_times), hf_rate, f"miles/hf = {miles_a / hf_rate:.1f}x"))
-        del hf_model
+        hf_model = None  # frees the transformers model (run_hf above reads it only before)
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -6,7 +6,6 @@ D = head dim.
 
 from __future__ import annotations
 
-import gc
 from typing import Sequence as Seq
 
 import torch
