@@ -117,6 +117,17 @@ def context_groups(context_lens: list[int], max_context: int | None) -> list[tup
     return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class _ExpandedLayout:
+    """What an expanded MLA prefill of some of a step's sequences needs beside the layer's cache: their
+    metadata over the gathered pages (``block_tables_BM`` into the gathered rows; the kernel's tiles on
+    CUDA), the cache pages to gather in order, and ``keys``: one sequence's key part, or None."""
+
+    metadata: AttentionMetadata
+    page_ids: torch.Tensor
+    keys: tuple[int, int] | None
+
+
 def _key_parts(context: int, most: int) -> list[tuple[int, int]]:
     """Consecutive key ranges ``(lo, hi)`` of at most ``most`` keys covering a context of ``context``."""
     return [(lo, min(lo + most, context)) for lo in range(0, context, most)]
@@ -142,6 +153,7 @@ class PagedAttention:
         self.kv_cache = kv_cache
         self.metadata = metadata
         self.backend = backend
+        self._expanded_layouts: dict[tuple, _ExpandedLayout] = {}
 
     @staticmethod
     def _store_kv(k_cache, v_cache, k_THD, v_THD, slots, triton_backend: bool) -> None:
@@ -224,20 +236,48 @@ class PagedAttention:
         log-sum-exps (SGLang's chunked prefix of MLA). Returns ``[T, N, Dv]``."""
         meta = self.metadata
         cache_XS1C = self._store_latent_rows(layer_index, latent_TR, k_rope_TP)
-        rank = latent_TR.shape[-1]
-        groups = context_groups(meta.context_lens_host, max_group_context)
+        rank, heads = latent_TR.shape[-1], q_TND.shape[1]
         cu = meta.cu_seqlens_q_host
         parts = []
-        for b0, b1 in groups:
-            group_meta = meta if len(groups) == 1 else self._group_metadata(b0, b1)
+        for b0, b1 in context_groups(meta.context_lens_host, max_group_context):
             q_group = q_TND[cu[b0]:cu[b1]]
-            if max_group_context is not None and sum(group_meta.context_lens_host) > max_group_context:
-                states = [self._attend_expanded_group(cache_XS1C, rank, q_group, expand, group_meta, scale, keys)
-                          for keys in _key_parts(group_meta.context_lens_host[0], max_group_context)]
+            contexts = meta.context_lens_host[b0:b1]
+            if max_group_context is not None and sum(contexts) > max_group_context:  # one long context
+                states = [self._attend_expanded(cache_XS1C, rank, q_group, expand, scale,
+                                                self._expanded_layout(b0, b1, heads, keys))
+                          for keys in _key_parts(contexts[0], max_group_context)]
                 parts.append(merge_attention_states(*zip(*states)))
             else:
-                parts.append(self._attend_expanded_group(cache_XS1C, rank, q_group, expand, group_meta, scale))
+                parts.append(self._attend_expanded(cache_XS1C, rank, q_group, expand, scale,
+                                                   self._expanded_layout(b0, b1, heads)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _expanded_layout(self, first: int, end: int, heads: int, keys: tuple[int, int] | None = None) -> _ExpandedLayout:
+        """The :class:`_ExpandedLayout` of sequences ``first .. end - 1`` (``keys``: one sequence's keys at
+        those positions only), built once per step for every layer."""
+        cached = self._expanded_layouts.get((first, end, heads, keys))
+        if cached is not None:
+            return cached
+        meta = self.metadata if (first, end) == (0, len(self.metadata.context_lens_host)) else \
+            self._group_metadata(first, end)
+        page = self.kv_cache.block_size
+        first_pages = [0] * (end - first) if keys is None else [keys[0] // page]
+        end_pages = [-(-c // page) for c in meta.context_lens_host] if keys is None else [-(-keys[1] // page)]
+        page_ids = torch.cat([meta.block_tables_BM[b, p0:p1] for b, (p0, p1) in enumerate(zip(first_pages, end_pages))])
+        tables_BM = torch.zeros(len(end_pages), max(end_pages), dtype=torch.int32)
+        row = 0
+        for b, (p0, p1) in enumerate(zip(first_pages, end_pages)):  # its pages: gathered rows row .. row + p1 - p0
+            tables_BM[b, p0:p1] = torch.arange(row, row + p1 - p0, dtype=torch.int32)
+            row += p1 - p0
+        tiles = (None, None)
+        if page_ids.is_cuda and self.backend != "torch":
+            from miles_host.kernels.paged_attention import build_tiles, tokens_per_tile
+
+            tiles = build_tiles(meta.cu_seqlens_q_host, tokens_per_tile(heads, heads, False), page_ids.device)
+        meta = dataclasses.replace(meta, block_tables_BM=tables_BM.to(page_ids.device), is_decode=False,
+                                   tile_seq=tiles[0], tile_q_start=tiles[1])
+        layout = self._expanded_layouts[(first, end, heads, keys)] = _ExpandedLayout(meta, page_ids.long(), keys)
+        return layout
 
     def _group_metadata(self, first: int, end: int) -> AttentionMetadata:
         """The step's metadata restricted to sequences ``first .. end - 1`` (query offsets from 0)."""
@@ -254,38 +294,25 @@ class PagedAttention:
             slot_mapping_host=None,
         )
 
-    def _attend_expanded_group(self, cache_XS1C, rank: int, q_TND, expand, meta: AttentionMetadata,
-                               scale: float, keys: tuple[int, int] | None = None):
-        """:meth:`attend_latent_expanded` of the sequences ``meta`` describes (their queries ``q_TND``;
-        ``rank``: the latent width of the cache rows, the rope key after it). ``keys`` ``(lo, hi)``: one
-        sequence's keys at those positions only (its other pages are not expanded); then returns
-        ``(out, log-sum-exp)`` for :func:`merge_attention_states`."""
+    def _attend_expanded(self, cache_XS1C, rank: int, q_TND, expand, scale: float, layout: _ExpandedLayout):
+        """:meth:`attend_latent_expanded` of the sequences (or one sequence's key part) ``layout`` describes,
+        their queries ``q_TND`` (``rank``: the latent width of the cache rows, the rope key after it): their
+        pages gathered and expanded, then the paged kernel. A key part returns ``(out, log-sum-exp)`` for
+        :func:`merge_attention_states`."""
         page = cache_XS1C.shape[1]
-        first_pages = [0] * len(meta.context_lens_host) if keys is None else [keys[0] // page]
-        end_pages = [-(-context // page) for context in meta.context_lens_host] if keys is None else [-(-keys[1] // page)]
-        page_ids = torch.cat([meta.block_tables_BM[b, p0:p1] for b, (p0, p1) in enumerate(zip(first_pages, end_pages))])
-        rows_PSC = cache_XS1C.index_select(0, page_ids.long())[:, :, 0]  # the pages attended, in order
+        rows_PSC = cache_XS1C.index_select(0, layout.page_ids)[:, :, 0]  # the pages attended, in order
         k_nope_CND, v_CND = expand(rows_PSC[..., :rank].reshape(-1, rank))
         num_pages, heads = rows_PSC.shape[0], k_nope_CND.shape[1]
         k_rope_C1P = rows_PSC[..., rank:].reshape(-1, 1, rows_PSC.shape[-1] - rank).to(k_nope_CND.dtype)
         k_PSND = torch.cat((k_nope_CND, k_rope_C1P.expand(-1, heads, -1)), dim=-1).view(num_pages, page, heads, -1)
         v_PSND = v_CND.contiguous().view(num_pages, page, heads, -1)
-        tables_BM = torch.zeros(len(end_pages), max(end_pages), dtype=torch.int32)
-        row = 0
-        for b, (p0, p1) in enumerate(zip(first_pages, end_pages)):  # its pages: gathered rows row .. row + p1 - p0
-            tables_BM[b, p0:p1] = torch.arange(row, row + p1 - p0, dtype=torch.int32)
-            row += p1 - p0
-        q_TND, tables_BM = q_TND.to(k_PSND.dtype), tables_BM.to(q_TND.device)
-        in_parts = dict(key_range=keys, return_lse=True) if keys is not None else {}
-        if cache_XS1C.is_cuda and self.backend != "torch":
-            from miles_host.kernels.paged_attention import build_tiles, paged_attention_triton, tokens_per_tile
+        q_TND, meta = q_TND.to(k_PSND.dtype), layout.metadata
+        in_parts = dict(key_range=layout.keys, return_lse=True) if layout.keys is not None else {}
+        if meta.tile_seq is not None:
+            from miles_host.kernels.paged_attention import paged_attention_triton
 
-            tile_seq, tile_q_start = build_tiles(meta.cu_seqlens_q_host, tokens_per_tile(heads, heads, False),
-                                                 q_TND.device)
-            expanded = dataclasses.replace(meta, block_tables_BM=tables_BM, is_decode=False,
-                                           tile_seq=tile_seq, tile_q_start=tile_q_start)
-            return paged_attention_triton(q_TND, k_PSND, v_PSND, expanded, scale=scale, **in_parts)
-        return paged_attention_reference(q_TND, k_PSND, v_PSND, tables_BM, meta.cu_seqlens_q_host,
+            return paged_attention_triton(q_TND, k_PSND, v_PSND, meta, scale=scale, **in_parts)
+        return paged_attention_reference(q_TND, k_PSND, v_PSND, meta.block_tables_BM, meta.cu_seqlens_q_host,
                                          meta.context_lens_host, scale=scale, **in_parts)
 
     def attend(

@@ -164,9 +164,11 @@ def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device,
     engine_args = dict(kv_cache_tokens=256, block_size=4) if device == "cpu" else dict(
         kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
     groups = []
-    original = PagedAttention._attend_expanded_group
-    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, *a: (
-        groups.append((q.shape[0], meta.context_lens_host)) or original(self, cache, rank, q, expand, meta, *a)))
+    layouts = []
+    original = PagedAttention._attend_expanded
+    monkeypatch.setattr(PagedAttention, "_attend_expanded", lambda self, cache, rank, q, expand, scale, layout: (
+        groups.append((q.shape[0], layout.metadata.context_lens_host)) or layouts.append(id(layout))
+        or original(self, cache, rank, q, expand, scale, layout)))
     monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", 12)
     prompts = [[5, 9, 3, 17, 4, 8, 2], [8, 2, 2, 11, 6], [7, 1, 4, 9, 3, 3, 12, 30]]
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -176,6 +178,7 @@ def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device,
             outputs[prefill] = Engine(model, **engine_args).generate(prompts, params)
     assert (12, [7, 5]) in groups, groups  # the one prefill step, split by the bound
     assert all(sum(contexts) <= 12 for _, contexts in groups)
+    assert len(set(layouts)) * 2 <= len(layouts)  # a step's group layouts built once, for every layer
     assert [o["output_ids"] for o in outputs["absorbed"]] == [o["output_ids"] for o in outputs["expanded"]]
     for a, b in zip(outputs["absorbed"], outputs["expanded"]):
         pairs = zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
@@ -199,10 +202,10 @@ def test_expanded_prefill_over_a_long_context_in_key_parts_gives_the_absorbed_ro
     engine_args = dict(kv_cache_tokens=256, block_size=4) if device == "cpu" else dict(
         kv_cache_tokens=None, max_num_seqs=8, mem_fraction_static=0.3, max_kv_cache_tokens=4096)
     parts, absorbed = [], []
-    original = PagedAttention._attend_expanded_group
-    monkeypatch.setattr(PagedAttention, "_attend_expanded_group", lambda self, cache, rank, q, expand, meta, scale,
-                        keys=None: parts.append((meta.context_lens_host, keys))
-                        or original(self, cache, rank, q, expand, meta, scale, keys))
+    original = PagedAttention._attend_expanded
+    monkeypatch.setattr(PagedAttention, "_attend_expanded", lambda self, cache, rank, q, expand, scale, layout: (
+        parts.append((layout.metadata.context_lens_host, layout.keys))
+        or original(self, cache, rank, q, expand, scale, layout)))
     original_absorbed = PagedAttention.attend_latent
     monkeypatch.setattr(PagedAttention, "attend_latent", lambda self, *a, **k: absorbed.append(
         self.metadata.is_decode) or original_absorbed(self, *a, **k))
