@@ -180,17 +180,24 @@ def test_kv_write_is_index_copy_bit_for_bit(kernels, monkeypatch, src, cache, he
     assert torch.equal(_bits(v_cache), _bits(v_expected))
 
 
-def test_multi_head_prefill_over_a_cached_prefix_at_the_expanded_mla_widths(kernels):
-    """``--mla-prefill expanded``'s launch: one KV head per query head, a key width off a power of two
-    (DeepSeek-V3: 192, padded to 256) and a narrower value (128), new tokens after a cached prefix."""
-    heads, dim, dim_v, lengths_new, lengths_ctx = 4, 24, 16, [5, 3], [21, 3]
-    q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, heads, heads, dim, dim_v, block_size=PAGE)
+def _prefill_metadata(kernels, cu: list[int], lengths_ctx: list[int], tables, heads: int) -> AttentionMetadata:
+    """A prefill step's metadata for multi-head attention (as many KV heads as query heads), with its tiles."""
+    lengths_new = [b - a for a, b in zip(cu, cu[1:])]
     meta = AttentionMetadata(
         slot_mapping_T=torch.zeros(cu[-1], dtype=torch.long), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
         context_lens_B=torch.tensor(lengths_ctx, dtype=torch.int32), block_tables_BM=tables,
         max_q_len=max(lengths_new), max_context_len=max(lengths_ctx), is_decode=False,
     )
     meta.tile_seq, meta.tile_q_start = kernels.build_tiles(cu, kernels.tokens_per_tile(heads, heads, False), "cpu")
+    return meta
+
+
+def test_multi_head_prefill_over_a_cached_prefix_at_the_expanded_mla_widths(kernels):
+    """``--mla-prefill expanded``'s launch: one KV head per query head, a key width off a power of two
+    (DeepSeek-V3: 192, padded to 256) and a narrower value (128), new tokens after a cached prefix."""
+    heads, dim, dim_v, lengths_new, lengths_ctx = 4, 24, 16, [5, 3], [21, 3]
+    q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, heads, heads, dim, dim_v, block_size=PAGE)
+    meta = _prefill_metadata(kernels, cu, lengths_ctx, tables, heads)
     out = kernels.paged_attention_triton(q, k_cache, v_cache, meta, scale=dim ** -0.5)
     ref = paged_attention_reference(q, k_cache, v_cache, tables, cu, lengths_ctx, scale=dim ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -201,12 +208,7 @@ def test_prefill_over_key_parts_stores_each_rows_log_sum_exp(kernels):
     mid-page and mid-block, a range a query does not reach (zeros, -inf); merged, the whole context."""
     heads, dim, lengths_new, lengths_ctx = 4, 24, [7, 70], [90, 70]
     q, k_cache, v_cache, tables, cu = paged_case(lengths_new, lengths_ctx, heads, heads, dim, dim, block_size=PAGE)
-    meta = AttentionMetadata(
-        slot_mapping_T=torch.zeros(cu[-1], dtype=torch.long), cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        context_lens_B=torch.tensor(lengths_ctx, dtype=torch.int32), block_tables_BM=tables,
-        max_q_len=max(lengths_new), max_context_len=max(lengths_ctx), is_decode=False,
-    )
-    meta.tile_seq, meta.tile_q_start = kernels.build_tiles(cu, kernels.tokens_per_tile(heads, heads, False), "cpu")
+    meta = _prefill_metadata(kernels, cu, lengths_ctx, tables, heads)
     parts = []
     for keys in ((0, 37), (37, 90)):
         out, lse = kernels.paged_attention_triton(q, k_cache, v_cache, meta, scale=dim ** -0.5, key_range=keys,
