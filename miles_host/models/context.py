@@ -39,8 +39,12 @@ class AttentionContext(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
-        """Return ``[T, Hq, Dv]`` attention output (causal within each sequence)."""
+        """Return ``[T, Hq, Dv]`` attention output (causal within each sequence). ``sinks``: ``[Hq]`` sink
+        logits (an extra softmax column, dropped: gpt-oss); ``chunk_size``: a query sees the keys of its own
+        ``chunk_size``-token block only (Llama-4's local layers)."""
         ...
 
 
