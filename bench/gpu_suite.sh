@@ -153,7 +153,7 @@ for step in "${steps[@]}"; do
         --batches 1,32 --prefill-seqs 2 --repeats 1 --switch mla_kv_cache=latent --json "$OUT/moe_dsv3_short.json" ;;  # a short device window: the MLA GPU tests, then the 2-layer DeepSeek-V3 shape's b1/b32 decode over the latent cache
     moe_dsv3_quantized) for p in bf16 fp8 int4; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run "moe_dsv3_$p" 200 \
         python3 bench/moe.py --shapes dsv3 --layers 2 --precisions $p --kernels fused --batches 1,32 --prefill-seqs 2 \
-        --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (the bf16 model, ~47 GB, is built before quantizing: fits an H100), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
+        --repeats 1 --json "$OUT/moe_dsv3_$p.json"; done ;;  # the DeepSeek-V3 shape cut to 2 layers (~47 GB in bf16; FP8 and INT4 built and quantized a layer at a time, so their 16-bit weights never all exist), each precision in its own process (quantizing beside a held bf16 engine ran out of memory), over the latent cache (FP8 kv_b_proj read dequantized)
     b1_profile) run b1_profile 200 python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 \
         --new-tokens 64 --repeats 2 --profile-batch 1 --profile-top 45 ;;  # the Qwen3-30B-A3B shape's b1 decode with the defaults: GPU kernel time per token by kernel
     mla_attention_sweep) run mla_attention_sweep 240 python3 -m bench.attention_decode_sweep --mla --heads-q 128 \

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import decode_launches  # noqa: E402
 from bench.device_peaks import bf16_flops, decode_bound_tok_s, hbm_bytes_per_s  # noqa: E402
 from bench.device_sync import free_memory, sync  # noqa: E402
-from bench.moe_models import SHAPES, attention_flops, build_model, expert_stacks, prepare, step_bytes  # noqa: E402
+from bench.moe_models import SHAPES, attention_flops, build_model, build_prepared, expert_stacks, step_bytes  # noqa: E402
 
 HBM_BYTES_PER_S = hbm_bytes_per_s()  # this machine's copy bandwidth (bench/device_peaks.py)
 BF16_FLOPS = bf16_flops()
@@ -85,7 +85,7 @@ def bench_engine(shape, precision, kernel, args, dtype, device, router="fused") 
 
     label = f"{shape}/{precision}/{kernel_label(kernel, router)}"
     start = time.perf_counter()
-    model = prepare(build_model(shape, dtype, device), precision)
+    model = build_prepared(shape, dtype, device, precision)
     set_moe_router(model, router)
     free_memory(device)
     max_len = max(args.prompt_len + args.new_tokens, max(args.prefill_len) + 1) + 16
@@ -224,7 +224,7 @@ def sweep(args, dtype, device) -> dict:
     from miles_host.kernels import moe_configs
     from miles_host.kernels.moe_grouped import plan
 
-    model = prepare(build_model(args.sweep_shape, dtype, device), args.sweep_precision)
+    model = build_prepared(args.sweep_shape, dtype, device, args.sweep_precision)
     module = expert_stacks(model)[0][0]
     gemms = _gemms_of(module)
     e, h, inter, top_k = gemms.num_experts, gemms.hidden, gemms.inter, model.config.moe.top_k

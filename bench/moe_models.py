@@ -52,31 +52,66 @@ SHAPES = {
 # ---------------------------------------------------------------------- models
 
 
-def build_model(shape: str, dtype: torch.dtype, device: str):
-    """A random-init miles model of ``shape`` (weights ~ N(0, 0.02), router biases small)."""
+def _meta_model(shape: str, dtype: torch.dtype):
+    """The miles model of ``shape`` on the meta device, in ``dtype``."""
     from miles_host.models.loading import default_family_lookup, native_config
     from miles_host.models.model import CausalLM
 
     hf = dict(SHAPES[shape])
     config = native_config(hf, default_family_lookup(hf["model_type"]))
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)  # allocated in ``dtype``: float32 first would not fit the DeepSeek-V3 shape
-    model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("expert_bias"):
-                tensor.normal_(0.0, 1e-3, generator=generator)
-            elif tensor.dim() == 1:
-                tensor.fill_(1.0)  # norms
-            else:
-                tensor.normal_(0.0, 0.02, generator=generator)
-    for module in model.modules():  # fp32 router and bias where the family keeps them (DeepSeek)
-        if getattr(module, "keep_fp32", False):
-            module.weight.data = module.weight.data.float()
-        if getattr(module, "expert_bias", None) is not None:
-            module.expert_bias = module.expert_bias.float()
+        return CausalLM(config).to(dtype)  # allocated in ``dtype``: float32 first would not fit the DeepSeek-V3 shape
+
+
+@torch.no_grad()
+def _materialize(module: torch.nn.Module, prefix: str, device: str) -> None:
+    """``module`` (named ``prefix`` in the model) allocated on ``device`` and initialized: weights ~ N(0, 0.02),
+    norms 1, router biases ~ N(0, 1e-3), each tensor from a generator seeded by its name in the model (so a
+    module initialized alone gets what it gets in the whole model); the fp32 router and bias where the family
+    keeps them (DeepSeek)."""
+    import zlib
+
+    module.to_empty(device=device)
+    generator = torch.Generator(device=device)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        generator.manual_seed(zlib.crc32(f"{prefix}{name}".encode()))
+        if name.endswith("expert_bias"):
+            tensor.normal_(0.0, 1e-3, generator=generator)
+        elif tensor.dim() == 1:
+            tensor.fill_(1.0)  # norms
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+    for child in module.modules():
+        if getattr(child, "keep_fp32", False):
+            child.weight.data = child.weight.data.float()
+        if getattr(child, "expert_bias", None) is not None:
+            child.expert_bias = child.expert_bias.float()
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str):
+    """A random-init miles model of ``shape`` (see :func:`_materialize`)."""
+    model = _meta_model(shape, dtype)
+    _materialize(model, "", device)
     return model.eval()
+
+
+def build_prepared(shape: str, dtype: torch.dtype, device: str, precision: str):
+    """:func:`build_model` prepared for ``precision`` as :func:`prepare` does, a decoder layer at a time: each
+    layer is allocated, initialized and quantized before the next, so the 16-bit weights never all exist at
+    once (the DeepSeek-V3 shape's 4 layers: ~95 GB in bf16, ~48 GB in FP8). The same weights as
+    ``prepare(build_model(...))``."""
+    if precision == "bf16":
+        return prepare(build_model(shape, dtype, device), precision)
+    model = _meta_model(shape, dtype)
+    record, config, _ = _precision_record(precision)
+    for name, child in model.named_children():
+        if name != "layers":
+            _materialize(child, f"{name}.", device)
+    for index, layer in enumerate(model.layers):
+        _materialize(layer, f"layers.{index}.", device)
+        if record.prepare_rollout_model is not None:
+            model.layers[index] = record.prepare_rollout_model(layer, config) or layer
+    return prepare(model.eval(), precision)  # what the layers left (the LM head, ...), then the hook
 
 
 def precision_flags(name: str) -> dict:
@@ -89,6 +124,15 @@ def precision_flags(name: str) -> dict:
 
 def prepare(model, precision: str):
     """The rollout model as the embedded backend prepares it for ``--precision``."""
+    record, config, manager = _precision_record(precision)
+    if record.prepare_rollout_model is not None:
+        model = record.prepare_rollout_model(model, config) or model
+    manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
+    return model
+
+
+def _precision_record(precision: str):
+    """``(precision record, run config namespace, plugin manager)`` of ``precision``'s plugin."""
     from types import SimpleNamespace
 
     from miles_host.plugin_manager import create_plugin_manager
@@ -96,10 +140,7 @@ def prepare(model, precision: str):
     manager = create_plugin_manager(plugins=[] if precision == "bf16" else [precision])
     record = manager.registries.precisions.get(precision)
     config = SimpleNamespace(precision=precision, **precision_flags(precision))
-    if record.prepare_rollout_model is not None:
-        model = record.prepare_rollout_model(model, config) or model
-    manager.hook.miles_prepare_model(model=model, role="rollout", config=config)
-    return model
+    return record, config, manager
 
 
 def _nbytes(tensors) -> int:

@@ -24,6 +24,20 @@ def test_build_model_allocates_in_the_requested_dtype():
     assert experts and all(0.015 < t.float().std().item() < 0.025 for t in experts)  # N(0, 0.02), not left empty
 
 
+def test_a_model_prepared_a_layer_at_a_time_is_the_whole_model_prepared():
+    """INT4 experts (CPU): every weight and quantized buffer, and the logits, as ``prepare(build_model(...))``."""
+    whole = moe_models.prepare(moe_models.build_model("tiny_dsv3", torch.float32, "cpu"), "int4")
+    by_layer = moe_models.build_prepared("tiny_dsv3", torch.float32, "cpu", "int4")
+    whole_state, layer_state = whole.state_dict(), by_layer.state_dict()
+    assert whole_state.keys() == layer_state.keys() and any("packed" in name for name in whole_state)
+    for name, tensor in whole_state.items():
+        assert torch.equal(tensor, layer_state[name]), name
+    assert type(whole.layers[0].mlp.experts) is type(by_layer.layers[0].mlp.experts)
+    ids = torch.tensor([[3, 17, 5, 9]])
+    with torch.no_grad():
+        assert torch.equal(whole(ids), by_layer(ids))
+
+
 def test_tiny_bench_decodes_and_prefills_both_shapes(tmp_path, monkeypatch):
     out = tmp_path / "rows.json"
     monkeypatch.setattr(switches, "VALUES", dict(switches.VALUES))  # the bench sets switches for the process
