@@ -45,8 +45,8 @@ def paged_attention_reference(
     sink logits (an extra softmax column, dropped); ``chunk_size``: each query sees the
     keys of its own chunk only. ``key_range`` ``(lo, hi)``: only the keys at positions
     ``[lo, hi)`` take part (the others are never read). ``return_lse``: also each row's
-    log-sum-exp of its scores, ``[T, Hq]`` float32 (``-inf`` where no key is seen, the
-    row then zero; in the scores' dtype), for :func:`merge_attention_states`.
+    log-sum-exp of its scores, ``[T, Hq]`` in the scores' dtype (``-inf`` where no key is
+    seen, the row then zero), for :func:`merge_attention_states`.
     """
     num_q_heads = q_THD.shape[1]
     block_size = k_cache_NSHD.shape[1]
