@@ -169,7 +169,7 @@ for step in "${steps[@]}"; do
           --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     h200_window) b1="python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3"
       run b1_defaults 90 $b1
-      run mla_prefill_long_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+      run mla_prefill_long_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/models/test_mla_latent_cache.py tests/rollout/test_gpu_attention.py
       run b1_gemv_sweep 120 python3 -m bench.moe_gemv_sweep --shapes qwen3 --json "$OUT/moe_gemv_sweep.json"
       run b1_gemv_swept 90 $b1 --gemv-table "$OUT/moe_gemv_sweep.json" ;;  # one H200 call that fits an H100's memory: b1 decode with the defaults (the >= 60% goal's case), the GPU tests of the paged kernel and the latent engine, the expert GEMV's launches swept there and b1 with the fastest
@@ -188,7 +188,7 @@ for step in "${steps[@]}"; do
       run mla_prefill 300 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused --batches 1 \
         --new-tokens 8 --prefill-seqs 2 --prefill-len 1024,8192 --repeats 2 --prefill-switch mla_prefill=absorbed,expanded \
         --json "$OUT/mla_prefill.json" ;;  # --mla-prefill expanded: its GPU tests (the engine vs transformers both ways), then the 2-layer DeepSeek-V3 shape's prefill tok/s absorbed vs expanded at 1k and 8k prompts
-    mla_prefill_long) run mla_prefill_long_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+    mla_prefill_long) run mla_prefill_long_tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/models/test_mla_latent_cache.py tests/rollout/test_gpu_attention.py
       run mla_prefill_long 300 python3 bench/moe.py --shapes dsv3 --layers 2 --precisions bf16 --kernels fused --batches 1 \
         --new-tokens 8 --prefill-seqs 1 --prefill-len 32768 --repeats 1 --prefill-switch mla_prefill=absorbed,expanded \

@@ -177,7 +177,9 @@ def test_expanded_prefill_in_groups_of_sequences_gives_the_absorbed_rows(device,
         with switches.switched(mla_prefill=prefill):
             outputs[prefill] = Engine(model, **engine_args).generate(prompts, params)
     assert (12, [7, 5]) in groups, groups  # the one prefill step, split by the bound
-    assert all(sum(contexts) <= 12 for _, contexts in groups)
+    # every group of several sequences within the bound (on CUDA the engine's start-up memory probe
+    # prefills max_model_len - 1 tokens per sequence: one long context alone per group)
+    assert all(sum(contexts) <= 12 or len(contexts) == 1 for _, contexts in groups), groups
     assert len(set(layouts)) * 2 <= len(layouts)  # a step's group layouts built once, for every layer
     assert [o["output_ids"] for o in outputs["absorbed"]] == [o["output_ids"] for o in outputs["expanded"]]
     for a, b in zip(outputs["absorbed"], outputs["expanded"]):
@@ -211,7 +213,7 @@ def test_expanded_prefill_over_a_long_context_in_key_parts_gives_the_absorbed_ro
         self.metadata.is_decode) or original_absorbed(self, *a, **k))
     monkeypatch.setattr(self_attention, "EXPANDED_PREFILL_MAX_CONTEXT", bound)
     vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(length)] for length in ((21, 3) if device == "cpu" else (300, 40))]
+    prompts = [[(7 * i + 3) % vocab for i in range(length)] for length in ((21, 3) if device == "cpu" else (200, 40))]
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     outputs = {}
     for prefill in ("absorbed", "expanded"):
