@@ -25,8 +25,8 @@
 #        small_m_sweep (the small-M GEMM's launches on the decode shapes; MoE decode with the fastest)
 #        b1_ab (b1 decode: _baseline/ (an older tree's miles_host and bench), this tree, this tree with --moe-combine epilogue)
 #        invariant_matmul (the batch-invariant GEMM vs cuBLAS, us and TFLOP/s per shape) invariant_sweep (its small-M launches)
-#        h200_window (an H200 call within an H100's memory: b1 defaults, the paged kernel's and latent engine's GPU tests,
-#                     the expert GEMV sweep, b1 with its fastest launches)
+#        h200_window (an H200 call within an H100's memory: b1 defaults, the expert GEMV sweep, b1 with its fastest
+#                     launches, the latent MLA kernel's and latent engine's GPU tests)
 #        h200_b1 (on an H200: the expert GEMV and small-M sweeps, then b1 decode with the defaults and with the fastest launches)
 #        b1_tests (GPU tests of the b1 decode kernels: expert GEMV + combine, split merge, router, PDL)
 #        attention_sweep (the decode attention's split-KV launches)
@@ -169,10 +169,10 @@ for step in "${steps[@]}"; do
           --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3 --switch moe_combine=$c; done; done ;;  # b1 decode: an older tree's kernels (_baseline/: bash scripts/baseline_tree.sh <commit>, carried), this tree, this tree with --moe-combine epilogue; alternating, B1_ROUNDS times
     h200_window) b1="python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3"
       run b1_defaults 90 $b1
-      run mla_prefill_long_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/models/test_mla_latent_cache.py tests/rollout/test_gpu_attention.py
       run b1_gemv_sweep 120 python3 -m bench.moe_gemv_sweep --shapes qwen3 --json "$OUT/moe_gemv_sweep.json"
-      run b1_gemv_swept 90 $b1 --gemv-table "$OUT/moe_gemv_sweep.json" ;;  # one H200 call that fits an H100's memory: b1 decode with the defaults (the >= 60% goal's case), the GPU tests of the paged kernel and the latent engine, the expert GEMV's launches swept there and b1 with the fastest
+      run b1_gemv_swept 90 $b1 --gemv-table "$OUT/moe_gemv_sweep.json"
+      run mla_latent_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/models/test_mla_latent_cache.py tests/kernels/test_mla_attention.py ;;  # one H200 call that fits an H100's memory: b1 decode with the defaults (the >= 60% goal's case), the expert GEMV's launches swept there and b1 with the fastest, then the GPU tests of the latent MLA kernel and the latent engine
     h200_b1) run b1_gemv_sweep 120 python3 -m bench.moe_gemv_sweep --shapes qwen3 --json "$OUT/moe_gemv_sweep.json"
       run b1_small_m_sweep 120 python3 -m bench.small_m_sweep --json "$OUT/small_m_sweep.json"
       b1="python3 bench/moe.py --precisions bf16 --kernels fused --batches 1 --prefill-seqs 0 --new-tokens 256 --repeats 3"
