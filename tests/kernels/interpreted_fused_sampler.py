@@ -4,7 +4,6 @@ by itself): run by ``test_fused_sampler.py::test_cpu_kernels_under_the_triton_in
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.kernels.test_fused_sampler import check_against_torch_and_float64
 from tests.plugins.triton_interpret import interpreted_module

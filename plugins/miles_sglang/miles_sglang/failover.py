@@ -25,7 +25,6 @@ import concurrent.futures
 import itertools
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 from miles_sglang.client import SGLangClient, SGLangUnavailableError
