@@ -56,9 +56,11 @@ def check_lora(config: Any, registries: Any) -> None:
         if not (path / "adapter_config.json").is_file() or not (path / "adapter_model.safetensors").is_file():
             raise FileNotFoundError(f"--lora-adapter-path {path}: needs adapter_config.json and "
                                     "adapter_model.safetensors there (a PEFT adapter directory)")
-        from miles_host.lora.inject import check_adapter_shape
+        from miles_host.lora.inject import check_adapter_shape, checkpoint_candidates, stack_shapes
 
         check_adapter_shape(config)
+        if config.hf_checkpoint:
+            stack_shapes(checkpoint_candidates(config), config)
     if config.lora_dropout and config.hf_checkpoint:
         from miles_host.lora.inject import checkpoint_expert_targets, refuse_expert_dropout
 

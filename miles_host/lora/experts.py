@@ -51,16 +51,25 @@ class LoraExperts(Experts):
     (``parts``: :class:`LoraPart` with the stack's name as ``key`` and its HF parameter path as
     ``hf_module``): ``lora_A.<key>`` ``[E, R, in]``, ``lora_B.<key>`` ``[E, out, R]``."""
 
-    def _init_lora(self, parts: list[LoraPart], rank: int, alpha: float) -> None:
+    def _init_lora(self, parts: list[LoraPart], rank: int, alpha: float,
+                   stack_shapes: dict[str, tuple[int, float]] | None = None) -> None:
+        """``rank`` and ``alpha`` for every stack, except those ``stack_shapes`` (key -> (rank, alpha))
+        names: a PEFT adapter's ``rank_pattern`` / ``alpha_pattern`` (PEFT >= 0.22 fuses transformers
+        v4's ``gate_proj`` and ``up_proj`` adapters into one ``gate_up_proj`` adapter of twice the rank)."""
         self.parts = sorted(parts, key=lambda p: EXPERT_PARAMETERS.index(p.key))
-        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.rank, self.alpha = rank, alpha
+        shapes = {part.key: (stack_shapes or {}).get(part.key, (rank, alpha)) for part in self.parts}
+        self.ranks = {key: r for key, (r, _) in shapes.items()}
+        self.alphas = {key: a for key, (_, a) in shapes.items()}
+        self.scalings = {key: a / r for key, (r, a) in shapes.items()}
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for part in self.parts:
             weight_EOI = getattr(self, part.key)
             experts, out_features, in_features = weight_EOI.shape
             kwargs = dict(device=weight_EOI.device, dtype=weight_EOI.dtype)
-            self.lora_A[part.key] = torch.nn.Parameter(torch.empty(experts, rank, in_features, **kwargs))
-            self.lora_B[part.key] = torch.nn.Parameter(torch.zeros(experts, out_features, rank, **kwargs))
+            r = self.ranks[part.key]
+            self.lora_A[part.key] = torch.nn.Parameter(torch.empty(experts, r, in_features, **kwargs))
+            self.lora_B[part.key] = torch.nn.Parameter(torch.zeros(experts, out_features, r, **kwargs))
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
@@ -80,15 +89,16 @@ class LoraExperts(Experts):
         weight_EOI = getattr(self, key)
         if key not in self.lora_A:
             return weight_EOI
-        return torch.baddbmm(weight_EOI, self.lora_B[key], self.lora_A[key], alpha=self.scaling)
+        return torch.baddbmm(weight_EOI, self.lora_B[key], self.lora_A[key], alpha=self.scalings[key])
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                 routing: Any = None) -> torch.Tensor:
         fused = {key: self._buffers.get(f"lora_merged_{key}") for key in EXPERT_PARAMETERS}
         if all(buffer is None for buffer in fused.values()) and self.takes_grouped(x_TH) and \
-                moe_train.low_rank_fits(self.rank, moe_train.compute_dtype(x_TH)):
+                all(moe_train.low_rank_fits(r, moe_train.compute_dtype(x_TH)) for r in self.ranks.values()):
             adapters = tuple(
-                moe_train.StackAdapter(self.lora_A[key], self.lora_B[key], self.scaling) if key in self.lora_A else None
+                moe_train.StackAdapter(self.lora_A[key], self.lora_B[key], self.scalings[key]) if key in self.lora_A
+                else None
                 for key in EXPERT_PARAMETERS
             )
             return moe_train.grouped_experts(x_TH, ids_TK, weights_TK, self.gate_up_proj, self.down_proj, self.act,
@@ -122,24 +132,26 @@ class LoraExperts(Experts):
             compute = torch.promote_types(weight.dtype, torch.float32)
             a, b = (state[f"{name}.lora_{m}.{part.key}"].detach().to(compute) for m in ("A", "B"))
             out[f"{name}.{part.key}"] = torch.baddbmm(weight.detach().to(compute), b, a,
-                                                      alpha=self.scaling).to(weight.dtype)
+                                                      alpha=self.scalings[part.key]).to(weight.dtype)
         return out
 
     def extra_repr(self) -> str:
-        keys = ", ".join(p.key for p in self.parts)
+        keys = ", ".join(f"{p.key}: r={self.ranks[p.key]}, alpha={self.alphas[p.key]:g}" for p in self.parts)
         return f"lora_rank={self.rank}, lora_alpha={self.alpha:g}, parts=({keys})"
 
 
-def adapt_experts(module: Experts, parts: list[LoraPart], rank: int, alpha: float) -> LoraExperts:
+def adapt_experts(module: Experts, parts: list[LoraPart], rank: int, alpha: float,
+                  stack_shapes: dict[str, tuple[int, float]] | None = None) -> LoraExperts:
     """Give the routed experts ``module`` adapters on the stacks ``parts`` name (in place: its
-    class becomes :class:`LoraExperts`, its own parameters frozen)."""
+    class becomes :class:`LoraExperts`, its own parameters frozen); ``stack_shapes``: the stacks
+    whose (rank, alpha) are not ``rank`` and ``alpha``."""
     if type(module) is not Experts:
         raise ValueError(f"LoRA on routed experts: {type(module).__name__} experts (a precision recipe's or a "
                          "model variant's) are not adaptable, only the plain bf16/fp32 stacks; exclude the experts "
                          "(--exclude-modules experts) or drop --precision")
     module.requires_grad_(False)
     module.__class__ = LoraExperts
-    module._init_lora(parts, rank, alpha)
+    module._init_lora(parts, rank, alpha, stack_shapes)
     return module
 
 

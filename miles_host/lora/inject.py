@@ -22,8 +22,9 @@ from miles_host.lora.experts import adapt_experts
 from miles_host.models.loading import default_family_lookup, model_class, native_config, read_hf_config
 from miles_host.routing import NO_ROUTING_HOOKS
 from miles_host.lora.layers import LoraLinear, LoraPart, adapt_in_place
-from miles_host.lora.peft_io import adapter_modules, load_adapter, read_adapter_config
-from miles_host.lora.targets import ALL_LINEAR, available_names, candidates_of, quantized_linears, select, split_names
+from miles_host.lora.peft_io import adapter_modules, adapter_shape, load_adapter, read_adapter_config
+from miles_host.lora.targets import (ALL_LINEAR, Candidate, available_names, candidates_of, quantized_linears, select,
+                                     split_names)
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,11 @@ class LoraSummary:
         }
 
 
-def _targets(config: Any) -> list[str]:
+def _targets(config: Any, candidates: list[Candidate]) -> list[str]:
     """``--target-modules`` (default all-linear); with ``--lora-adapter-path`` and no
     ``--target-modules``, the modules the adapter holds."""
     if config.target_modules is None and config.lora_adapter_path:
-        return adapter_modules(config.lora_adapter_path)
+        return adapter_modules(config.lora_adapter_path, {c.part.hf_module for c in candidates if c.experts})
     return split_names(config.target_modules) or [ALL_LINEAR]
 
 
@@ -61,17 +62,20 @@ def refuse_expert_dropout(experts: list[str], config: Any) -> None:
                          "--exclude-modules experts")
 
 
-def checkpoint_expert_targets(config: Any) -> list[str]:
-    """The routed-expert stacks the LoRA flags choose in ``--hf-checkpoint``'s model, built on the
-    meta device (no weights read): what the validation stage checks before anything loads."""
+def checkpoint_candidates(config: Any) -> list[Candidate]:
+    """The modules the LoRA flags choose in ``--hf-checkpoint``'s model, built on the meta device
+    (no weights read): what the validation stage checks before anything loads."""
     hf = read_hf_config(config.hf_checkpoint)
     native = native_config(hf, default_family_lookup(hf["model_type"]))
-    if native.moe is None:
-        return []
     with torch.device("meta"):
         model = model_class(native)(native, NO_ROUTING_HOOKS)
-    chosen = select(candidates_of(model), _targets(config), split_names(config.exclude_modules))
-    return sorted({c.native for c in chosen if c.experts})
+    candidates = candidates_of(model)
+    return select(candidates, _targets(config, candidates), split_names(config.exclude_modules))
+
+
+def checkpoint_expert_targets(config: Any) -> list[str]:
+    """The routed-expert stacks the LoRA flags choose in ``--hf-checkpoint``'s model."""
+    return sorted({c.native for c in checkpoint_candidates(config) if c.experts})
 
 
 def check_adapter_shape(config: Any) -> None:
@@ -84,6 +88,28 @@ def check_adapter_shape(config: Any) -> None:
             f"lora_alpha={adapter.get('lora_alpha')}, the run --lora-rank {config.lora_rank} --lora-alpha "
             f"{config.lora_alpha:g}; give --lora-rank {adapter.get('r')} --lora-alpha {adapter.get('lora_alpha')}"
         )
+
+
+def stack_shapes(chosen: list[Candidate], config: Any) -> dict[str, dict[str, tuple[int, float]]]:
+    """Native experts module -> {stack key: (rank, alpha)} for the stacks ``--lora-adapter-path``'s
+    ``rank_pattern`` / ``alpha_pattern`` give another shape than the run's (none without an adapter).
+    ValueError for a linear they would give one: each linear adapter has the run's rank."""
+    if not config.lora_adapter_path:
+        return {}
+    adapter = read_adapter_config(config.lora_adapter_path)
+    default = (config.lora_rank, config.lora_alpha)
+    out: dict[str, dict[str, tuple[int, float]]] = {}
+    for candidate in chosen:
+        shape = adapter_shape(adapter, candidate.part.hf_module)
+        if shape == default:
+            continue
+        if not candidate.experts:
+            raise ValueError(f"--lora-adapter-path {config.lora_adapter_path}: rank_pattern / alpha_pattern give "
+                             f"{candidate.part.hf_module} r={shape[0]}, lora_alpha={shape[1]:g} (the adapter's r="
+                             f"{default[0]}, lora_alpha={default[1]:g}): per-module ranks are read for routed-expert "
+                             "stacks only; exclude the module (--exclude-modules) or re-save the adapter with one rank")
+        out.setdefault(candidate.native, {})[candidate.part.key] = shape
+    return out
 
 
 def _buffer_weights(model: torch.nn.Module, quantized: list[str]) -> int:
@@ -118,12 +144,13 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
     if not candidates:
         raise ValueError(f"--lora-rank {config.lora_rank}: no module of this model can carry an adapter (the model "
                          "family maps none of its linears to HF modules)")
-    chosen = select(candidates, _targets(config), split_names(config.exclude_modules))
+    chosen = select(candidates, _targets(config, candidates), split_names(config.exclude_modules))
     if not chosen:
         raise ValueError(f"--exclude-modules {config.exclude_modules} leaves no module of --target-modules "
                          f"{config.target_modules or ALL_LINEAR} to adapt; {available_names(candidates)}")
     experts = {c.native for c in chosen if c.experts}
     refuse_expert_dropout(sorted(experts), config)
+    shapes = stack_shapes(chosen, config)
     model.requires_grad_(False)
     by_native: dict[str, list[LoraPart]] = {}
     for candidate in chosen:
@@ -134,7 +161,7 @@ def apply_lora(model: torch.nn.Module, config: Any) -> LoraSummary | None:
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, attribute)
         if native in experts:
-            adapt_experts(base, parts, config.lora_rank, config.lora_alpha)
+            adapt_experts(base, parts, config.lora_rank, config.lora_alpha, shapes.get(native))
         elif native in quantized:
             adapt_in_place(base, parts, config.lora_rank, config.lora_alpha, config.lora_dropout, adapter_dtype)
         else:

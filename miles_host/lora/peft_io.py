@@ -5,15 +5,17 @@ Keys are PEFT's, ``base_model.model.<HF module path>.lora_A.weight`` (``[r, in]`
 adapter onto the transformers model, and miles loads an adapter PEFT wrote. Adapters on the
 routed experts' stacks are PEFT's ``target_parameters`` (``lora.ParamWrapper``; layout and key
 names: :mod:`miles_host.lora.experts`). Only plain LoRA
-is read: one rank and alpha for all modules, no DoRA, no rsLoRA, no trained biases or
-extra saved modules (each is refused by name).
+is read: one rank and alpha for the linears (a ``rank_pattern`` / ``alpha_pattern`` may give the
+expert stacks their own, as PEFT >= 0.22 does for the fused ``gate_up_proj``), no DoRA, no
+rsLoRA, no trained biases or extra saved modules (each is refused by name).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,16 +67,23 @@ def _picking_names(adapted: list[str], every: list[str], leaf: Any) -> list[str]
 def adapter_config(model: torch.nn.Module, config: Any) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` fields for the adapters of ``model``. ``target_modules`` (linears)
     and ``target_parameters`` (routed experts' stacks) are the leaf names (``q_proj``,
-    ``experts.gate_up_proj``) when they pick exactly the adapted ones, else the full paths."""
+    ``experts.gate_up_proj``) when they pick exactly the adapted ones, else the full paths.
+
+    On a model with routed-expert stacks the linears are named with their parent module
+    (``shared_expert.gate_proj``, ``self_attn.q_proj``): PEFT >= 0.22 reads a bare ``gate_proj``
+    / ``up_proj`` / ``down_proj`` there as transformers v4's per-expert projection and would also
+    target the fused stack (``gate_up_proj`` at twice the rank), which this adapter does not hold."""
     modules = list(lora_modules(model).values())
     first = modules[0]
+    rank_pattern, alpha_pattern = stack_patterns(model, (first.rank, first.alpha))
     candidates = candidates_of(model)
     linears = [p.hf_module for m in modules if not isinstance(m, LoraExperts) for p in m.parts]
     stacks = [p.hf_module for m in modules if isinstance(m, LoraExperts) for p in m.parts]
+    has_stacks = any(c.experts for c in candidates)
     targets = _picking_names(linears, [c.part.hf_module for c in candidates if not c.experts],
-                             lambda path: path.rsplit(".", 1)[-1]) if linears else None
-    parameters = _picking_names(stacks, [c.part.hf_module for c in candidates if c.experts],
-                                lambda path: ".".join(path.rsplit(".", 2)[-2:])) if stacks else None
+                             _last(2 if has_stacks else 1)) if linears else None
+    parameters = _picking_names(stacks, [c.part.hf_module for c in candidates if c.experts], _last(2)) \
+        if stacks else None
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -92,8 +101,8 @@ def adapter_config(model: torch.nn.Module, config: Any) -> dict[str, Any]:
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
         "layers_to_transform": None,
         "layers_pattern": None,
     }
@@ -111,6 +120,50 @@ def save_adapter(model: torch.nn.Module, path: str | Path, config: Any,
     return path
 
 
+def _last(parts: int) -> Callable[[str], str]:
+    return lambda path: ".".join(path.rsplit(".", parts)[-parts:])
+
+
+def pattern_value(patterns: dict[str, Any] | None, key: str, default: Any) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the value of the first pattern that
+    matches a dotted suffix of ``key`` (``re.match(rf"(.*\\.)?({pattern})$", key)``), else ``default``."""
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def adapter_shape(adapter: dict[str, Any], hf_path: str) -> tuple[int, float]:
+    """(rank, alpha) a PEFT adapter config gives the module or stacked parameter ``hf_path``."""
+    return (pattern_value(adapter.get("rank_pattern"), hf_path, adapter.get("r")),
+            pattern_value(adapter.get("alpha_pattern"), hf_path, adapter.get("lora_alpha")))
+
+
+def stack_patterns(model: torch.nn.Module, default: tuple[int, float]) -> tuple[dict[str, int], dict[str, float]]:
+    """``rank_pattern`` and ``alpha_pattern`` for the expert stacks of ``model`` whose (rank,
+    alpha) are not ``default``: one entry per stack name (``experts\\.gate_up_proj``) where all
+    its stacks agree, else one per stack path."""
+    shapes: dict[str, tuple[int, float]] = {}
+    for module in lora_modules(model).values():
+        if isinstance(module, LoraExperts):
+            for part in module.parts:
+                shapes[part.hf_module] = (module.ranks[part.key], module.alphas[part.key])
+    by_name: dict[str, set[tuple[int, float]]] = {}
+    for path, shape in shapes.items():
+        by_name.setdefault(_last(2)(path), set()).add(shape)
+    ranks, alphas = {}, {}
+    for path, shape in sorted(shapes.items()):
+        uniform = len(by_name[_last(2)(path)]) == 1
+        if shape == default:
+            continue
+        key = re.escape(_last(2)(path) if uniform else path)
+        if shape[0] != default[0]:
+            ranks[key] = shape[0]
+        if shape[1] != default[1]:
+            alphas[key] = shape[1]
+    return ranks, alphas
+
+
 def read_adapter_config(path: str | Path) -> dict[str, Any]:
     """``adapter_config.json`` of a PEFT adapter directory, checked to be plain LoRA."""
     file = Path(path) / CONFIG_FILE
@@ -124,21 +177,20 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
         "peft_type": (adapter.get("peft_type", "LORA") != "LORA", "is not LORA"),
         "use_dora": (bool(adapter.get("use_dora")), "DoRA adapters are not supported"),
         "use_rslora": (bool(adapter.get("use_rslora")), "rsLoRA scaling (alpha / sqrt(r)) is not supported"),
-        "rank_pattern": (bool(adapter.get("rank_pattern")), "per-module ranks are not supported"),
-        "alpha_pattern": (bool(adapter.get("alpha_pattern")), "per-module alphas are not supported"),
         "bias": (adapter.get("bias", "none") != "none", "trained biases are not supported"),
         "modules_to_save": (bool(adapter.get("modules_to_save")), "fully trained extra modules are not supported"),
     }
     for field, (bad, why) in refusals.items():
         if bad:
             raise ValueError(f"--lora-adapter-path {path}: {field} = {adapter.get(field)!r}: {why}; "
-                             "miles loads plain LoRA adapters (one r and lora_alpha for all modules)")
+                             "miles loads plain LoRA adapters")
     return adapter
 
 
-def adapter_modules(path: str | Path) -> list[str]:
+def adapter_modules(path: str | Path, stack_paths: set[str]) -> list[str]:
     """The HF paths an adapter file holds LoRA pairs for: linear modules, and the stacked
-    parameters its ``target_parameters`` adapt (``<experts module>.gate_up_proj``)."""
+    parameters its ``target_parameters`` adapt (``<experts module>.gate_up_proj``), told apart
+    by the model's expert stacks ``stack_paths`` (PEFT keys both as ``<module>.lora_A.weight``)."""
     from safetensors import safe_open
 
     with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt", device="cpu") as handle:
@@ -147,7 +199,8 @@ def adapter_modules(path: str | Path) -> list[str]:
                for k in keys if k.startswith(_PREFIX) and ".lora_" in k}
     parameters = read_adapter_config(path).get("target_parameters") or []
     stacks = {f"{module}.{target.rsplit('.', 1)[-1]}" for module in modules for target in parameters
-              if matches(f"{module}.{target.rsplit('.', 1)[-1]}", target)}
+              if f"{module}.{target.rsplit('.', 1)[-1]}" in stack_paths
+              and matches(f"{module}.{target.rsplit('.', 1)[-1]}", target)}
     wrapped = {stack.rsplit(".", 1)[0] for stack in stacks}
     return sorted((modules - wrapped) | stacks)
 

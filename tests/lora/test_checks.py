@@ -102,6 +102,25 @@ def test_an_adapter_of_another_rank_names_the_flags_to_give(tmp_path):
         apply_lora(model, mismatched)
 
 
+def test_an_adapter_with_a_rank_pattern_on_a_linear_is_refused_before_loading(tmp_path):
+    """Per-module ranks are read for routed-expert stacks only: a ``rank_pattern`` on a linear is
+    refused by the validation stage (the meta model) and by ``apply_lora``, naming the module."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    path = build_checkpoint(tmp_path / "m", "qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                            rank_pattern={"q_proj": 4})).save_pretrained(str(tmp_path / "adapter"))
+    config = MilesConfig(hf_checkpoint=str(path), prompt_data=run_inputs()[3], rm_type="exact", n_samples_per_prompt=2,
+                         lora_rank=2, lora_alpha=4, lora_adapter_path=str(tmp_path / "adapter"))
+    manager = MilesPluginManager()
+    manager.activate()
+    with pytest.raises(ValueError, match=r"self_attn.q_proj r=4.*routed-expert stacks only"):
+        validate(config, manager.registries, manager.hook)
+    with pytest.raises(ValueError, match=r"self_attn.q_proj r=4.*routed-expert stacks only"):
+        apply_lora(load_pretrained(str(path), dtype=torch.float32), config)
+
+
 def test_upstream_spellings_of_target_modules(tmp_path):
     """Megatron's module names (upstream scripts) and all / all_linear pick the same modules."""
     from miles_host.lora import lora_modules

@@ -78,15 +78,49 @@ def peft_adapter_in_miles(checkpoint, tmp_path, **peft_fields):
     return reference, model, apply_lora(model, config)
 
 
+def _peft_adapted(reference) -> set[str]:
+    """The modules PEFT's model carries a LoRA pair in (a routed-experts module once per stack)."""
+    adapted = set()
+    for name, module in reference.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            parameter = getattr(module, "parameter_name", None)
+            adapted.add(name.replace(".base_layer", "") + (f".{parameter}" if parameter else ""))
+    return adapted
+
+
 def test_adapter_trained_by_peft_gives_the_same_logits_in_miles(hf_checkpoint, tmp_path):
-    reference, model, summary = peft_adapter_in_miles(hf_checkpoint, tmp_path,
-                                                      target_modules=["q_proj", "k_proj", "o_proj", "up_proj"])
-    assert summary.adapted_modules == 4 * 2  # the adapter's modules: four per layer
+    """``gate_proj`` + ``up_proj``: on a MoE model PEFT >= 0.22 also adapts the fused expert stack
+    ``gate_up_proj``, at twice the rank and alpha (its ``rank_pattern`` / ``alpha_pattern``); miles
+    gives that stack the adapter's shape."""
+    reference, model, summary = peft_adapter_in_miles(
+        hf_checkpoint, tmp_path, target_modules=["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"])
+    assert summary.adapted_modules == len(_peft_adapted(reference))
     ids = _input_ids()
     with torch.no_grad():
         want = reference(ids).logits
         _assert_close(model(ids), want)
         _assert_close(_merged_model(hf_checkpoint, model)(ids), want)
+
+
+def test_an_adapter_with_a_fused_stack_rank_goes_back_to_peft(hf_checkpoint, tmp_path):
+    """PEFT's adapter -> miles -> miles' save -> PEFT: the same logits; the fused stack's own rank
+    and alpha are in the saved ``rank_pattern`` / ``alpha_pattern``."""
+    reference, model, _ = peft_adapter_in_miles(
+        hf_checkpoint, tmp_path, target_modules=["q_proj", "gate_proj", "up_proj"])
+    peft_saved = json.loads((tmp_path / "peft_adapter" / "adapter_config.json").read_text())
+    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA)
+    save_adapter(model, tmp_path / "again", config)
+    saved = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    stacks = [m for m in lora_modules(model).values() if hasattr(m, "ranks")]
+    if peft_saved.get("rank_pattern"):  # PEFT >= 0.22 on a fused-experts model
+        assert stacks and all(m.ranks["gate_up_proj"] == 2 * RANK for m in stacks)
+        assert saved["rank_pattern"] == {r"experts\.gate_up_proj": 2 * RANK}
+        assert saved["alpha_pattern"] == {r"experts\.gate_up_proj": 2 * ALPHA}
+    again = peft.PeftModel.from_pretrained(_hf_model(hf_checkpoint), str(tmp_path / "again")).eval()
+    assert _peft_adapted(again) == _peft_adapted(reference)
+    ids = _input_ids()
+    with torch.no_grad():
+        _assert_close(again(ids).logits, reference(ids).logits)
 
 
 def test_round_trip_through_peft_keeps_every_tensor(hf_checkpoint, tmp_path):
