@@ -48,7 +48,16 @@ def _targets(config: Any, candidates: list[Candidate]) -> list[str]:
     """``--target-modules`` (default all-linear); with ``--lora-adapter-path`` and no
     ``--target-modules``, the modules the adapter holds."""
     if config.target_modules is None and config.lora_adapter_path:
-        return adapter_modules(config.lora_adapter_path, {c.part.hf_module for c in candidates if c.experts})
+        held = adapter_modules(config.lora_adapter_path, {c.part.hf_module for c in candidates if c.experts})
+        foreign = [name for name in held if not any(c.picked_by(name) for c in candidates)]
+        if foreign:
+            raise ValueError(f"--lora-adapter-path {config.lora_adapter_path} adapts {len(foreign)} modules miles "
+                             f"cannot carry adapters on: {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} "
+                             "(a MoE router's `gate`, which PEFT >= 0.22's all-linear adapts, is one; miles has no "
+                             f"router adapters); {available_names(candidates)}. Train the adapter on a target_modules "
+                             "list without them (e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) to "
+                             "load it here")
+        return held
     return split_names(config.target_modules) or [ALL_LINEAR]
 
 

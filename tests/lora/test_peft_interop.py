@@ -139,3 +139,24 @@ def test_round_trip_through_peft_keeps_every_tensor(hf_checkpoint, tmp_path):
     apply_lora(second, config)
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_peft_adapter_on_a_moe_router_is_refused_naming_it(hf_checkpoint, tmp_path):
+    """PEFT >= 0.22's all-linear on a MoE model adapts the router (``mlp.gate``, a parameter
+    target): miles has no router adapters, and says so naming the module; where PEFT leaves the
+    router alone, the adapter loads with PEFT's logits."""
+    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights=False, target_modules="all-linear")
+    reference = peft.get_peft_model(_hf_model(hf_checkpoint), peft_config).eval()
+    reference.save_pretrained(str(tmp_path / "peft_adapter"))
+    routers = [name for name in _peft_adapted(reference) if name.endswith("mlp.gate") or name.endswith("mlp.gate.weight")]
+    config = MilesConfig(hf_checkpoint=str(hf_checkpoint), lora_rank=RANK, lora_alpha=ALPHA,
+                         lora_adapter_path=str(tmp_path / "peft_adapter"))
+    model = load_pretrained(str(hf_checkpoint), dtype=torch.float32)
+    if routers:
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate .*no router adapters"):
+            apply_lora(model, config)
+        return
+    apply_lora(model, config)
+    ids = _input_ids()
+    with torch.no_grad():
+        _assert_close(model(ids), reference(ids).logits)
