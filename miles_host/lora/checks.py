@@ -56,15 +56,15 @@ def check_lora(config: Any, registries: Any) -> None:
         if not (path / "adapter_config.json").is_file() or not (path / "adapter_model.safetensors").is_file():
             raise FileNotFoundError(f"--lora-adapter-path {path}: needs adapter_config.json and "
                                     "adapter_model.safetensors there (a PEFT adapter directory)")
-        from miles_host.lora.inject import check_adapter_shape, checkpoint_candidates, stack_shapes
+        from miles_host.lora.inject import check_adapter_shape
 
         check_adapter_shape(config)
-        if config.hf_checkpoint:
-            stack_shapes(checkpoint_candidates(config), config)
-    if config.lora_dropout and config.hf_checkpoint:
-        from miles_host.lora.inject import checkpoint_expert_targets, refuse_expert_dropout
+    if config.hf_checkpoint and (config.lora_adapter_path or config.lora_dropout):
+        from miles_host.lora.inject import checkpoint_candidates, refuse_expert_dropout, stack_shapes
 
-        refuse_expert_dropout(checkpoint_expert_targets(config), config)
+        chosen = checkpoint_candidates(config)  # the model on the meta device, built once
+        stack_shapes(chosen, config)
+        refuse_expert_dropout(sorted({c.native for c in chosen if c.experts}), config)
 
 
 def _check_sync(config: Any) -> None:

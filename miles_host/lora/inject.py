@@ -82,11 +82,6 @@ def checkpoint_candidates(config: Any) -> list[Candidate]:
     return select(candidates, _targets(config, candidates), split_names(config.exclude_modules))
 
 
-def checkpoint_expert_targets(config: Any) -> list[str]:
-    """The routed-expert stacks the LoRA flags choose in ``--hf-checkpoint``'s model."""
-    return sorted({c.native for c in checkpoint_candidates(config) if c.experts})
-
-
 def check_adapter_shape(config: Any) -> None:
     """``--lora-adapter-path``'s rank and alpha must be the run's: a silent mismatch would
     rescale the adapter (alpha / r) or not fit its matrices."""
@@ -116,7 +111,7 @@ def stack_shapes(chosen: list[Candidate], config: Any) -> dict[str, dict[str, tu
             raise ValueError(f"--lora-adapter-path {config.lora_adapter_path}: rank_pattern / alpha_pattern give "
                              f"{candidate.part.hf_module} r={shape[0]}, lora_alpha={shape[1]:g} (the adapter's r="
                              f"{default[0]}, lora_alpha={default[1]:g}): per-module ranks are read for routed-expert "
-                             "stacks only; exclude the module (--exclude-modules) or re-save the adapter with one rank")
+                             "stacks only; re-save the adapter with one rank and alpha for its linears")
         out.setdefault(candidate.native, {})[candidate.part.key] = shape
     return out
 
